@@ -1,0 +1,171 @@
+"""Multi-process test harness: run a function on N local ranks with a hard timeout.
+
+``run_ranks(fn, world_size, backend="fcoll")`` starts ``world_size`` fresh Python processes
+(``spawn``), initialises a process group of ``backend`` in each one over a ``FileStore``, calls
+``fn(rank, world_size, *args)``, and returns the per-rank results in rank order. A rank that
+raises makes the whole call raise :class:`RankFailure` with every failing rank's traceback; a run
+that exceeds ``timeout_s`` kills every rank and raises :class:`TimeoutError`. Either way no rank
+outlives the call, and the caller can check :func:`fcoll_segments` for leaked shared memory.
+
+Process start-up (import torch, init the group) costs about 2-3 s per rank on the 2-core CI
+machine, so tests batch many checks into one ``run_ranks`` call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+__all__ = ["RankFailure", "run_ranks", "fcoll_segments", "SHM_DIR", "SEGMENT_PREFIX"]
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "fcoll-"
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised; ``failures`` maps rank -> formatted traceback."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = dict(sorted(failures.items()))
+        lines = [f"{len(failures)} rank(s) failed:"]
+        for rank, tb in self.failures.items():
+            lines.append(f"--- rank {rank} ---\n{tb}")
+        super().__init__("\n".join(lines))
+
+
+def fcoll_segments() -> list[str]:
+    """Names of fcoll shared-memory segments currently in ``/dev/shm``."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX))
+    except FileNotFoundError:
+        return []
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    backend: str | None,
+    store_path: str,
+    pg_timeout_s: float,
+    args: Sequence[Any],
+    env: dict[str, str],
+    results: "mp.Queue[tuple[int, bool, Any]]",
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        import fcoll  # noqa: F401  registers the "fcoll" backend
+
+        if backend is not None:
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout_s),
+            )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            if backend is not None and dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001  report everything, including SystemExit
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str | None = "fcoll",
+    args: Sequence[Any] = (),
+    timeout_s: float = 120.0,
+    pg_timeout_s: float = 30.0,
+    env: dict[str, str] | None = None,
+    allow_failures: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    Args:
+        fn: a module-level (picklable) function; its return value must be picklable.
+        world_size: number of ranks, 1 to 8.
+        backend: process-group backend to initialise before ``fn`` ("fcoll", "gloo"), or None
+            to call ``fn`` with no process group.
+        args: extra positional arguments for ``fn``.
+        timeout_s: hard wall-clock limit for the whole run, in seconds.
+        pg_timeout_s: the ``timeout`` given to ``init_process_group``, in seconds.
+        env: extra environment variables for the ranks.
+        allow_failures: if True, failing ranks do not raise; their slot in the result holds a
+            :class:`RankFailure` for that rank instead.
+
+    Returns:
+        The return values of ``fn``, indexed by rank.
+
+    Raises:
+        RankFailure: a rank raised (and ``allow_failures`` is False).
+        TimeoutError: the run exceeded ``timeout_s``; every rank was killed.
+    """
+    ctx = mp.get_context("spawn")
+    results: "mp.Queue[tuple[int, bool, Any]]" = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="fcoll-test-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, r, world_size, backend, store_path, pg_timeout_s, tuple(args),
+                      dict(env or {}), results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        got: dict[int, tuple[bool, Any]] = {}
+        try:
+            while len(got) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"run_ranks({getattr(fn, '__name__', fn)}, world_size={world_size}) "
+                        f"exceeded {timeout_s:.0f} s; ranks still running: "
+                        f"{sorted(set(range(world_size)) - set(got))}"
+                    )
+                try:
+                    rank, ok, value = results.get(timeout=min(remaining, 0.2))
+                    got[rank] = (ok, value)
+                except queue.Empty:
+                    for r, p in enumerate(procs):
+                        if r not in got and p.exitcode is not None:
+                            # Died without reporting (killed, segfault): drain once more.
+                            try:
+                                rank, ok, value = results.get(timeout=0.5)
+                                got[rank] = (ok, value)
+                            except queue.Empty:
+                                got[r] = (False, f"rank {r} exited with code {p.exitcode} "
+                                                 "without reporting a result")
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            results.close()
+    failures = {r: v for r, (ok, v) in got.items() if not ok}
+    if failures and not allow_failures:
+        raise RankFailure(failures)
+    return [got[r][1] if got[r][0] else RankFailure({r: got[r][1]}) for r in range(world_size)]
