@@ -3,3 +3,26 @@
 ``import fcoll as funcol`` is a drop-in for ``torch.distributed._functional_collectives``; importing
 fcoll also registers the ``"fcoll"`` shared-memory process-group backend.
 """
+
+from fcoll.ops import (  # noqa: E402
+    AsyncCollectiveTensor,
+    all_gather_into_tensor_coalesced,
+    all_gather_tensor,
+    all_gather_tensor_autograd,
+    all_reduce,
+    all_reduce_coalesced,
+    all_to_all_single,
+    all_to_all_single_autograd,
+    broadcast,
+    reduce_scatter_tensor,
+    reduce_scatter_tensor_autograd,
+    reduce_scatter_tensor_coalesced,
+    wait_tensor,
+)
+
+__all__ = [
+    "AsyncCollectiveTensor", "all_gather_into_tensor_coalesced", "all_gather_tensor",
+    "all_gather_tensor_autograd", "all_reduce", "all_reduce_coalesced", "all_to_all_single",
+    "all_to_all_single_autograd", "broadcast", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_coalesced", "wait_tensor",
+]

@@ -1,0 +1,114 @@
+"""``AsyncCollectiveTensor``: an eager collective's result that waits on first real use.
+
+Mirrors ``torch.distributed._functional_collectives.AsyncCollectiveTensor``: a wrapper subclass
+around the collective's output buffer. View ops (``view``, slicing, ``transpose``, ...) run on the
+buffer without waiting and return another ``AsyncCollectiveTensor``; any other op, a custom op
+included, first calls ``fcoll.wait_tensor`` on every wrapped input. ``tolist()``, ``numpy()``,
+``repr()`` and dtype or device casts (``aten._to_copy``) wait too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["AsyncCollectiveTensor", "wrap_async"]
+
+
+def _is_view_op(func) -> bool:
+    schema = func._schema
+    return any(a.alias_info is not None and not a.alias_info.is_write for a in schema.arguments)
+
+
+class AsyncCollectiveTensor(torch.Tensor):
+    """A tensor whose values arrive when the collective that produces them completes.
+
+    Attributes:
+        elem: the collective's output buffer (same shape, dtype, strides).
+        completed: True once ``wait_tensor`` has run on it.
+    """
+
+    elem: torch.Tensor
+    completed: bool
+    __slots__ = ["elem", "completed"]
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(),
+            dtype=elem.dtype, layout=elem.layout, device=elem.device,
+            requires_grad=elem.requires_grad,
+        )
+        r.elem = elem
+        r.completed = False
+        return r
+
+    def __tensor_flatten__(self):
+        return ["elem"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return AsyncCollectiveTensor(inner_tensors["elem"])
+
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata: Any,
+                                            expected_type: type | None = None):
+        if expected_type is not torch.Tensor:
+            return None
+        return self.trigger_wait()
+
+    def trigger_wait(self) -> torch.Tensor:
+        """Wait for the collective (once) and return the plain output tensor."""
+        if not self.completed:
+            out = torch.ops.fcoll.wait_tensor(self.elem)
+            self.completed = True
+            return out
+        return self.elem
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the collective and return the plain output tensor."""
+        return self.trigger_wait()
+
+    def tolist(self):
+        return self.trigger_wait().tolist()
+
+    def numpy(self, *args, **kwargs):  # type: ignore[override]
+        return self.trigger_wait().numpy(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
+        return f"AsyncCollectiveTensor({self.trigger_wait()})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func is torch.ops.aten.view.default:
+            return AsyncCollectiveTensor(func(args[0].elem, args[1]))
+        is_view = _is_view_op(func)
+
+        def unwrap(e: AsyncCollectiveTensor) -> torch.Tensor:
+            return e.elem if is_view else e.trigger_wait()
+
+        out = func(*tree_map_only(AsyncCollectiveTensor, unwrap, args),
+                   **tree_map_only(AsyncCollectiveTensor, unwrap, kwargs or {}))
+        if is_view:
+            out = tree_map_only(torch.Tensor, AsyncCollectiveTensor, out)
+        return out
+
+
+@torch.library.custom_op("fcoll::_wrap_async", mutates_args=(), schema="(Tensor input) -> Tensor")
+def _wrap_async(input: torch.Tensor) -> torch.Tensor:
+    """Wrap an output in ``AsyncCollectiveTensor`` as an op, so autograd flows through it."""
+    return AsyncCollectiveTensor(input)
+
+
+@_wrap_async.register_fake
+def _(input: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(input)
+
+
+_wrap_async.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, out: None)
+
+
+def wrap_async(t: torch.Tensor) -> torch.Tensor:
+    """Return ``t`` wrapped so that it waits on first non-view use (eager mode only)."""
+    return _wrap_async(t)

@@ -1,0 +1,212 @@
+"""Functional collectives: the Python API, a drop-in for ``torch.distributed._functional_collectives``.
+
+Every function has the name, argument order and semantics of its PyTorch counterpart. ``group``
+is any form :func:`fcoll.ops.groups.resolve_group_name` accepts. Inputs are never modified. In
+eager mode results are :class:`fcoll.AsyncCollectiveTensor`\\ s that wait on first real use; while
+tracing (Dynamo, ``make_fx``, fake mode) ``fcoll.wait_tensor`` is emitted right after each
+collective and the graph passes move it.
+
+Shapes are per rank; ``n`` is the group size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.external_utils import is_compiling as _dynamo_is_compiling
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from fcoll.ops import autograd as _autograd  # noqa: F401  registers backward formulas
+from fcoll.ops.async_tensor import AsyncCollectiveTensor, wrap_async
+from fcoll.ops.groups import GroupLike, group_size, resolve_group_name
+
+__all__ = [
+    "all_reduce", "all_reduce_coalesced", "all_gather_tensor", "all_gather_tensor_autograd",
+    "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_coalesced", "all_to_all_single",
+    "all_to_all_single_autograd", "broadcast", "wait_tensor",
+]
+
+_ops = torch.ops.fcoll
+
+
+def _tracing() -> bool:
+    """True under Dynamo, fake mode, the Python dispatcher, or make_fx (as PyTorch decides)."""
+    if _dynamo_is_compiling():
+        return True
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher):
+        return True
+    return get_proxy_mode() is not None
+
+
+def _finish(t: torch.Tensor) -> torch.Tensor:
+    return _ops.wait_tensor(t) if _tracing() else wrap_async(t)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """Wait for ``t`` if it is an ``AsyncCollectiveTensor``; a collective needs real values."""
+    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Wait for the collective that produces ``tensor`` and return its values.
+
+    Works on an ``AsyncCollectiveTensor``, or on the raw output of a ``torch.ops.fcoll`` op.
+    """
+    if isinstance(tensor, AsyncCollectiveTensor):
+        return tensor.wait()
+    return _ops.wait_tensor(tensor)
+
+
+def all_reduce(self: torch.Tensor, reduceOp: str, group: GroupLike, tag: str = "") -> torch.Tensor:
+    """Reduce ``self`` across the group; every rank gets the result.
+
+    Args:
+        self: ``[*]`` tensor of any supported dtype.
+        reduceOp: "sum", "avg", "product", "min", "max", or "band"/"bor"/"bxor" (integer and
+            bool dtypes only). Case-insensitive, as in PyTorch.
+        group: the process group (any accepted form).
+
+    Returns:
+        ``[*]``, same dtype.
+
+    Raises:
+        ValueError: unknown reduce op, or a bitwise op on a floating dtype.
+    """
+    name = resolve_group_name(group, tag)
+    return _finish(_ops.all_reduce(_plain(self), reduceOp.lower(), name))
+
+
+def all_reduce_coalesced(self: list[torch.Tensor], reduceOp: str, group: GroupLike,
+                         tag: str = "") -> list[torch.Tensor]:
+    """``all_reduce`` of each tensor of ``self`` as one coalesced collective."""
+    name = resolve_group_name(group, tag)
+    outs = _ops.all_reduce_coalesced([_plain(t) for t in self], reduceOp.lower(), name)
+    return [_finish(o) for o in outs]
+
+
+def all_gather_tensor(self: torch.Tensor, gather_dim: int, group: GroupLike,
+                      tag: str = "") -> torch.Tensor:
+    """Concatenate every rank's ``self`` along ``gather_dim``, in rank order.
+
+    Shapes: ``self [*, N, *]`` -> ``[*, n * N, *]`` with ``N`` at ``gather_dim``.
+    """
+    name = resolve_group_name(group, tag)
+    n = group_size(name)
+    out = _ops.all_gather_into_tensor(_plain(self).contiguous(), n, name)
+    out = _finish(out)
+    if gather_dim != 0 and self.dim() > 0:
+        if isinstance(out, AsyncCollectiveTensor):
+            out = out.wait()
+        out = torch.cat(torch.chunk(out, n, dim=0), dim=gather_dim)
+    return out
+
+
+def all_gather_tensor_autograd(self: torch.Tensor, gather_dim: int, group: GroupLike,
+                               tag: str = "") -> torch.Tensor:
+    """Same as :func:`all_gather_tensor` (which already supports autograd)."""
+    return all_gather_tensor(self, gather_dim, group, tag)
+
+
+def all_gather_into_tensor_coalesced(self: list[torch.Tensor], group: GroupLike,
+                                     tag: str = "") -> list[torch.Tensor]:
+    """``all_gather_tensor(t, 0, group)`` for each ``t`` of ``self``, as one collective."""
+    name = resolve_group_name(group, tag)
+    outs = _ops.all_gather_into_tensor_coalesced([_plain(t) for t in self], group_size(name),
+                                                 name)
+    return [_finish(o) for o in outs]
+
+
+def _scatter_dim_first(t: torch.Tensor, scatter_dim: int, n: int, op: str) -> torch.Tensor:
+    t = _plain(t)
+    if t.dim() == 0 or t.size(scatter_dim) % n != 0:
+        raise ValueError(f"fcoll.{op}: input dim {scatter_dim} of shape {list(t.shape)} must be "
+                         f"divisible by the group size {n}")
+    if scatter_dim != 0:
+        t = torch.cat(torch.chunk(t, n, dim=scatter_dim))
+    return t
+
+
+def reduce_scatter_tensor(self: torch.Tensor, reduceOp: str, scatter_dim: int,
+                          group: GroupLike, tag: str = "") -> torch.Tensor:
+    """Reduce ``self`` across the group and give rank ``r`` the ``r``-th chunk along ``scatter_dim``.
+
+    Shapes: ``self [*, n * N, *]`` -> ``[*, N, *]`` with ``n * N`` at ``scatter_dim``.
+
+    Raises:
+        ValueError: ``self.size(scatter_dim)`` is not divisible by the group size; bad reduce op.
+    """
+    name = resolve_group_name(group, tag)
+    n = group_size(name)
+    t = _scatter_dim_first(self, scatter_dim, n, "reduce_scatter_tensor")
+    # With scatter_dim != 0 the chunks were stacked along dim 0, so rank r's output is the r-th
+    # chunk along scatter_dim exactly, with no reshuffle afterwards (as PyTorch does it).
+    return _finish(_ops.reduce_scatter_tensor(t, reduceOp.lower(), n, name))
+
+
+def reduce_scatter_tensor_autograd(self: torch.Tensor, reduceOp: str, scatter_dim: int,
+                                   group: GroupLike, tag: str = "") -> torch.Tensor:
+    """Same as :func:`reduce_scatter_tensor` (which already supports autograd)."""
+    return reduce_scatter_tensor(self, reduceOp, scatter_dim, group, tag)
+
+
+def reduce_scatter_tensor_coalesced(inputs: list[torch.Tensor], reduceOp: str,
+                                    scatter_dim: list[int], group: GroupLike,
+                                    tag: str = "") -> list[torch.Tensor]:
+    """``reduce_scatter_tensor`` of each input along its ``scatter_dim``, as one collective."""
+    name = resolve_group_name(group, tag)
+    n = group_size(name)
+    if len(scatter_dim) != len(inputs):
+        raise ValueError(f"fcoll.reduce_scatter_tensor_coalesced: scatter_dim has "
+                         f"{len(scatter_dim)} entries for {len(inputs)} inputs")
+    ts = [_scatter_dim_first(t, d, n, "reduce_scatter_tensor_coalesced")
+          for t, d in zip(inputs, scatter_dim)]
+    outs = _ops.reduce_scatter_tensor_coalesced(ts, reduceOp.lower(), n, name)
+    return [_finish(o) for o in outs]
+
+
+def all_to_all_single(self: torch.Tensor, output_split_sizes: list[int] | None,
+                      input_split_sizes: list[int] | None, group: GroupLike,
+                      tag: str = "") -> torch.Tensor:
+    """Send ``self``'s ``i``-th dim-0 slice to rank ``i``; receive rank ``i``'s slice into slot ``i``.
+
+    Shapes: ``self [sum(input_split_sizes), *]`` -> ``[sum(output_split_sizes), *]``. With both
+    split lists None, dim 0 is split evenly (``[N * n, *] -> [N * n, *]``), as in PyTorch.
+
+    Raises:
+        ValueError: exactly one split list is None; a list does not have ``n`` entries or does
+            not add up to dim 0; dim 0 not divisible by ``n`` with None splits.
+    """
+    name = resolve_group_name(group, tag)
+    n = group_size(name)
+    if output_split_sizes is None or input_split_sizes is None:
+        if not (output_split_sizes is None and input_split_sizes is None):
+            raise ValueError("fcoll.all_to_all_single: output_split_sizes and input_split_sizes "
+                             "must both be None or both be given")
+        if self.dim() == 0 or self.size(0) % n != 0:
+            raise ValueError(f"fcoll.all_to_all_single: input shape {list(self.shape)}: dim 0 "
+                             f"must be divisible by the group size {n} when splits are None")
+        output_split_sizes = input_split_sizes = [self.size(0) // n] * n
+    out = _ops.all_to_all_single(_plain(self), list(output_split_sizes),
+                                 list(input_split_sizes), name)
+    return _finish(out)
+
+
+def all_to_all_single_autograd(self: torch.Tensor, output_split_sizes: list[int] | None,
+                               input_split_sizes: list[int] | None, group: GroupLike,
+                               tag: str = "") -> torch.Tensor:
+    """Same as :func:`all_to_all_single` (which already supports autograd)."""
+    return all_to_all_single(self, output_split_sizes, input_split_sizes, group, tag)
+
+
+def broadcast(self: torch.Tensor, src: int, group: GroupLike, tag: str = "") -> torch.Tensor:
+    """Every rank gets the group rank ``src``'s ``self``.
+
+    ``src`` is a rank inside ``group`` (as ``torch.ops._c10d_functional.broadcast`` takes it).
+
+    Raises:
+        ValueError: ``src`` is outside ``[0, n)``.
+    """
+    name = resolve_group_name(group, tag)
+    return _finish(_ops.broadcast(_plain(self), src, name))

@@ -1,0 +1,473 @@
+"""The ``torch.ops.fcoll`` operator library: schemas, eager kernels and fake kernels.
+
+Schemas mirror ``torch.ops._c10d_functional`` (same names, argument order, string ``group_name``),
+so a graph pass can rewrite one namespace into the other by swapping the target alone.
+
+Eager kernels validate their arguments, start the collective on the group's backend with
+``async_op=True`` and return the output buffer at once; ``wait_tensor`` blocks until it is
+filled (see :mod:`fcoll.ops.pending`). Any ``torch.distributed`` backend works: fcoll's
+shared-memory backend, gloo, nccl. On a group of one rank every collective is a local copy and
+completes before the op returns.
+
+Shapes (per rank, ``n`` = group size):
+
+==============================  ==========================  ===============================
+op                              input                       output
+==============================  ==========================  ===============================
+all_reduce(_)                   ``[*]``                     ``[*]``
+all_gather_into_tensor(_out)    ``[N, *]``                  ``[n * N, *]``
+reduce_scatter_tensor           ``[n * N, *]``              ``[N, *]``
+all_to_all_single               ``[sum(input_split), *]``   ``[sum(output_split), *]``
+broadcast(_)                    ``[*]``                     ``[*]`` (src's values)
+wait_tensor                     ``[*]``                     the same tensor, once complete
+==============================  ==========================  ===============================
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from fcoll.ops import pending
+from fcoll.ops.groups import group_from_name
+
+__all__ = ["lib", "REDUCE_OPS", "validate_reduce_op"]
+
+lib = torch.library.Library("fcoll", "DEF")  # noqa: TOR901  (ops defined once, at import)
+
+_PT2 = (torch.Tag.pt2_compliant_tag,)
+
+SCHEMAS = {
+    "all_reduce": "all_reduce(Tensor input, str reduce_op, str group_name) -> Tensor",
+    "all_reduce_": "all_reduce_(Tensor(a!) input, str reduce_op, str group_name) -> Tensor(a!)",
+    "all_reduce_coalesced":
+        "all_reduce_coalesced(Tensor[] inputs, str reduce_op, str group_name) -> Tensor[]",
+    "all_reduce_coalesced_":
+        "all_reduce_coalesced_(Tensor(a!)[] inputs, str reduce_op, str group_name) -> ()",
+    "all_gather_into_tensor":
+        "all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor",
+    "all_gather_into_tensor_out":
+        "all_gather_into_tensor_out(Tensor input, int group_size, str group_name, *, "
+        "Tensor(a!) out) -> Tensor(a!)",
+    "all_gather_into_tensor_coalesced":
+        "all_gather_into_tensor_coalesced(Tensor[] inputs, int group_size, str group_name) "
+        "-> Tensor[]",
+    "reduce_scatter_tensor":
+        "reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, str group_name) "
+        "-> Tensor",
+    "reduce_scatter_tensor_coalesced":
+        "reduce_scatter_tensor_coalesced(Tensor[] inputs, str reduce_op, int group_size, "
+        "str group_name) -> Tensor[]",
+    "all_to_all_single":
+        "all_to_all_single(Tensor input, SymInt[] output_split_sizes, "
+        "SymInt[] input_split_sizes, str group_name) -> Tensor",
+    "broadcast": "broadcast(Tensor input, int src, str group_name) -> Tensor",
+    "broadcast_": "broadcast_(Tensor(a!) input, int src, str group_name) -> Tensor(a!)",
+    "wait_tensor": "wait_tensor(Tensor tensor) -> Tensor",
+}
+
+_EXTRA_TAGS = {
+    # Tagging in-place and out= variants lets AOTAutograd functionalize them
+    # (auto_functionalized_v2) instead of rejecting their aliased returns.
+    "all_reduce_": (torch.Tag.inplace,),
+    "broadcast_": (torch.Tag.inplace,),
+    "all_gather_into_tensor_out": (torch.Tag.out,),
+}
+
+for _name, _schema in SCHEMAS.items():
+    lib.define(_schema, tags=_PT2 + _EXTRA_TAGS.get(_name, ()))
+
+torch.fx.node.has_side_effect(torch.ops.fcoll.wait_tensor.default)
+for _inplace in ("all_reduce_", "all_reduce_coalesced_", "all_gather_into_tensor_out",
+                 "broadcast_"):
+    torch.fx.node.has_side_effect(getattr(torch.ops.fcoll, _inplace).default)
+
+# ---------------------------------------------------------------------------------------------
+# Validation (before any data moves)
+
+REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
+_BITWISE = ("band", "bor", "bxor")
+
+
+def validate_reduce_op(op: str, reduce_op: str, dtype: torch.dtype) -> None:
+    """Check that ``reduce_op`` is a known reduce op and valid for ``dtype``.
+
+    Raises:
+        ValueError: unknown ``reduce_op``; a bitwise op (band, bor, bxor) on a floating or
+            complex dtype; ``avg`` on bool.
+    """
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"fcoll.{op}: reduce_op {reduce_op!r} is not one of {REDUCE_OPS}")
+    if reduce_op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"fcoll.{op}: reduce_op {reduce_op!r} is only valid for integer and "
+                         f"bool tensors, got dtype {dtype}")
+    if reduce_op == "avg" and dtype == torch.bool:
+        raise ValueError(f"fcoll.{op}: reduce_op 'avg' is not valid for dtype torch.bool")
+
+
+def _where(group_name: str, t: torch.Tensor | None = None) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shape = f", input shape {list(t.shape)} {t.dtype}" if t is not None else ""
+    return f"(rank {rank}, group {group_name!r}{shape})"
+
+
+def _check_group_size(op: str, group_size: int, pg: dist.ProcessGroup, group_name: str) -> None:
+    if group_size != pg.size():
+        raise ValueError(f"fcoll.{op}: group_size={group_size} but group {group_name!r} has "
+                         f"{pg.size()} ranks {_where(group_name)}")
+
+
+def _check_splits(op: str, name: str, splits: Sequence[int], total: int, n: int,
+                  group_name: str, t: torch.Tensor) -> None:
+    if len(splits) != n:
+        raise ValueError(f"fcoll.{op}: {name} has {len(splits)} entries, expected group size "
+                         f"{n} {_where(group_name, t)}")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"fcoll.{op}: {name}={list(splits)} has a negative entry "
+                         f"{_where(group_name, t)}")
+    if total >= 0 and sum(splits) != total:
+        raise ValueError(f"fcoll.{op}: {name}={list(splits)} adds up to {sum(splits)}, but "
+                         f"dim 0 has size {total} {_where(group_name, t)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting a collective on a torch.distributed group
+
+_DIST_OPS = {
+    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR,
+}
+
+
+def _native_avg(pg: dist.ProcessGroup) -> bool:
+    """gloo has no AVG; there fcoll reduces with SUM and divides once the work is done."""
+    try:
+        return pg._get_backend_name() != "gloo"
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _avg_divide(t: torch.Tensor, n: int):
+    def finish() -> None:
+        if t.is_floating_point() or t.is_complex():
+            t.div_(n)
+        else:
+            t.div_(n, rounding_mode="trunc")
+    return finish
+
+
+def _reduce_args(reduce_op: str, pg: dist.ProcessGroup, out: torch.Tensor):
+    """Map a reduce op string to (dist op, finisher) for this group's backend."""
+    if reduce_op == "avg" and not _native_avg(pg):
+        return dist.ReduceOp.SUM, _avg_divide(out, pg.size())
+    if out.dtype == torch.bool and reduce_op in ("sum", "max", "bor"):
+        return dist.ReduceOp.MAX, None
+    if out.dtype == torch.bool and reduce_op in ("product", "min", "band"):
+        return dist.ReduceOp.MIN, None
+    return _DIST_OPS[reduce_op], None
+
+
+def _contiguous_target(t: torch.Tensor):
+    """A contiguous buffer for writing into ``t`` and a finisher that copies it back if needed."""
+    if t.is_contiguous():
+        return t, None
+    buf = t.contiguous()
+
+    def finish() -> None:
+        t.copy_(buf)
+    return buf, finish
+
+
+def _chain(*finishers):
+    fs = [f for f in finishers if f is not None]
+    if not fs:
+        return None
+
+    def finish() -> None:
+        for f in fs:
+            f()
+    return finish
+
+
+def _all_reduce_into(out: torch.Tensor, reduce_op: str, group_name: str,
+                     report: torch.Tensor) -> None:
+    """Start an all_reduce that reduces ``out`` in place across the group."""
+    validate_reduce_op("all_reduce", reduce_op, out.dtype)
+    pg = group_from_name(group_name)
+    if pg.size() == 1:
+        return
+    buf, copy_back = _contiguous_target(out)
+    if buf.dtype == torch.bool and not _is_fcoll(pg):
+        # gloo has no bool reductions: reduce as uint8, then cast back.
+        work_buf = buf.to(torch.uint8)
+        op, fin = _reduce_args(reduce_op, pg, buf)
+        work = dist.all_reduce(work_buf, op=op, group=pg, async_op=True)
+        pending.register(out, work, _chain(lambda: buf.copy_(work_buf.bool()), fin, copy_back))
+        return
+    op, fin = _reduce_args(reduce_op, pg, buf)
+    work = dist.all_reduce(buf, op=op, group=pg, async_op=True)
+    pending.register(out, work, _chain(fin, copy_back))
+
+
+def _is_fcoll(pg: dist.ProcessGroup) -> bool:
+    try:
+        return pg._get_backend_name() == "fcoll"
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager kernels (CPU and CUDA; CompositeExplicitAutograd so they run under every backend key)
+
+def _impl(name: str):
+    def deco(fn):
+        lib.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+    return deco
+
+
+@_impl("all_reduce")
+def _all_reduce(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    out = input.clone(memory_format=torch.contiguous_format)
+    _all_reduce_into(out, reduce_op, group_name, input)
+    return out
+
+
+@_impl("all_reduce_")
+def _all_reduce_(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    _all_reduce_into(input, reduce_op, group_name, input)
+    return input
+
+
+@_impl("all_reduce_coalesced")
+def _all_reduce_coalesced(inputs: list[torch.Tensor], reduce_op: str,
+                          group_name: str) -> list[torch.Tensor]:
+    for t in inputs:
+        validate_reduce_op("all_reduce_coalesced", reduce_op, t.dtype)
+    return [_all_reduce(t, reduce_op, group_name) for t in inputs]
+
+
+@_impl("all_reduce_coalesced_")
+def _all_reduce_coalesced_(inputs: list[torch.Tensor], reduce_op: str, group_name: str) -> None:
+    for t in inputs:
+        validate_reduce_op("all_reduce_coalesced_", reduce_op, t.dtype)
+    for t in inputs:
+        _all_reduce_into(t, reduce_op, group_name, t)
+
+
+def _gather_into(op: str, input: torch.Tensor, out: torch.Tensor, group_size: int,
+                 group_name: str) -> None:
+    pg = group_from_name(group_name)
+    _check_group_size(op, group_size, pg, group_name)
+    expected = (group_size * input.size(0), *input.shape[1:]) if input.dim() else (group_size,)
+    if tuple(out.shape) != tuple(expected) or out.dtype != input.dtype:
+        raise ValueError(f"fcoll.{op}: out has shape {list(out.shape)} {out.dtype}, expected "
+                         f"{list(expected)} {input.dtype} {_where(group_name, input)}")
+    if group_size == 1:
+        out.copy_(input.reshape(out.shape))
+        return
+    buf, copy_back = _contiguous_target(out)
+    work = dist.all_gather_into_tensor(buf, input.contiguous(), group=pg, async_op=True)
+    pending.register(out, work, copy_back)
+
+
+def _gathered_shape(input: torch.Tensor, group_size: int) -> list:
+    if input.dim() == 0:
+        return [group_size]
+    return [group_size * input.size(0), *input.shape[1:]]
+
+
+@_impl("all_gather_into_tensor")
+def _all_gather_into_tensor(input: torch.Tensor, group_size: int,
+                            group_name: str) -> torch.Tensor:
+    out = input.new_empty(_gathered_shape(input, group_size))
+    _gather_into("all_gather_into_tensor", input, out, group_size, group_name)
+    return out
+
+
+@_impl("all_gather_into_tensor_out")
+def _all_gather_into_tensor_out(input: torch.Tensor, group_size: int, group_name: str, *,
+                                out: torch.Tensor) -> torch.Tensor:
+    _gather_into("all_gather_into_tensor_out", input, out, group_size, group_name)
+    return out
+
+
+@_impl("all_gather_into_tensor_coalesced")
+def _all_gather_into_tensor_coalesced(inputs: list[torch.Tensor], group_size: int,
+                                      group_name: str) -> list[torch.Tensor]:
+    return [_all_gather_into_tensor(t, group_size, group_name) for t in inputs]
+
+
+def _validate_reduce_scatter(op: str, input: torch.Tensor, reduce_op: str, group_size: int,
+                             group_name: str) -> dist.ProcessGroup:
+    validate_reduce_op(op, reduce_op, input.dtype)
+    pg = group_from_name(group_name)
+    _check_group_size(op, group_size, pg, group_name)
+    if input.dim() == 0 or input.size(0) % group_size != 0:
+        raise ValueError(f"fcoll.{op}: input dim 0 must be divisible by the group size "
+                         f"{group_size} {_where(group_name, input)}")
+    return pg
+
+
+@_impl("reduce_scatter_tensor")
+def _reduce_scatter_tensor(input: torch.Tensor, reduce_op: str, group_size: int,
+                           group_name: str) -> torch.Tensor:
+    pg = _validate_reduce_scatter("reduce_scatter_tensor", input, reduce_op, group_size,
+                                  group_name)
+    out = input.new_empty([input.size(0) // group_size, *input.shape[1:]])
+    if group_size == 1:
+        return out.copy_(input)
+    src = input.contiguous()
+    if input.dtype == torch.bool and not _is_fcoll(pg):
+        src = src.to(torch.uint8)
+        tmp = out.to(torch.uint8)
+        op, fin = _reduce_args(reduce_op, pg, out)
+        work = dist.reduce_scatter_tensor(tmp, src, op=op, group=pg, async_op=True)
+        pending.register(out, work, _chain(lambda: out.copy_(tmp.bool()), fin))
+        return out
+    op, fin = _reduce_args(reduce_op, pg, out)
+    work = dist.reduce_scatter_tensor(out, src, op=op, group=pg, async_op=True)
+    pending.register(out, work, fin)
+    return out
+
+
+@_impl("reduce_scatter_tensor_coalesced")
+def _reduce_scatter_tensor_coalesced(inputs: list[torch.Tensor], reduce_op: str,
+                                     group_size: int, group_name: str) -> list[torch.Tensor]:
+    for t in inputs:
+        _validate_reduce_scatter("reduce_scatter_tensor_coalesced", t, reduce_op, group_size,
+                                 group_name)
+    return [_reduce_scatter_tensor(t, reduce_op, group_size, group_name) for t in inputs]
+
+
+@_impl("all_to_all_single")
+def _all_to_all_single(input: torch.Tensor, output_split_sizes: list[int],
+                       input_split_sizes: list[int], group_name: str) -> torch.Tensor:
+    pg = group_from_name(group_name)
+    n = pg.size()
+    if input.dim() == 0:
+        raise ValueError(f"fcoll.all_to_all_single: input must have at least one dimension "
+                         f"{_where(group_name, input)}")
+    _check_splits("all_to_all_single", "input_split_sizes", input_split_sizes, input.size(0), n,
+                  group_name, input)
+    _check_splits("all_to_all_single", "output_split_sizes", output_split_sizes, -1, n,
+                  group_name, input)
+    out = input.new_empty([sum(output_split_sizes), *input.shape[1:]])
+    if n == 1:
+        if output_split_sizes[0] != input_split_sizes[0]:
+            raise ValueError(f"fcoll.all_to_all_single: output_split_sizes="
+                             f"{list(output_split_sizes)} != input_split_sizes="
+                             f"{list(input_split_sizes)} on a group of one rank "
+                             f"{_where(group_name, input)}")
+        return out.copy_(input)
+    work = dist.all_to_all_single(out, input.contiguous(), list(output_split_sizes),
+                                  list(input_split_sizes), group=pg, async_op=True)
+    pending.register(out, work)
+    return out
+
+
+def _broadcast_into(op: str, out: torch.Tensor, src: int, group_name: str) -> None:
+    pg = group_from_name(group_name)
+    if not 0 <= src < pg.size():
+        raise ValueError(f"fcoll.{op}: src={src} is out of range for a group of {pg.size()} "
+                         f"ranks {_where(group_name, out)}")
+    if pg.size() == 1:
+        return
+    buf, copy_back = _contiguous_target(out)
+    work = dist.broadcast(buf, group=pg, group_src=src, async_op=True)
+    pending.register(out, work, copy_back)
+
+
+@_impl("broadcast")
+def _broadcast(input: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
+    out = input.clone(memory_format=torch.contiguous_format)
+    _broadcast_into("broadcast", out, src, group_name)
+    return out
+
+
+@_impl("broadcast_")
+def _broadcast_(input: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
+    _broadcast_into("broadcast_", input, src, group_name)
+    return input
+
+
+@_impl("wait_tensor")
+def _wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return pending.wait(tensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake kernels (FakeTensorMode, symbolic shapes)
+
+def _fake(name: str):
+    return torch.library.register_fake(f"fcoll::{name}", lib=lib)
+
+
+@_fake("all_reduce")
+def _(input, reduce_op, group_name):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@_fake("all_reduce_")
+def _(input, reduce_op, group_name):
+    return input
+
+
+@_fake("all_reduce_coalesced")
+def _(inputs, reduce_op, group_name):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+
+
+@_fake("all_reduce_coalesced_")
+def _(inputs, reduce_op, group_name):
+    return None
+
+
+@_fake("all_gather_into_tensor")
+def _(input, group_size, group_name):
+    return input.new_empty(_gathered_shape(input, group_size))
+
+
+@_fake("all_gather_into_tensor_out")
+def _(input, group_size, group_name, *, out):
+    return out
+
+
+@_fake("all_gather_into_tensor_coalesced")
+def _(inputs, group_size, group_name):
+    return [t.new_empty(_gathered_shape(t, group_size)) for t in inputs]
+
+
+@_fake("reduce_scatter_tensor")
+def _(input, reduce_op, group_size, group_name):
+    return input.new_empty([input.size(0) // group_size, *input.shape[1:]])
+
+
+@_fake("reduce_scatter_tensor_coalesced")
+def _(inputs, reduce_op, group_size, group_name):
+    return [t.new_empty([t.size(0) // group_size, *t.shape[1:]]) for t in inputs]
+
+
+@_fake("all_to_all_single")
+def _(input, output_split_sizes, input_split_sizes, group_name):
+    return input.new_empty([sum(output_split_sizes), *input.shape[1:]])
+
+
+@_fake("broadcast")
+def _(input, src, group_name):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@_fake("broadcast_")
+def _(input, src, group_name):
+    return input
+
+
+@_fake("wait_tensor")
+def _(tensor):
+    # As in PyTorch's _c10d_functional meta kernel: a fresh tensor, so that tracing never sees
+    # the wait's output alias the collective's (functional graphs carry no aliasing).
+    return torch.empty_like(tensor)
