@@ -1,0 +1,270 @@
+"""Graph queries: the one place that knows what a collective, a wait and a bucket key look like.
+
+Passes never match on node names or op-name strings; they ask this module. Both namespaces are
+understood: ``torch.ops.fcoll`` and ``torch.ops._c10d_functional`` (same schemas), so every pass
+works on graphs produced by PyTorch's own tracing too.
+
+A *collective* is a ``call_function`` node whose target is a collective op (functional,
+coalesced, in-place or ``_out``). Its result is consumed by ``wait_tensor`` nodes, directly or,
+for the coalesced ops that return a list, through ``operator.getitem``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "NAMESPACES", "META_ESTIMATED_US", "META_HIDING", "META_EXPOSED_US", "META_PASSES",
+    "CollectiveInfo", "is_collective", "is_wait", "is_fcoll_op", "collective_kind",
+    "collective_info", "waits_of", "wait_of", "start_of", "bucket_key", "size_hint",
+    "tensor_bytes", "node_bytes", "collectives", "args_by_name",
+]
+
+NAMESPACES = ("fcoll", "_c10d_functional")
+
+#: node.meta key: estimated time of a collective (or compute node), in microseconds.
+META_ESTIMATED_US = "fcoll_estimated_us"
+#: node.meta key on a collective: names of the compute nodes scheduled while it is in flight.
+META_HIDING = "fcoll_hiding_nodes"
+#: node.meta key on a collective: estimated exposed (not hidden) time, in microseconds.
+META_EXPOSED_US = "fcoll_exposed_us"
+#: graph_module.meta key: list of ``{"pass": name, "modified": bool, "seconds": float}``.
+META_PASSES = "fcoll_passes"
+
+# op name -> kind, for every collective op of both namespaces (wait_tensor excluded)
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+
+
+def _op_name(target: Any) -> tuple[str, str] | None:
+    """(namespace, op name) of an ``OpOverload`` target, or None."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    return target.namespace, target._schema.name.split("::", 1)[-1]
+
+
+def is_fcoll_op(node: fx.Node) -> bool:
+    """True for any ``torch.ops.fcoll`` call (collective or wait)."""
+    name = _op_name(node.target) if node.op == "call_function" else None
+    return name is not None and name[0] == "fcoll"
+
+
+def is_collective(node: fx.Node) -> bool:
+    """True if ``node`` starts a collective (any namespace in :data:`NAMESPACES`)."""
+    if node.op != "call_function":
+        return False
+    name = _op_name(node.target)
+    return name is not None and name[0] in NAMESPACES and name[1] in _KINDS
+
+
+def is_wait(node: fx.Node) -> bool:
+    """True if ``node`` is a ``wait_tensor`` (any namespace in :data:`NAMESPACES`)."""
+    if node.op != "call_function":
+        return False
+    name = _op_name(node.target)
+    return name is not None and name[0] in NAMESPACES and name[1] == "wait_tensor"
+
+
+def collective_kind(node: fx.Node) -> str:
+    """One of "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"."""
+    name = _op_name(node.target)
+    if name is None or name[1] not in _KINDS:
+        raise ValueError(f"{node.name} ({node.target}) is not a collective")
+    return _KINDS[name[1]]
+
+
+def args_by_name(node: fx.Node) -> dict[str, Any]:
+    """The node's arguments keyed by schema argument name (positional and keyword)."""
+    schema = node.target._schema
+    out = {a.name: v for a, v in zip(schema.arguments, node.args)}
+    out.update(node.kwargs)
+    return out
+
+
+def size_hint(x: Any) -> int:
+    """An int for an int, a ``SymInt`` or a sympy expression, using the shape env's hints."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        node = x.node
+        hint = node.hint if node.hint is not None else None
+        if hint is None:
+            hint = node.shape_env.size_hint(node.expr)
+        return int(hint)
+    try:
+        import sympy
+
+        if isinstance(x, sympy.Expr):
+            return int(x)
+    except (ImportError, TypeError):
+        pass
+    return int(x)
+
+
+def tensor_bytes(val: Any) -> int:
+    """Bytes of a (fake) tensor, or of every tensor in a list/tuple, sizes evaluated with hints."""
+    if isinstance(val, torch.Tensor):
+        return math.prod(size_hint(s) for s in val.shape) * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(tensor_bytes(v) for v in val)
+    return 0
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes of the value a node produces (from ``node.meta["val"]``); 0 if unknown."""
+    return tensor_bytes(node.meta.get("val"))
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """What a collective node does, in plain values.
+
+    Attributes:
+        kind: "all_reduce", "all_gather", "reduce_scatter", "all_to_all" or "broadcast".
+        op: the op name without namespace (e.g. "all_reduce_coalesced").
+        group_name: the process group's name.
+        group_size: ranks in the group, or None where the op does not carry it and no group is
+            registered under that name.
+        reduce_op: "sum", "avg", ... for reductions, else None.
+        dtypes: dtype of each input tensor.
+        shapes: shape of each input tensor (ints, evaluated with hints).
+        in_bytes: bytes of all inputs on this rank.
+        out_bytes: bytes of all outputs on this rank.
+        src: root rank of a broadcast, else None.
+        coalesced: True when the op takes a list of tensors.
+    """
+
+    kind: str
+    op: str
+    group_name: str
+    group_size: int | None
+    reduce_op: str | None
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    in_bytes: int
+    out_bytes: int
+    src: int | None
+    coalesced: bool
+
+
+def _input_vals(node: fx.Node, first: Any) -> list[Any]:
+    items = first if isinstance(first, (list, tuple)) else [first]
+    return [i.meta.get("val") if isinstance(i, fx.Node) else i for i in items]
+
+
+def _registered_group_size(group_name: str) -> int | None:
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._resolve_process_group(group_name).size()
+    except Exception:  # noqa: BLE001  not initialised, unknown name: the size is simply unknown
+        return None
+
+
+def collective_info(node: fx.Node) -> CollectiveInfo:
+    """Describe the collective ``node``.
+
+    Raises:
+        ValueError: ``node`` is not a collective.
+    """
+    kind = collective_kind(node)
+    a = args_by_name(node)
+    first = a.get("input", a.get("inputs"))
+    vals = _input_vals(node, first)
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    group_name = str(a["group_name"])
+    group_size = a.get("group_size")
+    if group_size is None:
+        group_size = _registered_group_size(group_name)
+    out_bytes = node_bytes(node)
+    if out_bytes == 0 and node.target._schema.name.endswith("_"):
+        out_bytes = tensor_bytes(tensors)
+    return CollectiveInfo(
+        kind=kind,
+        op=_op_name(node.target)[1],
+        group_name=group_name,
+        group_size=group_size,
+        reduce_op=a.get("reduce_op"),
+        dtypes=tuple(t.dtype for t in tensors),
+        shapes=tuple(tuple(size_hint(s) for s in t.shape) for t in tensors),
+        in_bytes=tensor_bytes(tensors),
+        out_bytes=out_bytes,
+        src=a.get("src"),
+        coalesced=isinstance(first, (list, tuple)),
+    )
+
+
+def waits_of(start: fx.Node) -> list[fx.Node]:
+    """The ``wait_tensor`` nodes that wait on ``start``'s outputs, in graph order.
+
+    For the in-place ops (which return their input), waits on the mutated input that come after
+    ``start`` are included.
+    """
+    waits: list[fx.Node] = []
+    for user in start.users:
+        if is_wait(user):
+            waits.append(user)
+        elif user.op == "call_function" and user.target is operator.getitem:
+            waits.extend(u for u in user.users if is_wait(u))
+    order = {n: i for i, n in enumerate(start.graph.nodes)} if len(waits) > 1 else None
+    return sorted(waits, key=order.__getitem__) if order else waits
+
+
+def wait_of(start: fx.Node) -> fx.Node | None:
+    """The single ``wait_tensor`` of a non-coalesced collective (None if it has none).
+
+    Raises:
+        ValueError: ``start`` has more than one wait (use :func:`waits_of`).
+    """
+    waits = waits_of(start)
+    if len(waits) > 1:
+        raise ValueError(f"{start.name} has {len(waits)} waits; use waits_of")
+    return waits[0] if waits else None
+
+
+def start_of(wait: fx.Node) -> fx.Node | None:
+    """The collective whose output ``wait`` waits on (through ``getitem``), or None."""
+    src = wait.args[0] if wait.args else None
+    if isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem:
+        src = src.args[0]
+    if isinstance(src, fx.Node) and is_collective(src):
+        return src
+    return None
+
+
+def bucket_key(node: fx.Node, *, multi_dtype: bool = False) -> tuple:
+    """Collectives with equal keys may share a bucket.
+
+    The key is (kind, group name, group size, reduce op, root) and, unless ``multi_dtype``, the
+    dtype. all_to_all is keyed like the others; its splits are merged by the bucketing pass.
+    """
+    info = collective_info(node)
+    key: tuple = (info.kind, info.group_name, info.group_size, info.reduce_op, info.src)
+    if not multi_dtype:
+        key += (info.dtypes,)
+    return key
+
+
+def collectives(graph: fx.Graph | fx.GraphModule) -> list[fx.Node]:
+    """Every collective node, in graph order."""
+    g = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    return [n for n in g.nodes if is_collective(n)]
+

@@ -1,0 +1,140 @@
+"""Pass registry and pipeline.
+
+Every fcoll pass is a ``torch.fx.passes.infra.pass_base.PassBase`` subclass registered by name
+with :func:`register_pass`. :func:`run_pipeline` runs a list of names in order on one graph,
+records in ``gm.meta["fcoll_passes"]`` which pass ran, whether it modified the graph and how long
+it took (seconds), and names the failing pass when one raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, ClassVar, Sequence, TypeVar
+
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fcoll.passes.graph import META_PASSES
+from fcoll.runtime.config import FcollConfig
+
+__all__ = ["FcollPass", "register_pass", "get_pass", "registered_passes", "run_pipeline",
+           "PassFailed"]
+
+log = logging.getLogger(__name__)
+
+
+class PassFailed(RuntimeError):
+    """A pass raised; the message names the pass and the graph."""
+
+
+class FcollPass(PassBase):
+    """Base of fcoll passes: ``GraphModule -> PassResult(gm, modified)``.
+
+    Subclasses set ``name`` and implement ``call``. ``ensures`` lints the graph after the pass,
+    so a pass that breaks topological order or leaves a dangling node fails loudly, by name.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: FcollConfig | None = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else FcollConfig()
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def ensures(self, graph_module: fx.GraphModule) -> None:
+        graph_module.graph.lint()
+
+
+_REGISTRY: dict[str, type[FcollPass]] = {}
+P = TypeVar("P", bound=type[FcollPass])
+
+
+def register_pass(cls: P) -> P:
+    """Class decorator: register ``cls`` under ``cls.name``.
+
+    Raises:
+        ValueError: the name is empty or already registered by another class.
+    """
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} has no pass name")
+    if _REGISTRY.get(cls.name, cls) is not cls:
+        raise ValueError(f"pass name {cls.name!r} is already registered by "
+                         f"{_REGISTRY[cls.name].__qualname__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_passes() -> list[str]:
+    """Names of every registered pass, sorted."""
+    _load_builtin_passes()
+    return sorted(_REGISTRY)
+
+
+def get_pass(name: str, config: FcollConfig | None = None) -> FcollPass:
+    """Instantiate the pass registered as ``name``.
+
+    Raises:
+        ValueError: no pass of that name (the message lists the registered ones).
+    """
+    _load_builtin_passes()
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown fcoll pass {name!r}; registered passes: "
+                         f"{sorted(_REGISTRY)}") from None
+    return cls(config)
+
+
+def run_pipeline(gm: fx.GraphModule, config: FcollConfig | None = None,
+                 names: Sequence[str] | None = None,
+                 on_pass: Callable[[str, fx.GraphModule], None] | None = None) -> fx.GraphModule:
+    """Run the passes ``names`` (default: ``config.pipeline``) in order on ``gm``.
+
+    Args:
+        gm: the graph; passes may rewrite it in place or return a new module.
+        config: options for every pass.
+        names: pass names, in order.
+        on_pass: called after each pass with its name and the resulting graph (inspection).
+
+    Returns:
+        The rewritten graph module; ``gm.meta["fcoll_passes"]`` lists what ran.
+
+    Raises:
+        ValueError: an unknown pass name.
+        PassFailed: a pass raised (the original error is chained).
+    """
+    config = config if config is not None else FcollConfig()
+    names = tuple(names if names is not None else config.pipeline)
+    passes = [get_pass(n, config) for n in names]
+    records = list(gm.meta.get(META_PASSES, []))
+    for p in passes:
+        t0 = time.perf_counter()
+        try:
+            result = p(gm)
+        except Exception as e:
+            raise PassFailed(f"fcoll pass {p.name!r} failed: {type(e).__name__}: {e}") from e
+        if result is None:
+            raise PassFailed(f"fcoll pass {p.name!r} returned None instead of a PassResult")
+        seconds = time.perf_counter() - t0
+        gm = result.graph_module
+        records.append({"pass": p.name, "modified": bool(result.modified), "seconds": seconds})
+        log.debug("pass %s: modified=%s in %.1f ms", p.name, result.modified, seconds * 1e3)
+        if on_pass is not None:
+            on_pass(p.name, gm)
+    gm.meta[META_PASSES] = records
+    return gm
+
+
+def _load_builtin_passes() -> None:
+    """Import the modules that define the built-in passes (they register on import)."""
+    import importlib
+
+    for module in ("lower", "overlap", "bucketing", "consistency"):
+        try:
+            importlib.import_module(f"fcoll.passes.{module}")
+        except ModuleNotFoundError as e:
+            if e.name != f"fcoll.passes.{module}":
+                raise

@@ -1,0 +1,117 @@
+"""``FcollConfig``: the one frozen configuration of ``torch.compile(backend="fcoll", options=...)``.
+
+Every option has its unit in its name. Unknown options and bad values raise ``ValueError`` naming
+the option, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+__all__ = ["FcollConfig", "DEFAULT_PASSES"]
+
+#: The default pass pipeline, in order (see DESIGN.md, "Data flow").
+DEFAULT_PASSES: tuple[str, ...] = (
+    "lower_c10d_functional",
+    "bucket_collectives",
+    "reorder_for_overlap",
+    "check_rank_consistency",
+)
+
+_COMPUTE = ("eager", "inductor")
+_BUCKET_MODES = ("concat", "coalesced")
+
+
+@dataclass(frozen=True)
+class FcollConfig:
+    """Options of the fcoll compile backend.
+
+    Attributes:
+        compute: "eager" runs the aten graph op by op; "inductor" compiles the compute between
+            collectives with Inductor and keeps fcoll's collectives and waits in fcoll's order.
+        passes: pass names to run, in order; None means :data:`DEFAULT_PASSES` filtered by the
+            switches below.
+        overlap: run ``reorder_for_overlap`` (cost-model scheduling of collectives and waits).
+        bucket: run ``bucket_collectives``.
+        bucket_cap_mb: largest bucket, in MiB (2**20 bytes) of collective input.
+        bucket_mode: "concat" (flatten and concatenate into one buffer) or "coalesced" (the
+            coalesced ops, no copy).
+        max_in_flight_mb: most collective bytes outstanding at once in a schedule, in MiB.
+        memory_budget_mb: most extra peak memory the scheduler may add, in MiB.
+        check_ranks: run ``check_rank_consistency`` (compare collective fingerprints across ranks).
+        check_timeout_s: how long the consistency check waits for the other ranks, in seconds.
+        trace_dir: write a Chrome/Perfetto trace per rank of each run of a compiled graph here.
+        estimator: a user cost estimator, ``estimator(node) -> float | None`` in microseconds;
+            None falls back to fcoll's calibrated model for that node.
+    """
+
+    compute: str = "eager"
+    passes: tuple[str, ...] | None = None
+    overlap: bool = True
+    bucket: bool = True
+    bucket_cap_mb: float = 25.0
+    bucket_mode: str = "concat"
+    max_in_flight_mb: float = 256.0
+    memory_budget_mb: float = 1024.0
+    check_ranks: bool = True
+    check_timeout_s: float = 60.0
+    trace_dir: str | None = None
+    estimator: Callable[[Any], float | None] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.compute not in _COMPUTE:
+            raise ValueError(f"fcoll option 'compute': expected one of {_COMPUTE}, "
+                             f"got {self.compute!r}")
+        if self.bucket_mode not in _BUCKET_MODES:
+            raise ValueError(f"fcoll option 'bucket_mode': expected one of {_BUCKET_MODES}, "
+                             f"got {self.bucket_mode!r}")
+        for name in ("overlap", "bucket", "check_ranks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"fcoll option {name!r}: expected a bool, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("bucket_cap_mb", "max_in_flight_mb", "memory_budget_mb", "check_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"fcoll option {name!r}: expected a positive number, "
+                                 f"got {value!r}")
+        if self.passes is not None:
+            if isinstance(self.passes, str) or not all(isinstance(p, str) for p in self.passes):
+                raise ValueError(f"fcoll option 'passes': expected a sequence of pass names, "
+                                 f"got {self.passes!r}")
+            object.__setattr__(self, "passes", tuple(self.passes))
+        if self.trace_dir is not None and not isinstance(self.trace_dir, str):
+            raise ValueError(f"fcoll option 'trace_dir': expected a path string, "
+                             f"got {self.trace_dir!r}")
+        if self.estimator is not None and not callable(self.estimator):
+            raise ValueError(f"fcoll option 'estimator': expected a callable, "
+                             f"got {self.estimator!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "FcollConfig":
+        """Build a config from ``torch.compile(options=...)``.
+
+        Raises:
+            ValueError: an unknown option (named, with the known ones listed) or a bad value.
+        """
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown fcoll option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**options)
+
+    @property
+    def pipeline(self) -> tuple[str, ...]:
+        """The pass names this config runs, in order."""
+        if self.passes is not None:
+            return self.passes
+        skip = set()
+        if not self.bucket:
+            skip.add("bucket_collectives")
+        if not self.overlap:
+            skip.add("reorder_for_overlap")
+        if not self.check_ranks:
+            skip.add("check_rank_consistency")
+        return tuple(p for p in DEFAULT_PASSES if p not in skip)
