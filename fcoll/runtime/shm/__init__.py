@@ -1,0 +1,41 @@
+"""fcoll's shared-memory collective backend (``dist.init_process_group("fcoll")``).
+
+Modules: ``segment`` (the /dev/shm segment and its layout), ``sync`` (arrival counters, futex
+waits, liveness, timeouts), ``headers`` (per-collective headers and cross-rank checks),
+``algorithms`` (data movement per collective), ``engine`` (the per-group worker thread),
+``validate`` (argument checks, staging), ``process_group`` (the ``dist.ProcessGroup``).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch.distributed as dist
+
+__all__ = ["register_backend", "create_process_group", "BACKEND_NAME"]
+
+BACKEND_NAME = "fcoll"
+
+
+def create_process_group(common_opts, backend_opts=None):
+    """Backend creator for ``Backend.register_backend(..., extended_api=True)``."""
+    from fcoll.runtime.shm.process_group import FcollProcessGroup
+
+    return FcollProcessGroup(
+        common_opts.store, common_opts.group_rank, common_opts.group_size, common_opts.timeout,
+        global_ranks=list(common_opts.global_ranks_in_group or []),
+    )
+
+
+def register_backend() -> None:
+    """Register the ``"fcoll"`` backend with torch.distributed; calling it again is a no-op.
+
+    Only on Linux x86-64: the publication protocol relies on x86-64 store ordering and the
+    futex syscall number.
+    """
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True,
+                                  devices=["cpu", "cuda"])

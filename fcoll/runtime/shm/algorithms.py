@@ -1,0 +1,276 @@
+"""Data movement of each collective through the double-buffered per-rank slots of a segment.
+
+Every function runs on the group's worker thread with flat, contiguous CPU tensors and moves data
+in *chunks* that fit one slot (``slot_bytes`` per rank). Chunk ``u`` of the group uses slot
+``u % 2``. Reuse is safe: a rank writes slot ``s`` for use ``u`` only after it has waited for
+every peer at a phase of use ``u - 1``, and a peer reaches that phase only after it finished
+reading use ``u - 2`` (the previous use of ``s``).
+
+The first phase of every collective also carries the header; headers are checked on every rank
+before anything is written to an output, so an invalid or mismatched call raises everywhere and
+moves no data.
+
+Algorithms (n ranks, this rank r, sizes per rank):
+
+* all_reduce, small (<= ``small_bytes``): copy in, one phase, every rank reduces all n rows
+  (one synchronisation; every rank computes the same bits).
+* all_reduce, large: per chunk, copy in; phase A; rank r reduces slice r of the chunk over all n
+  rows into its output and back into its own slot; phase B; copy the other slices out. Each rank
+  reduces 1/n of the data (reduce-scatter then all-gather, as in NCCL's ring/tree-free
+  intra-node algorithms), and every output element is computed by exactly one rank, so all ranks
+  end bit-identical.
+* all_gather: per chunk, copy in, one phase, one strided copy of all n rows out.
+* reduce_scatter: per chunk, copy the n pieces in, one phase, reduce piece r over n rows.
+* broadcast: the root fills the whole slot pair row set (n * slot_bytes), one phase, copy out.
+* all_to_all: each slot holds n sub-slots (one per destination); rounds until the longest
+  (source, destination) segment is through; the number of rounds comes from the headers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcoll.runtime.shm import headers as hdr
+from fcoll.runtime.shm.sync import Channel
+
+_BOOL_OP = {"sum": "bor", "max": "bor", "product": "band", "min": "band"}
+_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+
+class Call:
+    """One collective as the worker runs it: the channel, names for errors, start time, header."""
+
+    __slots__ = ("ch", "name", "what", "start", "payload")
+
+    def __init__(self, ch: Channel, name: str, what: str, start: float, payload: bytes):
+        self.ch, self.name, self.what, self.start, self.payload = ch, name, what, start, payload
+
+    def slot(self) -> int:
+        ch = self.ch
+        s = ch.use & 1
+        ch.use += 1
+        return s
+
+    def first_sync(self, slot: int) -> list[tuple]:
+        """Publish this rank's header and data of the first phase, wait, check all headers."""
+        ch = self.ch
+        seg = ch.seg
+        lay = seg.layout
+        hdr.write(seg.buf, lay.header(slot, ch.rank), self.payload)
+        ch.arrive()
+        ch.wait_all(self.what, self.start)
+        heads = [hdr.read(seg.buf, lay.header(slot, p)) for p in range(ch.world)]
+        return hdr.check(heads, self.name, ch.describe)
+
+    def sync(self) -> None:
+        self.ch.arrive()
+        self.ch.wait_all(self.what, self.start)
+
+
+def reduce_rows(rows: torch.Tensor, op: str, out: torch.Tensor) -> None:
+    """``out[i] = op(rows[0, i], ..., rows[n-1, i])``; rows ``[n, L]`` (strided), out ``[L]``.
+
+    bool follows logical semantics: sum/max = or, product/min = and. avg is sum / n (floating
+    dtypes only; the caller validates).
+    """
+    n = rows.shape[0]
+    if n == 1:
+        out.copy_(rows[0])
+        return
+    if rows.dtype == torch.bool:
+        op = _BOOL_OP.get(op, op)
+    if op in ("sum", "avg"):
+        if n == 2:
+            torch.add(rows[0], rows[1], out=out)
+        else:
+            torch.sum(rows, 0, dtype=out.dtype, out=out)
+        if op == "avg":
+            out.div_(n)
+    elif op == "product":
+        if n == 2:
+            torch.mul(rows[0], rows[1], out=out)
+        else:
+            torch.prod(rows, 0, dtype=out.dtype, out=out)
+    elif op == "min":
+        torch.minimum(rows[0], rows[1], out=out) if n == 2 else torch.amin(rows, 0, out=out)
+    elif op == "max":
+        torch.maximum(rows[0], rows[1], out=out) if n == 2 else torch.amax(rows, 0, out=out)
+    else:
+        f = _BITWISE[op]
+        f(rows[0], rows[1], out=out)
+        for i in range(2, n):
+            f(out, rows[i], out=out)
+
+
+def _slice(L: int, n: int, p: int) -> tuple[int, int]:
+    q = -(-L // n)
+    q = -(-q // 16) * 16  # 16-element aligned slices keep vector loads aligned
+    a = min(p * q, L)
+    return a, min(a + q, L)
+
+
+def all_reduce(c: Call, src: torch.Tensor, dst: torch.Tensor | None, op: str,
+               small_bytes: int) -> None:
+    """Reduce flat ``src`` across ranks into flat ``dst`` (``dst is src`` for all_reduce; None on
+    the non-root ranks of a rooted reduce, which compute their share but write nothing)."""
+    ch = c.ch
+    n, r = ch.world, ch.rank
+    data = ch.seg.data
+    e = src.element_size()
+    M = src.numel()
+    per = ch.seg.layout.slot_bytes // e
+    if M * e <= small_bytes:
+        slot = c.slot()
+        rows = data[slot].view(src.dtype)[:, :M]
+        rows[r].copy_(src)
+        c.first_sync(slot)
+        if dst is not None:
+            reduce_rows(rows, op, dst)
+        return
+    scratch = None
+    for c0 in range(0, M, per):
+        L = min(per, M - c0)
+        slot = c.slot()
+        rows = data[slot].view(src.dtype)[:, :L]
+        rows[r].copy_(src[c0:c0 + L])
+        if c0 == 0:
+            c.first_sync(slot)
+        else:
+            c.sync()
+        a, b = _slice(L, n, r)
+        if b > a:
+            if dst is not None:
+                tgt = dst[c0 + a:c0 + b]
+            else:
+                if scratch is None:
+                    scratch = torch.empty(per, dtype=src.dtype)
+                tgt = scratch[:b - a]
+            reduce_rows(rows[:, a:b], op, tgt)
+            rows[r, a:b].copy_(tgt)
+        c.sync()
+        if dst is not None:
+            for p in range(n):
+                if p != r:
+                    a, b = _slice(L, n, p)
+                    if b > a:
+                        dst[c0 + a:c0 + b].copy_(rows[p, a:b])
+
+
+def all_gather(c: Call, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Bytes: ``src [B]`` uint8 on every rank -> ``dst [n, B]`` uint8 (row p from rank p)."""
+    ch = c.ch
+    r = ch.rank
+    data = ch.seg.data
+    B = src.numel()
+    S = ch.seg.layout.slot_bytes
+    c0 = 0
+    while True:
+        L = min(S, B - c0)
+        slot = c.slot()
+        rows = data[slot][:, :L]
+        rows[r].copy_(src[c0:c0 + L])
+        if c0 == 0:
+            c.first_sync(slot)
+        else:
+            c.sync()
+        dst[:, c0:c0 + L].copy_(rows)
+        c0 += L
+        if c0 >= B:
+            return
+
+
+def reduce_scatter(c: Call, src: torch.Tensor, dst: torch.Tensor, op: str) -> None:
+    """``src [n, M]`` (contiguous) on every rank -> ``dst [M]`` = op over ranks of ``src[r]``."""
+    ch = c.ch
+    n, r = ch.world, ch.rank
+    data = ch.seg.data
+    M = dst.numel()
+    per = ch.seg.layout.slot_bytes // (src.element_size() * n)
+    c0 = 0
+    while True:
+        L = min(per, M - c0)
+        slot = c.slot()
+        drows = data[slot].view(src.dtype)
+        drows[r, :n * L].view(n, L).copy_(src[:, c0:c0 + L])
+        if c0 == 0:
+            c.first_sync(slot)
+        else:
+            c.sync()
+        reduce_rows(drows[:, r * L:(r + 1) * L], op, dst[c0:c0 + L])
+        c0 += L
+        if c0 >= M:
+            return
+
+
+def broadcast(c: Call, buf: torch.Tensor, root: int) -> None:
+    """Bytes: ``buf [B]`` uint8; the root's contents end up in every rank's ``buf``."""
+    ch = c.ch
+    data = ch.seg.data
+    B = buf.numel()
+    cap = ch.world * ch.seg.layout.slot_bytes
+    is_root = ch.rank == root
+    c0 = 0
+    while True:
+        L = min(cap, B - c0)
+        slot = c.slot()
+        flat = data[slot].view(-1)
+        if is_root:
+            flat[:L].copy_(buf[c0:c0 + L])
+        if c0 == 0:
+            c.first_sync(slot)
+        else:
+            c.sync()
+        if not is_root:
+            buf[c0:c0 + L].copy_(flat[:L])
+        c0 += L
+        if c0 >= B:
+            return
+
+
+def all_to_all(c: Call, src: torch.Tensor, dst: torch.Tensor, send: list[tuple[int, int]],
+               recv: list[tuple[int, int]], row_bytes: int) -> None:
+    """Bytes: ``src[send[p][0]:+send[p][1]]`` goes to rank p, lands in its ``dst`` at ``recv``.
+
+    ``send``/``recv`` are (offset, length) in bytes per peer; the rows counts are checked against
+    every peer's header first, and the number of rounds comes from the largest segment.
+    """
+    ch = c.ch
+    n, r = ch.world, ch.rank
+    data = ch.seg.data
+    sub = (ch.seg.layout.slot_bytes // n) // 64 * 64
+
+    def copy_in(slot: int, t: int) -> None:
+        row = data[slot][r]
+        for p in range(n):
+            if p != r:
+                off, ln = send[p]
+                a, b = min(t * sub, ln), min((t + 1) * sub, ln)
+                if b > a:
+                    row[p * sub:p * sub + b - a].copy_(src[off + a:off + b])
+
+    def copy_out(slot: int, t: int) -> None:
+        for p in range(n):
+            if p != r:
+                off, ln = recv[p]
+                a, b = min(t * sub, ln), min((t + 1) * sub, ln)
+                if b > a:
+                    dst[off + a:off + b].copy_(data[slot][p, r * sub:r * sub + b - a])
+
+    slot = c.slot()
+    copy_in(slot, 0)
+    heads = c.first_sync(slot)
+    longest = max(max(h[6][0]) if h[6][0] else 0 for h in heads) * row_bytes
+    rounds = max(1, -(-longest // sub))
+    off_s, ln_s = send[r]
+    off_r, _ = recv[r]
+    dst[off_r:off_r + ln_s].copy_(src[off_s:off_s + ln_s])
+    copy_out(slot, 0)
+    for t in range(1, rounds):
+        slot = c.slot()
+        copy_in(slot, t)
+        c.sync()
+        copy_out(slot, t)
+
+
+def barrier(c: Call) -> None:
+    c.first_sync(c.slot())

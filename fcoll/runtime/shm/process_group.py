@@ -1,0 +1,406 @@
+"""``FcollProcessGroup``: the shared-memory backend as a pure-Python ``dist.ProcessGroup``.
+
+Each method mirrors what ``torch.distributed.distributed_c10d`` (and C++ callers such as DDP's
+reducer, through the ``PyProcessGroup`` trampoline) call on a process group. A method validates
+its arguments on the calling thread, stages inputs (CUDA -> host, non-contiguous -> contiguous),
+queues a :class:`~fcoll.runtime.shm.engine.Job`, and returns a ``Work`` made from the job's
+future. Invalid arguments still queue a header-only job flagged invalid, so every peer raises the
+same message instead of hanging; the calling rank raises ``ValueError`` at once.
+
+Shapes per rank (n = group size): all_reduce ``[*] -> [*]``; all_gather ``[*] -> [n * N, ...]``;
+reduce_scatter ``[n * N, ...] -> [N, ...]``; all_to_all_single ``[sum(in_splits), ...] ->
+[sum(out_splits), ...]``; broadcast / reduce in place.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from fcoll.runtime.shm import algorithms as alg
+from fcoll.runtime.shm import headers as hdr
+from fcoll.runtime.shm.engine import Engine, Job
+from fcoll.runtime.shm.segment import open_segment
+from fcoll.runtime.shm.sync import Channel
+from fcoll.runtime.shm.validate import Staging, check_reduce_op, reduce_op_name
+
+SLOT_BYTES = 2 << 20  # per rank and slot; a segment is 2 * world * SLOT_BYTES + a few pages
+SMALL_ALLREDUCE_BYTES = 64 << 10
+
+
+class FcollProcessGroup(dist.ProcessGroup):
+    """Shared-memory process group of the ranks of one host (CPU tensors; CUDA staged).
+
+    Args:
+        store: the group's (prefix) store, used once to share the segment name.
+        rank, size: this rank and the group size.
+        timeout: every wait of every collective gives up after this long.
+        global_ranks: global rank of each group rank (for error messages).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+                 global_ranks: list[int] | None = None, slot_bytes: int = SLOT_BYTES):
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
+        self._group_name = ""
+        self._group_desc = ""
+        self._seq = 0
+        self._timeout_s = timeout.total_seconds()
+        seg = open_segment(store, rank, size, slot_bytes, timeout)
+        ch = Channel(seg, rank, size, self._timeout_s, self._global_ranks)
+        self._engine = Engine(seg, ch, f"g{self._global_ranks[0]}x{size}r{rank}")
+        self._coalescing: list[Any] | None = None
+
+    # ---- identity -------------------------------------------------------------------------
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def getBackendName(self) -> str:  # noqa: N802  (PyTorch's name)
+        return "fcoll"
+
+    def name(self) -> str:
+        return "fcoll"
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"FcollProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
+
+    def shutdown(self) -> None:
+        self._engine.close()
+
+    def abort(self) -> None:
+        self._engine.close(timeout_s=0.5)
+
+    def _desc_rank(self) -> str:
+        g = self._global_ranks[self._rank]
+        return f"rank {self._rank}" if g == self._rank else f"rank {self._rank} (global rank {g})"
+
+    # ---- submission -----------------------------------------------------------------------
+    def _submit(self, name: str, shape_of: torch.Tensor | None, *, reduce_op: str = "",
+                root: int = -1, extra: Any = None, error: str | None = None,
+                run: Callable[[alg.Call], None] | None = None, st: Staging | None = None,
+                result: Any = None) -> dist.Work:
+        seq = self._seq
+        self._seq += 1
+        if error is not None:
+            error = f"fcoll {name}: {self._desc_rank()}: {error}"
+        dtype = str(shape_of.dtype).replace("torch.", "") if shape_of is not None else ""
+        shape = tuple(shape_of.shape) if shape_of is not None else ()
+        payload = hdr.encode(seq, name, dtype, shape, reduce_op, root, extra, error)
+        if error is not None:
+            self._engine.submit(Job(name, seq, payload, alg.barrier, None, None))
+            raise ValueError(error)
+        job = Job(name, seq, payload, run, st.finish if st is not None else None, result)
+        fut = self._engine.submit(job)
+        if self._coalescing is not None:
+            self._coalescing.append(fut)
+        return _create_work_from_future(fut)
+
+    # ---- all_reduce / reduce ----------------------------------------------------------------
+    def allreduce(self, tensors, opts=None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        return self._allreduce("all_reduce", tensors, reduce_op_name(opts.reduceOp))
+
+    def _allreduce(self, name: str, tensors, op: str, root: int | None = None) -> dist.Work:
+        if len(tensors) != 1:
+            return self._submit(name, None, error=f"expects 1 tensor, got {len(tensors)}")
+        t = tensors[0]
+        err = check_reduce_op(op, t.dtype) or Staging.check_output(t, "tensor")
+        if root is not None and not 0 <= root < self._size:
+            err = err or f"root {root} is out of range for a group of size {self._size}"
+        if err:
+            return self._submit(name, t, reduce_op=op, root=-2 if root is None else root,
+                                error=err)
+        st = Staging()
+        flat = st.inout(t).view(-1)
+        writes = root is None or root == self._rank
+
+        def run(c: alg.Call) -> None:
+            alg.all_reduce(c, flat, flat if writes else None, op, SMALL_ALLREDUCE_BYTES)
+
+        return self._submit(name, t, reduce_op=op, root=-1 if root is None else root, run=run,
+                            st=st, result=[t])
+
+    def reduce(self, tensors, opts=None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        return self._allreduce("reduce", tensors, reduce_op_name(opts.reduceOp), opts.rootRank)
+
+    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
+        """One all_reduce per dtype over the tensors packed into one flat buffer."""
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        op = reduce_op_name(opts.reduceOp)
+        name = "all_reduce_coalesced"
+        errs = [check_reduce_op(op, t.dtype) or Staging.check_output(t, f"tensors[{i}]")
+                for i, t in enumerate(tensors)]
+        err = next((e for e in errs if e), None)
+        sig = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
+        if err:
+            return self._submit(name, None, reduce_op=op, extra=sig, error=err)
+        st = Staging()
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(st.inout(t))
+
+        def run(c: alg.Call) -> None:
+            first = True
+            for dt, ts in groups.items():
+                flat = torch.cat([x.view(-1) for x in ts]) if len(ts) > 1 else ts[0].view(-1)
+                if not first:
+                    c.payload = hdr.encode(-1, name, str(dt), (flat.numel(),), op, -1, None)
+                alg.all_reduce(c, flat, flat, op, SMALL_ALLREDUCE_BYTES)
+                first = False
+                if len(ts) > 1:
+                    off = 0
+                    for x in ts:
+                        x.view(-1).copy_(flat[off:off + x.numel()])
+                        off += x.numel()
+
+        return self._submit(name, None, reduce_op=op, extra=sig, run=run, st=st,
+                            result=list(tensors))
+
+    # ---- all_gather ---------------------------------------------------------------------------
+    def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+        name = "all_gather_into_tensor"
+        n = self._size
+        err = (Staging.check_output(output, "output_tensor")
+               or Staging.check_same_dtype(input, output))
+        if not err and output.numel() != n * input.numel():
+            err = (f"output_tensor has {output.numel()} elements but the group size {n} times "
+                   f"input_tensor's {input.numel()} is {n * input.numel()}")
+        if err:
+            return self._submit(name, input, error=err)
+        st = Staging()
+        src = st.input(input).view(-1).view(torch.uint8)
+        dst = st.output(output).view(-1).view(torch.uint8).view(n, -1)
+        return self._submit(name, input, run=lambda c: alg.all_gather(c, src, dst), st=st,
+                            result=[output])
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """List form: ``output_tensors[0][p]`` receives rank p's ``input_tensors[0]``."""
+        name = "all_gather"
+        n = self._size
+        if len(input_tensors) != 1 or len(output_tensors) != 1 or len(output_tensors[0]) != n:
+            return self._submit(name, None, error=f"expects one input tensor and a list of {n} "
+                                                  "output tensors")
+        inp, outs = input_tensors[0], output_tensors[0]
+        err = next((Staging.check_output(o, f"output_tensors[{i}]")
+                    or Staging.check_same_dtype(inp, o) for i, o in enumerate(outs)), None)
+        bad = [i for i, o in enumerate(outs) if o.numel() != inp.numel()]
+        if not err and bad:
+            err = f"output_tensors[{bad[0]}] has {outs[bad[0]].numel()} elements, input has " \
+                  f"{inp.numel()}"
+        if err:
+            return self._submit(name, inp, error=err)
+        st = Staging()
+        src = st.input(inp).view(-1).view(torch.uint8)
+        dst = torch.empty((n, src.numel()), dtype=torch.uint8)
+
+        def run(c: alg.Call) -> None:
+            alg.all_gather(c, src, dst)
+            for p, o in enumerate(outs):
+                st.scatter_into(o, dst[p])
+
+        return self._submit(name, inp, run=run, st=st, result=[list(outs)])
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
+        works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
+        return works[-1]
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self.barrier()
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # ---- reduce_scatter -----------------------------------------------------------------------
+    def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        name = "reduce_scatter_tensor"
+        op = reduce_op_name(opts.reduceOp)
+        n = self._size
+        err = (check_reduce_op(op, input.dtype) or Staging.check_output(output, "output")
+               or Staging.check_same_dtype(input, output))
+        if not err and input.dim() > 0 and input.shape[0] % n and output.dim() == input.dim():
+            err = f"input's first dimension {input.shape[0]} is not divisible by the group size {n}"
+        if not err and input.numel() != n * output.numel():
+            err = (f"output has {output.numel()} elements but input's {input.numel()} elements "
+                   f"divided by the group size {n} is {input.numel() / n:g}")
+        if err:
+            return self._submit(name, input, reduce_op=op, error=err)
+        st = Staging()
+        src = st.input(input).view(n, -1)
+        dst = st.output(output).view(-1)
+        return self._submit(name, input, reduce_op=op,
+                            run=lambda c: alg.reduce_scatter(c, src, dst, op), st=st,
+                            result=[output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
+        n = self._size
+        if len(output_tensors) != 1 or len(input_lists) != 1 or len(input_lists[0]) != n:
+            return self._submit("reduce_scatter", None,
+                                error=f"expects one output tensor and a list of {n} inputs")
+        ins = input_lists[0]
+        if any(i.numel() != output_tensors[0].numel() or i.dtype != output_tensors[0].dtype
+               for i in ins):
+            return self._submit("reduce_scatter", output_tensors[0],
+                                error="every input must match the output's size and dtype")
+        stacked = torch.stack([i.detach().reshape(-1).cpu() for i in ins])
+        return self.reduce_scatter_single(output_tensors[0], stacked.view(-1), opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self.barrier()
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # ---- all_to_all ---------------------------------------------------------------------------
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
+                          opts=None) -> dist.Work:
+        name = "all_to_all_single"
+        n = self._size
+        in_s, out_s, err = Staging.check_splits(input, output, list(input_split_sizes or []),
+                                                list(output_split_sizes or []), n)
+        err = err or Staging.check_output(output, "output") or Staging.check_same_dtype(
+            input, output)
+        if err:
+            return self._submit(name, input, extra=None, error=err)
+        row = input[0].numel() * input.element_size() if input.dim() else input.element_size()
+        st = Staging()
+        src = st.input(input).view(-1).view(torch.uint8)
+        dst = st.output(output).view(-1).view(torch.uint8)
+        send = _offsets(in_s, row)
+        recv = _offsets(out_s, row)
+        return self._submit(name, input, extra=(in_s, out_s),
+                            run=lambda c: alg.all_to_all(c, src, dst, send, recv, row), st=st,
+                            result=[output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """List form, via ``all_to_all_single`` on flattened, concatenated tensors."""
+        n = self._size
+        if len(output_tensors) != n or len(input_tensors) != n:
+            return self._submit("all_to_all", None, error=f"expects {n} inputs and {n} outputs")
+        dt = input_tensors[0].dtype
+        src = torch.cat([t.detach().reshape(-1).cpu().to(dt) for t in input_tensors])
+        dst = torch.empty(sum(o.numel() for o in output_tensors), dtype=dt)
+        w = self.all_to_all_single(dst, src, [o.numel() for o in output_tensors],
+                                   [t.numel() for t in input_tensors])
+        fut = torch.futures.Future()
+
+        def done(f):
+            try:
+                f.value()
+                off = 0
+                for o in output_tensors:
+                    o.copy_(dst[off:off + o.numel()].view(o.shape))
+                    off += o.numel()
+                fut.set_result(list(output_tensors))
+            except BaseException as e:  # noqa: BLE001
+                fut.set_exception(e)
+
+        w.get_future().add_done_callback(done)
+        return _create_work_from_future(fut)
+
+    # ---- broadcast / barrier / coalescing ----------------------------------------------------
+    def broadcast(self, tensors, opts=None) -> dist.Work:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        name = "broadcast"
+        root = opts.rootRank
+        err = None
+        if len(tensors) != 1:
+            err = f"expects 1 tensor, got {len(tensors)}"
+        elif not 0 <= root < self._size:
+            err = f"src {root} is out of range for a group of size {self._size}"
+        else:
+            err = Staging.check_output(tensors[0], "tensor")
+        t = tensors[0] if tensors else None
+        if err:
+            return self._submit(name, t, root=root, error=err)
+        st = Staging()
+        buf = st.inout(t, read=root == self._rank).view(-1).view(torch.uint8)
+        return self._submit(name, t, root=root, run=lambda c: alg.broadcast(c, buf, root),
+                            st=st, result=[t])
+
+    def barrier(self, opts=None) -> dist.Work:
+        return self._submit("barrier", None, run=alg.barrier)
+
+    def _start_coalescing(self, device=None) -> None:
+        self._coalescing = []
+
+    def _end_coalescing(self, device=None) -> dist.Work:
+        futs, self._coalescing = self._coalescing or [], None
+        if not futs:
+            fut = torch.futures.Future()
+            fut.set_result(None)
+            return _create_work_from_future(fut)
+        return _create_work_from_future(torch.futures.collect_all(futs))
+
+    # ---- rooted gather / scatter (via all_gather / broadcast) ------------------------------
+    def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
+        root = opts.rootRank if opts is not None else 0
+        n = self._size
+        inp = input_tensors[0]
+        outs = output_lists[0] if output_lists and output_lists[0] else [
+            torch.empty_like(inp) for _ in range(n)]
+        if not 0 <= root < n:
+            return self._submit("gather", inp, root=root, error=f"dst {root} is out of range")
+        return self.allgather([outs], [inp])
+
+    def scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
+        root = opts.rootRank if opts is not None else 0
+        n = self._size
+        out = output_tensors[0]
+        if not 0 <= root < n:
+            return self._submit("scatter", out, root=root, error=f"src {root} is out of range")
+        if self._rank == root:
+            stacked = torch.stack([t.detach().cpu() for t in input_lists[0]])
+        else:
+            stacked = torch.empty((n, *out.shape), dtype=out.dtype)
+        bopts = dist.BroadcastOptions()
+        bopts.rootRank = root
+        w = self.broadcast([stacked], bopts)
+        fut = torch.futures.Future()
+
+        def done(f):
+            try:
+                f.value()
+                out.copy_(stacked[self._rank])
+                fut.set_result([out])
+            except BaseException as e:  # noqa: BLE001
+                fut.set_exception(e)
+
+        w.get_future().add_done_callback(done)
+        return _create_work_from_future(fut)
+
+
+def _offsets(splits: list[int], row_bytes: int) -> list[tuple[int, int]]:
+    out, off = [], 0
+    for s in splits:
+        out.append((off * row_bytes, s * row_bytes))
+        off += s
+    return out

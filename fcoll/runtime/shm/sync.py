@@ -1,0 +1,159 @@
+"""Cross-process arrival counters on shared memory, with futex waits, liveness and timeouts.
+
+Protocol. Each rank owns one u32 *arrive* counter in the segment. A collective is a sequence of
+*phases*; in phase ``k`` a rank writes its data and header into its own slot, then stores
+``arrive = k`` (the store comes after the data: x86-64 keeps stores in order, so a reader that
+sees ``arrive >= k`` sees the data; this backend is only registered on x86-64), then wakes futex
+waiters on its counter. Readers wait until every peer's counter reached ``k`` and only then read.
+Every rank runs the same phases in the same order (headers checked at the first phase of every
+collective), so counters agree.
+
+Waiting: a short bounded spin (only when there are at least as many cores as ranks), then
+``FUTEX_WAIT`` on the peer's counter (the kernel re-checks the value, so a wake between our read
+and the syscall is never lost) with a ~100 ms tick. Each tick checks that every peer process is
+still alive (``/proc/<pid>/stat``: state and start time; a zombie is dead) and the group timeout,
+so a dead peer is reported within about 0.1-0.2 s and a missing one at the timeout. A blocked
+futex costs no CPU, and ctypes releases the GIL during the syscall.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+from fcoll.runtime.shm.segment import W_ARRIVE, W_PID, W_START_HI, W_START_LO, Segment, proc_alive
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_INT_MAX = 0x7FFFFFFF
+_TICK_S = 0.1
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class PeerError(RuntimeError):
+    """A peer died or the group timed out; the group cannot be used any more."""
+
+
+def futex_wait(addr: int, expected: int, timeout_s: float) -> None:
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+    _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
+             ctypes.byref(ts), None, 0)
+
+
+def futex_wake(addr: int) -> None:
+    _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+
+
+class Channel:
+    """Phase counters of one group on one segment, seen from group rank ``rank``.
+
+    Args:
+        seg: the mapped segment.
+        rank: this process's rank in the group.
+        world: group size.
+        timeout_s: the group timeout, in seconds, for any single wait.
+        global_ranks: group rank -> global rank, for error messages.
+        spin_iters: polls of a peer counter before blocking in the kernel.
+    """
+
+    def __init__(self, seg: Segment, rank: int, world: int, timeout_s: float,
+                 global_ranks: list[int], spin_iters: int | None = None):
+        self.seg = seg
+        self.rank = rank
+        self.world = world
+        self.timeout_s = timeout_s
+        self.global_ranks = global_ranks
+        self.phase = 0  # phases completed by this rank
+        self.use = 0  # data-slot uses (slot = use % 2)
+        words = seg.words
+        lay = seg.layout
+        self._idx = [lay.word(p, W_ARRIVE) for p in range(world)]
+        self._addr = [seg.word_addr(p, W_ARRIVE) for p in range(world)]
+        self._peers = [p for p in range(world) if p != rank]
+        self._ident = [
+            (words[lay.word(p, W_PID)],
+             words[lay.word(p, W_START_LO)] | (words[lay.word(p, W_START_HI)] << 32))
+            for p in range(world)
+        ]
+        if spin_iters is None:
+            spin_iters = 300 if world <= (os.cpu_count() or 1) else 0
+        self.spin_iters = spin_iters
+        self.words = words
+
+    def describe(self, p: int) -> str:
+        g = self.global_ranks[p]
+        return f"rank {p}" if g == p else f"rank {p} (global rank {g})"
+
+    def arrive(self) -> int:
+        """Publish that this rank finished writing the current phase; returns the phase number."""
+        self.phase += 1
+        k = self.phase & 0xFFFFFFFF
+        self.words[self._idx[self.rank]] = k
+        futex_wake(self._addr[self.rank])
+        return k
+
+    def _arrived(self, p: int, k: int) -> bool:
+        return ((self.words[self._idx[p]] - k) & 0xFFFFFFFF) < 0x80000000
+
+    def wait_all(self, what: str, start: float) -> None:
+        """Block until every peer arrived at the current phase.
+
+        Args:
+            what: the collective, for error messages (``"all_reduce #12"``).
+            start: ``time.monotonic()`` when the collective started; the timeout counts from it.
+
+        Raises:
+            PeerError: a peer process died, or ``timeout_s`` passed first.
+        """
+        k = self.phase & 0xFFFFFFFF
+        words = self.words
+        for p in self._peers:
+            if self._arrived(p, k):
+                continue
+            idx = self._idx[p]
+            for _ in range(self.spin_iters):
+                if ((words[idx] - k) & 0xFFFFFFFF) < 0x80000000:
+                    break
+            else:
+                self._block(p, k, what, start)
+
+    def _block(self, p: int, k: int, what: str, start: float) -> None:
+        words = self.words
+        idx = self._idx[p]
+        addr = self._addr[p]
+        while True:
+            cur = words[idx]
+            if ((cur - k) & 0xFFFFFFFF) < 0x80000000:
+                return
+            t0 = time.monotonic()
+            remaining = self.timeout_s - (t0 - start)
+            if remaining <= 0:
+                self._fail_timeout(k, what)
+            futex_wait(addr, cur, min(_TICK_S, remaining))
+            if time.monotonic() - t0 >= _TICK_S * 0.9:
+                self.check_peers(what)
+
+    def check_peers(self, what: str) -> None:
+        """Raise :class:`PeerError` naming every peer process that is no longer running."""
+        dead = [p for p in self._peers if not proc_alive(*self._ident[p])]
+        if dead:
+            names = ", ".join(self.describe(p) for p in dead)
+            pids = ", ".join(str(self._ident[p][0]) for p in dead)
+            raise PeerError(
+                f"fcoll {what}: {names} died (pid {pids}) while rank {self.rank} waited for it; "
+                "the process group is no longer usable")
+
+    def _fail_timeout(self, k: int, what: str) -> None:
+        missing = [p for p in self._peers if not self._arrived(p, k)]
+        names = ", ".join(self.describe(p) for p in missing)
+        raise PeerError(
+            f"fcoll {what}: timed out after {self.timeout_s:.1f} s on rank {self.rank}; "
+            f"ranks not yet arrived: {names}")

@@ -1,0 +1,136 @@
+"""Local argument checks and staging of tensors into contiguous host memory.
+
+Checks return an error message (or None) instead of raising, so the caller can still send an
+"invalid" header to its peers before raising: every rank then fails with the same message and
+none waits for a collective that will never come.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT_ONLY = {"avg"}
+_INT_ONLY = {"band", "bor", "bxor"}
+_KNOWN = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"}
+
+
+def reduce_op_name(op) -> str:
+    """``ReduceOp`` / ``ReduceOp.RedOpType`` -> ``"sum"``, ``"band"``, ..."""
+    kind = getattr(op, "op", op)
+    return getattr(kind, "name", str(kind)).lower()
+
+
+def check_reduce_op(op: str, dtype: torch.dtype) -> str | None:
+    """Error message when reduce op ``op`` is not defined for ``dtype``.
+
+    avg needs a floating dtype (it divides); band/bor/bxor need an integer or bool dtype;
+    on bool, sum/max act as or and product/min as and.
+    """
+    name = str(dtype).replace("torch.", "")
+    if op not in _KNOWN:
+        return f"reduce op {op.upper()} is not supported (supported: " \
+               f"{', '.join(sorted(o.upper() for o in _KNOWN))})"
+    if op in _INT_ONLY and (dtype.is_floating_point or dtype.is_complex):
+        return f"reduce op {op.upper()} is not valid for dtype {name} (bitwise ops need an " \
+               "integer or bool tensor)"
+    if op in _FLOAT_ONLY and not dtype.is_floating_point:
+        return f"reduce op {op.upper()} is not valid for dtype {name} (AVG needs a floating " \
+               "dtype)"
+    if op in ("min", "max") and dtype.is_complex:
+        return f"reduce op {op.upper()} is not valid for complex dtype {name}"
+    return None
+
+
+class Staging:
+    """Contiguous, detached CPU views of user tensors, plus the copies back at the end.
+
+    A tensor that already is contiguous on the CPU is used in place (no copy). Others (CUDA,
+    non-contiguous) get a contiguous host copy; ``finish()`` (run by the worker after the data
+    moved) copies the results back into the user's tensors.
+    """
+
+    def __init__(self) -> None:
+        self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @staticmethod
+    def _direct(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.is_contiguous()
+
+    def input(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t if self._direct(t) else t.to("cpu").contiguous()
+
+    def output(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if self._direct(t):
+            return t
+        tmp = torch.empty(t.shape, dtype=t.dtype)
+        self._back.append((t, tmp))
+        return tmp
+
+    def inout(self, t: torch.Tensor, read: bool = True) -> torch.Tensor:
+        t = t.detach()
+        if self._direct(t):
+            return t
+        tmp = t.to("cpu").contiguous() if read else torch.empty(t.shape, dtype=t.dtype)
+        if tmp.data_ptr() == t.data_ptr():
+            tmp = tmp.clone()
+        self._back.append((t, tmp))
+        return tmp
+
+    @staticmethod
+    def scatter_into(o: torch.Tensor, row: torch.Tensor) -> None:
+        """Copy a contiguous uint8 ``row`` holding ``o``'s bytes into ``o`` (any layout)."""
+        o.detach().copy_(row.view(o.dtype).view(o.shape))
+
+    def finish(self) -> None:
+        for t, tmp in self._back:
+            t.copy_(tmp)
+
+    @staticmethod
+    def check_output(t: torch.Tensor, arg: str) -> str | None:
+        if not isinstance(t, torch.Tensor):
+            return f"{arg} must be a tensor, got {type(t).__name__}"
+        if t.device.type not in ("cpu", "cuda"):
+            return f"{arg} is on device {t.device}; fcoll supports cpu and cuda tensors"
+        if t.layout != torch.strided:
+            return f"{arg} has layout {t.layout}; only strided (dense) tensors are supported"
+        if torch._debug_has_internal_overlap(t) == 1:
+            return f"{arg} has overlapping memory (an expanded or broadcast view, " \
+                   f"strides {t.stride()}); pass a tensor where every element has its own storage"
+        return None
+
+    @staticmethod
+    def check_same_dtype(inp: torch.Tensor, out: torch.Tensor) -> str | None:
+        if inp.dtype != out.dtype:
+            return f"input dtype {str(inp.dtype)[6:]} differs from output dtype {str(out.dtype)[6:]}"
+        return None
+
+    @staticmethod
+    def check_splits(inp: torch.Tensor, out: torch.Tensor, in_splits: list[int],
+                     out_splits: list[int], n: int) -> tuple[list[int], list[int], str | None]:
+        """Resolve all_to_all split sizes (rows of dim 0 per rank); empty means even splits."""
+        if inp.dim() == 0 or out.dim() == 0:
+            return [], [], "input and output must have at least one dimension"
+        if tuple(inp.shape[1:]) != tuple(out.shape[1:]):
+            return [], [], f"input shape {list(inp.shape)} and output shape {list(out.shape)} " \
+                           "differ beyond the first dimension"
+        res = []
+        for t, splits, arg, targ in ((inp, in_splits, "input_split_sizes", "input"),
+                                     (out, out_splits, "output_split_sizes", "output")):
+            rows = t.shape[0]
+            if not splits:
+                if rows % n:
+                    return [], [], f"{targ}'s first dimension {rows} is not divisible by the " \
+                                   f"group size {n} and no {arg} were given"
+                res.append([rows // n] * n)
+                continue
+            if len(splits) != n:
+                return [], [], f"{arg} has {len(splits)} entries, expected the group size {n}"
+            if any(s < 0 for s in splits):
+                return [], [], f"{arg} {splits} has a negative entry"
+            if sum(splits) != rows:
+                return [], [], f"{arg} {splits} sum to {sum(splits)} but {targ} has {rows} " \
+                               "rows in dim 0"
+            res.append([int(s) for s in splits])
+        return res[0], res[1], None
