@@ -26,3 +26,6 @@ __all__ = [
     "all_to_all_single_autograd", "broadcast", "reduce_scatter_tensor",
     "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_coalesced", "wait_tensor",
 ]
+
+from fcoll.runtime.shm import register_backend as _register_shm_backend
+_register_shm_backend()
