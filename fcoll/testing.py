@@ -47,6 +47,26 @@ def fcoll_segments() -> list[str]:
         return []
 
 
+def _dumps(obj: Any) -> bytes:
+    """Serialise with torch.save: tensors travel by value, not as shared-memory handles that
+    die with the rank that made them."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
@@ -81,7 +101,7 @@ def _rank_main(
         finally:
             if backend is not None and dist.is_initialized():
                 dist.destroy_process_group()
-        results.put((rank, True, out))
+        results.put((rank, True, _dumps(out)))
     except BaseException:  # noqa: BLE001  report everything, including SystemExit
         results.put((rank, False, traceback.format_exc()))
 
@@ -168,4 +188,5 @@ def run_ranks(
     failures = {r: v for r, (ok, v) in got.items() if not ok}
     if failures and not allow_failures:
         raise RankFailure(failures)
-    return [got[r][1] if got[r][0] else RankFailure({r: got[r][1]}) for r in range(world_size)]
+    return [_loads(got[r][1]) if got[r][0] else RankFailure({r: got[r][1]})
+            for r in range(world_size)]

@@ -106,7 +106,15 @@ def _(input: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(input)
 
 
-_wrap_async.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, out: None)
+def _wrap_backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    return grad
+
+
+def _wrap_setup(ctx, inputs, output) -> None:
+    return None
+
+
+_wrap_async.register_autograd(_wrap_backward, setup_context=_wrap_setup)
 
 
 def wrap_async(t: torch.Tensor) -> torch.Tensor:

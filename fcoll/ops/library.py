@@ -142,12 +142,50 @@ _DIST_OPS = {
 }
 
 
+def _backend_name(pg: dist.ProcessGroup) -> str:
+    try:
+        return pg._get_backend_name()
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
 def _native_avg(pg: dist.ProcessGroup) -> bool:
     """gloo has no AVG; there fcoll reduces with SUM and divides once the work is done."""
-    try:
-        return pg._get_backend_name() != "gloo"
-    except (AttributeError, RuntimeError):
-        return False
+    return _backend_name(pg) not in ("gloo", "unknown")
+
+
+# gloo rejects int16 ("Invalid scalar type") and has no bool reductions: such tensors travel as
+# the wider dtype and are cast back when the work is done (wrap-around matches int16 arithmetic).
+_GLOO_WIRE_DTYPES = {torch.int16: torch.int32, torch.bool: torch.uint8}
+
+
+def _wire_dtype(pg: dist.ProcessGroup, dtype: torch.dtype) -> torch.dtype:
+    if _backend_name(pg) == "gloo":
+        return _GLOO_WIRE_DTYPES.get(dtype, dtype)
+    return dtype
+
+
+def _wire_input(pg: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the backend reads it: contiguous, in the wire dtype."""
+    return t.contiguous().to(_wire_dtype(pg, t.dtype))
+
+
+def _wire_output(pg: dist.ProcessGroup, t: torch.Tensor, *, initialised: bool):
+    """A buffer the backend may write for ``t``, and a finisher that copies it back if needed.
+
+    ``initialised``: the buffer must start with ``t``'s values (in-place reductions).
+    """
+    wire = _wire_dtype(pg, t.dtype)
+    if wire == t.dtype and t.is_contiguous():
+        return t, None
+    if initialised:
+        buf = t.contiguous().to(wire)
+    else:
+        buf = torch.empty(t.shape, dtype=wire, device=t.device)
+
+    def finish() -> None:
+        t.copy_(buf)
+    return buf, finish
 
 
 def _avg_divide(t: torch.Tensor, n: int):
@@ -159,26 +197,18 @@ def _avg_divide(t: torch.Tensor, n: int):
     return finish
 
 
-def _reduce_args(reduce_op: str, pg: dist.ProcessGroup, out: torch.Tensor):
-    """Map a reduce op string to (dist op, finisher) for this group's backend."""
+def _reduce_args(reduce_op: str, pg: dist.ProcessGroup, dtype: torch.dtype, buf: torch.Tensor):
+    """Map a reduce op string to (dist op, finisher on ``buf``) for this group's backend.
+
+    bool reductions are logical: sum/max/bor are OR (MAX), product/min/band are AND (MIN).
+    """
     if reduce_op == "avg" and not _native_avg(pg):
-        return dist.ReduceOp.SUM, _avg_divide(out, pg.size())
-    if out.dtype == torch.bool and reduce_op in ("sum", "max", "bor"):
+        return dist.ReduceOp.SUM, _avg_divide(buf, pg.size())
+    if dtype == torch.bool and reduce_op in ("sum", "max", "bor"):
         return dist.ReduceOp.MAX, None
-    if out.dtype == torch.bool and reduce_op in ("product", "min", "band"):
+    if dtype == torch.bool and reduce_op in ("product", "min", "band"):
         return dist.ReduceOp.MIN, None
     return _DIST_OPS[reduce_op], None
-
-
-def _contiguous_target(t: torch.Tensor):
-    """A contiguous buffer for writing into ``t`` and a finisher that copies it back if needed."""
-    if t.is_contiguous():
-        return t, None
-    buf = t.contiguous()
-
-    def finish() -> None:
-        t.copy_(buf)
-    return buf, finish
 
 
 def _chain(*finishers):
@@ -192,31 +222,16 @@ def _chain(*finishers):
     return finish
 
 
-def _all_reduce_into(out: torch.Tensor, reduce_op: str, group_name: str,
-                     report: torch.Tensor) -> None:
+def _all_reduce_into(out: torch.Tensor, reduce_op: str, group_name: str) -> None:
     """Start an all_reduce that reduces ``out`` in place across the group."""
     validate_reduce_op("all_reduce", reduce_op, out.dtype)
     pg = group_from_name(group_name)
     if pg.size() == 1:
         return
-    buf, copy_back = _contiguous_target(out)
-    if buf.dtype == torch.bool and not _is_fcoll(pg):
-        # gloo has no bool reductions: reduce as uint8, then cast back.
-        work_buf = buf.to(torch.uint8)
-        op, fin = _reduce_args(reduce_op, pg, buf)
-        work = dist.all_reduce(work_buf, op=op, group=pg, async_op=True)
-        pending.register(out, work, _chain(lambda: buf.copy_(work_buf.bool()), fin, copy_back))
-        return
-    op, fin = _reduce_args(reduce_op, pg, buf)
+    buf, copy_back = _wire_output(pg, out, initialised=True)
+    op, fin = _reduce_args(reduce_op, pg, out.dtype, buf)
     work = dist.all_reduce(buf, op=op, group=pg, async_op=True)
     pending.register(out, work, _chain(fin, copy_back))
-
-
-def _is_fcoll(pg: dist.ProcessGroup) -> bool:
-    try:
-        return pg._get_backend_name() == "fcoll"
-    except (AttributeError, RuntimeError):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,13 +247,13 @@ def _impl(name: str):
 @_impl("all_reduce")
 def _all_reduce(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
     out = input.clone(memory_format=torch.contiguous_format)
-    _all_reduce_into(out, reduce_op, group_name, input)
+    _all_reduce_into(out, reduce_op, group_name)
     return out
 
 
 @_impl("all_reduce_")
 def _all_reduce_(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    _all_reduce_into(input, reduce_op, group_name, input)
+    _all_reduce_into(input, reduce_op, group_name)
     return input
 
 
@@ -255,7 +270,7 @@ def _all_reduce_coalesced_(inputs: list[torch.Tensor], reduce_op: str, group_nam
     for t in inputs:
         validate_reduce_op("all_reduce_coalesced_", reduce_op, t.dtype)
     for t in inputs:
-        _all_reduce_into(t, reduce_op, group_name, t)
+        _all_reduce_into(t, reduce_op, group_name)
 
 
 def _gather_into(op: str, input: torch.Tensor, out: torch.Tensor, group_size: int,
@@ -269,8 +284,8 @@ def _gather_into(op: str, input: torch.Tensor, out: torch.Tensor, group_size: in
     if group_size == 1:
         out.copy_(input.reshape(out.shape))
         return
-    buf, copy_back = _contiguous_target(out)
-    work = dist.all_gather_into_tensor(buf, input.contiguous(), group=pg, async_op=True)
+    buf, copy_back = _wire_output(pg, out, initialised=False)
+    work = dist.all_gather_single(buf, _wire_input(pg, input), group=pg, async_op=True)
     pending.register(out, work, copy_back)
 
 
@@ -320,17 +335,11 @@ def _reduce_scatter_tensor(input: torch.Tensor, reduce_op: str, group_size: int,
     out = input.new_empty([input.size(0) // group_size, *input.shape[1:]])
     if group_size == 1:
         return out.copy_(input)
-    src = input.contiguous()
-    if input.dtype == torch.bool and not _is_fcoll(pg):
-        src = src.to(torch.uint8)
-        tmp = out.to(torch.uint8)
-        op, fin = _reduce_args(reduce_op, pg, out)
-        work = dist.reduce_scatter_tensor(tmp, src, op=op, group=pg, async_op=True)
-        pending.register(out, work, _chain(lambda: out.copy_(tmp.bool()), fin))
-        return out
-    op, fin = _reduce_args(reduce_op, pg, out)
-    work = dist.reduce_scatter_tensor(out, src, op=op, group=pg, async_op=True)
-    pending.register(out, work, fin)
+    buf, copy_back = _wire_output(pg, out, initialised=False)
+    op, fin = _reduce_args(reduce_op, pg, input.dtype, buf)
+    work = dist.reduce_scatter_single(buf, _wire_input(pg, input), op=op, group=pg,
+                                      async_op=True)
+    pending.register(out, work, _chain(fin, copy_back))
     return out
 
 
@@ -363,9 +372,10 @@ def _all_to_all_single(input: torch.Tensor, output_split_sizes: list[int],
                              f"{list(input_split_sizes)} on a group of one rank "
                              f"{_where(group_name, input)}")
         return out.copy_(input)
-    work = dist.all_to_all_single(out, input.contiguous(), list(output_split_sizes),
+    buf, copy_back = _wire_output(pg, out, initialised=False)
+    work = dist.all_to_all_single(buf, _wire_input(pg, input), list(output_split_sizes),
                                   list(input_split_sizes), group=pg, async_op=True)
-    pending.register(out, work)
+    pending.register(out, work, copy_back)
     return out
 
 
@@ -376,7 +386,7 @@ def _broadcast_into(op: str, out: torch.Tensor, src: int, group_name: str) -> No
                          f"ranks {_where(group_name, out)}")
     if pg.size() == 1:
         return
-    buf, copy_back = _contiguous_target(out)
+    buf, copy_back = _wire_output(pg, out, initialised=True)
     work = dist.broadcast(buf, group=pg, group_src=src, async_op=True)
     pending.register(out, work, copy_back)
 
