@@ -1,0 +1,406 @@
+"""``lower_c10d_functional``: rewrite PyTorch's functional collectives into ``torch.ops.fcoll``.
+
+The first pass of the default pipeline. Graphs that PyTorch's own tracing makes (funcol calls,
+Dynamo's remaps of ``dist.all_reduce`` and friends, DTensor redistribution) hold
+``torch.ops._c10d_functional`` ops; after this pass they hold the ``fcoll`` twins, so they run on
+fcoll's runtime and every later pass sees one namespace.
+
+The pass is a rewrite table (tinygrad style): ``RULES`` maps each source ``OpOverload`` (or
+higher-order op) to a small local rewrite. Sources and what they become:
+
+==========================================  =================================================
+source                                      replacement
+==========================================  =================================================
+``_c10d_functional.<op>`` with an fcoll     the fcoll op, same arguments, ``group_name``
+twin (functional, ``_``, ``_out``,          normalised to ``str`` (the source schemas say
+coalesced, ``wait_tensor``)                 ``Any group_name``)
+``_c10d_functional_autograd.<op>``          the fcoll op (fcoll ops carry their own autograd)
+``_c10d_functional.all_reduce_coalesced_``  one ``fcoll.all_reduce_`` per tensor (fcoll's
+                                            coalesced in-place op returns ``()``, and waits
+                                            must stay linked to their collective; the
+                                            bucketing pass may merge them again)
+``_c10d_functional.reduce_scatter_tensor    ``fcoll.reduce_scatter_tensor``; each wait on it
+_out``                                      becomes ``wait`` + ``aten.copy_(out, wait)``
+legacy ``c10d_functional.<op>``             the fcoll op; ``(tag, ranks, group_size)`` is
+(``tag, ranks, group_size`` schemas)        resolved to a group name as PyTorch's own legacy
+                                            kernels do; ``None`` all_to_all splits become even
+                                            splits
+``auto_functionalized(_v2)`` of an          the functional fcoll op, when the mutated argument
+in-place or ``_out`` collective             is a whole (non-view) contiguous base that is
+                                            cloned anyway (then values, shapes and strides
+                                            are the same); otherwise it is left as it is (it
+                                            still runs correctly) and the reason is logged
+==========================================  =================================================
+
+A ``wait_tensor`` is lowered unless the tensor it waits on comes from an op this pass leaves in
+PyTorch's namespace (point-to-point ``isend``/``irecv``/``batch_p2p_ops`` have no fcoll twin): a
+wait must belong to the same registry as its collective, or it would return before the data
+arrives.
+
+Invariants: the pass never reorders nodes (every replacement is inserted where its source was),
+so collective order, which must be equal on every rank, is unchanged; it is deterministic (one
+walk in graph order); new nodes carry the source node's ``meta`` (``val``, ``stack_trace``).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.distributed._functional_collectives  # noqa: F401  defines c10d_functional ops
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+import fcoll.ops  # noqa: F401  defines torch.ops.fcoll
+from fcoll.ops.groups import resolve_group_name
+from fcoll.passes.graph import args_by_name
+from fcoll.passes.registry import FcollPass, register_pass
+
+__all__ = ["LowerC10dFunctional", "RULES", "lower_group_name"]
+
+log = logging.getLogger(__name__)
+
+_F = torch.ops.fcoll
+_aten = torch.ops.aten
+
+#: Ops whose schema is the same in ``_c10d_functional`` and ``fcoll``.
+_SAME_SCHEMA = (
+    "all_reduce", "all_reduce_", "all_reduce_coalesced", "all_gather_into_tensor",
+    "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast", "broadcast_",
+)
+
+#: Mutable fcoll/_c10d_functional op name -> functional fcoll twin, for auto_functionalized.
+_FUNCTIONAL_TWIN = {
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce_coalesced",
+    "broadcast_": "broadcast",
+    "all_gather_into_tensor_out": "all_gather_into_tensor",
+    "reduce_scatter_tensor_out": "reduce_scatter_tensor",
+}
+
+# A rewrite gets the node and returns True if it replaced it (and erased it), False to keep it.
+Rewrite = Callable[[fx.Node], bool]
+
+
+def lower_group_name(group: Any) -> str:
+    """Normalise a ``group_name`` argument (``str``, ``ProcessGroup`` or any group form) to str."""
+    return resolve_group_name(group)
+
+
+def _op(ns: str, name: str) -> torch._ops.OpOverload | None:
+    try:
+        return getattr(getattr(torch.ops, ns), name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _retarget(node: fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> None:
+    """Point ``node`` at ``target`` with new arguments, in place: its name, position, users and
+    ``meta`` (``val``, ``stack_trace``) stay as they are."""
+    node.target = target
+    node.args = args
+    node.kwargs = kwargs or {}
+
+
+def _normalised(node: fx.Node) -> tuple[tuple, dict]:
+    """``node``'s args and kwargs with ``group_name`` as str and ``reduce_op`` lower-case
+    (PyTorch's kernels accept "SUM"; fcoll's accept the lower-case names only)."""
+    names = [a.name for a in node.target._schema.arguments]
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for key, fix in (("group_name", lower_group_name), ("reduce_op", str.lower)):
+        if key in kwargs:
+            kwargs[key] = fix(kwargs[key])
+        elif key in names and names.index(key) < len(args):
+            args[names.index(key)] = fix(args[names.index(key)])
+    return tuple(args), kwargs
+
+
+def _swap(target: torch._ops.OpOverload) -> Rewrite:
+    """Same schema: swap the target, normalise ``group_name`` and ``reduce_op``."""
+    def rewrite(node: fx.Node) -> bool:
+        _retarget(node, target, *_normalised(node))
+        return True
+    return rewrite
+
+
+# ---------------------------------------------------------------------------------------------
+# _c10d_functional ops without a same-schema twin
+
+def _all_reduce_coalesced_inplace(node: fx.Node) -> bool:
+    """``all_reduce_coalesced_(ts)`` -> one ``fcoll.all_reduce_`` per tensor, in list order."""
+    a = args_by_name(node)
+    users = list(node.users)
+    if any(u.target is not operator.getitem for u in users):
+        log.debug("lower: keeping %s: its list result is used other than by getitem", node.name)
+        return False
+    name = lower_group_name(a["group_name"])
+    vals = node.meta.get("val") or [None] * len(a["inputs"])
+    singles = []
+    for t, val in zip(a["inputs"], vals):
+        with node.graph.inserting_before(node):
+            s = node.graph.call_function(_F.all_reduce_.default, (t, a["reduce_op"], name))
+        s.meta.update(node.meta)
+        s.meta["val"] = val
+        singles.append(s)
+    for u in users:
+        u.replace_all_uses_with(singles[u.args[1]])
+        node.graph.erase_node(u)
+    node.graph.erase_node(node)
+    return True
+
+
+def _reduce_scatter_out(node: fx.Node) -> bool:
+    """``reduce_scatter_tensor_out(x, out=o)`` -> ``r = fcoll.reduce_scatter_tensor(x)``; each
+    wait on the op's result, or on ``o`` after it (``make_fx`` records the wait on ``o``),
+    becomes ``copy_(o, wait(r))``, so ``o`` holds the result from where it was waited on."""
+    a = args_by_name(node)
+    if any(not _is_wait_target(u.target) for u in node.users):
+        log.debug("lower: keeping %s: its result is read before a wait", node.name)
+        return False
+    out = a["out"]
+    waits = list(node.users)
+    if not waits:
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        later = sorted((u for u in out.users if _is_wait_target(u.target)
+                        and order[u] > order[node]), key=order.__getitem__)
+        waits = later[:1]
+    r = node
+    _retarget(r, _F.reduce_scatter_tensor.default,
+              (a["input"], a["reduce_op"].lower(), a["group_size"],
+               lower_group_name(a["group_name"])))
+    if not waits:  # the write into ``out`` must still happen: wait right away
+        with node.graph.inserting_after(r):
+            waits = [node.graph.call_function(_F.wait_tensor.default, (r,))]
+        waits[0].meta.update(r.meta)
+    for w in waits:
+        w.target, w.args, w.kwargs = _F.wait_tensor.default, (r,), {}
+        with node.graph.inserting_after(w):
+            c = node.graph.call_function(_aten.copy_.default, (out, w))
+        c.meta.update(w.meta)
+        w.replace_all_uses_with(c, delete_user_cb=lambda u, c=c: u is not c)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Legacy c10d_functional (tag, ranks, group_size)
+
+def _legacy_name(a: dict) -> str:
+    import torch.distributed.distributed_c10d as c10d
+
+    return str(c10d._resolve_group_name_by_ranks_and_tag(list(a["ranks"]), a["tag"]))
+
+
+def _even_splits(node: fx.Node, a: dict) -> tuple[list, list]:
+    if a.get("output_split_sizes") is not None and a.get("input_split_sizes") is not None:
+        return list(a["output_split_sizes"]), list(a["input_split_sizes"])
+    val = a["input"].meta.get("val") if isinstance(a["input"], fx.Node) else None
+    if val is None or not isinstance(val.shape[0], int):
+        raise ValueError(f"lower_c10d_functional: {node.name}: cannot derive even all_to_all "
+                         f"splits without a static input size (meta['val'] is {val!r})")
+    n = a["group_size"]
+    return [val.shape[0] // n] * n, [val.shape[0] // n] * n
+
+
+_LEGACY_ARGS: dict[str, tuple[str, Callable[[fx.Node, dict], tuple]]] = {
+    "all_reduce": ("all_reduce", lambda n, a: (a["self"], a["reduceOp"].lower(), _legacy_name(a))),
+    "all_reduce_coalesced": ("all_reduce_coalesced",
+                             lambda n, a: (a["self"], a["reduceOp"].lower(), _legacy_name(a))),
+    "all_gather_into_tensor": ("all_gather_into_tensor",
+                               lambda n, a: (a["shard"], a["group_size"], _legacy_name(a))),
+    "all_gather_into_tensor_coalesced": (
+        "all_gather_into_tensor_coalesced",
+        lambda n, a: (a["input"], a["group_size"], _legacy_name(a))),
+    "reduce_scatter_tensor": (
+        "reduce_scatter_tensor",
+        lambda n, a: (a["input"], a["reduceOp"].lower(), a["group_size"], _legacy_name(a))),
+    "reduce_scatter_tensor_coalesced": (
+        "reduce_scatter_tensor_coalesced",
+        lambda n, a: (a["inputs"], a["reduceOp"].lower(), a["group_size"], _legacy_name(a))),
+    "all_to_all_single": ("all_to_all_single",
+                          lambda n, a: (a["input"], *_even_splits(n, a), _legacy_name(a))),
+    "broadcast": ("broadcast", lambda n, a: (a["self"], a["src"], _legacy_name(a))),
+}
+
+
+def _legacy(fcoll_name: str, build: Callable[[fx.Node, dict], tuple]) -> Rewrite:
+    target = getattr(_F, fcoll_name).default
+
+    def rewrite(node: fx.Node) -> bool:
+        _retarget(node, target, build(node, args_by_name(node)))
+        return True
+    return rewrite
+
+
+# ---------------------------------------------------------------------------------------------
+# wait_tensor
+
+def _is_wait_target(target: Any) -> bool:
+    return target in _WAITS
+
+
+def _wait(node: fx.Node) -> bool:
+    """Lower a wait unless what it waits on stays in PyTorch's namespace."""
+    src = node.args[0]
+    if isinstance(src, fx.Node) and src.target is operator.getitem:
+        src = src.args[0]
+    if isinstance(src, fx.Node) and _stays_torch(src):
+        log.debug("lower: keeping %s: it waits on %s, which has no fcoll twin",
+                  node.name, src.name)
+        return False
+    _retarget(node, _F.wait_tensor.default, (node.args[0],))
+    return True
+
+
+def _stays_torch(node: fx.Node) -> bool:
+    t = node.target
+    return (isinstance(t, torch._ops.OpOverload)
+            and t.namespace in ("_c10d_functional", "c10d_functional")
+            and not _is_wait_target(t))
+
+
+# ---------------------------------------------------------------------------------------------
+# auto_functionalized / auto_functionalized_v2 around in-place or out= collectives
+
+_VIEW_KEYS = ("_size", "_stride", "_storage_offset", "_slice_dim")
+
+
+def _contiguous(x: Any) -> bool:
+    val = x.meta.get("val") if isinstance(x, fx.Node) else x
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
+
+
+def _auto_functionalized(node: fx.Node) -> bool:
+    """``auto_functionalized(_v2)(mutable_op, ...)`` -> the functional fcoll twin, when the
+    replacement has the same values, shapes and strides; else keep it (logged).
+
+    Results: an ``_out`` op's node *is* ``out``; an in-place op's node is the tuple
+    ``(op result, *new bases)``: for ``all_reduce_``/``broadcast_`` items 0 and 1 are both the
+    reduced tensor; for ``all_reduce_coalesced_`` item ``1 + i`` is the ``i``-th reduced tensor.
+    """
+    op = node.args[0] if node.args else None
+    if getattr(op, "namespace", None) not in ("fcoll", "_c10d_functional"):
+        return False
+    name = op._schema.name.split("::", 1)[-1]
+    twin = _FUNCTIONAL_TWIN.get(name)
+    if twin is None:
+        return False
+    kw = dict(node.kwargs)
+    v2 = node.target is torch.ops.higher_order.auto_functionalized_v2
+    mutable = "inputs" if name == "all_reduce_coalesced_" else "input"
+    reason = _af_blocker(node, kw, name, mutable, v2)
+    if reason:
+        log.debug("lower: keeping %s around %s: %s", node.name, op, reason)
+        return False
+    target = getattr(_F, twin).default
+    schema_args = [a.name for a in target._schema.arguments]
+    if v2 and not name.endswith("_out"):
+        kw[mutable] = kw["_all_bases"] if mutable == "inputs" else kw["_all_bases"][0]
+    fix = {"group_name": lower_group_name, "reduce_op": str.lower}
+    args = tuple(fix[a](kw[a]) if a in fix else kw[a] for a in schema_args)
+    if name.endswith("_out"):
+        _retarget(node, target, args)
+        return True
+    with node.graph.inserting_before(node):
+        new = node.graph.call_function(target, args)
+    new.meta.update(node.meta)
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        new.meta["val"] = list(val[1:]) if mutable == "inputs" else val[1]
+    for u in list(node.users):
+        if mutable == "inputs":
+            u.args = (new, u.args[1] - 1)
+            continue
+        u.replace_all_uses_with(new)
+        node.graph.erase_node(u)
+    node.graph.erase_node(node)
+    return True
+
+
+def _af_blocker(node: fx.Node, kw: dict, name: str, mutable: str, v2: bool) -> str | None:
+    """Why the functional rewrite of this auto_functionalized node would not be exact, or None."""
+    if name.endswith("_out"):
+        if not v2:
+            return "auto_functionalized (v1) of an out= op"
+        return None if _contiguous(node) else "the out tensor is not contiguous"
+    if any(u.target is not operator.getitem for u in node.users):
+        return "its tuple result is used other than by getitem"
+    if mutable == "inputs" and any(u.args[1] == 0 for u in node.users):
+        return "the op's own (empty) result is used"
+    if not v2:
+        ts = kw.get(mutable)
+        ts = ts if isinstance(ts, (list, tuple)) else [ts]
+        return None if all(map(_contiguous, ts)) else "a mutated input is not contiguous"
+    bases = kw.get("_all_bases", [])
+    prefixes = ([f"_{mutable}_{i}" for i in range(kw.get(f"_{mutable}_length") or 0)]
+                if mutable == "inputs" else ["_input"])
+    if len(bases) != len(prefixes) or any(kw.get(f"{p}_base_index") != i
+                                          for i, p in enumerate(prefixes)):
+        return f"the mutated tensors are not exactly the {len(bases)} bases, in order"
+    if any(f"{p}{k}" in kw for p in prefixes for k in _VIEW_KEYS):
+        return "a mutated tensor is a view of its base"
+    only = kw.get("_only_clone_these_bases")
+    if only is not None and set(only) != set(range(len(bases))):
+        return "a base is mutated in place (not cloned), so other readers would see it"
+    return None if all(map(_contiguous, bases)) else "a base is not contiguous"
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+def _build_rules() -> dict[Any, Rewrite]:
+    rules: dict[Any, Rewrite] = {}
+    for ns in ("_c10d_functional", "_c10d_functional_autograd"):
+        for name in _SAME_SCHEMA:
+            src = _op(ns, name)
+            if src is not None:
+                rules[src] = _swap(getattr(_F, name).default)
+    for src, rewrite in ((_op("_c10d_functional", "all_reduce_coalesced_"),
+                          _all_reduce_coalesced_inplace),
+                         (_op("_c10d_functional", "reduce_scatter_tensor_out"),
+                          _reduce_scatter_out)):
+        if src is not None:
+            rules[src] = rewrite
+    for name, (twin, build) in _LEGACY_ARGS.items():
+        src = _op("c10d_functional", name)
+        if src is not None:
+            rules[src] = _legacy(twin, build)
+    for w in _WAITS:
+        if w is not _F.wait_tensor.default:
+            rules[w] = _wait
+    rules[torch.ops.higher_order.auto_functionalized] = _auto_functionalized
+    rules[torch.ops.higher_order.auto_functionalized_v2] = _auto_functionalized
+    return rules
+
+
+_WAITS = frozenset(w for w in (_op("_c10d_functional", "wait_tensor"),
+                               _op("c10d_functional", "wait_tensor"),
+                               _F.wait_tensor.default) if w is not None)
+
+#: source op -> rewrite. Ops absent from this torch version are simply not listed.
+RULES: dict[Any, Rewrite] = _build_rules()
+
+
+@register_pass
+class LowerC10dFunctional(FcollPass):
+    """Rewrite every ``_c10d_functional`` / ``c10d_functional`` collective and wait into fcoll.
+
+    See the module docstring for the table. ``modified`` is True if any node was rewritten.
+    """
+
+    name = "lower_c10d_functional"
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        modified = False
+        for node in list(graph_module.graph.nodes):
+            if node.op != "call_function" or node._erased:
+                continue
+            rewrite = RULES.get(node.target)
+            if rewrite is not None and rewrite(node):
+                modified = True
+        if modified:
+            graph_module.graph.lint()
+            graph_module.recompile()
+        return PassResult(graph_module, modified)
