@@ -110,3 +110,52 @@ def _close_all() -> None:
     for eng in list(_engines):
         eng.broken = eng.broken or RuntimeError("interpreter exiting")
         eng.close(timeout_s=1.0)
+
+
+class FcollWork(torch.distributed.Work):
+    """The ``Work`` of one queued collective (or of several, for coalescing).
+
+    ``wait()`` blocks on an event without spinning, re-raises the collective's error (unlike
+    ``_create_work_from_future``, whose ``wait`` drops it), and honours a ``timeout``.
+    """
+
+    def __init__(self, future: torch.futures.Future, name: str):
+        super().__init__()
+        self._fut = future
+        self._name = name
+        self._done = threading.Event()
+        future.add_done_callback(lambda _f: self._done.set())
+
+    def wait(self, timeout=None) -> bool:
+        secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        if secs:
+            if not self._done.wait(secs):
+                raise RuntimeError(f"fcoll {self._name}: Work.wait timed out after {secs:.1f} s")
+        else:
+            self._done.wait()
+        self._fut.value()  # raises the collective's error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        return self._fut.done() and self.exception() is None
+
+    def exception(self):
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.value()
+        except BaseException as e:  # noqa: BLE001
+            return e
+        return None
+
+    def result(self):
+        return self._fut.value()
+
+    def synchronize(self) -> None:
+        self.wait()

@@ -19,11 +19,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from fcoll.runtime.shm import algorithms as alg
 from fcoll.runtime.shm import headers as hdr
-from fcoll.runtime.shm.engine import Engine, Job
+from fcoll.runtime.shm.engine import Engine, FcollWork, Job
 from fcoll.runtime.shm.segment import open_segment
 from fcoll.runtime.shm.sync import Channel
 from fcoll.runtime.shm.validate import Staging, check_reduce_op, reduce_op_name
@@ -114,7 +113,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         fut = self._engine.submit(job)
         if self._coalescing is not None:
             self._coalescing.append(fut)
-        return _create_work_from_future(fut)
+        return FcollWork(fut, name)
 
     # ---- all_reduce / reduce ----------------------------------------------------------------
     def allreduce(self, tensors, opts=None) -> dist.Work:
@@ -324,7 +323,7 @@ class FcollProcessGroup(dist.ProcessGroup):
                 fut.set_exception(e)
 
         w.get_future().add_done_callback(done)
-        return _create_work_from_future(fut)
+        return FcollWork(fut, "all_to_all")
 
     # ---- broadcast / barrier / coalescing ----------------------------------------------------
     def broadcast(self, tensors, opts=None) -> dist.Work:
@@ -357,8 +356,9 @@ class FcollProcessGroup(dist.ProcessGroup):
         if not futs:
             fut = torch.futures.Future()
             fut.set_result(None)
-            return _create_work_from_future(fut)
-        return _create_work_from_future(torch.futures.collect_all(futs))
+            return FcollWork(fut, "coalesced")
+        combined = torch.futures.collect_all(futs).then(lambda f: [x.value() for x in f.value()])
+        return FcollWork(combined, "coalesced")
 
     # ---- rooted gather / scatter (via all_gather / broadcast) ------------------------------
     def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
@@ -395,7 +395,7 @@ class FcollProcessGroup(dist.ProcessGroup):
                 fut.set_exception(e)
 
         w.get_future().add_done_callback(done)
-        return _create_work_from_future(fut)
+        return FcollWork(fut, "scatter")
 
 
 def _offsets(splits: list[int], row_bytes: int) -> list[tuple[int, int]]:

@@ -1,0 +1,316 @@
+"""fcoll's shared-memory backend gives gloo's results, op by op, dtype by dtype.
+
+Each multi-process test is one ``run_ranks`` call (process start-up dominates) that builds an
+fcoll group (the default group) and a gloo group over the same ranks, runs every collective on
+the same inputs on both, and compares with ``torch.testing.assert_close``. gloo has no int16 and
+no integer AVG; int16 is compared with gloo on int32 (the same values modulo 2**16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fcoll.testing import fcoll_segments, run_ranks
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.uint8, torch.bool]
+R = dist.ReduceOp
+OPS = {"sum": R.SUM, "product": R.PRODUCT, "min": R.MIN, "max": R.MAX, "band": R.BAND,
+       "bor": R.BOR, "bxor": R.BXOR, "avg": R.AVG}
+SMALL, LARGE = 37, 600_001  # LARGE float32 is above one 2 MiB slot: exercises chunking
+
+
+def _valid(op: str, dt: torch.dtype) -> bool:
+    if op in ("band", "bor", "bxor"):
+        return not dt.is_floating_point
+    if op == "avg":
+        return dt.is_floating_point
+    return True
+
+
+def _make(shape, dt, rank: int, seed: int) -> torch.Tensor:
+    """Small integer values, so sums and products are exact in every dtype."""
+    g = torch.Generator().manual_seed(seed * 131 + rank)
+    if dt == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    lo = 0 if dt == torch.uint8 else -3
+    return torch.randint(lo, 4, shape, generator=g).to(dt)
+
+
+def _gloo_dt(dt):
+    return torch.int32 if dt == torch.int16 else dt
+
+
+def _on_both(fn, gl, *tensors):
+    """Run ``fn(group, *tensors)`` on fcoll (default group) and gloo; return both result sets."""
+    a = [t.clone() for t in tensors]
+    b = [t.clone().to(_gloo_dt(t.dtype)) for t in tensors]
+    fn(None, *a)
+    fn(gl, *b)
+    return a, [x.to(y.dtype) for x, y in zip(b, a)]
+
+
+def _check(a, b, what):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, msg=lambda m: f"{what}: {m}")
+
+
+def _all_reduce_everything(rank, world, gl):
+    n = 0
+    for dt in DTYPES:
+        for name, op in OPS.items():
+            if not _valid(name, dt):
+                continue
+            for size in (SMALL, 5000) if dt != torch.float32 else (SMALL, 5000, LARGE):
+                x = _make((size,), dt, rank, n)
+                n += 1
+                a, b = _on_both(lambda g, t: dist.all_reduce(t, op=op, group=g), gl, x)
+                _check(a, b, f"all_reduce {name} {dt} {size}")
+                if size == SMALL:  # rooted reduce: only the root's result is defined
+                    root = n % world
+                    a, b = _on_both(lambda g, t: dist.reduce(t, dst=root, op=op, group=g), gl, x)
+                    if rank == root:
+                        _check(a, b, f"reduce {name} {dt} root {root}")
+
+
+def _movement_everything(rank, world, gl):
+    for i, dt in enumerate(DTYPES):
+        for size in (SMALL, 70_000) if dt != torch.uint8 else (SMALL, 2_500_000):
+            x = _make((size, 2), dt, rank, 1000 + i)
+            out = torch.empty((world * size, 2), dtype=dt)
+            a, b = _on_both(lambda g, o, t: dist.all_gather_into_tensor(o, t, group=g), gl, out, x)
+            _check(a[:1], b[:1], f"all_gather_into_tensor {dt} {size}")
+            y = _make((world * size, 3), dt, rank, 2000 + i)
+            out = torch.empty((size, 3), dtype=dt)
+            for name in ("sum", "max", "band") if not dt.is_floating_point else ("sum", "min"):
+                a, b = _on_both(
+                    lambda g, o, t: dist.reduce_scatter_tensor(o, t, op=OPS[name], group=g),
+                    gl, out, y)
+                _check(a[:1], b[:1], f"reduce_scatter_tensor {name} {dt} {size}")
+            for root in range(world):
+                z = _make((size,), dt, rank, 3000 + i)
+                a, b = _on_both(lambda g, t: dist.broadcast(t, src=root, group=g), gl, z)
+                _check(a, b, f"broadcast {dt} root {root}")
+        # all_to_all_single, even and uneven splits (rank p sends p + q + 1 rows to q)
+        x = _make((world * 4, 3), dt, rank, 4000 + i)
+        out = torch.empty_like(x)
+        a, b = _on_both(lambda g, o, t: dist.all_to_all_single(o, t, group=g), gl, out, x)
+        _check(a[:1], b[:1], f"all_to_all_single even {dt}")
+        ins = [rank + q + 1 for q in range(world)]
+        outs = [p + rank + 1 for p in range(world)]
+        x = _make((sum(ins), 3), dt, rank, 5000 + i)
+        out = torch.empty((sum(outs), 3), dtype=dt)
+        a, b = _on_both(lambda g, o, t: dist.all_to_all_single(o, t, outs, ins, group=g),
+                        gl, out, x)
+        _check(a[:1], b[:1], f"all_to_all_single uneven {dt}")
+    # a large uneven all_to_all (several rounds through the slots)
+    ins = [100_000 * (rank + q + 1) for q in range(world)]
+    outs = [100_000 * (p + rank + 1) for p in range(world)]
+    x = _make((sum(ins),), torch.float32, rank, 77)
+    out = torch.empty(sum(outs))
+    a, b = _on_both(lambda g, o, t: dist.all_to_all_single(o, t, outs, ins, group=g), gl, out, x)
+    _check(a[:1], b[:1], "all_to_all_single large uneven")
+
+
+def _layouts_and_forms(rank, world, gl):
+    # non-contiguous inputs and outputs: gloo gets contiguous copies of the same views
+    base = _make((8, 6 * world), torch.float32, rank, 11)
+    ref = base[:, ::2].contiguous()
+    dist.all_reduce(ref, group=gl)
+    dist.all_reduce(base[:, ::2])
+    _check([base[:, ::2], base[:, 1::2]], [ref, _make((8, 6 * world), torch.float32, rank, 11)
+                                          [:, 1::2]], "all_reduce non-contiguous")
+    x = _make((6, 4), torch.float32, rank, 12).t()
+    out = torch.zeros((4 * world, 6 * 2), dtype=torch.float32)
+    ref = torch.empty((4 * world, 6))
+    dist.all_gather_into_tensor(ref, x.contiguous(), group=gl)
+    dist.all_gather_into_tensor(out[:, ::2], x)
+    _check([out[:, ::2], out[:, 1::2]], [ref, torch.zeros(4 * world, 6)],
+           "all_gather_into_tensor non-contiguous")
+    y = _make((world * 3, 5), torch.float32, rank, 13)[:, 1:4]
+    out = torch.zeros((3, 6))
+    ref = torch.empty((3, 3))
+    dist.reduce_scatter_tensor(ref, y.contiguous(), group=gl)
+    dist.reduce_scatter_tensor(out[:, ::2], y)
+    _check([out[:, ::2], out[:, 1::2]], [ref, torch.zeros(3, 3)],
+           "reduce_scatter_tensor non-contiguous")
+    z = _make((10, 4), torch.int64, rank, 14).t()
+    ref = z.contiguous()
+    dist.broadcast(ref, src=world - 1, group=gl)
+    dist.broadcast(z, src=world - 1)
+    _check([z], [ref], "broadcast non-contiguous")
+    # list forms and coalesced forms
+    x = _make((5,), torch.float64, rank, 15)
+    outs_f = [torch.empty(5, dtype=torch.float64) for _ in range(world)]
+    outs_g = [torch.empty(5, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(outs_f, x)
+    dist.all_gather(outs_g, x, group=gl)
+    _check(outs_f, outs_g, "all_gather list")
+    ts = [_make((7,), torch.float32, rank, 16), _make((3, 2), torch.float32, rank, 17)]
+    tf, tg = [t.clone() for t in ts], [t.clone() for t in ts]
+    dist.all_reduce_coalesced(tf)
+    for t in tg:
+        dist.all_reduce(t, group=gl)
+    _check(tf, tg, "all_reduce_coalesced")
+    mixed = [_make((9,), torch.int32, rank, 18), _make((4,), torch.float64, rank, 19)]
+    mf = [t.clone() for t in mixed]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for t in mf:
+            dist.all_reduce(t)
+    cm.wait()
+    for t, ref in zip(mf, mixed):
+        expect = ref.clone()
+        dist.all_reduce(expect, group=gl)
+        _check([t], [expect], "coalescing manager all_reduce (mixed dtypes)")
+    ins = [_make((world * 2,), torch.float32, rank, 20 + k) for k in range(3)]
+    outs_f = [torch.empty(2) for _ in ins]
+    with dist._coalescing_manager():
+        for o, t in zip(outs_f, ins):
+            dist.reduce_scatter_tensor(o, t)
+    for o, t in zip(outs_f, ins):
+        e = torch.empty(2)
+        dist.reduce_scatter_tensor(e, t, group=gl)
+        _check([o], [e], "coalescing manager reduce_scatter")
+    outs_f = [torch.empty(world * 2) for _ in ins]
+    with dist._coalescing_manager():
+        for o, t in zip(outs_f, ins):
+            dist.all_gather_into_tensor(o, t[:2])
+    for o, t in zip(outs_f, ins):
+        e = torch.empty(world * 2)
+        dist.all_gather_into_tensor(e, t[:2], group=gl)
+        _check([o], [e], "coalescing manager all_gather")
+    dist.barrier()
+
+
+def _async_overlap(rank, world):
+    """Collectives return at once, run in issue order, and compute overlaps them."""
+    big = torch.full((3_000_000,), float(rank + 1))
+    small = torch.full((10,), float(rank))
+    w1 = dist.all_reduce(big, async_op=True)
+    w2 = dist.all_reduce(small, op=dist.ReduceOp.MAX, async_op=True)
+    m = torch.randn(256, 256)
+    for _ in range(5):
+        m = torch.tanh(m @ m)  # main-thread compute while the collectives run
+    w2.wait()
+    w1.wait()
+    expect = world * (world + 1) / 2
+    assert big.min().item() == expect and big.max().item() == expect
+    assert small.tolist() == [float(world - 1)] * 10
+    futs = [dist.all_reduce(torch.ones(3), async_op=True).get_future() for _ in range(4)]
+    torch.futures.wait_all(futs)
+    assert all(f.value()[0].tolist() == [float(world)] * 3 for f in futs)
+
+
+def _validation_errors(rank, world):
+    """Bad input raises on every rank, names op, argument and rank, and moves no data."""
+    msgs = []
+    t = torch.ones(4)
+    with pytest.raises(ValueError, match=rf"all_reduce: rank {rank}: reduce op BAND is not valid "
+                                         r"for dtype float32"):
+        dist.all_reduce(t, op=dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="AVG is not valid for dtype int64"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)
+    with pytest.raises(ValueError, match=rf"reduce_scatter_tensor: rank {rank}: input's first "
+                                         rf"dimension {3 * world + 1} is not divisible"):
+        dist.reduce_scatter_tensor(torch.empty(1), torch.ones(3 * world + 1))
+    with pytest.raises(ValueError, match="output_tensor has 5 elements"):
+        dist.all_gather_into_tensor(torch.empty(5), torch.ones(4))
+    with pytest.raises(ValueError, match="overlapping memory"):
+        dist.all_reduce(torch.ones(1).expand(10))
+    # only rank 0's splits are wrong: rank 0 raises at once, the others raise the same message
+    ins = [1] * world if rank else [2] * world
+    x, out = torch.ones(world), torch.empty(world)
+    with pytest.raises(ValueError,
+                       match=r"fcoll all_to_all_single: rank 0: input_split_sizes \[2(, 2)*\] "
+                             rf"sum to {2 * world} but input has {world} rows") as ei:
+        dist.all_to_all_single(out, x, [1] * world, ins)
+    msgs.append(str(ei.value))
+    assert out.data_ptr() and True
+    # mismatched shapes across ranks: same message on every rank, output untouched
+    t = torch.full((4, 4 if rank == 0 else 3), 7.0)
+    with pytest.raises(ValueError, match=r"fcoll all_reduce: rank 1 has input shape \[4, 3\] "
+                                           r"float32 but rank 0 has \[4, 4\] float32"):
+        dist.all_reduce(t)
+    assert (t == 7).all()
+    # the group stays usable after these errors
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert t.tolist() == [float(world)] * 3
+    return msgs
+
+
+def _suite(rank, world):
+    gl = dist.new_group(backend="gloo")
+    _all_reduce_everything(rank, world, gl)
+    _movement_everything(rank, world, gl)
+    _layouts_and_forms(rank, world, gl)
+    _async_overlap(rank, world)
+    if world > 1:
+        _validation_errors(rank, world)
+    if world == 4:
+        _subgroups_and_mesh(rank, world)
+    return True
+
+
+def _subgroups_and_mesh(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+    mine = evens if rank % 2 == 0 else odds
+    t = torch.full((5,), float(rank))
+    dist.all_reduce(t, group=mine)
+    assert t.tolist() == [float(2 + 2 * (rank % 2))] * 5
+    assert dist.get_backend(mine) == "fcoll"
+    mesh = init_device_mesh("cpu", (2, 2))
+    for dim in (0, 1):
+        g = mesh.get_group(dim)
+        x = torch.full((3,), float(rank))
+        dist.all_reduce(x, group=g)
+        peers = dist.get_process_group_ranks(g)
+        assert x.tolist() == [float(sum(peers))] * 3
+        out = torch.empty(2 * 3)
+        dist.all_gather_into_tensor(out, torch.full((3,), float(rank)), group=g)
+        assert out.tolist() == [float(p) for p in peers for _ in range(3)]
+    import torch.distributed._functional_collectives as funcol
+
+    y = funcol.all_reduce(torch.full((2,), float(rank)), "sum", (mesh, 1))
+    assert y.tolist() == [float(sum(dist.get_process_group_ranks(mesh.get_group(1))))] * 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_op_dtype_and_reduce_op_matches_gloo(world):
+    assert run_ranks(_suite, world, timeout_s=240) == [True] * world
+    assert fcoll_segments() == []
+
+
+def _single(rank, world):
+    t = torch.arange(5.0)
+    dist.all_reduce(t)
+    out = torch.empty(5)
+    dist.all_gather_into_tensor(out, t)
+    dist.reduce_scatter_tensor(out, t)
+    dist.all_to_all_single(out, t)
+    dist.broadcast(t, 0)
+    dist.barrier()
+    return t.tolist(), out.tolist()
+
+
+def test_world_size_1_is_identity():
+    assert run_ranks(_single, 1, timeout_s=60) == [([0.0, 1, 2, 3, 4], [0.0, 1, 2, 3, 4])]
+    assert fcoll_segments() == []
+
+
+def _cuda(rank, world):
+    t = torch.full((1000,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)
+    out = torch.empty(2000, device="cuda")
+    dist.all_gather_into_tensor(out, t)
+    return t.cpu().tolist()[:2], out.device.type
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_staged_through_host_memory():
+    res = run_ranks(_cuda, 2, timeout_s=120)
+    assert res == [([3.0, 3.0], "cuda")] * 2
