@@ -95,3 +95,127 @@ graph(%arg0: f32[s0, s1]):
             if n.op != "output":
                 n.name = f"renamed_{100 - i}"
         self.assertEqual(format_graph(gm), before)
+
+
+# --- a stand-in for fcoll.passes.overlap.predict (same contract), so these tests pin the
+# inspection logic independently of the cost model -------------------------------------------
+
+from types import SimpleNamespace  # noqa: E402
+
+from fcoll.passes.graph import (  # noqa: E402
+    collective_info, is_collective, is_wait, node_bytes, start_of,
+)
+
+COMPUTE_US = 10.0
+
+
+def stand_in_predict(gm):
+    """Every compute node takes 10 µs; a collective 20 µs + 1 µs per 64 bytes on its group's
+    lane (one at a time per lane); a wait blocks the compute lane until its collective ends."""
+    now, lane_free, ends, events = 0.0, {}, {}, []
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if is_collective(n):
+            info = collective_info(n)
+            start = max(now, lane_free.get(info.group_name, 0.0))
+            end = start + 20.0 + max(info.in_bytes, info.out_bytes) / 64
+            lane_free[info.group_name] = ends[n] = end
+            events.append(SimpleNamespace(node=n.name, kind="collective", lane=info.group_name,
+                                          start_us=start, end_us=end, exposed_us=0.0))
+        elif is_wait(n):
+            end = max(now, ends[start_of(n)])
+            events.append(SimpleNamespace(node=n.name, kind="wait", lane="compute",
+                                          start_us=now, end_us=end, exposed_us=end - now))
+            now = end
+        else:
+            dur = 0.0 if n.target is __import__("operator").getitem else COMPUTE_US
+            events.append(SimpleNamespace(node=n.name, kind="compute", lane="compute",
+                                          start_us=now, end_us=now + dur, exposed_us=0.0))
+            now += dur
+    return events
+
+
+def overlapped(gm):
+    """mm_overlap reordered as the overlap pass would: ``ar -> mm -> wait -> relu -> add``."""
+    (ar,) = [n for n in gm.graph.nodes if is_collective(n)]
+    (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    ar.append(mm)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+class TestCollectivesTable(TestCase):
+    def test_mm_between_collective_and_wait_hides_it_in_the_table(self):
+        """ar -> wait -> relu -> mm -> add: all 24 µs of ar exposed;
+        ar -> mm (hides ar for 10 µs) -> wait -> relu -> add: 14 µs exposed."""
+        gm = canonical.mm_overlap(size=8)
+        before = collectives(gm, predict=stand_in_predict)
+        self.assertExpectedInline(str(before), """\
+#  node        op          group  ranks  dtype  bytes  issue  wait  est_us  exposed_us  hidden by
+-  ----------  ----------  -----  -----  -----  -----  -----  ----  ------  ----------  ---------
+0  all_reduce  all_reduce  0          2  f32    256 B      0     1    24.0        24.0  -""")
+        after = collectives(overlapped(gm), predict=stand_in_predict)
+        self.assertExpectedInline(str(after), """\
+#  node        op          group  ranks  dtype  bytes  issue  wait  est_us  exposed_us  hidden by
+-  ----------  ----------  -----  -----  -----  -----  -----  ----  ------  ----------  ---------
+0  all_reduce  all_reduce  0          2  f32    256 B      0     2    24.0        14.0  mm""")
+        row = after[0]
+        self.assertEqual((row.op, row.group, row.group_size, row.dtype, row.bytes),
+                         ("all_reduce", "0", 2, "f32", 8 * 8 * 4))
+        self.assertEqual(row.hiding, ("mm",))
+        self.assertEqual(row.estimated_us, 20.0 + 256 / 64)
+        self.assertEqual(row.exposed_us, row.estimated_us - COMPUTE_US)
+        self.assertLess(row.issue_pos, row.wait_pos)
+
+    def test_rows_follow_graph_order_and_bytes_count_the_larger_buffer(self):
+        gm = canonical.fsdp_backward(n_layers=2, batch=4, hidden=8)
+        table = collectives(gm, predict=stand_in_predict)
+        self.assertEqual([r.op for r in table], ["all_gather_into_tensor",
+                                                 "reduce_scatter_tensor"] * 2)
+        self.assertEqual([r.index for r in table], [0, 1, 2, 3])
+        # all_gather: [4, 8] shard -> [8, 8]; reduce_scatter: [8, 8] -> [4, 8]; both 256 bytes
+        self.assertEqual({r.bytes for r in table}, {256})
+        positions = [r.issue_pos for r in table]
+        self.assertEqual(positions, sorted(positions))
+        self.assertEqual(len(str(table).splitlines()), 2 + len(table))
+
+    def test_without_a_predictor_the_scheduler_meta_is_used(self):
+        from fcoll.passes.graph import META_ESTIMATED_US, META_EXPOSED_US, META_HIDING
+
+        gm = canonical.mm_overlap(size=8)
+        (ar,) = [n for n in gm.graph.nodes if is_collective(n)]
+        ar.meta.update({META_ESTIMATED_US: 12.5, META_EXPOSED_US: 2.5, META_HIDING: ["mm"]})
+        row = collectives(gm, predict=lambda g: None)[0]
+        self.assertEqual((row.estimated_us, row.exposed_us, row.hiding), (12.5, 2.5, ("mm",)))
+        self.assertIn("12.5", str(collectives(gm, predict=lambda g: None)))
+
+
+class TestOverlapReport(TestCase):
+    def test_moving_mm_before_the_wait_hides_communication(self):
+        before = canonical.mm_overlap(size=8)
+        after = overlapped(canonical.mm_overlap(size=8))
+        report = overlap_report(before, after, predict=stand_in_predict)
+        self.assertEqual(report.before.exposed_comm_us, 24.0)
+        self.assertEqual(report.after.exposed_comm_us, 14.0)
+        self.assertEqual(report.after.hidden_comm_us, 10.0)
+        self.assertAlmostEqual(report.after.overlap_ratio, 10 / 24)
+        self.assertEqual(report.as_dict()["after"]["n_collectives"], 1)
+        self.assertExpectedInline(str(report), """\
+metric           before  after    change
+---------------  ------  -----  --------
+collectives           1      1        +0
+comm_us            24.0   24.0      +0.0
+hidden_comm_us      0.0   10.0     +10.0
+exposed_comm_us    24.0   14.0     -10.0
+overlap_ratio      0.0%  41.7%  +41.7 pt
+step_us            54.0   44.0     -10.0""")
+
+    def test_one_graph_report_has_one_column(self):
+        report = overlap_report(canonical.mm_overlap(size=8), predict=stand_in_predict)
+        self.assertIsNone(report.after)
+        self.assertEqual(str(report).splitlines()[0].split(), ["metric", "graph"])
+
+
+from fcoll.inspect import collectives, overlap_report  # noqa: E402

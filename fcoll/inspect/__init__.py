@@ -1,5 +1,30 @@
-"""Inspection tools for fcoll graphs: stable text, tables, reports, timelines and traces."""
+"""Inspection tools for fcoll graphs: stable text, tables, reports, timelines and traces.
 
+- :func:`format_graph`: stable text of a graph for ``assertExpectedInline`` snapshots.
+- :func:`collectives`: one row per collective (op, group, bytes, positions, estimated, hiding,
+  exposed); ``str()`` is an aligned table.
+- :func:`overlap_report`: communication, hidden and exposed time before and after the passes.
+- :func:`timeline`: SVG/HTML picture of the predicted schedule.
+- :func:`compare`: a runtime trace (Chrome/Perfetto JSON) against the predicted schedule.
+- :func:`emit_artifacts` / :func:`write_record`: everything above for one compiled graph, as
+  tlparse artifacts or files.
+- ``python -m fcoll.inspect script.py --out DIR -- ARGS``: run a script on N ranks and write it all.
+
+Times come from the overlap scheduler's simulator, ``fcoll.passes.overlap.predict``; every
+function also accepts ``events=`` or ``predict=``.
+"""
+
+from fcoll.inspect.artifacts import emit_artifacts, record_files, write_record
 from fcoll.inspect.format import format_graph, stable_names
+from fcoll.inspect.report import OverlapReport, OverlapTotals, overlap_report, overlap_totals
+from fcoll.inspect.schedule import Event, predicted_events
+from fcoll.inspect.table import CollectiveRow, CollectivesTable, collectives
+from fcoll.inspect.timeline import timeline, timeline_svg
+from fcoll.inspect.trace_compare import CompareRow, TraceComparison, compare, load_trace
 
-__all__ = ["format_graph", "stable_names"]
+__all__ = [
+    "format_graph", "stable_names", "collectives", "CollectiveRow", "CollectivesTable",
+    "overlap_report", "overlap_totals", "OverlapReport", "OverlapTotals", "timeline",
+    "timeline_svg", "compare", "CompareRow", "TraceComparison", "load_trace", "Event",
+    "predicted_events", "emit_artifacts", "write_record", "record_files",
+]

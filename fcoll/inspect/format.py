@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from fcoll.passes.graph import collective_info, is_collective, is_wait, start_of
 
-__all__ = ["format_graph", "stable_names", "format_value"]
+__all__ = ["format_graph", "stable_names", "format_value", "dtype_abbr"]
 
 _COLLECTIVE_CODES = {
     "all_reduce": "ar",
@@ -54,7 +54,8 @@ _COLLECTIVE_CODES = {
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _dtype(dtype: torch.dtype) -> str:
+def dtype_abbr(dtype: torch.dtype) -> str:
+    """Short dtype name as FX prints it: ``f32``, ``bf16``, ``i64``, ``b8``."""
     try:
         from torch.utils._dtype_abbrs import dtype_abbrs
 
@@ -141,7 +142,7 @@ def format_value(val: Any, symbols: _Symbols | None = None) -> str:
     """Type text of a ``node.meta["val"]``: ``f32[4, 2*s0]``, ``[f32[4], i64[]]``, ``Sym(s0)``."""
     symbols = symbols if symbols is not None else _Symbols()
     if isinstance(val, torch.Tensor):
-        return f"{_dtype(val.dtype)}[{', '.join(symbols.size(s) for s in val.shape)}]"
+        return f"{dtype_abbr(val.dtype)}[{', '.join(symbols.size(s) for s in val.shape)}]"
     if isinstance(val, (list, tuple)):
         inner = ", ".join(format_value(v, symbols) for v in val)
         return f"[{inner}]" if isinstance(val, list) else f"({inner})"
@@ -163,7 +164,7 @@ def _arg(a: Any, names: dict[fx.Node, str], symbols: _Symbols) -> str:
     if isinstance(a, dict):
         return "{" + ", ".join(f"{k!r}: {_arg(v, names, symbols)}" for k, v in a.items()) + "}"
     if isinstance(a, torch.dtype):
-        return _dtype(a)
+        return dtype_abbr(a)
     if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return symbols.expr(a.node.expr)
     if isinstance(a, str):

@@ -1,0 +1,128 @@
+"""What the inspection tools produce for one compiled graph: files for the CLI, tlparse artifacts.
+
+A *record* is what ``fcoll.runtime.backend`` hands its compile listeners for every graph it
+compiles: ``record.name`` (e.g. ``"graph_0_forward"``), ``record.before`` and ``record.after``
+(GraphModules before and after the passes), ``record.config`` and ``record.rank``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any, Callable
+
+from fcoll.inspect.format import format_graph
+from fcoll.inspect.report import overlap_report
+from fcoll.inspect.schedule import PredictFn, predicted_events
+from fcoll.inspect.table import collectives
+from fcoll.inspect.timeline import timeline_svg
+
+__all__ = ["record_files", "write_record", "emit_artifacts", "RECORD_FILES"]
+
+log = logging.getLogger(__name__)
+
+#: File names written per record, with ``{name}`` the record's name.
+RECORD_FILES = (
+    "{name}.before.txt", "{name}.after.txt", "{name}.collectives_before.txt",
+    "{name}.collectives.txt", "{name}.collectives.json", "{name}.overlap.txt",
+    "{name}.overlap.json", "{name}.timeline_before.svg", "{name}.timeline.svg",
+)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(name)) or "graph"
+
+
+def _events(gm, predict: PredictFn | None):
+    try:
+        return predicted_events(gm, predict=predict)
+    except Exception as e:  # noqa: BLE001  inspection must not break compilation
+        log.warning("fcoll.inspect: predicting the schedule failed (%s: %s); tables use "
+                    "node.meta estimates", type(e).__name__, e)
+        return None
+
+
+def record_files(record: Any, *, predict: PredictFn | None = None) -> dict[str, str]:
+    """File name -> content for one compiled graph (see :data:`RECORD_FILES`).
+
+    Timelines are left out when no predicted schedule is available.
+    """
+    name = _safe(record.name)
+    ev_b, ev_a = _events(record.before, predict), _events(record.after, predict)
+    table_b = collectives(record.before, events=ev_b, predict=_no_predict)
+    table_a = collectives(record.after, events=ev_a, predict=_no_predict)
+    report = overlap_report(record.before, record.after, events_before=ev_b,
+                            events_after=ev_a, predict=_no_predict)
+    files = {
+        f"{name}.before.txt": format_graph(record.before) + "\n",
+        f"{name}.after.txt": format_graph(record.after) + "\n",
+        f"{name}.collectives_before.txt": str(table_b) + "\n",
+        f"{name}.collectives.txt": str(table_a) + "\n",
+        f"{name}.collectives.json": json.dumps(table_a.as_dicts(), indent=1) + "\n",
+        f"{name}.overlap.txt": str(report) + "\n",
+        f"{name}.overlap.json": json.dumps(report.as_dict(), indent=1) + "\n",
+    }
+    if ev_b is not None:
+        files[f"{name}.timeline_before.svg"] = timeline_svg(ev_b, f"{record.name} before passes")
+    if ev_a is not None:
+        files[f"{name}.timeline.svg"] = timeline_svg(ev_a, f"{record.name} after passes")
+    return files
+
+
+def _no_predict(gm) -> None:
+    """A predictor that declines (events were computed once above, or could not be)."""
+    return None
+
+
+def write_record(record: Any, out_dir: str | os.PathLike, *,
+                 predict: PredictFn | None = None) -> list[str]:
+    """Write :func:`record_files` of ``record`` into ``out_dir`` (created); returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for fname, text in record_files(record, predict=predict).items():
+        path = os.path.join(out_dir, fname)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        paths.append(path)
+    log.debug("fcoll.inspect: wrote %d files for %s to %s", len(paths), record.name, out_dir)
+    return paths
+
+
+def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
+    """Emit tlparse artifacts for one compiled graph through ``torch._logging.trace_structured``.
+
+    Artifacts (``encoding: "string"``): ``fcoll_<name>_graph_before``, ``fcoll_<name>_graph_after``
+    (format_graph text), ``fcoll_<name>_collectives`` (table after the passes) and
+    ``fcoll_<name>_overlap_report``. Payloads are computed only when structured tracing is on
+    (``TORCH_TRACE=dir``), so the call is free otherwise; a failure to build one becomes its
+    payload text instead of an exception.
+    """
+    from torch._logging import trace_structured
+
+    name = _safe(record.name)
+    cache: dict[str, dict[str, str]] = {}
+
+    def files() -> dict[str, str]:
+        if "f" not in cache:
+            cache["f"] = record_files(record, predict=predict)
+        return cache["f"]
+
+    def payload(fname: str) -> Callable[[], str]:
+        def fn() -> str:
+            try:
+                return files()[fname]
+            except Exception as e:  # noqa: BLE001  never break compilation for a report
+                return f"fcoll.inspect failed: {type(e).__name__}: {e}"
+        return fn
+
+    for suffix, fname in (("graph_before", f"{name}.before.txt"),
+                          ("graph_after", f"{name}.after.txt"),
+                          ("collectives", f"{name}.collectives.txt"),
+                          ("overlap_report", f"{name}.overlap.txt")):
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda s=suffix: {"name": f"fcoll_{name}_{s}", "encoding": "string"},
+            payload_fn=payload(fname), expect_trace_id=False,
+        )
