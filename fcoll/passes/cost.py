@@ -1,0 +1,355 @@
+"""Cost model: estimated time of each graph node, in microseconds.
+
+Communication follows the alpha-beta (Hockney) model per (backend, collective kind, group size):
+``t = alpha_us + beta_us_per_byte * bytes``, where ``bytes`` is the larger of the collective's
+input and output on this rank (the whole gathered output for all_gather, the whole input for
+reduce_scatter). The two parameters are fitted from two message sizes timed on the real backend,
+once per process group per process (:func:`calibrate_group`), and rank 0's numbers are
+broadcast through that group, so every rank plans the same schedule.
+
+Compute follows a roofline: ``t = op_overhead_us + max(flops / flops_per_us,
+bytes / bytes_per_us)`` for each aten node, with FLOPs from ``torch.utils.flop_counter``'s
+formulas and bytes = inputs read + output written (view ops cost nothing). The three rates are
+measured once per process by a short microbenchmark (:func:`measure_compute_rates`) and shared
+from rank 0 together with the communication numbers.
+
+On the fake process group, without an initialised process group, or before calibration,
+deterministic defaults are used (:data:`DEFAULT_COMPUTE`, :func:`default_comm`), so snapshot
+tests are stable. Symbolic sizes are evaluated with their hints (``graph.size_hint``). A user's
+``config.estimator(node) -> float | None`` takes precedence for every node it answers.
+
+Calibration is a collective call: it must run on every rank of the group at the same point (the
+``reorder_for_overlap`` pass does that, on every rank, for the groups of its graph in graph order).
+:func:`cached_model` never communicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from fcoll.passes.graph import collective_info, is_collective, is_wait, size_hint, tensor_bytes
+
+__all__ = [
+    "CommParams", "ComputeRates", "CostModel", "DEFAULT_COMPUTE", "KINDS", "default_comm",
+    "busbw_factor", "measure_compute_rates", "calibrate_group", "cached_model", "model_for",
+    "node_flops", "node_io_bytes", "is_free_op",
+]
+
+log = logging.getLogger(__name__)
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+#: Message sizes (bytes) timed by the calibration: one latency-bound, one bandwidth-bound.
+CALIBRATION_BYTES = (16 * 1024, 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class CommParams:
+    """Alpha-beta parameters of one collective kind on one group: ``alpha_us + beta * bytes``."""
+
+    alpha_us: float
+    beta_us_per_byte: float
+
+    def time_us(self, nbytes: int) -> float:
+        return self.alpha_us + self.beta_us_per_byte * nbytes
+
+
+@dataclass(frozen=True)
+class ComputeRates:
+    """Machine rates of the compute roofline.
+
+    Attributes:
+        flops_per_us: sustained matmul FLOPs per microsecond.
+        bytes_per_us: memory bytes moved per microsecond (read + write) by elementwise ops.
+        op_overhead_us: fixed cost of launching one op (eager dispatch), in microseconds.
+    """
+
+    flops_per_us: float
+    bytes_per_us: float
+    op_overhead_us: float
+
+
+#: Deterministic compute defaults (50 GFLOP/s, 10 GB/s, 5 us per op): the fake pg and tests.
+DEFAULT_COMPUTE = ComputeRates(flops_per_us=5.0e4, bytes_per_us=1.0e4, op_overhead_us=5.0)
+
+
+def busbw_factor(kind: str, n: int) -> float:
+    """nccl-tests bus-bandwidth factor: all_reduce 2(n-1)/n; gather, scatter, a2a (n-1)/n; bcast 1."""
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if kind == "broadcast":
+        return 1.0
+    return (n - 1) / n
+
+
+def default_comm(kind: str, group_size: int) -> CommParams:
+    """Deterministic defaults: 30 us latency, 1 GB/s bus bandwidth (nccl-tests factors)."""
+    return CommParams(alpha_us=30.0, beta_us_per_byte=busbw_factor(kind, max(group_size, 2)) / 1e3)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Estimated node times in microseconds.
+
+    Attributes:
+        compute: machine rates for compute nodes.
+        comm: ``(backend, kind, group_size) -> CommParams``; missing entries use
+            :func:`default_comm`.
+        group_backends: group name -> backend name, for looking up ``comm``.
+        estimator: a user estimator ``node -> float | None`` (microseconds), asked first.
+        source: "default" or "calibrated" (for logs and reports).
+    """
+
+    compute: ComputeRates = DEFAULT_COMPUTE
+    comm: Mapping[tuple[str, str, int], CommParams] = field(default_factory=dict)
+    group_backends: Mapping[str, str] = field(default_factory=dict)
+    estimator: Callable[[Any], float | None] | None = field(default=None, compare=False)
+    source: str = "default"
+
+    def __call__(self, node: fx.Node) -> float:
+        return self.estimate(node)
+
+    def estimate(self, node: fx.Node) -> float:
+        """Time of ``node`` in microseconds (0 for placeholders, outputs, views and waits)."""
+        if self.estimator is not None:
+            user = self.estimator(node)
+            if user is not None:
+                return float(user)
+        if is_collective(node):
+            return self.collective_us(node)
+        if node.op != "call_function" or is_wait(node) or is_free_op(node):
+            return 0.0
+        return self.compute_us(node)
+
+    def collective_us(self, node: fx.Node) -> float:
+        info = collective_info(node)
+        n = info.group_size or 2
+        backend = self.group_backends.get(info.group_name, "default")
+        params = self.comm.get((backend, info.kind, n)) or default_comm(info.kind, n)
+        return params.time_us(max(info.in_bytes, info.out_bytes))
+
+    def compute_us(self, node: fx.Node) -> float:
+        r = self.compute
+        return r.op_overhead_us + max(node_flops(node) / r.flops_per_us,
+                                      node_io_bytes(node) / r.bytes_per_us)
+
+
+def is_free_op(node: fx.Node) -> bool:
+    """True for nodes that move no data: views (aliasing returns), getitem, non-aten calls."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    returns = target._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write
+                                 for r in returns)
+
+
+def _val(x: Any) -> Any:
+    return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of an aten node from ``torch.utils.flop_counter`` formulas (0 if it has none)."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet) if packet is not None else None
+    if formula is None:
+        return 0
+    args = torch.fx.node.map_aggregate(node.args, _val)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, _val)
+    try:
+        return size_hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception as e:  # noqa: BLE001  a formula that cannot handle these args: count 0
+        log.debug("no FLOP count for %s (%s): %s", node.name, node.target, e)
+        return 0
+
+
+def node_io_bytes(node: fx.Node) -> int:
+    """Bytes read (tensor inputs) plus written (output) by ``node``, sizes evaluated with hints."""
+    read = sum(tensor_bytes(i.meta.get("val")) for i in node.all_input_nodes)
+    return read + tensor_bytes(node.meta.get("val"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration (measured once per process / per process group, cached)
+
+class _Cache:
+    """Per-process calibration results: compute rates, and comm params per live process group."""
+
+    def __init__(self) -> None:
+        self.compute: ComputeRates | None = None
+        self.groups: "weakref.WeakKeyDictionary[Any, tuple[str, ComputeRates, dict]]" = (
+            weakref.WeakKeyDictionary())
+
+
+_CACHE = _Cache()  # the one process-level cache (calibration is a property of the process)
+
+
+def _median_us(fn: Callable[[], None], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def measure_compute_rates(reps: int = 5) -> ComputeRates:
+    """Microbenchmark this process's CPU: a 256^3 matmul, a 4 MiB copy, a tiny add (~30 ms).
+
+    Cached per process. Returns :class:`ComputeRates` (FLOPs/us, bytes/us, us per op).
+    """
+    if _CACHE.compute is not None:
+        return _CACHE.compute
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
+    x = torch.ones(4)
+    torch.mm(a, b)
+    dst.copy_(src)
+    mm_us = _median_us(lambda: torch.mm(a, b), reps)
+    copy_us = _median_us(lambda: dst.copy_(src), reps)
+    add_us = _median_us(lambda: torch.add(x, x), reps * 4)
+    rates = ComputeRates(flops_per_us=2 * 256 ** 3 / max(mm_us - add_us, 1.0),
+                         bytes_per_us=2 * src.numel() * 4 / max(copy_us - add_us, 1.0),
+                         op_overhead_us=max(add_us, 0.5))
+    _CACHE.compute = rates
+    log.debug("measured compute rates: %s", rates)
+    return rates
+
+
+def _backend_name(pg: Any) -> str:
+    import torch.distributed as dist
+
+    try:
+        return str(dist.get_backend(pg))
+    except Exception:  # noqa: BLE001  groups made outside c10d's registry
+        return "unknown"
+
+
+def _time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> float:
+    """Median time of one blocking collective of ``nbytes`` (the larger buffer), in us."""
+    import torch.distributed as dist
+
+    n = pg.size()
+    numel = max(n, nbytes // 4 // n * n)
+    big, out = torch.zeros(numel), torch.zeros(numel)
+    small = torch.zeros(numel // n)
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(big, group=pg),
+        "all_gather": lambda: dist.all_gather_into_tensor(big, small, group=pg),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(small, big, group=pg),
+        "all_to_all": lambda: dist.all_to_all_single(out, big, group=pg),
+        "broadcast": lambda: dist.broadcast(big, group=pg, group_src=0),
+    }
+    op = ops[kind]
+    op()  # warm-up, and lines the ranks up
+    return _median_us(op, reps)
+
+
+def _fit(b1: int, t1: float, b2: int, t2: float) -> CommParams:
+    beta = max((t2 - t1) / (b2 - b1), 1e-9)
+    return CommParams(alpha_us=max(t1 - beta * b1, 0.0), beta_us_per_byte=beta)
+
+
+def calibrate_group(pg: Any, reps: int = 3) -> tuple[ComputeRates, dict[tuple[str, str, int],
+                                                                         CommParams]]:
+    """Time every collective kind at two sizes on ``pg``, fit alpha-beta, share rank 0's numbers.
+
+    A collective call: every rank of ``pg`` must call it at the same point. Results are cached
+    per process group (weakly); a second call returns the cache without communicating. The
+    compute rates of rank 0 are broadcast in the same message. Takes ~0.1-0.3 s on gloo.
+
+    Returns:
+        (compute rates, ``{(backend, kind, group size): CommParams}``), rank 0's numbers.
+    """
+    import torch.distributed as dist
+
+    if pg in _CACHE.groups:
+        _, rates, comm = _CACHE.groups[pg]
+        return rates, comm
+    backend, n = _backend_name(pg), pg.size()
+    t0 = time.perf_counter()
+    local = measure_compute_rates()
+    values = [local.flops_per_us, local.bytes_per_us, local.op_overhead_us]
+    for kind in KINDS:
+        values += [_time_collective(kind, pg, b, reps) for b in CALIBRATION_BYTES]
+    shared = torch.tensor(values, dtype=torch.float64)
+    dist.broadcast(shared, group=pg, group_src=0)
+    v = shared.tolist()
+    rates = ComputeRates(*v[:3])
+    comm = {}
+    (b1, b2) = CALIBRATION_BYTES
+    for i, kind in enumerate(KINDS):
+        comm[(backend, kind, n)] = _fit(b1, v[3 + 2 * i], b2, v[4 + 2 * i])
+    _CACHE.groups[pg] = (backend, rates, comm)
+    log.debug("calibrated group %s (%s, %d ranks) in %.0f ms: %s", pg.group_name, backend, n,
+              (time.perf_counter() - t0) * 1e3, comm)
+    return rates, comm
+
+
+def _real_group(name: str) -> Any | None:
+    """The process group called ``name`` if it is a real (not fake) initialised group."""
+    try:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        if not dist.is_initialized():
+            return None
+        pg = c10d._resolve_process_group(name)
+    except Exception:  # noqa: BLE001  unknown name, no c10d: no calibration possible
+        return None
+    return None if _backend_name(pg) in ("fake", "unknown") else pg
+
+
+def _group_names(gm: fx.GraphModule) -> list[str]:
+    names: list[str] = []
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            g = collective_info(node).group_name
+            if g not in names:
+                names.append(g)
+    return names
+
+
+def _assemble(gm: fx.GraphModule, estimator, calibrate: bool) -> CostModel:
+    compute, comm, backends, source = None, {}, {}, "default"
+    for name in _group_names(gm):
+        pg = _real_group(name)
+        if pg is None:
+            continue
+        if calibrate:
+            rates, params = calibrate_group(pg)
+        elif pg in _CACHE.groups:
+            _, rates, params = _CACHE.groups[pg]
+        else:
+            log.debug("group %s is not calibrated yet: default costs", name)
+            continue
+        backends[name] = _backend_name(pg)
+        comm.update(params)
+        compute = compute or rates
+        source = "calibrated"
+    return CostModel(compute=compute or DEFAULT_COMPUTE, comm=comm, group_backends=backends,
+                     estimator=estimator, source=source)
+
+
+def model_for(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | None = None
+              ) -> CostModel:
+    """The cost model for ``gm``, calibrating each real group of its collectives if needed.
+
+    A collective call on real groups (see :func:`calibrate_group`); defaults on the fake pg.
+    """
+    return _assemble(gm, estimator, calibrate=True)
+
+
+def cached_model(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | None = None
+                 ) -> CostModel:
+    """Like :func:`model_for` but never communicates: uncalibrated groups use defaults."""
+    return _assemble(gm, estimator, calibrate=False)

@@ -1,0 +1,196 @@
+"""Peak-memory accounting of a node order, and the ordering constraints of aliasing and mutation.
+
+Storage model (bytes from ``node.meta["val"]``, sizes evaluated with hints):
+
+- A node that returns a fresh tensor allocates a *storage* of its output's bytes when it runs.
+  Views (aliasing schema returns), ``getitem``, in-place ops (``Tensor(a!)``) and
+  ``wait_tensor`` (at runtime the wait returns the collective's buffer) allocate nothing: their
+  storage *root* is their input's root.
+- A storage is freed after the last node that uses any alias of it. A collective's inputs stay
+  alive until its last wait (the backend reads them until then), so waits count as their uses.
+- Placeholders, attributes and the roots of graph outputs are never freed and are not counted:
+  they are the same in every order, so *extra* peak memory is unaffected by them.
+
+The same model gives the mutation constraints the schedulers must keep: a node that writes a
+storage stays after earlier readers of that storage and before later ones; for an in-place
+collective "later" means after its wait, since the buffer changes until then.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+import torch.fx as fx
+
+from fcoll.passes.graph import is_collective, is_wait, node_bytes, start_of, waits_of
+
+__all__ = ["Storage", "storage_model", "peak_bytes", "MemoryTracker", "mutation_deps"]
+
+
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input ``node``'s output aliases (view, in-place, getitem, wait), or None."""
+    if node.op != "call_function":
+        return None
+    if is_wait(node):
+        src = node.args[0]
+        return src if isinstance(src, fx.Node) else None
+    if node.target is operator.getitem:
+        src = node.args[0]
+        # getitem of a multi-output op picks a distinct tensor: it aliases only itself.
+        return src if isinstance(src, fx.Node) and _aliased_input(src) is not None else None
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    returns = target._schema.returns
+    if not returns or returns[0].alias_info is None:
+        return None
+    sets = returns[0].alias_info.before_set
+    for arg, value in zip(target._schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.before_set & sets:
+            if isinstance(value, fx.Node):
+                return value
+            if isinstance(value, (list, tuple)) and value and isinstance(value[0], fx.Node):
+                return value[0]
+    return None
+
+
+def _written_inputs(node: fx.Node) -> list[fx.Node]:
+    """Input nodes whose storage ``node`` writes (``Tensor(a!)`` schema arguments)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return []
+    out: list[fx.Node] = []
+    args = dict(zip([a.name for a in target._schema.arguments], node.args))
+    args.update(node.kwargs)
+    for arg in target._schema.arguments:
+        if arg.alias_info is not None and arg.alias_info.is_write and arg.name in args:
+            value = args[arg.name]
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, fx.Node):
+                    out.append(v)
+    return out
+
+
+@dataclass
+class Storage:
+    """The storage model of one graph (see the module docstring).
+
+    Attributes:
+        root: node -> the node that allocated its storage (itself for fresh tensors).
+        size: root -> bytes it allocates (0 for pinned roots).
+        uses: root -> nodes that use any alias of it (collective inputs: also its waits).
+        pinned: roots never freed (placeholders, attributes, graph outputs).
+    """
+
+    root: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    size: dict[fx.Node, int] = field(default_factory=dict)
+    uses: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    pinned: set[fx.Node] = field(default_factory=set)
+
+    def alloc(self, node: fx.Node) -> int:
+        """Bytes ``node`` allocates when it runs."""
+        return self.size.get(node, 0) if self.root.get(node) is node else 0
+
+    def roots_used(self, node: fx.Node) -> list[fx.Node]:
+        """Roots whose storage ``node`` touches (its inputs'; a wait: its collective's inputs)."""
+        seen: list[fx.Node] = []
+        for i in _uses_of(node):
+            r = self.root[i]
+            if r not in seen:
+                seen.append(r)
+        return seen
+
+
+def _uses_of(node: fx.Node) -> list[fx.Node]:
+    inputs = list(node.all_input_nodes)
+    if is_wait(node):
+        start = start_of(node)
+        if start is not None:
+            inputs += start.all_input_nodes
+    return inputs
+
+
+def storage_model(graph: fx.Graph) -> Storage:
+    """Build the :class:`Storage` model of ``graph`` (any order: roots follow data edges)."""
+    st = Storage()
+    for node in graph.nodes:
+        src = _aliased_input(node)
+        st.root[node] = st.root[src] if src is not None else node
+        if node.op in ("placeholder", "get_attr"):
+            st.pinned.add(node)
+        if st.root[node] is node:
+            st.size[node] = node_bytes(node)
+            st.uses[node] = []
+    for node in graph.nodes:
+        if node.op == "output":
+            st.pinned.update(st.root[i] for i in node.all_input_nodes)
+            continue
+        for r in st.roots_used(node):
+            st.uses[r].append(node)
+    for r in st.pinned:
+        st.size[r] = 0
+    return st
+
+
+class MemoryTracker:
+    """Live bytes while nodes are scheduled one by one (the model of :func:`storage_model`)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.st = storage
+        self.remaining = {r: len(u) for r, u in storage.uses.items()}
+        self.live = 0
+        self.peak = 0
+
+    def would_reach(self, node: fx.Node) -> int:
+        """Live bytes right after ``node`` allocates (before its frees)."""
+        return self.live + self.st.alloc(node)
+
+    def schedule(self, node: fx.Node) -> None:
+        self.live += self.st.alloc(node)
+        self.peak = max(self.peak, self.live)
+        if self.st.root.get(node) is node and not self.remaining.get(node):
+            self.live -= self.st.size.get(node, 0)  # dead value: freed at once
+        for r in self.st.roots_used(node):
+            self.remaining[r] -= 1
+            if self.remaining[r] == 0 and r is not node:
+                self.live -= self.st.size.get(r, 0)
+
+
+def peak_bytes(order: Iterable[fx.Node], storage: Storage | None = None) -> int:
+    """Peak live bytes (excluding pinned storages) of running the nodes in ``order``."""
+    order = list(order)
+    if storage is None:
+        storage = storage_model(order[0].graph) if order else Storage()
+    tracker = MemoryTracker(storage)
+    for node in order:
+        tracker.schedule(node)
+    return tracker.peak
+
+
+def mutation_deps(order: Sequence[fx.Node], storage: Storage) -> list[tuple[fx.Node, fx.Node]]:
+    """Edges ``(before, after)`` that keep writes ordered with the reads of the same storage.
+
+    For each node ``m`` that writes storage ``r``: every earlier node touching ``r`` precedes
+    ``m``, and every later node touching ``r`` follows ``m`` and, if ``m`` is a collective, its
+    waits that came before that node. ``order`` is the original order.
+    """
+    pos = {n: i for i, n in enumerate(order)}
+    edges: list[tuple[fx.Node, fx.Node]] = []
+    for m in order:
+        written = {storage.root[x] for x in _written_inputs(m)}
+        if not written:
+            continue
+        waits = waits_of(m) if is_collective(m) else []
+        for r in written:
+            for other in storage.uses.get(r, []):
+                if other is m or other in waits:
+                    continue
+                if pos[other] < pos[m]:
+                    edges.append((other, m))
+                else:
+                    edges.append((m, other))
+                    edges.extend((w, other) for w in waits if pos[w] < pos[other])
+    return edges

@@ -1,0 +1,196 @@
+"""Overlap passes: ``sink_waits``, ``raise_collectives``, ``reorder_for_overlap``, and ``predict``.
+
+``ar -> wait -> relu -> mm -> add`` becomes ``ar -> mm (hides ar) -> wait -> relu -> add``.
+
+- ``sink_waits``: every ``wait_tensor`` moves down to just before the first node that needs it
+  (its first user, or the first node ordered after it by a mutation or barrier).
+- ``raise_collectives``: every collective moves up to just after the last node it needs (its
+  last input, the previous collective, a mutation or barrier, the last placeholder).
+- ``reorder_for_overlap``: the cost-model list scheduler of :mod:`fcoll.passes.schedule`, with
+  ``config.memory_budget_mb`` of extra peak memory and ``config.max_in_flight_mb`` of
+  outstanding collective bytes. It records per collective ``META_ESTIMATED_US``,
+  ``META_HIDING`` (names of the compute nodes predicted to run while it is in flight) and
+  ``META_EXPOSED_US`` in ``node.meta``.
+
+All three keep the relative order of collectives (a different order on different ranks hangs),
+are deterministic (ties broken by original position), keep ``node.meta`` (nodes are moved with
+``Node.append``, never copied) and end with ``graph.lint()``. Sources: Inductor's
+``torch/_inductor/comms.py`` (``sink_waits``, ``raise_comms``, ``reorder_compute_for_overlap``)
+and ``fx_passes/overlap_scheduling.py`` for the vocabulary; this is fcoll's own code, which needs
+neither triton nor a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from fcoll.passes.cost import CostModel, cached_model, model_for
+from fcoll.passes.graph import (
+    META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, collectives, is_collective, is_wait,
+)
+from fcoll.passes.registry import FcollPass, register_pass
+from fcoll.passes.schedule import PredictedEvent, apply_order, dependencies, list_schedule, \
+    simulate
+
+__all__ = ["SinkWaits", "RaiseCollectives", "ReorderForOverlap", "PredictedEvent", "predict",
+           "sink_waits_order", "raise_collectives_order"]
+
+log = logging.getLogger(__name__)
+
+_MIB = 2 ** 20
+
+
+def _place(order: list[fx.Node], movers: dict[fx.Node, fx.Node], before: bool) -> list[fx.Node]:
+    """``order`` with each mover placed next to its anchor (before or after it).
+
+    Movers sharing an anchor keep their original relative order.
+    """
+    pos = {n: i for i, n in enumerate(order)}
+    attached: dict[fx.Node, list[fx.Node]] = {}
+    for m in sorted(movers, key=pos.__getitem__):
+        attached.setdefault(movers[m], []).append(m)
+    out: list[fx.Node] = []
+    for n in order:
+        if n in movers:
+            continue
+        # Depth-first over the movers attached to n (iterative: chains can be long).
+        stack: list[tuple[fx.Node, bool]] = [(n, False)]
+        while stack:
+            node, expanded = stack.pop()
+            kids = attached.get(node, ())
+            if before:
+                if expanded or not kids:
+                    out.append(node)
+                else:
+                    stack.append((node, True))
+                    stack.extend((k, False) for k in reversed(kids))
+            else:
+                out.append(node)
+                stack.extend((k, False) for k in reversed(kids))
+    return out
+
+
+def sink_waits_order(graph: fx.Graph) -> list[fx.Node]:
+    """The order ``sink_waits`` makes: each wait just before the first node that needs it."""
+    deps = dependencies(graph)
+    anchors = {}
+    for n in deps.order:
+        if is_wait(n):
+            succ = deps.succs[n]
+            # The output node always exists and never moves; a wait nothing needs sinks to it.
+            anchors[n] = succ[0] if succ else deps.order[-1]
+    return _place(deps.order, anchors, before=True)
+
+
+def raise_collectives_order(graph: fx.Graph) -> list[fx.Node]:
+    """The order ``raise_collectives`` makes: each collective just after the last node it needs."""
+    deps = dependencies(graph)
+    last_fixed = max((n for n in deps.order if n.op in ("placeholder", "get_attr")),
+                     key=deps.pos.__getitem__, default=None)
+    anchors = {}
+    for n in deps.order:
+        if is_collective(n):
+            cands = list(deps.preds[n]) + ([last_fixed] if last_fixed is not None else [])
+            if cands:
+                anchors[n] = max(cands, key=deps.pos.__getitem__)
+    return _place(deps.order, anchors, before=False)
+
+
+@register_pass
+class SinkWaits(FcollPass):
+    """``sink_waits``: move each ``wait_tensor`` down to just before the first node needing it.
+
+    Invariant: only waits move, and a wait never passes a node that needs its result, so values
+    are unchanged; collectives do not move, so their order is unchanged.
+    """
+
+    name = "sink_waits"
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        order = sink_waits_order(graph_module.graph)
+        modified = apply_order(graph_module.graph, order)
+        graph_module.recompile()
+        return PassResult(graph_module, modified)
+
+
+@register_pass
+class RaiseCollectives(FcollPass):
+    """``raise_collectives``: move each collective up to just after its last input is ready.
+
+    Collectives are never moved above the previous collective, so their relative order is
+    unchanged. No memory budget: every collective is issued as early as possible (use
+    ``reorder_for_overlap`` for a budgeted schedule).
+    """
+
+    name = "raise_collectives"
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        order = raise_collectives_order(graph_module.graph)
+        modified = apply_order(graph_module.graph, order)
+        graph_module.recompile()
+        return PassResult(graph_module, modified)
+
+
+@register_pass
+class ReorderForOverlap(FcollPass):
+    """``reorder_for_overlap``: cost-model list scheduling (see :func:`list_schedule`).
+
+    The cost model is calibrated on each real process group of the graph on first use (a
+    collective call, made on every rank at this point), with rank 0's numbers shared, so every
+    rank computes the same order. ``config.estimator`` overrides node estimates.
+    """
+
+    name = "reorder_for_overlap"
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        if not collectives(graph_module):
+            return PassResult(graph_module, False)
+        model = model_for(graph_module, self.config.estimator)
+        plan = list_schedule(graph_module.graph, model,
+                             memory_budget_bytes=int(self.config.memory_budget_mb * _MIB),
+                             max_in_flight_bytes=int(self.config.max_in_flight_mb * _MIB))
+        modified = apply_order(graph_module.graph, plan.order)
+        for node, ev in plan.timeline.by_node.items():
+            node.meta[META_ESTIMATED_US] = ev.end_us - ev.start_us if ev.kind != "wait" else 0.0
+        for node, rec in plan.records.items():
+            node.meta[META_ESTIMATED_US] = rec.estimated_us
+            node.meta[META_HIDING] = list(rec.hiding)
+            node.meta[META_EXPOSED_US] = rec.exposed_us
+            if rec.exposed_us > 0:
+                log.debug("%s: %.1f us of %.1f us exposed (hidden by %d compute nodes; its "
+                          "inputs are ready only then, or there is no more independent compute "
+                          "before its first use)", node.name, rec.exposed_us, rec.estimated_us,
+                          len(rec.hiding))
+        log.debug("reorder_for_overlap: makespan %.1f us (%s costs), peak +%d bytes over the "
+                  "original order's %d", plan.makespan_us, model.source,
+                  plan.peak_bytes - plan.baseline_peak_bytes, plan.baseline_peak_bytes)
+        graph_module.recompile()
+        return PassResult(graph_module, modified)
+
+
+def predict(gm: fx.GraphModule, estimator=None) -> list[PredictedEvent]:
+    """Simulate ``gm`` in its current order; one :class:`PredictedEvent` per executed node.
+
+    Model: compute serial on one lane; each collective on its group's lane from its issue,
+    serially per group; a wait blocks compute until its collective ends (exposed = blocked time).
+
+    Args:
+        gm: any graph with fcoll (or ``_c10d_functional``) collectives.
+        estimator: ``node -> float`` in microseconds, or ``node -> None`` to fall back. Default:
+            the node's ``META_ESTIMATED_US`` if the scheduler set it, else the cost model with the
+            calibration already cached in this process (defaults otherwise). Never communicates.
+    """
+    model: CostModel = cached_model(gm)
+
+    def estimate(node: fx.Node) -> float:
+        if estimator is not None:
+            v = estimator(node)
+            if v is not None:
+                return float(v)
+        v = node.meta.get(META_ESTIMATED_US)
+        return float(v) if v is not None else model(node)
+
+    return list(simulate(list(gm.graph.nodes), estimate).events)
