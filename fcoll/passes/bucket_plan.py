@@ -1,0 +1,282 @@
+"""Bucket planning: which collectives merge, and where each merged collective is issued and waited.
+
+Planning is pure: :func:`plan_buckets` reads a graph and returns frozen :class:`Bucket` records
+(member node names, key, bytes, placement); :mod:`fcoll.passes.bucketing` rewrites the graph.
+
+Placement model. Number the graph's nodes ``0 .. N-1`` in graph (topological) order. A collective
+``c`` with wait ``w`` may be issued anywhere after its input is ready and waited anywhere before the
+first user of ``w``. For a bucket ``B``:
+
+* ``A`` = the latest ready point of any member's inputs; the bucket is issued right after it
+  ("where the latest member's input is ready").
+* ``W`` = the earliest member wait, moved later only as far as needed: after ``A`` and after every
+  compute node the scheduler recorded as hiding a member (``node.meta["fcoll_hiding_nodes"]``), so
+  no planned overlap is lost. The bucket waits right before node ``W``.
+* ``F`` = the earliest user of any member's wait. The bucket is valid iff ``W <= F``.
+
+Positions are sort keys: original node ``i`` is ``(2i,)``, a bucket's wait group is
+``(2W-1, 0, seq)`` (just before node ``W``) and its issue group is ``A + (1, seq)`` (just after
+``A``). ``A`` is an original node's key or, when a member consumes the wait of an earlier bucket
+directly, that bucket's wait-group key. Every new node sits after everything it reads and before
+everything that reads it, so sorting all nodes by key is a topological order: **a plan can never
+create a cycle**. In particular collectives that depend on each other (``c2`` reads ``wait(c1)``,
+directly or through compute) never share a bucket, because then ``F(c1) <= A``.
+
+Invariant (why ranks agree): every decision reads only the graph (order, shapes, dtypes, groups,
+scheduler metadata), never rank-local state, so every rank that compiled the same graph gets the
+same buckets and the same collective order. Different orders on different ranks would hang.
+
+Complexity: one pass over the nodes plus one over the collectives, O(N + E); there is no
+reachability query, because graph order already answers "does c2 depend on c1?" for the only
+question that matters (can they be issued and waited at a common point).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fcoll.passes.graph import (
+    META_HIDING, args_by_name, bucket_key, collective_info, is_collective, waits_of,
+)
+from fcoll.runtime.config import FcollConfig
+
+__all__ = ["Bucket", "plan_buckets", "BUCKETABLE_OPS", "MIB"]
+
+log = logging.getLogger(__name__)
+
+#: Bytes per MiB.
+MIB = 2**20
+#: Op names (either namespace) that bucket_collectives merges.
+BUCKETABLE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                  "all_to_all_single")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A planned merge of collectives.
+
+    Attributes:
+        kind: "all_reduce", "all_gather", "reduce_scatter" or "all_to_all".
+        key: the shared :func:`fcoll.passes.graph.bucket_key` (multi-dtype form).
+        members: names of the member collective nodes, in graph order.
+        dtypes: dtype of each member's input, in member order.
+        in_bytes: bytes of all member inputs on this rank.
+        out_bytes: bytes of all member outputs on this rank.
+        issue_key: sort key of the merged collective (see module docstring).
+        wait_key: sort key of the merged wait and the views that replace member waits.
+        seq: the bucket's number in the plan.
+    """
+
+    kind: str
+    key: tuple
+    members: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    in_bytes: int
+    out_bytes: int
+    issue_key: tuple
+    wait_key: tuple
+    seq: int
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes a concat bucket holds while in flight: the concat buffer plus the output."""
+        return self.in_bytes + self.out_bytes
+
+
+@dataclass
+class _Member:
+    node: fx.Node
+    ready: tuple          # sort key after which every input is ready
+    wait_idx: int         # index of the member's wait
+    first_use: int        # index of the first user of the wait (or of the output node)
+    last_hide: int        # index of the last hiding node, -1 if none
+    in_bytes: int
+    out_bytes: int
+    dtype: torch.dtype
+
+
+@dataclass
+class _Open:
+    key: tuple
+    members: list[_Member] = field(default_factory=list)
+    ready: tuple = (-1,)
+    wait_idx: int = 1 << 62
+    first_use: int = 1 << 62
+    last_hide: int = -1
+    in_bytes: int = 0
+    out_bytes: int = 0
+
+
+def _wait_index(ready: tuple, wait_idx: int, last_hide: int) -> int:
+    """Smallest node index ``W`` whose wait group ``(2W-1, 0, seq)`` sorts after the issue."""
+    after_issue = (ready[0] + 2) // 2
+    return max(wait_idx, after_issue, last_hide + 1)
+
+
+def _static_shape(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape)
+
+
+def _rejection(node: fx.Node, kind: str, waits: list[fx.Node]) -> str | None:
+    """Why ``node`` cannot join any bucket, or None."""
+    if len(waits) != 1 or len(node.users) != 1:
+        return f"{len(waits)} waits and {len(node.users)} users (need exactly one wait)"
+    inp = node.args[0]
+    if not isinstance(inp, fx.Node) or not _static_shape(inp.meta.get("val")):
+        return "input has no static-shape meta['val']"
+    if not _static_shape(node.meta.get("val")):
+        return "output has no static-shape meta['val']"
+    if kind == "all_to_all":
+        a = args_by_name(node)
+        splits = list(a["output_split_sizes"]) + list(a["input_split_sizes"])
+        if not all(isinstance(s, int) for s in splits):
+            return "all_to_all split sizes are not constants"
+    return None
+
+
+def _member(node: fx.Node, wait: fx.Node, idx: dict[fx.Node, int], ready_of, out_idx: int,
+            by_name: dict[str, int]) -> _Member:
+    ready = max((ready_of(u) for u in node.all_input_nodes), default=(-1,))
+    users = [idx[u] for u in wait.users]
+    hides = [by_name[h] for h in node.meta.get(META_HIDING) or () if h in by_name]
+    in_val = node.args[0].meta["val"]
+    return _Member(node=node, ready=ready, wait_idx=idx[wait],
+                   first_use=min(users) if users else out_idx,
+                   last_hide=max(hides, default=-1),
+                   in_bytes=in_val.numel() * in_val.element_size(),
+                   out_bytes=node.meta["val"].numel() * node.meta["val"].element_size(),
+                   dtype=in_val.dtype)
+
+
+def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[Bucket]:
+    """Plan buckets for every bucketable collective of ``gm``; the graph is not modified.
+
+    Collectives are visited in graph order; each key ((kind, group, group size, reduce op, root),
+    every dtype together) has one open bucket. A collective joins its key's open bucket if the
+    merged bucket stays valid (``W <= F``, see the module docstring), its input bytes stay within
+    ``config.bucket_cap_mb`` and the memory it holds while in flight (concat buffer + output in
+    "concat" mode, output in "coalesced" mode) within ``config.memory_budget_mb``; otherwise that
+    bucket is closed and a new one opened. A bucket whose member's wait is read directly by a later
+    collective is closed first, so that reader's issue point is known.
+
+    Args:
+        gm: a graph with fcoll or ``_c10d_functional`` collectives whose nodes carry
+            ``meta["val"]`` (static shapes; others are left alone, logged at DEBUG).
+        config: uses ``bucket_cap_mb``, ``bucket_mode`` and ``memory_budget_mb``.
+
+    Returns:
+        Buckets of two or more members, ordered by ``seq`` (the order they were closed).
+    """
+    config = config if config is not None else FcollConfig()
+    cap = int(config.bucket_cap_mb * MIB)
+    budget = int(config.memory_budget_mb * MIB)
+    concat = config.bucket_mode == "concat"
+    nodes = list(gm.graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    out_idx = len(nodes) - 1
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    last_ph = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=0)
+
+    buckets: list[Bucket] = []
+    wait_ready: dict[fx.Node, tuple] = {}     # member wait of a closed bucket -> its wait key
+    open_by_key: dict[tuple, _Open] = {}
+    open_of_wait: dict[fx.Node, _Open] = {}   # member wait -> its (still) open bucket
+
+    def ready_of(u: fx.Node) -> tuple:
+        if u in wait_ready:
+            return wait_ready[u]
+        return (2 * (last_ph if u.op == "placeholder" else idx[u]),)
+
+    def close(b: _Open) -> None:
+        if open_by_key.get(b.key) is b:
+            del open_by_key[b.key]
+        for m in b.members:
+            open_of_wait.pop(waits_of(m.node)[0], None)
+        if len(b.members) < 2:
+            return
+        seq = len(buckets)
+        w = _wait_index(b.ready, b.wait_idx, b.last_hide)
+        bucket = Bucket(
+            kind=b.key[0], key=b.key, members=tuple(m.node.name for m in b.members),
+            dtypes=tuple(m.dtype for m in b.members), in_bytes=b.in_bytes,
+            out_bytes=b.out_bytes, issue_key=b.ready + (1, seq), wait_key=(2 * w - 1, 0, seq),
+            seq=seq)
+        buckets.append(bucket)
+        for m in b.members:
+            wait_ready[waits_of(m.node)[0]] = bucket.wait_key
+        log.debug("bucket %d: %s %d members %s, %d bytes, issued after key %s, waited before "
+                  "node %s", seq, bucket.kind, len(bucket.members), list(bucket.members),
+                  bucket.in_bytes, b.ready, nodes[w].name)
+
+    for node in nodes:
+        if not is_collective(node):
+            continue
+        for u in node.all_input_nodes:   # a reader of an open bucket's wait fixes that bucket
+            if u in open_of_wait:
+                close(open_of_wait[u])
+        info = collective_info(node)
+        if info.op not in BUCKETABLE_OPS:
+            log.debug("not bucketing %s: op %s is not bucketed", node.name, info.op)
+            continue
+        waits = waits_of(node)
+        reason = _rejection(node, info.kind, waits)
+        if reason is not None:
+            log.debug("not bucketing %s: %s", node.name, reason)
+            continue
+        # namespace too: a merged collective and its wait must come from one op library
+        key = bucket_key(node, multi_dtype=True) + (node.target.namespace,)
+        m = _member(node, waits[0], idx, ready_of, out_idx, by_name)
+        b = open_by_key.get(key)
+        if b is not None:
+            why = _join_rejection(b, m, cap, budget, concat)
+            if why is not None:
+                log.debug("closing bucket of %s before %s: %s",
+                          [x.node.name for x in b.members], node.name, why)
+                close(b)
+                b = None
+        if b is None:
+            b = open_by_key[key] = _Open(key=key)
+        _add(b, m)
+        open_of_wait[waits[0]] = b
+    for b in sorted(open_by_key.values(), key=lambda o: idx[o.members[0].node]):
+        close(b)
+    return buckets
+
+
+def _join_rejection(b: _Open, m: _Member, cap: int, budget: int, concat: bool) -> str | None:
+    """Why ``m`` cannot join ``b``, or None.
+
+    all_to_all sizes differ between ranks (MoE routing gives each rank its own splits), so a byte
+    cap would split all_to_all buckets differently on different ranks and hang; all_to_all buckets
+    are therefore bounded by structure only, never by ``bucket_cap_mb`` or ``memory_budget_mb``.
+    """
+    in_bytes = b.in_bytes + m.in_bytes
+    if b.key[0] == "all_to_all":
+        pass
+    elif in_bytes > cap:
+        return f"cap: {in_bytes} input bytes > {cap}"
+    held = in_bytes + b.out_bytes + m.out_bytes if concat else b.out_bytes + m.out_bytes
+    if b.key[0] != "all_to_all" and held > budget:
+        return f"memory: bucket would hold {held} bytes > memory_budget {budget}"
+    ready = max(b.ready, m.ready)
+    w = _wait_index(ready, min(b.wait_idx, m.wait_idx), max(b.last_hide, m.last_hide))
+    first_use = min(b.first_use, m.first_use)
+    if w > first_use:
+        return (f"dependency: issue point (after key {ready}) and hiding compute need the wait "
+                f"at node #{w}, after the first use of a member result (node #{first_use})")
+    return None
+
+
+def _add(b: _Open, m: _Member) -> None:
+    b.members.append(m)
+    b.ready = max(b.ready, m.ready)
+    b.wait_idx = min(b.wait_idx, m.wait_idx)
+    b.first_use = min(b.first_use, m.first_use)
+    b.last_hide = max(b.last_hide, m.last_hide)
+    b.in_bytes += m.in_bytes
+    b.out_bytes += m.out_bytes

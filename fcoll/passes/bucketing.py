@@ -1,0 +1,311 @@
+"""``bucket_collectives``: merge small collectives into buckets of at most ``bucket_cap_mb``.
+
+Small collectives are latency-bound; one collective of the summed size costs one latency instead
+of many. The pass buckets all_reduce, all_gather_into_tensor, reduce_scatter_tensor and
+all_to_all_single (either namespace, ``fcoll`` or ``_c10d_functional``). PyTorch 2.13's
+``torch/_inductor/fx_passes/bucketing.py`` buckets only *adjacent* all_gather, reduce_scatter and
+all_reduce calls of one dtype and never all_to_all; here any collectives of one key that can be
+issued and waited at a common point may merge (see :mod:`fcoll.passes.bucket_plan`).
+
+Modes (``config.bucket_mode``):
+
+* ``"concat"``: flatten and concatenate the members into one buffer, one collective, then split
+  and view back. all_gather and all_to_all move bytes, so members of any dtypes are viewed as
+  ``uint8`` and share one collective. all_reduce and reduce_scatter reduce elementwise and need
+  one dtype per reduction: a multi-dtype bucket becomes one concatenated collective per dtype,
+  issued together and waited together. Shapes per rank (``n`` = group size):
+
+  - all_reduce: members ``[*s_i]`` -> ``cat(flat) [sum numel_i]`` -> split, view ``[*s_i]``.
+  - reduce_scatter: members ``[n*N_i, *]`` -> each viewed ``[n, N_i*prod(*)]``, concatenated on
+    dim 1 and flattened, so rank ``r``'s shard holds every member's shard ``r`` -> split, view.
+  - all_gather: members as bytes ``[b_i]`` -> ``[sum b_i]`` -> gathered ``[n, sum b_i]`` ->
+    column slices ``[n, b_i]``, copied contiguous, viewed as the dtype ``[n*N_i, *]``.
+  - all_to_all: each member's chunk for rank ``r`` (bytes) is placed rank-major, so the merged
+    splits are ``sum_i split_i[r] * row_bytes_i``; the received chunks are split per member and
+    concatenated back per member.
+* ``"coalesced"``: the ``*_coalesced`` op of the kind (all_reduce, all_gather, reduce_scatter)
+  with the members' tensors of any dtypes, no copies; one wait per output. all_to_all has no
+  coalesced op and uses concat (logged).
+
+Where the bucket goes: the merged collective is issued right after the latest member input is
+ready; its wait goes where the earliest member's wait was, moved later only past the issue point
+and past compute that the scheduler recorded as hiding a member (``fcoll_hiding_nodes``), so a
+bucket never waits before compute that was hiding one of its members. Views replacing each
+member's result follow that wait.
+
+Composition with ``reorder_for_overlap``: the default pipeline is ``lower_c10d_functional ->
+bucket_collectives -> reorder_for_overlap -> check_rank_consistency``. Bucketing first lets the
+scheduler place few large collectives (its cost model sees the merged sizes). When bucketing runs
+after the scheduler instead, the hiding metadata keeps the planned overlap: a bucket's wait is never
+placed before a member's hiding compute, and a member whose hiding compute would force the wait
+past the first use of another member's result does not join.
+
+Rank agreement: every decision reads only the graph, so every rank that compiled the same graph
+issues the same buckets in the same order (:mod:`fcoll.passes.bucket_plan` states why orders can
+never differ).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.node import map_arg
+from torch.fx.passes.infra.pass_base import PassResult
+
+from fcoll.passes.bucket_plan import Bucket, plan_buckets
+from fcoll.passes.graph import META_HIDING, args_by_name, waits_of
+from fcoll.passes.registry import FcollPass, register_pass
+from fcoll.runtime.config import FcollConfig
+
+__all__ = ["BucketCollectives", "apply_buckets", "plan_buckets", "Bucket", "META_BUCKET"]
+
+log = logging.getLogger(__name__)
+
+#: node.meta key on a merged collective: names of the collectives it replaced, in order.
+META_BUCKET = "fcoll_bucket_members"
+
+aten = torch.ops.aten
+_COALESCED = {"all_reduce": "all_reduce_coalesced",
+              "all_gather": "all_gather_into_tensor_coalesced",
+              "reduce_scatter": "reduce_scatter_tensor_coalesced"}
+
+
+class _Emit:
+    """Creates call_function nodes at the graph's insert point, with ``meta["val"]`` computed by
+    running the op on the inputs' fake values (so later passes see shapes and dtypes)."""
+
+    def __init__(self, graph: fx.Graph, fake_mode: FakeTensorMode, meta: dict[str, Any]):
+        self.graph = graph
+        self.fake_mode = fake_mode
+        self.meta = meta
+
+    def __call__(self, target: Callable, *args: Any, **kwargs: Any) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        vals = map_arg(args, lambda n: n.meta["val"])
+        kw = map_arg(kwargs, lambda n: n.meta["val"])
+        if target is operator.getitem:
+            node.meta["val"] = vals[0][vals[1]]
+        else:
+            with self.fake_mode:
+                node.meta["val"] = target(*vals, **kw)
+        node.meta.update(self.meta)
+        return node
+
+    def getitems(self, node: fx.Node, count: int) -> list[fx.Node]:
+        return [self(operator.getitem, node, i) for i in range(count)]
+
+
+def _ns(node: fx.Node):
+    """The op namespace of a collective node (``torch.ops.fcoll`` or ``_c10d_functional``)."""
+    return getattr(torch.ops, node.target.namespace)
+
+
+class _Rewrite:
+    """State of one bucket's rewrite: its issue group emits the collective(s), its wait group the
+    wait(s) and the nodes that replace each member's wait."""
+
+    def __init__(self, bucket: Bucket, members: list[fx.Node], mode: str):
+        self.bucket = bucket
+        self.members = members
+        self.waits = [waits_of(m)[0] for m in members]
+        self.mode = mode if bucket.kind != "all_to_all" else "concat"
+        self.pending: list[tuple[Any, ...]] = []   # what the wait group needs from the issue
+        self.replacements: list[fx.Node] = []      # one per member, in member order
+
+    # -- issue ---------------------------------------------------------------------------------
+    def issue(self, emit: _Emit, inputs: list[fx.Node]) -> None:
+        first, ns = self.members[0], _ns(self.members[0])
+        extra = first.args[1:]
+        if self.mode == "coalesced":
+            op = getattr(ns, _COALESCED[self.bucket.kind]).default
+            coll = emit(op, inputs, *extra)
+            self.pending.append(("coalesced", emit.getitems(coll, len(inputs))))
+            self._tag(coll)
+        elif self.bucket.kind in ("all_reduce", "reduce_scatter"):
+            for dtype in dict.fromkeys(self.bucket.dtypes):   # per-dtype sub-buckets, in order
+                sel = [i for i, d in enumerate(self.bucket.dtypes) if d == dtype]
+                self._issue_reduction(emit, ns, extra, inputs, sel)
+        elif self.bucket.kind == "all_gather":
+            self._issue_all_gather(emit, ns, extra, inputs)
+        else:
+            self._issue_all_to_all(emit, ns, inputs)
+
+    def _tag(self, coll: fx.Node) -> None:
+        coll.meta[META_BUCKET] = list(self.bucket.members)
+        hides = [h for m in self.members for h in m.meta.get(META_HIDING) or ()]
+        if hides:
+            coll.meta[META_HIDING] = list(dict.fromkeys(hides))
+
+    def _issue_reduction(self, emit, ns, extra, inputs, sel) -> None:
+        n = self.bucket.key[2] if self.bucket.kind == "reduce_scatter" else 1
+        if self.bucket.kind == "all_reduce":
+            flats = [emit(aten.reshape.default, inputs[i], [-1]) for i in sel]
+            buf = flats[0] if len(flats) == 1 else emit(aten.cat.default, flats)
+        else:
+            rows = [emit(aten.reshape.default, inputs[i], [n, -1]) for i in sel]
+            cat = rows[0] if len(rows) == 1 else emit(aten.cat.default, rows, 1)
+            buf = emit(aten.reshape.default, cat, [-1])
+        coll = emit(self.members[sel[0]].target, buf, *extra)
+        self._tag(coll)
+        self.pending.append(("reduction", coll, sel, n))
+
+    def _issue_all_gather(self, emit, ns, extra, inputs) -> None:
+        flats = [emit(aten.view.dtype, emit(aten.reshape.default, x, [-1]), torch.uint8)
+                 for x in inputs]
+        buf = emit(aten.cat.default, flats)
+        coll = emit(self.members[0].target, buf, *extra)
+        self._tag(coll)
+        self.pending.append(("all_gather", coll, [f.meta["val"].numel() for f in flats]))
+
+    def _issue_all_to_all(self, emit, ns, inputs) -> None:
+        args = [args_by_name(m) for m in self.members]
+        n = len(args[0]["input_split_sizes"])
+        row_bytes = [x.meta["val"][0].numel() * x.meta["val"].element_size() if
+                     x.meta["val"].shape[0] else 0 for x in inputs]
+        chunks = []
+        for x, a, rb in zip(inputs, args, row_bytes):
+            flat = emit(aten.view.dtype, emit(aten.reshape.default, x, [-1]), torch.uint8)
+            sizes = [s * rb for s in a["input_split_sizes"]]
+            chunks.append(emit.getitems(emit(aten.split_with_sizes.default, flat, sizes), n))
+        buf = emit(aten.cat.default, [chunks[i][r] for r in range(n) for i in range(len(inputs))])
+        in_splits = [sum(a["input_split_sizes"][r] * rb for a, rb in zip(args, row_bytes))
+                     for r in range(n)]
+        out_splits = [sum(a["output_split_sizes"][r] * rb for a, rb in zip(args, row_bytes))
+                      for r in range(n)]
+        coll = emit(self.members[0].target, buf, out_splits, in_splits, args[0]["group_name"])
+        self._tag(coll)
+        pieces = [[a["output_split_sizes"][r] * rb for a, rb in zip(args, row_bytes)]
+                  for r in range(n)]
+        self.pending.append(("all_to_all", coll, pieces))
+
+    # -- wait ----------------------------------------------------------------------------------
+    def wait(self, emit: _Emit) -> None:
+        ns = _ns(self.members[0])
+        out = [None] * len(self.members)
+        for item in self.pending:
+            kind = item[0]
+            if kind == "coalesced":
+                for i, g in enumerate(item[1]):
+                    out[i] = emit(ns.wait_tensor.default, g)
+                continue
+            w = emit(ns.wait_tensor.default, item[1])
+            if kind == "reduction":
+                _, _, sel, n = item
+                sizes = [self.members[i].meta["val"].numel() for i in sel]
+                parts = self._split(emit, w, sizes, 0)
+                for i, p in zip(sel, parts):
+                    out[i] = emit(aten.view.default, p, list(self.members[i].meta["val"].shape))
+            elif kind == "all_gather":
+                sizes, n = item[2], self.bucket.key[2]
+                grid = emit(aten.view.default, w, [n, sum(sizes)])
+                for i, p in enumerate(self._split(emit, grid, sizes, 1)):
+                    out[i] = self._as_member(emit, emit(aten.clone.default, p,
+                                             memory_format=torch.contiguous_format), i)
+            else:
+                pieces = item[2]
+                flat = [s for row in pieces for s in row]
+                parts = self._split(emit, w, flat, 0)
+                m = len(self.members)
+                for i in range(m):
+                    mine = [parts[r * m + i] for r in range(len(pieces))]
+                    cat = mine[0] if len(mine) == 1 else emit(aten.cat.default, mine)
+                    out[i] = self._as_member(emit, cat, i)
+        self.replacements = out
+
+    @staticmethod
+    def _split(emit: _Emit, node: fx.Node, sizes: list[int], dim: int) -> list[fx.Node]:
+        if len(sizes) == 1:
+            return [node]
+        return emit.getitems(emit(aten.split_with_sizes.default, node, sizes, dim), len(sizes))
+
+    def _as_member(self, emit: _Emit, byte_node: fx.Node, i: int) -> fx.Node:
+        val = self.members[i].meta["val"]
+        typed = emit(aten.view.dtype, byte_node, val.dtype)
+        return emit(aten.view.default, typed, list(val.shape))
+
+
+def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
+                  config: FcollConfig | None = None) -> fx.GraphModule:
+    """Rewrite ``gm`` in place so that each planned bucket is one collective (or one per dtype).
+
+    New nodes go where the plan's sort keys say (issue group right after the latest member input,
+    wait group right before the planned wait node); member collectives and waits are erased after
+    every group is inserted, so anchors stay valid while inserting.
+
+    Args:
+        gm: the graph :func:`plan_buckets` planned, unchanged since.
+        buckets: the plan.
+        config: uses ``bucket_mode``.
+
+    Returns:
+        ``gm``, rewritten, linted and recompiled.
+
+    Raises:
+        KeyError: a member named in the plan is not in the graph (the plan is stale).
+    """
+    config = config if config is not None else FcollConfig()
+    if not buckets:
+        return gm
+    g = gm.graph
+    nodes = list(g.nodes)
+    by_name = {n.name: n for n in nodes}
+    vals = [by_name[b.members[0]].args[0].meta["val"] for b in buckets]
+    fake_mode = detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
+    rewrites = {b.seq: _Rewrite(b, [by_name[m] for m in b.members], config.bucket_mode)
+                for b in buckets}
+    replaced: dict[fx.Node, fx.Node] = {}
+    groups = sorted([(b.issue_key, b.seq, "issue") for b in buckets]
+                    + [(b.wait_key, b.seq, "wait") for b in buckets])
+    anchor_now, cursor = None, None
+    for key, seq, what in groups:
+        anchor = nodes[max(key[0], 0) // 2]
+        if anchor is not anchor_now:
+            anchor_now, cursor = anchor, anchor
+        nxt = cursor.next
+        rw = rewrites[seq]
+        meta = {k: rw.members[0].meta[k] for k in ("stack_trace",) if k in rw.members[0].meta}
+        with g.inserting_before(nxt):
+            emit = _Emit(g, fake_mode, meta)
+            if what == "issue":
+                rw.issue(emit, [replaced.get(m.args[0], m.args[0]) for m in rw.members])
+            else:
+                rw.wait(emit)
+                replaced.update(zip(rw.waits, rw.replacements))
+        cursor = nxt.prev
+    for rw in rewrites.values():
+        for member, wait, new in zip(rw.members, rw.waits, rw.replacements):
+            wait.replace_all_uses_with(new)
+            g.erase_node(wait)
+            g.erase_node(member)
+        if rw.mode != config.bucket_mode:
+            log.debug("bucket %d (%s): no coalesced op for %s, used concat", rw.bucket.seq,
+                      list(rw.bucket.members), rw.bucket.kind)
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+@register_pass
+class BucketCollectives(FcollPass):
+    """Merge collectives into buckets of at most ``config.bucket_cap_mb`` MiB of input.
+
+    ``ar(g1) -> wait -> ... ar(g2) -> wait -> out`` becomes
+    ``cat(g1, g2) -> ar -> ... wait -> split -> out``. See the module docstring for modes and
+    placement.
+    """
+
+    name = "bucket_collectives"
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        buckets = plan_buckets(graph_module, self.config)
+        if buckets:
+            log.debug("bucket_collectives: %d buckets from %d collectives", len(buckets),
+                      sum(len(b.members) for b in buckets))
+        apply_buckets(graph_module, buckets, self.config)
+        return PassResult(graph_module, bool(buckets))
