@@ -219,3 +219,198 @@ step_us            54.0   44.0     -10.0""")
 
 
 from fcoll.inspect import collectives, overlap_report  # noqa: E402
+
+
+class TestTimeline(TestCase):
+    def test_svg_parses_and_has_one_rect_per_scheduled_node(self):
+        import tempfile
+        import xml.etree.ElementTree as ET
+
+        gm = canonical.moe_all_to_all(n_blocks=1, tokens=8, hidden=8, ffn=8)
+        scheduled = [n for n in gm.graph.nodes
+                     if n.op not in ("placeholder", "output", "get_attr")]
+        with tempfile.TemporaryDirectory() as d:
+            path = timeline(gm, os.path.join(d, "t.svg"), predict=stand_in_predict, title="moe")
+            root = ET.parse(path).getroot()
+        ns = "{http://www.w3.org/2000/svg}"
+        rects = [r for r in root.iter(f"{ns}rect") if "node" in r.get("class", "").split()]
+        self.assertEqual(len(rects), len(root.findall(f".//{ns}rect")))  # no other rects
+        self.assertEqual(sorted(r.get("data-node") for r in rects),
+                         sorted(n.name for n in scheduled))
+        texts = [t.text for t in root.iter(f"{ns}text")]
+        self.assertIn("compute", texts)
+        self.assertIn("comm group 0", texts)  # one lane per process group
+        self.assertTrue(any(t and t.startswith("time (us") for t in texts))
+        # as traced, every a2a is waited right away: both are exposed, drawn in their own colour
+        exposed = {r.get("data-node") for r in rects if "exposed" in r.get("class").split()}
+        a2a = {n.name for n in scheduled if is_collective(n)}
+        self.assertEqual(len(a2a), 2)
+        self.assertLessEqual(a2a, exposed)
+        fills = {r.get("data-node"): r.get("fill") for r in rects}
+        self.assertEqual(len({fills[n] for n in exposed}), 1)
+        self.assertNotIn(fills[min(exposed)], {fills[n] for n in fills if n not in exposed})
+
+    def test_rect_geometry_follows_event_times(self):
+        import xml.etree.ElementTree as ET
+
+        events = [Event("a", "compute", "compute", 0.0, 50.0),
+                  Event("c", "collective", "g1", 0.0, 100.0, 50.0),
+                  Event("h", "collective", "g2", 0.0, 20.0, 0.0),
+                  Event("w", "wait", "compute", 50.0, 100.0, 50.0)]
+        root = ET.fromstring(timeline_svg(events))
+        ns = "{http://www.w3.org/2000/svg}"
+        rects = {r.get("data-node"): r for r in root.iter(f"{ns}rect")}
+        wa, wc = float(rects["a"].get("width")), float(rects["c"].get("width"))
+        self.assertAlmostEqual(wc, 2 * wa, places=1)
+        self.assertAlmostEqual(float(rects["w"].get("x")),
+                               float(rects["a"].get("x")) + wa, places=1)
+        self.assertEqual(len({rects[n].get("y") for n in "ach"}), 3)  # one lane per group
+        self.assertEqual(rects["w"].get("y"), rects["a"].get("y"))
+        self.assertEqual(rects["c"].get("class"), "node collective exposed")
+        self.assertEqual(rects["h"].get("class"), "node collective")
+        self.assertNotEqual(rects["c"].get("fill"), rects["h"].get("fill"))
+
+    def test_html_output_is_self_contained(self):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            path = timeline(canonical.mm_overlap(size=8), os.path.join(d, "t.html"),
+                            predict=stand_in_predict)
+            text = open(path).read()
+        self.assertTrue(text.startswith("<!DOCTYPE html>"))
+        self.assertIn("<svg", text)
+        self.assertNotIn("<script src", text)
+
+    def test_without_a_predictor_timeline_raises(self):
+        with self.assertRaisesRegex(RuntimeError, "no predicted schedule"):
+            timeline(canonical.mm_overlap(size=8), "/nonexistent/x.svg", predict=lambda g: None)
+
+
+def synthetic_trace(pid=0):
+    """A rank's trace of mm_overlap after the passes, run twice: ar issued at 0, mm 0-10,
+    wait returns at 24 (exposed 14) in step one and at 12 (exposed 2) in step two."""
+    evs = []
+    for step, (t0, done) in enumerate([(0.0, 24.0), (100.0, 112.0)]):
+        args = {"op": "all_reduce", "group": "0", "bytes": 256, "busbw_gbps": 0.5 + step,
+                "wait_node": "wait_tensor"}
+        evs += [{"ph": "b", "cat": "comm", "name": "all_reduce", "id": step, "ts": t0,
+                 "pid": pid, "tid": 0, "args": args},
+                {"ph": "X", "cat": "compute", "name": "mm", "ts": t0, "dur": 10.0, "pid": pid},
+                {"ph": "e", "cat": "comm", "name": "all_reduce", "id": step, "ts": done,
+                 "pid": pid, "tid": 0, "args": args},
+                {"ph": "X", "cat": "compute", "name": "relu", "ts": done, "dur": 5.0,
+                 "pid": pid},
+                {"ph": "X", "cat": "compute", "name": "add", "ts": done + 5, "dur": 5.0,
+                 "pid": pid}]
+    evs.append({"ph": "b", "cat": "comm", "name": "other_graph_ar", "id": 9, "ts": 200.0,
+                "pid": pid})
+    evs.append({"ph": "e", "cat": "comm", "name": "other_graph_ar", "id": 9, "ts": 201.0,
+                "pid": pid})
+    return {"traceEvents": evs}
+
+
+class TestCompare(TestCase):
+    def test_measured_exposed_is_the_gap_before_the_wait_returns(self):
+        import json
+        import tempfile
+
+        gm = overlapped(canonical.mm_overlap(size=8))
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "rank0.json")
+            with open(path, "w") as f:
+                json.dump(synthetic_trace(), f)
+            result = compare(path, gm, predict=stand_in_predict)
+        (row,) = result.rows
+        self.assertEqual(row.occurrences, 2)
+        self.assertEqual(row.measured_exposed_us, (14.0 + 2.0) / 2)
+        self.assertEqual(row.measured_us, (24.0 + 12.0) / 2)
+        self.assertEqual(row.predicted_exposed_us, 14.0)
+        self.assertEqual(row.busbw_gbps, 1.0)
+        self.assertEqual(result.unmatched, ["other_graph_ar"])
+        self.assertExpectedInline(str(result), """\
+node        op          n  pred_us  meas_us  pred_exposed_us  meas_exposed_us  busbw_GB/s
+----------  ----------  -  -------  -------  ---------------  ---------------  ----------
+all_reduce  all_reduce  2     24.0     18.0             14.0              8.0        1.00
+total                                                   14.0              8.0
+in the trace but not in the graph: other_graph_ar""")
+
+    def test_a_recorded_wait_event_is_its_exposed_time(self):
+        trace = synthetic_trace()
+        trace["traceEvents"].append({"ph": "X", "cat": "compute", "name": "wait_tensor",
+                                     "ts": 15.0, "dur": 9.0, "pid": 0})
+        gm = overlapped(canonical.mm_overlap(size=8))
+        row = compare(trace, gm, predict=stand_in_predict).rows[0]
+        self.assertEqual(row.measured_exposed_us, (9.0 + 2.0) / 2)
+
+    def test_not_a_trace_raises(self):
+        with self.assertRaisesRegex(ValueError, "not a Chrome trace"):
+            compare({"events": []}, canonical.mm_overlap(size=8), predict=stand_in_predict)
+
+
+class TestArtifacts(TestCase):
+    def record(self):
+        return SimpleNamespace(name="graph_0_forward", before=canonical.mm_overlap(size=8),
+                               after=overlapped(canonical.mm_overlap(size=8)), config=None,
+                               rank=0)
+
+    def test_write_record_writes_every_promised_file(self):
+        import tempfile
+
+        from fcoll.inspect.artifacts import RECORD_FILES
+
+        with tempfile.TemporaryDirectory() as d:
+            paths = write_record(self.record(), d, predict=stand_in_predict)
+            self.assertEqual(sorted(os.listdir(d)),
+                             sorted(f.format(name="graph_0_forward") for f in RECORD_FILES))
+            after = open(os.path.join(d, "graph_0_forward.after.txt")).read()
+        self.assertEqual(len(paths), len(RECORD_FILES))
+        self.assertEqual(after, format_graph(self.record().after) + "\n")
+
+    def test_emit_artifacts_reaches_the_structured_trace_log(self):
+        import logging
+
+        from torch._logging._internal import trace_log
+
+        captured = []
+
+        class Capture(logging.Handler):
+            def emit(self, rec):
+                captured.append((rec.metadata, rec.payload))
+
+        handler = Capture(level=logging.DEBUG)
+        old_level = trace_log.level
+        trace_log.addHandler(handler)
+        trace_log.setLevel(logging.DEBUG)
+        try:
+            emit_artifacts(self.record(), predict=stand_in_predict)
+        finally:
+            trace_log.removeHandler(handler)
+            trace_log.setLevel(old_level)
+        names = [m["artifact"]["name"] for m, _ in captured]
+        self.assertEqual(names, ["fcoll_graph_0_forward_graph_before",
+                                 "fcoll_graph_0_forward_graph_after",
+                                 "fcoll_graph_0_forward_collectives",
+                                 "fcoll_graph_0_forward_overlap_report"])
+        self.assertTrue(all(m["artifact"]["encoding"] == "string" for m, _ in captured))
+        self.assertEqual(captured[1][1], format_graph(self.record().after) + "\n")
+        self.assertIn("exposed_comm_us", captured[3][1])
+
+
+class TestLogging(TestCase):
+    def test_torch_logs_plus_fcoll_enables_debug_logs_of_fcoll_modules(self):
+        import subprocess
+
+        code = ("import logging, torch, fcoll.inspect, fcoll.passes.registry\n"
+                "print(logging.getLogger('fcoll.passes.registry').getEffectiveLevel())\n"
+                "logging.getLogger('fcoll.inspect.timeline').debug('fcoll-debug-visible')\n")
+        env = dict(os.environ, TORCH_LOGS="+fcoll")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), str(__import__("logging").DEBUG))
+        self.assertIn("fcoll-debug-visible", out.stderr)
+
+
+from fcoll.inspect import (  # noqa: E402
+    Event, compare, emit_artifacts, timeline, timeline_svg, write_record,
+)

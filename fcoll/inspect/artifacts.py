@@ -17,7 +17,7 @@ from fcoll.inspect.format import format_graph
 from fcoll.inspect.report import overlap_report
 from fcoll.inspect.schedule import PredictFn, predicted_events
 from fcoll.inspect.table import collectives
-from fcoll.inspect.timeline import timeline_svg
+from fcoll.inspect.timeline import exposed_of, timeline_svg
 
 __all__ = ["record_files", "write_record", "emit_artifacts", "RECORD_FILES"]
 
@@ -65,9 +65,11 @@ def record_files(record: Any, *, predict: PredictFn | None = None) -> dict[str, 
         f"{name}.overlap.json": json.dumps(report.as_dict(), indent=1) + "\n",
     }
     if ev_b is not None:
-        files[f"{name}.timeline_before.svg"] = timeline_svg(ev_b, f"{record.name} before passes")
+        files[f"{name}.timeline_before.svg"] = timeline_svg(
+            ev_b, f"{record.name} before passes", exposed_of(record.before, ev_b))
     if ev_a is not None:
-        files[f"{name}.timeline.svg"] = timeline_svg(ev_a, f"{record.name} after passes")
+        files[f"{name}.timeline.svg"] = timeline_svg(
+            ev_a, f"{record.name} after passes", exposed_of(record.after, ev_a))
     return files
 
 

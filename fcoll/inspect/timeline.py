@@ -17,9 +17,9 @@ from xml.sax.saxutils import escape, quoteattr
 
 import torch.fx as fx
 
-from fcoll.inspect.schedule import Event, PredictFn, predicted_events
+from fcoll.inspect.schedule import Event, PredictFn, collective_timings, predicted_events
 
-__all__ = ["timeline", "timeline_svg"]
+__all__ = ["timeline", "timeline_svg", "exposed_of"]
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,18 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}".rstrip("0").rstrip(".")
 
 
-def timeline_svg(events: list[Event], title: str = "") -> str:
-    """The SVG text for ``events`` (see the module docstring for what is drawn)."""
+def timeline_svg(events: list[Event], title: str = "",
+                 exposed_us: dict[str, float] | None = None) -> str:
+    """The SVG text for ``events`` (see the module docstring for what is drawn).
+
+    Args:
+        events: the schedule.
+        title: a heading.
+        exposed_us: exposed time per node name, overriding the events' own ``exposed_us`` (a
+            simulator may charge a collective's exposure to its wait; :func:`timeline` passes
+            the per-collective figure of :func:`fcoll.inspect.schedule.collective_timings`).
+    """
+    exposed_us = exposed_us or {}
     lanes = _lanes(events)
     t0 = min((e.start_us for e in events), default=0.0)
     t1 = max((e.end_us for e in events), default=1.0)
@@ -74,14 +84,15 @@ def timeline_svg(events: list[Event], title: str = "") -> str:
         out.append(f'<line x1="{_LEFT}" x2="{_LEFT + _PLOT_W}" y1="{y + _LANE_H}" '
                    f'y2="{y + _LANE_H}" stroke="#ddd"/>')
     for e in events:
-        exposed = e.exposed_us > _MIN_EXPOSED_US
+        e_exposed = exposed_us.get(e.node, e.exposed_us)
+        exposed = e_exposed > _MIN_EXPOSED_US
         color = _COLORS["exposed"] if exposed else _COLORS.get(e.kind, "#999")
         x = _LEFT + (e.start_us - t0) * scale
         w = max(0.5, e.dur_us * scale)
         y = lane_y[e.lane]
         cls = f"node {e.kind}" + (" exposed" if exposed else "")
         tip = (f"{e.node} ({e.kind}, lane {e.lane}): {_fmt(e.start_us)}-{_fmt(e.end_us)} us, "
-               f"{_fmt(e.dur_us)} us, exposed {_fmt(e.exposed_us)} us")
+               f"{_fmt(e.dur_us)} us, exposed {_fmt(e_exposed)} us")
         out.append(f'<rect class={quoteattr(cls)} data-node={quoteattr(e.node)} '
                    f'x="{x:.2f}" y="{y}" width="{w:.2f}" height="{_LANE_H}" fill="{color}" '
                    f'stroke="#fff" stroke-width="0.5"><title>{escape(tip)}</title></rect>')
@@ -113,6 +124,11 @@ def timeline_svg(events: list[Event], title: str = "") -> str:
     return "\n".join(line for line in out if line)
 
 
+def exposed_of(gm: fx.GraphModule, events: list[Event]) -> dict[str, float]:
+    """Exposed µs of each collective node of ``gm`` by name, as the tables count it."""
+    return {n.name: t.exposed_us or 0.0 for n, t in collective_timings(gm, events).items()}
+
+
 def timeline(gm: fx.GraphModule, path: str | os.PathLike, *,
              events: Iterable[Any] | None = None, predict: PredictFn | None = None,
              title: str = "") -> str:
@@ -134,7 +150,7 @@ def timeline(gm: fx.GraphModule, path: str | os.PathLike, *,
         RuntimeError: no events given and no predictor available.
     """
     evs = predicted_events(gm, events=events, predict=predict, required=True)
-    svg = timeline_svg(evs, title)
+    svg = timeline_svg(evs, title, exposed_of(gm, evs))
     path = os.fspath(path)
     if path.lower().endswith((".html", ".htm")):
         doc = (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>"
