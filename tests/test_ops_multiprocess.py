@@ -253,3 +253,54 @@ def test_ops_run_on_the_group_they_are_given() -> None:
     for rank, res in enumerate(results):
         assert res["backend"] == "gloo"
         torch.testing.assert_close(res["sub"], want[rank])
+
+
+def _async_tensor_worker(rank: int, n: int) -> dict:
+    """Which uses of an AsyncCollectiveTensor wait (pending count drops) and which do not."""
+    import torch.distributed as dist
+
+    import fcoll
+    from fcoll.ops import pending
+
+    world = dist.group.WORLD
+    seen = {}
+
+    def fresh():
+        return fcoll.all_reduce(torch.full((4, 4), float(rank + 1)), "sum", world)
+
+    y = fresh()
+    v = y[1:3].t()                      # views do not wait
+    seen["view_is_async"] = isinstance(v, fcoll.AsyncCollectiveTensor)
+    seen["view_pending"] = pending.num_pending()
+    seen["view_values"] = v.tolist()    # tolist waits (on the view: same storage)
+    seen["after_tolist_pending"] = pending.num_pending()
+    uses = {
+        "tolist": lambda t: t.tolist(),
+        "numpy": lambda t: t.numpy().sum().item(),
+        "repr": lambda t: repr(t),
+        "cast": lambda t: t.to(torch.float64).sum().item(),
+        "add": lambda t: (t + 1).sum().item(),
+        "custom_op": lambda t: torch.ops.fcoll.wait_tensor(
+            torch.ops.fcoll.all_reduce(t, "sum", world.group_name)).sum().item(),
+    }
+    for name, use in uses.items():
+        y = fresh()
+        seen[name] = (use(y), pending.num_pending())
+    return seen
+
+
+def test_async_collective_tensor_waits_on_first_real_use() -> None:
+    results = run_ranks(_async_tensor_worker, 2, backend="gloo", timeout_s=120)
+    total = 1.0 + 2.0
+    for seen in results:
+        assert seen["view_is_async"]
+        assert seen["view_pending"] == 1
+        assert seen["view_values"] == [[total] * 2] * 4
+        assert seen["after_tolist_pending"] == 0
+        assert seen["tolist"] == ([[total] * 4] * 4, 0)
+        assert seen["numpy"] == (16 * total, 0)
+        assert seen["repr"][0].startswith("AsyncCollectiveTensor(tensor([[3., 3.") and \
+            seen["repr"][1] == 0
+        assert seen["cast"] == (16 * total, 0)
+        assert seen["add"] == (16 * (total + 1), 0)
+        assert seen["custom_op"] == (16 * total * 2, 0)
