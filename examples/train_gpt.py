@@ -1,0 +1,446 @@
+"""Data-parallel training of a character-level GPT, one compiled step, ``backend="fcoll"``.
+
+Run on 2 local ranks (``torchrun`` works the same way)::
+
+    python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --steps 60
+    python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel fsdp
+    python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --backend-baseline
+
+The whole step (forward, backward, gradient synchronisation with fcoll's functional collectives,
+AdamW update) is one function compiled with ``torch.compile(backend="fcoll")``, with no graph
+break: the backward is ``torch.autograd.grad`` inside the compiled function (traced by Dynamo with
+``torch._dynamo.config.trace_autograd_ops``, patched only around the step's calls), and the
+optimizer is a functional AdamW (new tensors out, no in-place state).
+
+- ``--parallel ddp``: every rank holds all parameters; gradients are averaged with one
+  ``all_reduce(avg)`` per parameter.
+- ``--parallel fsdp``: every rank holds a 1/n flat shard of each parameter (padded to a multiple
+  of n). The forward all-gathers each layer's parameters just before the layer; autograd turns
+  each all_gather into a reduce_scatter of the gradient (fcoll's op autograd), so every rank gets
+  the gradient of its own shard, and updates only that shard.
+
+Data: the English text of ``pydoc_data.topics`` (shipped with CPython, about 465,000 characters).
+The last 10 % is held out for the validation loss; the rest is split into one contiguous shard
+per rank, from which each rank samples its batches.
+
+The model and step builders are importable (``tests/test_train_gpt.py`` uses them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "load_text", "init_params", "gpt_loss", "FcollComm", "TorchComm",
+           "shard_params", "unshard_params", "init_adamw", "make_train_step", "get_batch",
+           "compile_step", "main"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+def load_text() -> str:
+    """The documentation topics of ``pydoc_data.topics``, in key order (about 465,000 chars)."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[k] for k in sorted(topics))
+
+
+class Corpus:
+    """Character-level encoding of the text, split into train (90 %) and validation (10 %)."""
+
+    def __init__(self, text: str) -> None:
+        self.chars = sorted(set(text))
+        index = {c: i for i, c in enumerate(self.chars)}
+        data = torch.tensor([index[c] for c in text], dtype=torch.long)
+        cut = int(len(data) * 0.9)
+        self.train, self.val = data[:cut], data[cut:]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+
+def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, *, seed: int, step: int,
+              rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch of step ``step``: ``batch_size`` windows of its shard of ``data``.
+
+    The shard of rank ``r`` is the ``r``-th of ``world_size`` contiguous pieces of ``data``; the
+    offsets depend only on (seed, step, rank, world_size), so one process can rebuild any rank's
+    batch.
+
+    Returns:
+        ``x``, ``y``: int64 ``[batch_size, seq_len]``; ``y`` is ``x`` shifted by one character.
+    """
+    shard = len(data) // world_size
+    lo = rank * shard
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank * 17 + world_size)
+    offsets = torch.randint(lo, lo + shard - seq_len - 1, (batch_size,), generator=g)
+    x = torch.stack([data[o:o + seq_len] for o in offsets.tolist()])
+    y = torch.stack([data[o + 1:o + seq_len + 1] for o in offsets.tolist()])
+    return x, y
+
+
+# ---------------------------------------------------------------------------------------------
+# Model (functional: parameters are a dict of tensors)
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 103
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    dtype: torch.dtype = torch.float32
+
+
+def _layer_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    d = cfg.d_model
+    return {"ln1_w": (d,), "ln1_b": (d,), "qkv_w": (3 * d, d), "qkv_b": (3 * d,),
+            "proj_w": (d, d), "proj_b": (d,), "ln2_w": (d,), "ln2_b": (d,),
+            "fc_w": (4 * d, d), "fc_b": (4 * d,), "fc2_w": (d, 4 * d), "fc2_b": (d,)}
+
+
+def param_groups(cfg: GPTConfig) -> dict[str, list[str]]:
+    """Parameter names by layer, in forward order ("embed", "h0", ..., "final")."""
+    groups = {"embed": ["wte", "wpe"]}
+    for i in range(cfg.n_layer):
+        groups[f"h{i}"] = [f"h{i}.{k}" for k in _layer_shapes(cfg)]
+    groups["final"] = ["lnf_w", "lnf_b"]
+    return groups
+
+
+def init_params(cfg: GPTConfig, seed: int) -> dict[str, torch.Tensor]:
+    """GPT-2 style initialisation (normal 0.02, residual projections / sqrt(2 L)), same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    d = cfg.d_model
+    shapes = {"wte": (cfg.vocab_size, d), "wpe": (cfg.seq_len, d), "lnf_w": (d,), "lnf_b": (d,)}
+    for i in range(cfg.n_layer):
+        shapes.update({f"h{i}.{k}": s for k, s in _layer_shapes(cfg).items()})
+    params = {}
+    for name, shape in shapes.items():
+        if name.endswith(("ln1_w", "ln2_w", "lnf_w")):
+            t = torch.ones(shape)
+        elif len(shape) == 1:
+            t = torch.zeros(shape)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj_w", "fc2_w")) else 0.02
+            t = torch.randn(shape, generator=g) * std
+        params[name] = t.to(cfg.dtype)
+    return params
+
+
+def _block(p: Callable[[str], torch.Tensor], i: int, x: torch.Tensor, cfg: GPTConfig):
+    B, T, d = x.shape
+    h = F.layer_norm(x, (d,), p(f"h{i}.ln1_w"), p(f"h{i}.ln1_b"))
+    q, k, v = F.linear(h, p(f"h{i}.qkv_w"), p(f"h{i}.qkv_b")).split(d, dim=2)
+    heads = lambda t: t.view(B, T, cfg.n_head, d // cfg.n_head).transpose(1, 2)  # noqa: E731
+    a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+    x = x + F.linear(a.transpose(1, 2).reshape(B, T, d), p(f"h{i}.proj_w"), p(f"h{i}.proj_b"))
+    h = F.layer_norm(x, (d,), p(f"h{i}.ln2_w"), p(f"h{i}.ln2_b"))
+    h = F.linear(F.gelu(F.linear(h, p(f"h{i}.fc_w"), p(f"h{i}.fc_b"))), p(f"h{i}.fc2_w"),
+                 p(f"h{i}.fc2_b"))
+    return x + h
+
+
+def gpt_loss(params: Callable[[str], torch.Tensor], idx: torch.Tensor, targets: torch.Tensor,
+             cfg: GPTConfig, on_layer: Callable[[str], None] | None = None) -> torch.Tensor:
+    """Mean next-character cross entropy (nats) of ``idx [B, T]`` against ``targets [B, T]``.
+
+    Args:
+        params: name -> parameter (a dict's ``__getitem__``, or a gathering lookup for FSDP).
+        on_layer: called with each group name of :func:`param_groups` before the group is used
+            (FSDP gathers the group's parameters there).
+    """
+    on_layer = on_layer or (lambda name: None)
+    T = idx.shape[1]
+    on_layer("embed")
+    wte = params("wte")
+    x = F.embedding(idx, wte) + params("wpe")[:T]
+    for i in range(cfg.n_layer):
+        on_layer(f"h{i}")
+        x = _block(params, i, x, cfg)
+    on_layer("final")
+    x = F.layer_norm(x, (cfg.d_model,), params("lnf_w"), params("lnf_b"))
+    logits = F.linear(x, wte)  # tied head
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication: fcoll's functional collectives, or PyTorch's (the baseline)
+
+class FcollComm:
+    """Gradient averaging and parameter gathering with ``torch.ops.fcoll``."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.n, self.group, self.group_name = group.size(), group, group.group_name
+
+    def all_reduce_avg(self, t: torch.Tensor) -> torch.Tensor:
+        import fcoll
+
+        return fcoll.all_reduce(t, "avg", self.group)
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """``[k] -> [n * k]``, differentiable (backward: reduce_scatter sum)."""
+        import fcoll
+
+        # The raw op with a Python-int group size: fcoll.all_gather_tensor looks the size up by
+        # group name, which Dynamo cannot trace (a graph break).
+        return fcoll.wait_tensor(torch.ops.fcoll.all_gather_into_tensor(shard, self.n,
+                                                                          self.group_name))
+
+
+class TorchComm:
+    """The same with ``torch.distributed._functional_collectives`` (gloo has no avg)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.n, self.group = group.size(), group
+
+    def all_reduce_avg(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(t, "sum", self.group) / self.n
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_gather_tensor_autograd(shard, 0, self.group)
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP sharding
+
+def shard_params(params: dict[str, torch.Tensor], rank: int, n: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s flat shard of each parameter: ``[numel] -> pad to n*k -> [k]``."""
+    out = {}
+    for name, t in params.items():
+        k = -(-t.numel() // n)
+        flat = torch.cat([t.reshape(-1), t.new_zeros(n * k - t.numel())])
+        out[name] = flat[rank * k:(rank + 1) * k].clone()
+    return out
+
+
+def unshard_params(shards: list[dict[str, torch.Tensor]],
+                   shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`shard_params` given every rank's shards, in rank order."""
+    return {name: torch.cat([s[name] for s in shards])[:math.prod(shape)].view(shape)
+            for name, shape in shapes.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer (functional AdamW) and the step
+
+@dataclass(frozen=True)
+class AdamW:
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+def init_adamw(params: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Zero moments and a step counter (a tensor, so the compiled step does not recompile)."""
+    return {"m": {k: torch.zeros_like(v) for k, v in params.items()},
+            "v": {k: torch.zeros_like(v) for k, v in params.items()},
+            "t": torch.zeros((), dtype=torch.float32)}
+
+
+def _adamw(opt: AdamW, params, grads, state):
+    b1, b2 = opt.betas
+    t = state["t"] + 1
+    c1 = 1 - torch.pow(b1, t)
+    c2 = 1 - torch.pow(b2, t)
+    new_p, new_m, new_v = {}, {}, {}
+    for k, p in params.items():
+        g = grads[k]
+        m = state["m"][k] * b1 + g * (1 - b1)
+        v = state["v"][k] * b2 + g * g * (1 - b2)
+        decay = opt.weight_decay if p.dim() == 2 or p.numel() > 4096 else 0.0
+        update = (m / c1) / (torch.sqrt(v / c2) + opt.eps)
+        new_p[k] = p * (1 - opt.lr * decay) - opt.lr * update
+        new_m[k], new_v[k] = m, v
+    return new_p, {"m": new_m, "v": new_v, "t": t}
+
+
+def make_train_step(cfg: GPTConfig, comm, parallel: str = "ddp", opt: AdamW = AdamW(),
+                    shapes: dict[str, torch.Size] | None = None):
+    """The training step ``step(params, opt_state, x, y) -> (loss, grads, params, opt_state)``.
+
+    Args:
+        comm: :class:`FcollComm`, :class:`TorchComm`, or None (one process, no communication).
+        parallel: "ddp" (``params`` are full tensors) or "fsdp" (``params`` are this rank's flat
+            shards; ``shapes`` gives the full shapes).
+
+    Returns:
+        ``loss`` (this rank's mean loss, a float32 scalar), ``grads`` (averaged over ranks, of
+        what ``params`` holds), and the updated ``params`` and ``opt_state``.
+    """
+    groups = param_groups(cfg)
+    if parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"parallel: expected 'ddp' or 'fsdp', got {parallel!r}")
+    if parallel == "fsdp" and (comm is None or shapes is None):
+        raise ValueError("parallel='fsdp' needs comm and shapes")
+
+    def step(params, opt_state, x, y):
+        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        if parallel == "ddp":
+            loss = gpt_loss(leaves.__getitem__, x, y, cfg)
+        else:
+            full: dict[str, torch.Tensor] = {}
+
+            def gather(group: str) -> None:
+                for k in groups[group]:
+                    shape = shapes[k]
+                    full[k] = comm.all_gather(leaves[k])[:math.prod(shape)].view(shape)
+            loss = gpt_loss(full.__getitem__, x, y, cfg, on_layer=gather)
+        names = list(leaves)
+        grads = torch.autograd.grad(loss, [leaves[k] for k in names])
+        if comm is None:
+            synced = dict(zip(names, grads))
+        elif parallel == "ddp":
+            synced = {k: comm.all_reduce_avg(g) for k, g in zip(names, grads)}
+        else:  # the all_gather's backward already reduce-scattered the sum
+            synced = {k: g / comm.n for k, g in zip(names, grads)}
+        with torch.no_grad():
+            plain = {k: v.detach() for k, v in leaves.items()}
+            new_params, new_state = _adamw(opt, plain, synced, opt_state)
+        return loss.detach(), synced, new_params, new_state
+    return step
+
+
+def compile_step(step, backend: str = "fcoll", options: dict[str, Any] | None = None):
+    """``torch.compile`` the step; Dynamo traces ``torch.autograd.grad`` only inside its calls."""
+    compiled = torch.compile(step, backend=backend, options=options, fullgraph=True)
+
+    def run(*args):
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            return compiled(*args)
+    run.compiled = compiled
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--compute", choices=("eager", "inductor"), default="eager")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--trace-dir", default=None, help="write fcoll run traces here")
+    p.add_argument("--backend-baseline", action="store_true",
+                   help="compile with backend='inductor' on gloo, sync with torch funcol")
+    p.add_argument("--dist-backend", choices=("fcoll", "gloo"), default="fcoll")
+    return p.parse_args(argv)
+
+
+def _init_dist(args: argparse.Namespace) -> None:
+    import fcoll  # noqa: F401  registers the "fcoll" process-group backend
+
+    backend = "gloo" if args.backend_baseline else args.dist_backend
+    if backend == "fcoll" and "FCOLL" not in dist.Backend._plugins:
+        print("fcoll process-group backend is not registered on this platform; using gloo",
+              file=sys.stderr)
+        backend = "gloo"
+    if "RANK" not in os.environ:  # plain `python examples/train_gpt.py`: one rank
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    dist.init_process_group(backend)
+    args.dist_backend = backend
+
+
+def _eval(cfg, params, corpus, args, comm, shapes) -> float:
+    """Validation loss (nats) over fixed held-out batches, the same on every rank."""
+    losses = []
+    with torch.no_grad():
+        full = params
+        if shapes is not None:
+            full = {k: comm.all_gather(v)[:math.prod(shapes[k])].view(shapes[k])
+                    for k, v in params.items()}
+        for i in range(args.eval_batches):
+            x, y = get_batch(corpus.val, args.batch_size, args.seq_len, seed=args.seed + 1,
+                             step=i, rank=0, world_size=1)
+            losses.append(float(gpt_loss(full.__getitem__, x, y, cfg)))
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse(argv)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
+    _init_dist(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus = Corpus(load_text())
+    cfg = GPTConfig(vocab_size=corpus.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
+                    n_head=args.n_head, d_model=args.d_model)
+    comm = (TorchComm if args.backend_baseline else FcollComm)(dist.group.WORLD)
+    params = init_params(cfg, args.seed)
+    shapes = None
+    if args.parallel == "fsdp":
+        shapes = {k: v.shape for k, v in params.items()}
+        params = shard_params(params, rank, world)
+    state = init_adamw(params)
+    step = make_train_step(cfg, comm, args.parallel, AdamW(lr=args.lr), shapes)
+    if args.backend_baseline:
+        run = compile_step(step, "inductor")
+    else:
+        options = {"compute": args.compute}
+        if args.trace_dir:
+            options["trace_dir"] = args.trace_dir
+        run = compile_step(step, "fcoll", options)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    name = "inductor on gloo (baseline)" if args.backend_baseline else \
+        f"fcoll (compute={args.compute}) on {args.dist_backend}"
+    say(f"{args.parallel} on {world} rank(s), {name}; {sum(v.numel() for v in params.values())}"
+        f" parameters per rank; vocab {cfg.vocab_size}; {len(corpus.train)} train characters")
+    first_val = _eval(cfg, params, corpus, args, comm, shapes)
+    say(f"step    0 | val loss {first_val:.4f}")
+    times, val, loss = [], first_val, float("nan")
+    for i in range(1, args.steps + 1):
+        x, y = get_batch(corpus.train, args.batch_size, args.seq_len, seed=args.seed, step=i,
+                         rank=rank, world_size=world)
+        t0 = time.perf_counter()
+        loss_t, _, params, state = run(params, state, x, y)
+        loss = float(loss_t)
+        times.append(time.perf_counter() - t0)
+        if i % args.log_every == 0 or i == args.steps:
+            val = _eval(cfg, params, corpus, args, comm, shapes)
+            ms = statistics.median(times[1:] or times) * 1e3
+            tok = world * args.batch_size * args.seq_len / (ms / 1e3)
+            say(f"step {i:4d} | train loss {loss:.4f} | val loss {val:.4f} | "
+                f"{ms:7.1f} ms/step | {tok:8.0f} tok/s")
+    from torch._dynamo.utils import counters
+
+    breaks = sum(counters["graph_break"].values())
+    ms = statistics.median(times[1:] or times) * 1e3
+    summary = {"first_val_loss": first_val, "final_val_loss": val, "final_train_loss": loss,
+               "step_ms": ms, "tokens_per_s": world * args.batch_size * args.seq_len / ms * 1e3,
+               "compile_s": times[0], "graph_breaks": breaks}
+    say(f"summary: {args.parallel}, {name}, {world} ranks, {args.steps} steps: val loss "
+        f"{first_val:.4f} -> {val:.4f} ({100 * (1 - val / first_val):.1f} % lower); "
+        f"median step {ms:.1f} ms, {summary['tokens_per_s']:.0f} tok/s; first step (compile) "
+        f"{times[0]:.1f} s; graph breaks {breaks}")
+    dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

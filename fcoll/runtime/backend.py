@@ -1,0 +1,209 @@
+"""The ``torch.compile(fn, backend="fcoll", options={...})`` backend.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so no
+``import fcoll`` is needed. Flow of one Dynamo graph::
+
+    Dynamo graph ──AOTAutograd──> forward + backward graphs (or one inference graph), aten IR
+      each graph: deep copy "before" ─> fcoll pass pipeline ─> compile listeners ─> executor
+
+The executor is :class:`fcoll.runtime.executor.GraphExecutor` (``compute="eager"``) or
+:class:`fcoll.runtime.inductor_compute.InductorExecutor` (``compute="inductor"``).
+
+Partitioning: collectives are never recomputed in backward. PyTorch's partitioners mark every
+``_c10d_functional`` node ``CheckpointPolicy.MUST_SAVE`` (``force_save_collectives``); fcoll
+marks its own ops the same way before calling them (:func:`_save_collectives`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils.hooks import RemovableHandle
+
+from fcoll.runtime.config import FcollConfig
+
+__all__ = ["fcoll_backend", "CompiledGraph", "register_compile_listener", "compile_graph",
+           "META_PIPELINE_SECONDS"]
+
+log = logging.getLogger(__name__)
+
+#: graph_module.meta key: seconds spent in fcoll's pass pipeline on this graph.
+META_PIPELINE_SECONDS = "fcoll_pipeline_seconds"
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What a compile listener receives for every graph fcoll compiles.
+
+    Attributes:
+        name: "graph_{i}_forward", "graph_{i}_backward" or "graph_{i}_inference", where ``i``
+            counts the Dynamo graphs this process compiled with fcoll.
+        before: a deep copy of the AOTAutograd graph, before fcoll's passes.
+        after: the graph fcoll executes (after the passes); do not modify it.
+        config: the options.
+        rank: this process's global rank (0 without a process group).
+    """
+
+    name: str
+    before: fx.GraphModule
+    after: fx.GraphModule
+    config: FcollConfig
+    rank: int
+
+
+_listeners: "OrderedDict[int, Callable[[CompiledGraph], None]]" = OrderedDict()
+_graph_ids = itertools.count()
+
+
+def register_compile_listener(fn: Callable[[CompiledGraph], None]) -> RemovableHandle:
+    """Call ``fn(record)`` for every graph fcoll compiles from now on, in this process.
+
+    Returns:
+        A handle; ``handle.remove()`` unregisters ``fn``.
+    """
+    handle = RemovableHandle(_listeners)
+    _listeners[handle.id] = fn
+    return handle
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_missing(missing: tuple[str, ...]) -> None:
+    log.warning("fcoll: passes %s are not registered yet and are skipped", list(missing))
+
+
+def _runnable_pipeline(config: FcollConfig) -> tuple[str, ...]:
+    """TEMPORARY (issue 3): the passes of ``config.pipeline`` that are registered.
+
+    Other engineers are writing the passes; until all of them land, missing ones are skipped with
+    one WARNING per process. The final integration makes this strict (an unknown name raises in
+    :func:`fcoll.passes.registry.run_pipeline`). Names given explicitly in ``options["passes"]``
+    are always strict.
+    """
+    from fcoll.passes.registry import registered_passes
+
+    if config.passes is not None:
+        return config.pipeline
+    available = set(registered_passes())
+    missing = tuple(n for n in config.pipeline if n not in available)
+    if missing:
+        _warn_missing(missing)
+    return tuple(n for n in config.pipeline if n in available)
+
+
+def _save_collectives(joint: fx.GraphModule) -> None:
+    """Mark every fcoll node MUST_SAVE, as PyTorch does for ``_c10d_functional`` nodes."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from fcoll.passes.graph import is_fcoll_op
+
+    for node in joint.graph.nodes:
+        if is_fcoll_op(node) and node.meta.get("recompute") not in (
+                CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def _partition_fn(config: FcollConfig) -> Callable[..., Any]:
+    from torch._functorch import partitioners
+
+    base = (partitioners.min_cut_rematerialization_partition if config.compute == "inductor"
+            else partitioners.default_partition)
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        _save_collectives(joint)
+        return base(joint, joint_inputs, **kwargs)
+    return partition
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: FcollConfig,
+                  name: str) -> Callable[[list[Any]], Any]:
+    """Run the pass pipeline on one aten graph, notify listeners, and build its executor.
+
+    Args:
+        gm: an AOTAutograd graph (aten IR, functional), rewritten in place by the passes.
+        example_inputs: its inputs (fake tensors and ints), for Inductor.
+        config: the options.
+        name: the graph's name (see :class:`CompiledGraph`).
+
+    Returns:
+        A boxed callable (takes the list of inputs).
+
+    Raises:
+        fcoll.passes.registry.PassFailed: a pass raised.
+        fcoll.runtime.executor.UnknownOpError: the graph holds an op the executor cannot run.
+    """
+    from fcoll.passes.registry import run_pipeline
+    from fcoll.runtime.executor import GraphExecutor
+    from fcoll.runtime.trace import recorder_for, trace_dir_from
+
+    rank = _rank()
+    before = copy.deepcopy(gm) if _listeners else None
+    t0 = time.perf_counter()
+    gm = run_pipeline(gm, config, _runnable_pipeline(config))
+    gm.meta[META_PIPELINE_SECONDS] = time.perf_counter() - t0
+    log.debug("%s: pipeline %s in %.1f ms", name, [r["pass"] for r in gm.meta.get(
+        "fcoll_passes", [])], gm.meta[META_PIPELINE_SECONDS] * 1e3)
+    for fn in list(_listeners.values()):
+        fn(CompiledGraph(name=name, before=before, after=gm, config=config, rank=rank))
+    trace_dir = trace_dir_from(config.trace_dir)
+    recorder = recorder_for(trace_dir, rank) if trace_dir else None
+    if config.compute == "inductor":
+        from fcoll.runtime.inductor_compute import InductorExecutor
+
+        return InductorExecutor(gm, example_inputs, name=name, rank=rank, recorder=recorder)
+    return GraphExecutor(gm, name=name, rank=rank, recorder=recorder)
+
+
+def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                  options: dict[str, Any] | None = None, mode: str | None = None):
+    """The ``"fcoll"`` Dynamo backend: AOTAutograd, fcoll passes, fcoll executor.
+
+    Args:
+        gm: Dynamo's graph.
+        example_inputs: Dynamo's example inputs.
+        options: ``torch.compile(options=...)``; see :class:`FcollConfig`.
+        mode: ``torch.compile(mode=...)``; only None and "default" are accepted.
+
+    Raises:
+        ValueError: an unknown option, a bad option value, or an unsupported ``mode``.
+    """
+    import fcoll  # noqa: F401  registers torch.ops.fcoll and the "fcoll" process-group backend
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    if mode not in (None, "default"):
+        raise ValueError(f"fcoll backend: mode {mode!r} is not supported; use options=...")
+    config = FcollConfig.from_options(options)
+    graph_id = next(_graph_ids)
+
+    def compiler(kind: str):
+        def compile_one(g: fx.GraphModule, inputs: Sequence[Any]):
+            return compile_graph(g, inputs, config, f"graph_{graph_id}_{kind}")
+        return compile_one
+
+    decompositions = None
+    if config.compute == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+
+        decompositions = select_decomp_table()
+    return aot_module_simplified(
+        gm, example_inputs,
+        fw_compiler=compiler("forward"),
+        bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
+        partition_fn=_partition_fn(config),
+        decompositions=decompositions,
+    )
