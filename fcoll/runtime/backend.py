@@ -149,11 +149,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
     from fcoll.passes.registry import run_pipeline
     from fcoll.runtime.executor import GraphExecutor
     from fcoll.runtime.trace import recorder_for, trace_dir_from
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     rank = _rank()
     before = copy.deepcopy(gm) if _listeners else None
     t0 = time.perf_counter()
-    gm = run_pipeline(gm, config, _runnable_pipeline(config))
+    # AOTAutograd calls its compilers inside its FakeTensorMode. Passes read fake values from
+    # node.meta and enter their mode themselves; the cost model's calibration times real
+    # collectives, which must not be faked.
+    with unset_fake_temporarily():
+        gm = run_pipeline(gm, config, _runnable_pipeline(config))
     gm.meta[META_PIPELINE_SECONDS] = time.perf_counter() - t0
     log.debug("%s: pipeline %s in %.1f ms", name, [r["pass"] for r in gm.meta.get(
         "fcoll_passes", [])], gm.meta[META_PIPELINE_SECONDS] * 1e3)
