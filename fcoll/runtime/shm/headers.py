@@ -73,7 +73,7 @@ def check(headers: list[bytes], name: str, describe) -> list[tuple]:
     for p, h in enumerate(dec[1:], start=1):
         if (h[0], h[1]) != (h0[0], h0[1]):
             raise CollectiveMismatchError(
-                f"fcoll {name}: {describe(p)} called {h[1]} (collective #{h[0]} of the group) "
+                f"fcoll {h0[1]}: {describe(p)} called {h[1]} (collective #{h[0]} of the group) "
                 f"but {describe(0)} called {h0[1]} (collective #{h0[0]})")
     for p, h in enumerate(dec[1:], start=1):
         if h[2] != h0[2] or (h[3] != h0[3] and h0[1] != "all_to_all_single"):
