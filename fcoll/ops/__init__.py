@@ -17,6 +17,7 @@ from fcoll.ops.functional import (
     wait_tensor,
 )
 from fcoll.ops.groups import resolve_group_name
+from fcoll.ops import remaps as _remaps  # noqa: F401  installs Dynamo remaps
 
 __all__ = [
     "AsyncCollectiveTensor", "all_gather_into_tensor_coalesced", "all_gather_tensor",
