@@ -377,14 +377,15 @@ class TestArtifacts(TestCase):
             def emit(self, rec):
                 captured.append((rec.metadata, rec.payload))
 
-        handler = Capture(level=logging.DEBUG)
-        old_level = trace_log.level
-        trace_log.addHandler(handler)
+        # only our handler: torch's LazyTraceHandler removes itself on the first record (no
+        # TORCH_TRACE), and a handler removed mid-dispatch makes logging skip the next one
+        old_handlers, old_level = list(trace_log.handlers), trace_log.level
+        trace_log.handlers[:] = [Capture(level=logging.DEBUG)]
         trace_log.setLevel(logging.DEBUG)
         try:
             emit_artifacts(self.record(), predict=stand_in_predict)
         finally:
-            trace_log.removeHandler(handler)
+            trace_log.handlers[:] = old_handlers
             trace_log.setLevel(old_level)
         names = [m["artifact"]["name"] for m, _ in captured]
         self.assertEqual(names, ["fcoll_graph_0_forward_graph_before",
@@ -394,6 +395,12 @@ class TestArtifacts(TestCase):
         self.assertTrue(all(m["artifact"]["encoding"] == "string" for m, _ in captured))
         self.assertEqual(captured[1][1], format_graph(self.record().after) + "\n")
         self.assertIn("exposed_comm_us", captured[3][1])
+
+    def test_without_a_before_graph_the_report_has_one_column(self):
+        record = SimpleNamespace(name="g", before=None, after=canonical.mm_overlap(size=8))
+        files = record_files(record, predict=stand_in_predict)
+        self.assertNotIn("g.before.txt", files)
+        self.assertEqual(files["g.overlap.txt"].splitlines()[0].split(), ["metric", "graph"])
 
 
 class TestLogging(TestCase):
@@ -412,5 +419,35 @@ class TestLogging(TestCase):
 
 
 from fcoll.inspect import (  # noqa: E402
-    Event, compare, emit_artifacts, timeline, timeline_svg, write_record,
+    Event, compare, emit_artifacts, record_files, timeline, timeline_svg, write_record,
 )
+
+
+class TestWithTheRealPredictor(TestCase):
+    def test_table_report_and_timeline_agree_on_a_pipeline_result(self):
+        """ddp_backward through the default pipeline, timed by fcoll.passes.overlap.predict:
+        the report's totals are the table's sums, and the passes do not add exposed time."""
+        import copy
+        import tempfile
+        import xml.etree.ElementTree as ET
+
+        from fcoll.passes.registry import run_pipeline
+        from fcoll.runtime.config import FcollConfig
+
+        before = canonical.ddp_backward(n_layers=3, batch=16, hidden=64)
+        after = run_pipeline(copy.deepcopy(before), FcollConfig(check_ranks=False),
+                             ["lower_c10d_functional", "bucket_collectives",
+                              "reorder_for_overlap"])
+        table = collectives(after)
+        report = overlap_report(before, after)
+        self.assertEqual(report.after.n_collectives, len(table))
+        self.assertAlmostEqual(report.after.comm_us, sum(r.estimated_us for r in table))
+        self.assertAlmostEqual(report.after.exposed_comm_us, sum(r.exposed_us for r in table))
+        self.assertLessEqual(report.after.exposed_comm_us, report.before.exposed_comm_us + 1e-6)
+        names = {n.name for n in after.graph.nodes}
+        self.assertTrue(all(set(r.hiding) <= names for r in table))
+        with tempfile.TemporaryDirectory() as d:
+            root = ET.parse(timeline(after, os.path.join(d, "t.svg"))).getroot()
+        n_scheduled = sum(1 for n in after.graph.nodes
+                          if n.op not in ("placeholder", "output", "get_attr"))
+        self.assertEqual(len(root.findall(".//{http://www.w3.org/2000/svg}rect")), n_scheduled)

@@ -11,7 +11,8 @@ import json
 import logging
 import os
 import re
-from typing import Any, Callable
+from collections import defaultdict
+from typing import Any
 
 from fcoll.inspect.format import format_graph
 from fcoll.inspect.report import overlap_report
@@ -47,29 +48,38 @@ def _events(gm, predict: PredictFn | None):
 def record_files(record: Any, *, predict: PredictFn | None = None) -> dict[str, str]:
     """File name -> content for one compiled graph (see :data:`RECORD_FILES`).
 
-    Timelines are left out when no predicted schedule is available.
+    Timelines are left out when no predicted schedule is available, and every ``before`` file
+    when ``record.before`` is None (the backend copies the graph only when someone inspects).
     """
     name = _safe(record.name)
-    ev_b, ev_a = _events(record.before, predict), _events(record.after, predict)
-    table_b = collectives(record.before, events=ev_b, predict=_no_predict)
-    table_a = collectives(record.after, events=ev_a, predict=_no_predict)
-    report = overlap_report(record.before, record.after, events_before=ev_b,
-                            events_after=ev_a, predict=_no_predict)
-    files = {
-        f"{name}.before.txt": format_graph(record.before) + "\n",
-        f"{name}.after.txt": format_graph(record.after) + "\n",
-        f"{name}.collectives_before.txt": str(table_b) + "\n",
+    before, after = getattr(record, "before", None), record.after
+    ev_a = _events(after, predict)
+    table_a = collectives(after, events=ev_a, predict=_no_predict)
+    files = {}
+    if before is not None:
+        ev_b = _events(before, predict)
+        report = overlap_report(before, after, events_before=ev_b, events_after=ev_a,
+                                predict=_no_predict)
+        files[f"{name}.before.txt"] = format_graph(before) + "\n"
+    else:
+        ev_b = None
+        report = overlap_report(after, events_before=ev_a, predict=_no_predict)
+    files[f"{name}.after.txt"] = format_graph(after) + "\n"
+    if before is not None:
+        table_b = collectives(before, events=ev_b, predict=_no_predict)
+        files[f"{name}.collectives_before.txt"] = str(table_b) + "\n"
+    files.update({
         f"{name}.collectives.txt": str(table_a) + "\n",
         f"{name}.collectives.json": json.dumps(table_a.as_dicts(), indent=1) + "\n",
         f"{name}.overlap.txt": str(report) + "\n",
         f"{name}.overlap.json": json.dumps(report.as_dict(), indent=1) + "\n",
-    }
+    })
     if ev_b is not None:
         files[f"{name}.timeline_before.svg"] = timeline_svg(
-            ev_b, f"{record.name} before passes", exposed_of(record.before, ev_b))
+            ev_b, f"{record.name} before passes", exposed_of(before, ev_b))
     if ev_a is not None:
         files[f"{name}.timeline.svg"] = timeline_svg(
-            ev_a, f"{record.name} after passes", exposed_of(record.after, ev_a))
+            ev_a, f"{record.name} after passes", exposed_of(after, ev_a))
     return files
 
 
@@ -97,34 +107,36 @@ def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
 
     Artifacts (``encoding: "string"``): ``fcoll_<name>_graph_before``, ``fcoll_<name>_graph_after``
     (format_graph text), ``fcoll_<name>_collectives`` (table after the passes) and
-    ``fcoll_<name>_overlap_report``. Payloads are computed only when structured tracing is on
-    (``TORCH_TRACE=dir``), so the call is free otherwise; a failure to build one becomes its
-    payload text instead of an exception.
+    ``fcoll_<name>_overlap_report`` (``graph_before`` only when ``record.before`` is not None;
+    the report then has one column). Payloads are computed only when structured tracing is on
+    (``TORCH_TRACE=dir``), so the call is free otherwise; a failure to build them becomes the
+    payload text (and a warning) instead of an exception.
     """
     from torch._logging import trace_structured
 
+    try:
+        from torch._logging._internal import trace_log
+
+        if not trace_log.handlers:  # the check trace_structured makes: tracing is off
+            return
+    except ImportError:  # pragma: no cover - private location moved; build the payloads anyway
+        pass
     name = _safe(record.name)
-    cache: dict[str, dict[str, str]] = {}
-
-    def files() -> dict[str, str]:
-        if "f" not in cache:
-            cache["f"] = record_files(record, predict=predict)
-        return cache["f"]
-
-    def payload(fname: str) -> Callable[[], str]:
-        def fn() -> str:
-            try:
-                return files()[fname]
-            except Exception as e:  # noqa: BLE001  never break compilation for a report
-                return f"fcoll.inspect failed: {type(e).__name__}: {e}"
-        return fn
-
-    for suffix, fname in (("graph_before", f"{name}.before.txt"),
-                          ("graph_after", f"{name}.after.txt"),
-                          ("collectives", f"{name}.collectives.txt"),
-                          ("overlap_report", f"{name}.overlap.txt")):
+    # Built once, up front, for all four artifacts (trace_structured evaluates payloads lazily,
+    # but only after the handler check above, which we have already made).
+    try:
+        files = record_files(record, predict=predict)
+    except Exception as e:  # noqa: BLE001  never break compilation for a report
+        log.warning("fcoll.inspect: artifacts of %s failed: %s: %s", record.name,
+                    type(e).__name__, e)
+        failed = f"fcoll.inspect failed: {type(e).__name__}: {e}"
+        files = defaultdict(lambda: failed)
+    parts = [("graph_before", f"{name}.before.txt")] if record.before is not None else []
+    parts += [("graph_after", f"{name}.after.txt"), ("collectives", f"{name}.collectives.txt"),
+              ("overlap_report", f"{name}.overlap.txt")]
+    for suffix, fname in parts:
         trace_structured(
             "artifact",
             metadata_fn=lambda s=suffix: {"name": f"fcoll_{name}_{s}", "encoding": "string"},
-            payload_fn=payload(fname), expect_trace_id=False,
+            payload_fn=lambda f=fname: files[f], expect_trace_id=False,
         )

@@ -61,7 +61,7 @@ def _summarize(cap: _Capture, trace_path: str) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"name": rec.name, **report, "measured_exposed_us": None,
                                  "trace_collectives": None}
         if have_trace:
-            cmp = compare(trace_path, rec.after)
+            cmp = compare(trace_path, rec.after, graph=rec.name)
             with open(os.path.join(cap.out_dir, f"{rec.name}.compare.txt"), "w") as f:
                 f.write(str(cmp) + "\n")
             entry["measured_exposed_us"] = cmp.measured_exposed_us

@@ -193,7 +193,8 @@ def compare(trace: str | os.PathLike | dict | list, gm: fx.GraphModule, *,
         events: precomputed predicted events of ``gm``.
         predict: a simulator ``gm -> events``, instead of ``fcoll.passes.overlap.predict``.
         graph: only trace events with ``args["graph"] == graph`` (see
-            :func:`measured_collectives`).
+            :func:`measured_collectives`). Events of a collective whose ``args["op"]`` differs
+            from the node's op (a same-named node of another graph) are ignored either way.
 
     Returns:
         A :class:`TraceComparison`. Collectives absent from the trace have ``measured`` None and
@@ -206,11 +207,15 @@ def compare(trace: str | os.PathLike | dict | list, gm: fx.GraphModule, *,
     timings = collective_timings(gm, predicted_events(gm, events=events, predict=predict))
     rows = []
     for node in collective_nodes(gm):
-        occ = measured.get(node.name, [])
+        op = collective_info(node).op
+        occ = [o for o in measured.get(node.name, []) if o.args.get("op", op) == op]
+        if len(occ) < len(measured.get(node.name, [])):
+            log.debug("compare: %d trace events named %s are not %s (another graph's node); "
+                      "ignored", len(measured[node.name]) - len(occ), node.name, op)
         t = timings[node]
         bw = [float(o.args["busbw_gbps"]) for o in occ if o.args.get("busbw_gbps") is not None]
         rows.append(CompareRow(
-            node=node.name, op=collective_info(node).op, occurrences=len(occ),
+            node=node.name, op=op, occurrences=len(occ),
             predicted_us=t.estimated_us, measured_us=_mean([o.done_ts - o.issue_ts for o in occ]),
             predicted_exposed_us=t.exposed_us,
             measured_exposed_us=_mean([o.exposed_us for o in occ]), busbw_gbps=_mean(bw),
