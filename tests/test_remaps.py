@@ -41,6 +41,9 @@ CALLS = {
     "all_gather_into_tensor": lambda x, i, g: dist.all_gather_into_tensor(
         x.new_empty(8, 3), x, g),
     "_all_gather_base": lambda x, i, g: dist._all_gather_base(x.new_empty(2, 4, 3), x),
+    "all_gather_single": lambda x, i, g: dist.all_gather_single(x.new_empty(8, 3), x, g, True
+                                                                ).wait(),
+    "reduce_scatter_single": lambda x, i, g: dist.reduce_scatter_single(x.new_empty(2, 3), x),
     "all_gather": lambda x, i, g: dist.all_gather([x.new_empty(4, 3), x.new_empty(4, 3)], x),
     "reduce_scatter_tensor": lambda x, i, g: dist.reduce_scatter_tensor(
         x.new_empty(2, 3), x, op=RO.MIN, group=None),
@@ -59,6 +62,7 @@ CALLS = {
 KINDS = {
     "all_gather_into_tensor": ["all_gather"], "_all_gather_base": ["all_gather"],
     "all_gather": ["all_gather"], "reduce_scatter_tensor": ["reduce_scatter"],
+    "all_gather_single": ["all_gather"], "reduce_scatter_single": ["reduce_scatter"],
     "_reduce_scatter_base": ["reduce_scatter"], "all_to_all_single_even": ["all_to_all"],
     "all_to_all_single_uneven": ["all_to_all"], "broadcast": ["broadcast"],
     "broadcast_group_src": ["broadcast"],
@@ -247,7 +251,7 @@ def _program(x, ints, sub, rank, eager):
     out["all_reduce_avg"] = t
     out["all_gather_into_tensor"] = x.new_empty(ws * 4, 3)
     dist.all_gather_into_tensor(out["all_gather_into_tensor"], x)
-    out["_all_gather_base"] = x.new_empty(ws, 4, 3)
+    out["_all_gather_base"] = x.new_empty(ws * 4, 3)  # gloo rejects the [n, N, *] form
     dist._all_gather_base(out["_all_gather_base"], x, sub)
     lst = [torch.empty_like(x) for _ in range(ws)]
     dist.all_gather(lst, x, group=sub)

@@ -8,10 +8,12 @@ call (group: None, WORLD, a group)  graph
 =================================  ==========================================================
 ``all_reduce(t, op)``               ``t.copy_(wait(all_reduce(t, op)))``
 ``all_gather_into_tensor(o, i)``,   ``o.copy_(wait(all_gather_into_tensor(i)).reshape(o))``
-``_all_gather_base(o, i)``          (``o`` may be ``[n * N, *]`` or ``[n, N, *]``, as in torch)
+``_all_gather_base``,               (``o`` may be ``[n * N, *]`` or ``[n, N, *]``, as in torch)
+``all_gather_single``
 ``all_gather(ts, i)``               one all_gather; ``ts[r].copy_(chunk r)``
 ``reduce_scatter_tensor(o, i, op)``,  ``o.copy_(wait(reduce_scatter_tensor(i.reshape(n*N, *))))``
-``_reduce_scatter_base(o, i, op)``
+``_reduce_scatter_base``,
+``reduce_scatter_single``
 ``all_to_all_single(o, i, os, is)``  ``o.copy_(wait(all_to_all_single(i, os, is)))``; a None
                                     split list is an even split of that tensor's dim 0
 ``broadcast(t, src)``               ``t.copy_(wait(broadcast(t, group rank of src)))``
@@ -42,10 +44,12 @@ in its id-dispatch map (where polyfills live) *before* it checks
 the functions PyTorch remaps too (PyTorch's remap graph-breaks on ``async_op=True`` in
 ``CollectiveFunctionRewriteVariable.call_function`` and has no entry for broadcast, reduce and
 barrier). That remap table resolves a replacement by its ``__name__`` inside
-``torch.distributed._functional_collectives`` (``_traceable_collectives_source``), so extending it
-would have meant adding attributes to PyTorch's module; the polyfill route avoids that. Graphs
-PyTorch's own remap still produces (``all_gather_single``, ``reduce_scatter_single``,
-``isend``...) hold ``_c10d_functional`` ops, which ``lower_c10d_functional`` lowers.
+``torch.distributed._functional_collectives`` (``_traceable_collectives_source`` builds an
+``AttrSource`` on that module from ``fn.__name__``), so extending it would have meant adding
+attributes to PyTorch's module and would still graph-break on ``async_op=True``; the polyfill
+route avoids both. Calls PyTorch's own remap still handles (``isend``, ``irecv``,
+``batch_isend_irecv``) produce ``_c10d_functional`` ops; ``lower_c10d_functional`` lowers what
+has an fcoll twin.
 
 :func:`install` runs on ``import fcoll`` (from ``fcoll.ops``) and is idempotent. It checks the
 hooks it relies on first and raises ``ImportError`` naming what moved if a PyTorch version lacks
@@ -181,6 +185,11 @@ def _all_gather_base(output_tensor, input_tensor, group=None, async_op=False):
     return all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
 
 
+def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+    """``dist.all_gather_single`` (2.13's name for all_gather_into_tensor): the same."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     """``dist.all_gather``: ``tensor_list[r] <- rank r's tensor``; one all_gather, then copies.
 
@@ -205,6 +214,11 @@ def reduce_scatter_tensor(output, input, op=_RO.SUM, group=None, async_op=False)
 
 def _reduce_scatter_base(output, input, op=_RO.SUM, group=None, async_op=False):
     """``dist._reduce_scatter_base``: as :func:`reduce_scatter_tensor`."""
+    return reduce_scatter_tensor(output, input, op, group, async_op)
+
+
+def reduce_scatter_single(output, input, op=_RO.SUM, group=None, async_op=False):
+    """``dist.reduce_scatter_single`` (2.13's name for reduce_scatter_tensor): the same."""
     return reduce_scatter_tensor(output, input, op, group, async_op)
 
 
@@ -257,9 +271,11 @@ REMAPPED: dict[Any, Any] = {
     dist.all_reduce: all_reduce,
     dist.all_gather_into_tensor: all_gather_into_tensor,
     dist._all_gather_base: _all_gather_base,
+    dist.all_gather_single: all_gather_single,
     dist.all_gather: all_gather,
     dist.reduce_scatter_tensor: reduce_scatter_tensor,
     dist._reduce_scatter_base: _reduce_scatter_base,
+    dist.reduce_scatter_single: reduce_scatter_single,
     dist.all_to_all_single: all_to_all_single,
     dist.broadcast: broadcast,
     dist.reduce: reduce,
