@@ -1,0 +1,155 @@
+"""fcoll's shared-memory backend against gloo, side by side in one run (nccl-tests style).
+
+Usage: ``python benchmarks/collectives.py --nproc 2 --json out.json``
+
+Conventions (nccl-tests, ``doc/PERFORMANCE.md``):
+
+* ``size`` is the per-rank *input* buffer in bytes for all_reduce, broadcast, all_to_all_single
+  and reduce_scatter_tensor (so each rank receives size / n of reduce_scatter), and the per-rank
+  *output* buffer for all_gather_into_tensor (each rank contributes size / n).
+* ``time`` is the median over repetitions of the time of one collective, in microseconds; each
+  repetition times several back-to-back synchronous calls on every rank after a barrier, and the
+  slowest rank's median is reported. fcoll and gloo repetitions are interleaved, so both see the
+  same machine noise.
+* ``algbw = size / time`` (GB/s, 1 GB = 1e9 bytes); ``busbw = algbw * factor`` with factor
+  all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast 1.
+
+The JSON holds, per op and size in bytes: ``fcoll_us``, ``gloo_us``, ``fcoll_busbw_gbps``,
+``gloo_busbw_gbps``, ``speedup`` (gloo time / fcoll time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fcoll.testing import run_ranks  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 128 * MiB]
+OPS = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+       "broadcast"]
+
+
+def bus_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op == "broadcast":
+        return 1.0
+    return (n - 1) / n
+
+
+def _make_call(op: str, size: int, n: int, group):
+    """A zero-argument function running one synchronous ``op`` of ``size`` bytes on ``group``."""
+    numel = max(size // 4, n)
+    numel -= numel % n
+    if op == "all_reduce":
+        t = torch.ones(numel)
+        return lambda: dist.all_reduce(t, group=group)
+    if op == "broadcast":
+        t = torch.ones(numel)
+        return lambda: dist.broadcast(t, src=0, group=group)
+    if op == "all_gather_into_tensor":
+        out, inp = torch.empty(numel), torch.ones(numel // n)
+        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    if op == "reduce_scatter_tensor":
+        out, inp = torch.empty(numel // n), torch.ones(numel)
+        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    if op == "all_to_all_single":
+        out, inp = torch.empty(numel), torch.ones(numel)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    raise ValueError(op)
+
+
+def _iters(size: int) -> tuple[int, int]:
+    """(calls per repetition, repetitions) so that a size costs about the same wall time."""
+    if size <= 64 * KiB:
+        return 20, 15
+    if size <= 1 * MiB:
+        return 8, 11
+    if size <= 16 * MiB:
+        return 2, 7
+    return 1, 5
+
+
+def _timed(call, k: int, barrier) -> float:
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(k):
+        call()
+    return (time.perf_counter() - t0) / k * 1e6
+
+
+def _bench(rank: int, world: int, ops: list[str], sizes: list[int]):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    gloo = dist.new_group(backend="gloo")
+    barrier = dist.barrier  # fcoll's barrier: microseconds, so it does not blur small sizes
+    res = {}
+    for op in ops:
+        for size in sizes:
+            k, reps = _iters(size)
+            calls = {"fcoll": _make_call(op, size, world, None),
+                     "gloo": _make_call(op, size, world, gloo)}
+            for call in calls.values():  # warm up (page faults, first-touch)
+                call()
+            times = {"fcoll": [], "gloo": []}
+            for rep in range(reps):
+                order = ("fcoll", "gloo") if rep % 2 == 0 else ("gloo", "fcoll")
+                for name in order:
+                    times[name].append(_timed(calls[name], k, barrier))
+            res[(op, size)] = {name: statistics.median(v) for name, v in times.items()}
+            del calls
+    return res
+
+
+def fmt_size(b: int) -> str:
+    return f"{b // MiB} MiB" if b >= MiB else f"{b // KiB} KiB"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--json", default=None, help="write results to this file")
+    p.add_argument("--ops", nargs="*", default=OPS, choices=OPS)
+    p.add_argument("--sizes", nargs="*", type=int, default=SIZES, help="bytes")
+    args = p.parse_args(argv)
+    n = args.nproc
+    per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes), timeout_s=1200)
+    out: dict = {"nproc": n, "units": {"time": "us", "bw": "GB/s (1e9 B/s)"}, "results": {}}
+    print(f"# fcoll shm vs gloo, {n} ranks, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    for op in args.ops:
+        print(f"\n# {op}  (busbw factor {bus_factor(op, n):.3g})")
+        print(f"{'size':>9} | {'fcoll us':>10} {'algbw':>7} {'busbw':>7} | "
+              f"{'gloo us':>10} {'algbw':>7} {'busbw':>7} | {'speedup':>7}")
+        for size in args.sizes:
+            t = {b: max(r[(op, size)][b] for r in per_rank) for b in ("fcoll", "gloo")}
+            alg = {b: size / (t[b] * 1e-6) / 1e9 for b in t}
+            bus = {b: alg[b] * bus_factor(op, n) for b in t}
+            print(f"{fmt_size(size):>9} | {t['fcoll']:>10.1f} {alg['fcoll']:>7.2f} "
+                  f"{bus['fcoll']:>7.2f} | {t['gloo']:>10.1f} {alg['gloo']:>7.2f} "
+                  f"{bus['gloo']:>7.2f} | {t['gloo'] / t['fcoll']:>6.1f}x")
+            out["results"].setdefault(op, {})[str(size)] = {
+                "fcoll_us": t["fcoll"], "gloo_us": t["gloo"],
+                "fcoll_busbw_gbps": bus["fcoll"], "gloo_busbw_gbps": bus["gloo"],
+                "fcoll_algbw_gbps": alg["fcoll"], "gloo_algbw_gbps": alg["gloo"],
+                "speedup": t["gloo"] / t["fcoll"],
+            }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
