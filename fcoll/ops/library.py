@@ -149,9 +149,13 @@ def _backend_name(pg: dist.ProcessGroup) -> str:
         return "unknown"
 
 
-def _native_avg(pg: dist.ProcessGroup) -> bool:
-    """gloo has no AVG; there fcoll reduces with SUM and divides once the work is done."""
-    return _backend_name(pg) not in ("gloo", "unknown")
+def _native_avg(pg: dist.ProcessGroup, dtype: torch.dtype) -> bool:
+    """Whether the backend averages ``dtype`` itself.
+
+    gloo has no AVG, and backends define integer AVG differently (or not at all); there fcoll
+    reduces with SUM and divides once the work is done (integers: truncating division, as C).
+    """
+    return _backend_name(pg) not in ("gloo", "unknown") and dtype.is_floating_point
 
 
 # gloo rejects int16 ("Invalid scalar type") and has no bool reductions: such tensors travel as
@@ -202,7 +206,7 @@ def _reduce_args(reduce_op: str, pg: dist.ProcessGroup, dtype: torch.dtype, buf:
 
     bool reductions are logical: sum/max/bor are OR (MAX), product/min/band are AND (MIN).
     """
-    if reduce_op == "avg" and not _native_avg(pg):
+    if reduce_op == "avg" and not _native_avg(pg, dtype):
         return dist.ReduceOp.SUM, _avg_divide(buf, pg.size())
     if dtype == torch.bool and reduce_op in ("sum", "max", "bor"):
         return dist.ReduceOp.MAX, None
