@@ -26,7 +26,6 @@ Calibration is a collective call: it must run on every rank of the group at the 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -193,13 +192,14 @@ class _Cache:
 _CACHE = _Cache()  # the one process-level cache (calibration is a property of the process)
 
 
-def _median_us(fn: Callable[[], None], reps: int) -> float:
-    times = []
+def _min_us(fn: Callable[[], None], reps: int) -> float:
+    """Fastest of ``reps`` runs, in us (on a shared machine the minimum is the least noisy)."""
+    best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+        best = min(best, (time.perf_counter() - t0) * 1e6)
+    return best
 
 
 def measure_compute_rates(reps: int = 5) -> ComputeRates:
@@ -214,9 +214,9 @@ def measure_compute_rates(reps: int = 5) -> ComputeRates:
     x = torch.ones(4)
     torch.mm(a, b)
     dst.copy_(src)
-    mm_us = _median_us(lambda: torch.mm(a, b), reps)
-    copy_us = _median_us(lambda: dst.copy_(src), reps)
-    add_us = _median_us(lambda: torch.add(x, x), reps * 4)
+    mm_us = _min_us(lambda: torch.mm(a, b), reps)
+    copy_us = _min_us(lambda: dst.copy_(src), reps)
+    add_us = _min_us(lambda: torch.add(x, x), reps * 4)
     rates = ComputeRates(flops_per_us=2 * 256 ** 3 / max(mm_us - add_us, 1.0),
                          bytes_per_us=2 * src.numel() * 4 / max(copy_us - add_us, 1.0),
                          op_overhead_us=max(add_us, 0.5))
@@ -235,23 +235,25 @@ def _backend_name(pg: Any) -> str:
 
 
 def _time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> float:
-    """Median time of one blocking collective of ``nbytes`` (the larger buffer), in us."""
+    """Fastest time of one blocking collective of ``nbytes`` (the larger buffer), in us."""
     import torch.distributed as dist
 
+    _gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    _scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     n = pg.size()
     numel = max(n, nbytes // 4 // n * n)
     big, out = torch.zeros(numel), torch.zeros(numel)
     small = torch.zeros(numel // n)
     ops = {
         "all_reduce": lambda: dist.all_reduce(big, group=pg),
-        "all_gather": lambda: dist.all_gather_into_tensor(big, small, group=pg),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(small, big, group=pg),
+        "all_gather": lambda: _gather(big, small, group=pg),
+        "reduce_scatter": lambda: _scatter(small, big, group=pg),
         "all_to_all": lambda: dist.all_to_all_single(out, big, group=pg),
         "broadcast": lambda: dist.broadcast(big, group=pg, group_src=0),
     }
     op = ops[kind]
     op()  # warm-up, and lines the ranks up
-    return _median_us(op, reps)
+    return _min_us(op, reps)
 
 
 def _fit(b1: int, t1: float, b2: int, t2: float) -> CommParams:

@@ -74,28 +74,40 @@ def _place(order: list[fx.Node], movers: dict[fx.Node, fx.Node], before: bool) -
 
 
 def sink_waits_order(graph: fx.Graph) -> list[fx.Node]:
-    """The order ``sink_waits`` makes: each wait just before the first node that needs it."""
+    """The order ``sink_waits`` makes: each wait just before the first node that needs it.
+
+    A wait's successors may be waits that move too, so "first" is judged by position in the new
+    order: ``eff`` is (position of the unmoved node a wait ends up in front of, -chain depth).
+    """
     deps = dependencies(graph)
+    eff = {n: (deps.pos[n], 0) for n in deps.order}
     anchors = {}
-    for n in deps.order:
+    for n in reversed(deps.order):
         if is_wait(n):
-            succ = deps.succs[n]
             # The output node always exists and never moves; a wait nothing needs sinks to it.
-            anchors[n] = succ[0] if succ else deps.order[-1]
+            anchor = min(deps.succs[n], key=eff.__getitem__, default=deps.order[-1])
+            anchors[n] = anchor
+            eff[n] = (eff[anchor][0], eff[anchor][1] - 1)
     return _place(deps.order, anchors, before=True)
 
 
 def raise_collectives_order(graph: fx.Graph) -> list[fx.Node]:
-    """The order ``raise_collectives`` makes: each collective just after the last node it needs."""
+    """The order ``raise_collectives`` makes: each collective just after the last node it needs.
+
+    The previous collective moves up too, so "last" is judged by position in the new order:
+    ``eff`` is (position of the unmoved node a collective ends up behind, chain depth).
+    """
     deps = dependencies(graph)
-    last_fixed = max((n for n in deps.order if n.op in ("placeholder", "get_attr")),
-                     key=deps.pos.__getitem__, default=None)
+    eff = {n: (deps.pos[n], 0) for n in deps.order}
+    fixed = [n for n in deps.order if n.op in ("placeholder", "get_attr")]
     anchors = {}
     for n in deps.order:
         if is_collective(n):
-            cands = list(deps.preds[n]) + ([last_fixed] if last_fixed is not None else [])
+            cands = list(deps.preds[n]) + fixed[-1:]
             if cands:
-                anchors[n] = max(cands, key=deps.pos.__getitem__)
+                anchor = max(cands, key=eff.__getitem__)
+                anchors[n] = anchor
+                eff[n] = (eff[anchor][0], eff[anchor][1] + 1)
     return _place(deps.order, anchors, before=False)
 
 

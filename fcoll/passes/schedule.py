@@ -150,10 +150,16 @@ class Timeline:
         self.issued: dict[fx.Node, PredictedEvent] = {}
         self.events: list[PredictedEvent] = []
         self.by_node: dict[fx.Node, PredictedEvent] = {}
+        self._starts: dict[fx.Node, fx.Node | None] = {}
+
+    def _start(self, wait: fx.Node) -> fx.Node | None:
+        if wait not in self._starts:
+            self._starts[wait] = start_of(wait)
+        return self._starts[wait]
 
     def blocked_us(self, wait: fx.Node) -> float:
         """How long ``wait`` would block compute if it ran now."""
-        start = start_of(wait)
+        start = self._start(wait)
         ev = self.issued.get(start) if start is not None else None
         return max(0.0, ev.end_us - self.now_us) if ev is not None else 0.0
 
@@ -172,7 +178,7 @@ class Timeline:
             ev = PredictedEvent(node.name, "wait", "compute", self.now_us,
                                 self.now_us + blocked, blocked)
             self.now_us += blocked
-            coll = self.issued.get(start_of(node))
+            coll = self.issued.get(self._start(node))
             if coll is not None:
                 coll.exposed_us += blocked
         else:
@@ -249,6 +255,8 @@ class _Scheduler:
         self.bytes = {c: max(collective_info(c).in_bytes, collective_info(c).out_bytes)
                       for c in self.colls}
         self.told: set[tuple[fx.Node, str]] = set()
+        self.is_wait = {n: is_wait(n) for n in deps.order}
+        self.is_compute = {n: not self.is_wait[n] and not is_collective(n) for n in deps.order}
 
     def _why_not(self, c: fx.Node, mem: MemoryTracker, flight: int) -> str | None:
         if mem.would_reach(c) > self.limit:
@@ -279,8 +287,8 @@ class _Scheduler:
             if is_collective(node):
                 nxt += 1
                 flight[node] = self.bytes[node]
-            elif is_wait(node):
-                start = start_of(node)
+            elif self.is_wait[node]:
+                start = tl._start(node)
                 if start in flight and waits_of(start)[-1] is node:
                     del flight[start]
             for s in d.succs[node]:
@@ -303,12 +311,11 @@ class _Scheduler:
                 self.told.add((c, why[:8]))
                 log.debug("reorder_for_overlap: %s not issued as early as possible: %s",
                           c.name, why)
-        waits = [n for n in nodes if is_wait(n)]
+        waits = [n for n in nodes if self.is_wait[n]]
         finished = [w for w in waits if tl.blocked_us(w) == 0.0]
         if finished and why is not None and "in flight" in why:
             return finished[0]  # frees in-flight bytes for the next collective
-        compute = [n for n in nodes if not is_wait(n) and not is_collective(n)
-                   and mem.would_reach(n) <= self.limit]
+        compute = [n for n in nodes if self.is_compute[n] and mem.would_reach(n) <= self.limit]
         if nxt < len(self.colls):
             cone = self.masks[self.colls[nxt]]
             for n in sorted(compute + finished, key=self.d.pos.__getitem__):
@@ -348,10 +355,17 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     """
     storage = storage_model(graph)
     deps = dependencies(graph, storage)
+    memo: dict[fx.Node, float] = {}
+
+    def estimate_once(node: fx.Node) -> float:
+        if node not in memo:
+            memo[node] = estimate(node)
+        return memo[node]
+
     baseline = peak_bytes(deps.order, storage)
     budget = memory_budget_bytes
     for attempt in range(4):
-        order, tl = _Scheduler(deps, storage, estimate, baseline + budget,
+        order, tl = _Scheduler(deps, storage, estimate_once, baseline + budget,
                                max_in_flight_bytes).run()
         peak = peak_bytes(order, storage)
         if peak <= baseline + memory_budget_bytes:
@@ -362,7 +376,7 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
         budget //= 2
     else:
         log.debug("reorder_for_overlap: no plan within the memory budget; keeping the order")
-        order, tl = deps.order, simulate(deps.order, estimate)
+        order, tl = deps.order, simulate(deps.order, estimate_once)
         peak = baseline
     return Plan(order=order, records=_records(tl), timeline=tl, baseline_peak_bytes=baseline,
                 peak_bytes=peak, makespan_us=tl.now_us)
