@@ -14,7 +14,9 @@ Times come from the overlap scheduler's simulator, ``fcoll.passes.overlap.predic
 function also accepts ``events=`` or ``predict=``.
 """
 
-from fcoll.inspect.artifacts import emit_artifacts, record_files, write_record
+from fcoll.inspect.artifacts import (
+    artifacts_enabled, emit_artifacts, record_files, write_record,
+)
 from fcoll.inspect.format import format_graph, stable_names
 from fcoll.inspect.report import OverlapReport, OverlapTotals, overlap_report, overlap_totals
 from fcoll.inspect.schedule import Event, predicted_events
@@ -26,5 +28,5 @@ __all__ = [
     "format_graph", "stable_names", "collectives", "CollectiveRow", "CollectivesTable",
     "overlap_report", "overlap_totals", "OverlapReport", "OverlapTotals", "timeline",
     "timeline_svg", "compare", "CompareRow", "TraceComparison", "load_trace", "Event",
-    "predicted_events", "emit_artifacts", "write_record", "record_files",
+    "predicted_events", "emit_artifacts", "artifacts_enabled", "write_record", "record_files",
 ]

@@ -20,7 +20,7 @@ from fcoll.inspect.schedule import PredictFn, predicted_events
 from fcoll.inspect.table import collectives
 from fcoll.inspect.timeline import exposed_of, timeline_svg
 
-__all__ = ["record_files", "write_record", "emit_artifacts", "RECORD_FILES"]
+__all__ = ["record_files", "write_record", "emit_artifacts", "artifacts_enabled", "RECORD_FILES"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,18 @@ def write_record(record: Any, out_dir: str | os.PathLike, *,
     return paths
 
 
+def artifacts_enabled() -> bool:
+    """True when structured tracing (``TORCH_TRACE``) would record artifacts now.
+
+    The backend can use it to copy the graph before the passes only when someone will look.
+    """
+    try:
+        from torch._logging._internal import trace_log
+    except ImportError:  # pragma: no cover - private location moved
+        return True
+    return bool(trace_log.handlers)
+
+
 def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
     """Emit tlparse artifacts for one compiled graph through ``torch._logging.trace_structured``.
 
@@ -114,13 +126,8 @@ def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
     """
     from torch._logging import trace_structured
 
-    try:
-        from torch._logging._internal import trace_log
-
-        if not trace_log.handlers:  # the check trace_structured makes: tracing is off
-            return
-    except ImportError:  # pragma: no cover - private location moved; build the payloads anyway
-        pass
+    if not artifacts_enabled():  # the check trace_structured makes: tracing is off
+        return
     name = _safe(record.name)
     # Built once, up front, for all four artifacts (trace_structured evaluates payloads lazily,
     # but only after the handler check above, which we have already made).
