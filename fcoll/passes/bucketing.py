@@ -48,13 +48,14 @@ never differ).
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -71,29 +72,82 @@ log = logging.getLogger(__name__)
 META_BUCKET = "fcoll_bucket_members"
 
 aten = torch.ops.aten
+_WAITS = (torch.ops.fcoll.wait_tensor.default, torch.ops._c10d_functional.wait_tensor.default)
 _COALESCED = {"all_reduce": "all_reduce_coalesced",
               "all_gather": "all_gather_into_tensor_coalesced",
               "reduce_scatter": "reduce_scatter_tensor_coalesced"}
 
 
-class _Emit:
-    """Creates call_function nodes at the graph's insert point, with ``meta["val"]`` computed by
-    running the op on the inputs' fake values (so later passes see shapes and dtypes)."""
+def _infer(shape: list[int], numel: int) -> list[int]:
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        shape[shape.index(-1)] = numel // known if known else 0
+    return shape
 
-    def __init__(self, graph: fx.Graph, fake_mode: FakeTensorMode, meta: dict[str, Any]):
-        self.graph = graph
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return strides[::-1]
+
+
+class _Vals:
+    """Fake values of the few aten ops the rewrite emits, computed from shapes alone.
+
+    A table of (op -> output shape rule), like a rewrite table: FakeTensorMode dispatch costs
+    0.1-0.5 ms per op on the CI machine, which a 100k-node graph cannot afford; these rules cost a
+    few microseconds. Any other op falls back to running it under the graph's fake mode.
+    """
+
+    def __init__(self, fake_mode: FakeTensorMode):
         self.fake_mode = fake_mode
+
+    def like(self, ref: torch.Tensor, shape: list[int], dtype: torch.dtype | None = None,
+             strides: list[int] | None = None) -> torch.Tensor:
+        shape = list(shape)
+        meta = torch.empty_strided(shape, strides or _contiguous_strides(shape),
+                                   dtype=dtype or ref.dtype, device="meta")
+        return FakeTensor(self.fake_mode, meta, ref.device)
+
+    def __call__(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target is operator.getitem:
+            return args[0][args[1]]
+        if target in (aten.reshape.default, aten.view.default):
+            return self.like(args[0], _infer(args[1], args[0].numel()))
+        if target is aten.view.dtype:
+            x, dtype = args
+            last = x.shape[-1] * x.element_size() // dtype.itemsize
+            return self.like(x, [*x.shape[:-1], last], dtype)
+        if target is aten.clone.default or target in _WAITS:
+            return self.like(args[0], list(args[0].shape))
+        if target is aten.cat.default:
+            xs, dim = args[0], (args[1] if len(args) > 1 else 0)
+            shape = list(xs[0].shape)
+            shape[dim] = sum(x.shape[dim] for x in xs)
+            return self.like(xs[0], shape)
+        if target is aten.split_with_sizes.default:
+            x, sizes, dim = args[0], args[1], (args[2] if len(args) > 2 else 0)
+            return [self.like(x, [*x.shape[:dim], s, *x.shape[dim + 1:]], strides=list(x.stride()))
+                    for s in sizes]
+        with self.fake_mode:
+            return target(*args, **kwargs)
+
+
+class _Emit:
+    """Creates call_function nodes at the graph's insert point, each with ``meta["val"]``."""
+
+    def __init__(self, graph: fx.Graph, vals: _Vals, meta: dict[str, Any]):
+        self.graph = graph
+        self.vals = vals
         self.meta = meta
 
     def __call__(self, target: Callable, *args: Any, **kwargs: Any) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs)
-        vals = map_arg(args, lambda n: n.meta["val"])
-        kw = map_arg(kwargs, lambda n: n.meta["val"])
-        if target is operator.getitem:
-            node.meta["val"] = vals[0][vals[1]]
-        else:
-            with self.fake_mode:
-                node.meta["val"] = target(*vals, **kw)
+        node.meta["val"] = self.vals(target, map_arg(args, lambda n: n.meta["val"]),
+                                     map_arg(kwargs, lambda n: n.meta["val"]))
         node.meta.update(self.meta)
         return node
 
@@ -166,8 +220,9 @@ class _Rewrite:
     def _issue_all_to_all(self, emit, ns, inputs) -> None:
         args = [args_by_name(m) for m in self.members]
         n = len(args[0]["input_split_sizes"])
-        row_bytes = [x.meta["val"][0].numel() * x.meta["val"].element_size() if
-                     x.meta["val"].shape[0] else 0 for x in inputs]
+        # bytes per row from the trailing dims: the row count differs between ranks (and may be 0)
+        row_bytes = [math.prod(x.meta["val"].shape[1:]) * x.meta["val"].element_size()
+                     for x in inputs]
         chunks = []
         for x, a, rb in zip(inputs, args, row_bytes):
             flat = emit(aten.view.dtype, emit(aten.reshape.default, x, [-1]), torch.uint8)
@@ -256,7 +311,7 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
     nodes = list(g.nodes)
     by_name = {n.name: n for n in nodes}
     vals = [by_name[b.members[0]].args[0].meta["val"] for b in buckets]
-    fake_mode = detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
+    fake_vals = _Vals(detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True))
     rewrites = {b.seq: _Rewrite(b, [by_name[m] for m in b.members], config.bucket_mode)
                 for b in buckets}
     replaced: dict[fx.Node, fx.Node] = {}
@@ -271,7 +326,7 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
         rw = rewrites[seq]
         meta = {k: rw.members[0].meta[k] for k in ("stack_trace",) if k in rw.members[0].meta}
         with g.inserting_before(nxt):
-            emit = _Emit(g, fake_mode, meta)
+            emit = _Emit(g, fake_vals, meta)
             if what == "issue":
                 rw.issue(emit, [replaced.get(m.args[0], m.args[0]) for m in rw.members])
             else:
