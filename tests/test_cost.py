@@ -1,0 +1,164 @@
+"""Tests of the cost model (fcoll.passes.cost): formulas, defaults, symbolic sizes, user
+estimators, and calibration on two real ranks (one batched run)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from expecttest import TestCase
+from torch.fx.experimental.proxy_tensor import make_fx
+
+sys.path.insert(0, os.path.dirname(__file__))
+import canonical  # noqa: E402
+
+from fcoll.passes import cost  # noqa: E402
+from fcoll.passes.graph import collectives, is_wait  # noqa: E402
+from fcoll.testing import run_ranks  # noqa: E402
+
+
+def setUpModule():
+    canonical.ensure_fake_pg()
+
+
+def node(gm, name):
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+class TestFormulas(TestCase):
+    def test_busbw_factors_follow_nccl_tests(self):
+        self.assertEqual(cost.busbw_factor("all_reduce", 4), 1.5)
+        self.assertEqual(cost.busbw_factor("all_gather", 4), 0.75)
+        self.assertEqual(cost.busbw_factor("all_to_all", 2), 0.5)
+        self.assertEqual(cost.busbw_factor("broadcast", 8), 1.0)
+
+    def test_fit_recovers_alpha_and_beta(self):
+        p = cost._fit(1000, 50.0 + 1000 * 0.002, 100000, 50.0 + 100000 * 0.002)
+        self.assertAlmostEqual(p.alpha_us, 50.0)
+        self.assertAlmostEqual(p.beta_us_per_byte, 0.002)
+        noisy = cost._fit(1000, 90.0, 100000, 80.0)  # larger message measured faster: noise
+        self.assertGreater(noisy.beta_us_per_byte, 0)
+        self.assertGreaterEqual(noisy.alpha_us, 0)
+
+    def test_collective_is_alpha_plus_beta_times_larger_buffer(self):
+        gm = canonical.fsdp_forward(n_layers=1, hidden=256)  # gather [128, 256] -> [256, 256]
+        ag = collectives(gm)[0]
+        model = cost.CostModel()
+        p = cost.default_comm("all_gather", 2)
+        self.assertAlmostEqual(model(ag), p.alpha_us + p.beta_us_per_byte * 256 * 256 * 4)
+
+    def test_compute_is_roofline_with_flop_counter_flops(self):
+        gm = canonical.mm_overlap(size=64)
+        mm = node(gm, "mm")
+        with FlopCounterMode(display=False) as counter:
+            torch.mm(torch.ones(64, 64), torch.ones(64, 64))
+        self.assertEqual(cost.node_flops(mm), counter.get_total_flops())
+        r = cost.DEFAULT_COMPUTE
+        want = r.op_overhead_us + max(counter.get_total_flops() / r.flops_per_us,
+                                      3 * 64 * 64 * 4 / r.bytes_per_us)
+        self.assertAlmostEqual(cost.CostModel()(mm), want)
+        relu = node(gm, "relu")  # no FLOP formula: memory bound
+        self.assertAlmostEqual(cost.CostModel()(relu),
+                               r.op_overhead_us + 2 * 64 * 64 * 4 / r.bytes_per_us)
+
+    def test_views_waits_and_placeholders_cost_nothing(self):
+        gm = canonical.fsdp_forward(n_layers=1)
+        model = cost.CostModel()
+        self.assertTrue(cost.is_free_op(node(gm, "t")))  # aten.t is a view
+        self.assertFalse(cost.is_free_op(node(gm, "mm")))
+        free = [n for n in gm.graph.nodes
+                if n.op != "call_function" or is_wait(n) or cost.is_free_op(n)]
+        self.assertEqual(len(free), 5)  # 2 placeholders, wait, t, output
+        for n in free:
+            self.assertEqual(model(n), 0.0, n.name)
+
+    def test_symbolic_sizes_are_evaluated_with_hints(self):
+        def f(a, b):
+            import fcoll
+
+            return fcoll.all_reduce(torch.mm(a, b), "sum", "0")
+
+        static = make_fx(f, tracing_mode="fake")(torch.ones(48, 32), torch.ones(32, 16))
+        symbolic = make_fx(f, tracing_mode="symbolic")(torch.ones(48, 32), torch.ones(32, 16))
+        self.assertTrue(any(isinstance(s, torch.SymInt)
+                            for n in symbolic.graph.nodes if n.op == "placeholder"
+                            for s in n.meta["val"].shape))
+        model = cost.CostModel()
+        want = [model(n) for n in static.graph.nodes]
+        self.assertEqual([model(n) for n in symbolic.graph.nodes], want)
+        self.assertGreater(sum(want), 0)
+
+    def test_user_estimator_first_none_falls_back(self):
+        gm = canonical.mm_overlap(size=64)
+        model = cost.cached_model(gm, estimator=lambda n: 7.0 if n.name == "mm" else None)
+        self.assertEqual(model(node(gm, "mm")), 7.0)
+        self.assertEqual(model(node(gm, "relu")), cost.CostModel()(node(gm, "relu")))
+
+
+class TestDefaults(TestCase):
+    def test_fake_pg_uses_deterministic_defaults_without_calibrating(self):
+        saved = cost.calibrate_group
+
+        def boom(*a, **k):
+            raise AssertionError("calibration must not run on the fake process group")
+
+        cost.calibrate_group = boom
+        try:
+            model = cost.model_for(canonical.ddp_backward(n_layers=1))
+        finally:
+            cost.calibrate_group = saved
+        self.assertEqual(model.source, "default")
+        self.assertEqual(model.compute, cost.DEFAULT_COMPUTE)
+        self.assertEqual(model, cost.model_for(canonical.ddp_backward(n_layers=1)))
+
+
+def _calibrate_on_two_ranks(rank, world_size):
+    """Calibrate the fcoll world group and a gloo subgroup; plan a graph on each."""
+    import torch.distributed as dist
+
+    import canonical as c
+    from fcoll.passes import cost as cm
+    from fcoll.passes.registry import get_pass
+
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for label, pg in (("fcoll", dist.group.WORLD), ("gloo", gloo)):
+        t0 = time.perf_counter()
+        rates, comm = cm.calibrate_group(pg)
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        again = cm.calibrate_group(pg)
+        cached_s = time.perf_counter() - t0
+        gm = c.ddp_backward(n_layers=3, batch=64, hidden=256, group=pg.group_name)
+        model = cm.cached_model(gm)
+        get_pass("reorder_for_overlap")(gm)
+        out[label] = dict(first_s=first_s, cached_s=cached_s, same_again=again == (rates, comm),
+                          rates=rates, comm=sorted(comm.items()), source=model.source,
+                          order=[n.name for n in gm.graph.nodes],
+                          estimates=[n.meta.get("fcoll_estimated_us") for n in gm.graph.nodes])
+    return out
+
+
+class TestCalibration(TestCase):
+    def test_calibration_is_cheap_cached_and_shared_from_rank_0(self):
+        r0, r1 = run_ranks(_calibrate_on_two_ranks, 2, backend="fcoll", timeout_s=150)
+        for label in ("fcoll", "gloo"):
+            a, b = r0[label], r1[label]
+            self.assertEqual(a["rates"], b["rates"], label)  # rank 0's numbers on every rank
+            self.assertEqual(a["comm"], b["comm"], label)
+            self.assertEqual(a["order"], b["order"], label)  # hence the same schedule
+            self.assertEqual(a["estimates"], b["estimates"], label)
+            self.assertEqual(a["source"], "calibrated")
+            self.assertEqual({k[0] for k, _ in a["comm"]}, {label})
+            self.assertEqual({k[1] for k, _ in a["comm"]}, set(cost.KINDS))
+            for _, p in a["comm"]:
+                self.assertGreaterEqual(p.alpha_us, 0)
+                self.assertGreater(p.beta_us_per_byte, 0)
+            self.assertGreater(a["rates"].flops_per_us, 0)
+            for r in (a, b):
+                self.assertLess(r["first_s"], 1.0, label)  # target ~0.3 s; slack for CI load
+                self.assertLess(r["cached_s"], 0.01, label)
+                self.assertTrue(r["same_again"])
