@@ -47,7 +47,8 @@ class UnknownOpError(NotImplementedError):
 class OpTable:
     """Table from a node's target to the callable that runs it.
 
-    Resolution order: an explicit entry of ``overrides``; an ``OpOverload`` /
+    Resolution order: an entry of ``overrides`` (by default ``fcoll.wait_tensor`` maps to its
+    kernel, see :func:`_default_overrides`); an ``OpOverload`` /
     ``OpOverloadPacket`` / ``HigherOrderOperator`` of a namespace in :data:`RUNNABLE_NAMESPACES`
     (the op itself); Python's scalar functions (``operator``, ``math``, ``torch.sym_*``) used by
     graphs with symbolic sizes. Anything else is unknown.
@@ -58,7 +59,8 @@ class OpTable:
     """
 
     def __init__(self, overrides: Mapping[Any, Callable[..., Any]] | None = None) -> None:
-        self._overrides = dict(overrides or {})
+        self._overrides = _default_overrides()
+        self._overrides.update(overrides or {})
 
     def resolve(self, target: Any, node: str = "?", graph: str = "?") -> Callable[..., Any]:
         """The implementation of ``target``.
@@ -90,6 +92,15 @@ class OpTable:
             return target
         raise UnknownOpError(f"fcoll executor: no implementation for {target!r} at node {node} "
                              f"of graph {graph}")
+
+
+def _default_overrides() -> dict[Any, Callable[..., Any]]:
+    """``fcoll.wait_tensor`` runs its kernel (:func:`fcoll.ops.pending.wait`) directly: the same
+    code without a trip through the dispatcher, whose alias check warns because the kernel
+    returns its input (as PyTorch's wait_tensor does)."""
+    from fcoll.ops import pending
+
+    return {torch.ops.fcoll.wait_tensor.default: pending.wait}
 
 
 def _tensor_bytes(x: Any) -> int:
@@ -138,9 +149,10 @@ class GraphExecutor:
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 impls[node] = table.resolve(node.target, node.name, name)
-        self._overridden = any(impl is not n.target for n, impl in impls.items())
         self._forward = gm.forward
-        self._plan = self._make_plan(impls) if (recorder or self._overridden) else None
+        if any(impl is not n.target for n, impl in impls.items()):
+            self._forward = self._bound_module(impls).forward
+        self._plan = self._make_plan(impls) if recorder is not None else None
 
     def __call__(self, args: list[Any]) -> Any:
         if self._plan is None:
@@ -154,7 +166,18 @@ class GraphExecutor:
             if run is not None:
                 run.finish()
 
-    # -- traced / overridden path -------------------------------------------------------------
+    def _bound_module(self, impls: dict[fx.Node, Callable[..., Any]]) -> fx.GraphModule:
+        """A copy of the graph whose call targets are the table's implementations."""
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        out = g.graph_copy(self.gm.graph, env)
+        g.output(out)
+        for old, new in env.items():
+            if old in impls:
+                new.target = impls[old]
+        return fx.GraphModule(self.gm, g, self.name)
+
+    # -- traced path -------------------------------------------------------------
 
     def _make_plan(self, impls: dict[fx.Node, Callable[..., Any]]) -> list[tuple]:
         nodes = list(self.gm.graph.nodes)
