@@ -1,0 +1,154 @@
+"""Tests of ``check_rank_consistency`` (fcoll/passes/consistency.py).
+
+One ``run_ranks`` call (fcoll backend; the check only uses the default store, the same FileStore
+under gloo) covers agreement, mismatches, a rank that never compiles, and
+a group of one rank; single-process tests cover the fingerprint and the no-op cases.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import unittest
+from unittest import mock
+
+import torch
+import torch.fx as fx
+
+sys.path.insert(0, os.path.dirname(__file__))
+import canonical  # noqa: E402
+from graphs_bucketing import Builder  # noqa: E402
+from fcoll.passes.consistency import (  # noqa: E402
+    CheckRankConsistency, RankMismatchError, RankTimeoutError, fingerprint,
+)
+from fcoll.runtime.config import FcollConfig  # noqa: E402
+from fcoll.testing import run_ranks  # noqa: E402
+
+fc = torch.ops.fcoll
+
+
+def _graph(group: str, dtypes=(torch.float32,) * 3, n_extra: int = 0, a2a_rows: int = 4
+           ) -> fx.GraphModule:
+    """``ar(x_i) -> wait`` per dtype, then ``n_extra`` all_reduces, then an all_to_all of
+    ``a2a_rows`` rows (the first dim of all_to_all is rank-dependent and not compared)."""
+    b = Builder()
+    outs = [b.wait(b(fc.all_reduce.default, b.input(f"x{i}", [4, 2], d), "sum", group))
+            for i, d in enumerate(dtypes)]
+    outs += [b.wait(b(fc.all_reduce.default, b.input(f"e{i}", [8], torch.float32), "max",
+                      group)) for i in range(n_extra)]
+    x = b.input("t", [a2a_rows, 3])
+    outs.append(b.wait(b(fc.all_to_all_single.default, x, [a2a_rows // 2] * 2,
+                         [a2a_rows // 2] * 2, group)))
+    return b.module(outs)
+
+
+class TestFingerprint(unittest.TestCase):
+    def setUp(self) -> None:
+        canonical.ensure_fake_pg()
+
+    def test_fingerprint_lists_op_dtype_shape_reduce_op_in_order(self):
+        fp = fingerprint(_graph("0", (torch.float32, torch.float64)))["0"]
+        self.assertEqual(fp.entries, (
+            "all_reduce(float32[4,2], reduce_op=sum)",
+            "all_reduce(float64[4,2], reduce_op=sum)",
+            "all_to_all_single(float32[*,3])",
+        ))
+        self.assertEqual(len(fp.digest), 64)
+
+    def test_all_to_all_rows_do_not_change_the_fingerprint(self):
+        self.assertEqual(fingerprint(_graph("0", a2a_rows=4))["0"].digest,
+                         fingerprint(_graph("0", a2a_rows=6))["0"].digest)
+
+    def test_dtype_change_changes_the_digest(self):
+        self.assertNotEqual(fingerprint(_graph("0"))["0"].digest,
+                            fingerprint(_graph("0", (torch.float32, torch.int32,
+                                                     torch.float32)))["0"].digest)
+
+    def test_noop_on_fake_process_group(self):
+        with mock.patch("fcoll.passes.consistency.compare_across_ranks") as compare:
+            result = CheckRankConsistency()(_graph("0"))
+        self.assertFalse(result.modified)
+        compare.assert_not_called()
+
+    def test_noop_without_process_group(self):
+        with mock.patch("torch.distributed.is_initialized", return_value=False), \
+                mock.patch("fcoll.passes.consistency.compare_across_ranks") as compare:
+            CheckRankConsistency()(_graph("0"))
+        compare.assert_not_called()
+
+
+def _check(gm: fx.GraphModule, timeout_s: float = 20.0) -> None:
+    CheckRankConsistency(FcollConfig(check_timeout_s=timeout_s))(gm)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (RankMismatchError, RankTimeoutError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _on_ranks(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    g = dist.group.WORLD.group_name
+    out: dict = {}
+    # 1. the same graph on both ranks agrees; the cost per compile (50 collectives)
+    same = _graph(g, n_extra=47)
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        _check(same)
+        times.append(time.perf_counter() - t0)
+    out["ms"] = statistics.median(times) * 1e3
+    # 2. rank 1 all_reduces float64 where rank 0 has float32 (collective #1)
+    dtypes = (torch.float32, torch.float64 if rank else torch.float32, torch.float32)
+    out["dtype"] = _error(lambda: _check(_graph(g, dtypes)))
+    # 3. rank 1 has one collective more
+    out["extra"] = _error(lambda: _check(_graph(g, n_extra=rank)))
+    # 4. a group of one rank: a no-op (every rank creates every group)
+    solo = [dist.new_group([r]) for r in range(world_size)][rank]
+    out["solo"] = _error(lambda: _check(_graph(solo.group_name)))
+    # 5. rank 1 never compiles: rank 0 errors at the timeout, naming rank 1
+    store = c10d._get_default_store()
+    if rank == 0:
+        t0 = time.perf_counter()
+        out["missing"] = _error(lambda: _check(_graph(g), timeout_s=1.0))
+        out["missing_s"] = time.perf_counter() - t0
+        store.set("test/done", "1")
+    else:
+        store.wait(["test/done"])
+    return out
+
+
+class TestAcrossRanks(unittest.TestCase):
+    def _run(self, backend: str) -> list[dict]:
+        r0, r1 = run_ranks(_on_ranks, 2, backend=backend, timeout_s=90)
+        for r in (r0, r1):
+            self.assertLess(r["ms"], 50.0, "check costs less than 50 ms per compile at 2 ranks")
+            self.assertEqual(r["solo"], "no error")
+        for r in (r0, r1):                   # both ranks raise the same named difference
+            self.assertIn("RankMismatchError", r["dtype"])
+            self.assertIn("ranks [1]", r["dtype"])
+            self.assertIn("collective #1: rank 0: all_reduce(float32[4,2], reduce_op=sum); "
+                          "rank 1: all_reduce(float64[4,2], reduce_op=sum)", r["dtype"])
+            self.assertIn("collective #3: rank 0: all_to_all_single(float32[*,3]); "
+                          "rank 1: all_reduce(float32[8], reduce_op=max)", r["extra"])
+        self.assertEqual(r0["dtype"].replace("rank 0, ", "rank 1, ", 1), r1["dtype"])
+        self.assertIn("RankTimeoutError", r0["missing"])
+        self.assertIn("ranks [1] did not compile", r0["missing"])
+        self.assertLess(r0["missing_s"], 10.0)
+        return [r0, r1]
+
+    def test_mismatch_raises_on_every_rank_and_missing_rank_times_out_fcoll(self):
+        results = self._run("fcoll")
+        print(f"check_rank_consistency cost (fcoll/FileStore, 50 collectives): "
+              f"{[round(r['ms'], 2) for r in results]} ms per compile")
+
+
+if __name__ == "__main__":
+    unittest.main()
