@@ -35,7 +35,8 @@ PyTorch allows. It costs an all_reduce instead of a reduce; a reduce has no fcol
 
 Reduce ops: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR map to "sum", "avg", "product", "min",
 "max", "band", "bor", "bxor". Any other op (PREMUL_SUM, a ``_make_nccl_premul_sum`` op) raises
-``ValueError`` while tracing, naming the call and the op, rather than compiling to a wrong sum.
+``ValueError`` while tracing (Dynamo wraps it in ``InternalTorchDynamoError``), naming the call
+and the op, rather than compiling to a wrong sum.
 
 Mechanism: each legacy function gets a polyfill through
 ``torch._dynamo.decorators.substitute_in_graph``. Dynamo's ``VariableBuilder`` looks functions up
@@ -86,8 +87,10 @@ def _reduce_key(op: Any) -> Any:
 
 
 @torch.compiler.assume_constant_result
-def reduce_op_name(op: Any) -> str:
+def reduce_op_name(op: Any, call: str = "all_reduce") -> str:
     """The fcoll reduce-op string of a ``dist.ReduceOp`` (run once, at trace time).
+
+    ``call`` names the ``torch.distributed`` function, for the error message.
 
     Raises:
         ValueError: ``op`` has no fcoll equivalent: ``PREMUL_SUM``, a premul-sum ``ReduceOp``
@@ -95,7 +98,7 @@ def reduce_op_name(op: Any) -> str:
     """
     key = _reduce_key(op)
     if key is None:
-        raise ValueError(f"fcoll: cannot compile a torch.distributed collective with reduce op "
+        raise ValueError(f"fcoll: cannot compile torch.distributed.{call} with reduce op "
                          f"{op!r}: supported ops are SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, "
                          f"BXOR (PREMUL_SUM and premul-sum ReduceOps are not supported)")
     return _REDUCE_NAMES[key]
@@ -105,6 +108,15 @@ def reduce_op_name(op: Any) -> str:
 def _group_rank(group: Any, global_rank: int) -> int:
     """Rank inside ``group`` of the global rank ``global_rank`` (run once, at trace time)."""
     return dist.get_group_rank(group, global_rank)
+
+
+@torch.compiler.assume_constant_result
+def _barrier_device(group: Any) -> str:
+    """"cuda" for an nccl group (it has no CPU tensors), else "cpu" (run once, at trace time)."""
+    try:
+        return "cuda" if group._get_backend_name() == "nccl" else "cpu"
+    except (AttributeError, RuntimeError):
+        return "cpu"
 
 
 def _root(group: Any, global_rank: Any, group_rank: Any, call: str, arg: str) -> int:
@@ -208,7 +220,8 @@ def reduce_scatter_tensor(output, input, op=_RO.SUM, group=None, async_op=False)
     group = _world(group)
     n = group.size()
     flat = input.reshape(n * output.shape[0], *output.shape[1:]) if output.dim() > 0 else input
-    r = _F.reduce_scatter_tensor.default(flat, reduce_op_name(op), n, group.group_name)
+    r = _F.reduce_scatter_tensor.default(flat, reduce_op_name(op, "reduce_scatter_tensor"), n,
+                                         group.group_name)
     return _complete(r, [(output, None, None)], async_op)
 
 
@@ -254,7 +267,7 @@ def reduce(tensor, dst=None, op=_RO.SUM, group=None, async_op=False, group_dst=N
     """
     group = _world(group)
     root = _root(group, dst, group_dst, "reduce", "dst")
-    r = _F.all_reduce.default(tensor, reduce_op_name(op), group.group_name)
+    r = _F.all_reduce.default(tensor, reduce_op_name(op, "reduce"), group.group_name)
     copies = [(tensor, None, None)] if group.rank() == root else []
     return _complete(r, copies, async_op)
 
@@ -262,7 +275,8 @@ def reduce(tensor, dst=None, op=_RO.SUM, group=None, async_op=False, group_dst=N
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     """``dist.barrier``: a one-element all_reduce and its wait (every rank must arrive)."""
     group = _world(group)
-    r = _F.all_reduce.default(torch.zeros(1), "sum", group.group_name)
+    r = _F.all_reduce.default(torch.zeros(1, device=_barrier_device(group)), "sum",
+                              group.group_name)
     return _complete(r, [], async_op)
 
 
