@@ -15,6 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fcoll  # noqa: F401
+from fcoll.inspect import format_graph
 from fcoll.passes import graph as G
 from fcoll.passes.lower import RULES
 from fcoll.passes.registry import get_pass, run_pipeline
@@ -39,31 +40,6 @@ def _lower(gm: fx.GraphModule):
 def _namespaces(gm: fx.GraphModule) -> set[str]:
     return {n.target.namespace for n in gm.graph.nodes
             if isinstance(n.target, torch._ops.OpOverload)}
-
-
-def _text(gm: fx.GraphModule) -> str:
-    """A stable one-line-per-node text: ``name = ns.op(args)`` (placeholders and output too)."""
-    lines = []
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            lines.append(f"{n.name} = input")
-            continue
-        args = ", ".join(_arg(a) for a in n.args)
-        args += "".join(f", {k}={_arg(v)}" for k, v in n.kwargs.items())
-        if n.op == "output":
-            lines.append(f"return {args}")
-            continue
-        t = n.target
-        name = (f"{t.namespace}.{t._schema.name.split('::')[-1]}"
-                if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t)))
-        lines.append(f"{n.name} = {name}({args})")
-    return "\n".join(lines)
-
-
-def _arg(a) -> str:
-    if isinstance(a, (list, tuple)):
-        return "[" + ", ".join(_arg(x) for x in a) + "]"
-    return a.name if isinstance(a, fx.Node) else repr(a)
 
 
 def _funcol_graph() -> fx.GraphModule:
@@ -124,18 +100,18 @@ def test_lowered_graph_snapshot():
     with FakeTensorMode():
         gm = make_fx(f)(torch.randn(4))
     gm = run_pipeline(gm, names=["lower_c10d_functional"])
-    T().assertExpectedInline(_text(gm), """\
-x_1 = input
-all_reduce = fcoll.all_reduce(x_1, 'sum', '0')
-wait_tensor = fcoll.wait_tensor(all_reduce)
-clone = aten.clone(x_1)
-clone_1 = aten.clone(x_1)
-all_reduce__default = fcoll.all_reduce_(clone, 'sum', '0')
-all_reduce__default_1 = fcoll.all_reduce_(clone_1, 'sum', '0')
-wait_tensor_1 = fcoll.wait_tensor(all_reduce__default)
-add = aten.add(wait_tensor, wait_tensor_1)
-wait_tensor_2 = fcoll.wait_tensor(all_reduce__default_1)
-return [add, wait_tensor_2]""")
+    T().assertExpectedInline(format_graph(gm), """\
+graph(%arg0: f32[4]):
+  %ar0: f32[4] = fcoll.all_reduce(%arg0, 'sum', '0')  # all_reduce group=0 ranks=2 op=sum
+  %wait0: f32[4] = fcoll.wait_tensor(%ar0)  # waits %ar0
+  %clone0: f32[4] = aten.clone(%arg0)
+  %clone1: f32[4] = aten.clone(%arg0)
+  %ar_0: f32[4] = fcoll.all_reduce_(%clone0, 'sum', '0')  # all_reduce group=0 ranks=2 op=sum
+  %ar_1: f32[4] = fcoll.all_reduce_(%clone1, 'sum', '0')  # all_reduce group=0 ranks=2 op=sum
+  %wait1: f32[4] = fcoll.wait_tensor(%ar_0)  # waits %ar_0
+  %add0: f32[4] = aten.add.Tensor(%wait0, %wait1)
+  %wait2: f32[4] = fcoll.wait_tensor(%ar_1)  # waits %ar_1
+  return (%add0, %wait2)""")
 
 
 class T(expecttest.TestCase):
@@ -289,3 +265,40 @@ def test_rule_table_covers_every_c10d_functional_collective():
                  "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced",
                  "all_to_all_single", "broadcast", "broadcast_", "wait_tensor"):
         assert getattr(_C, name).default in RULES, name
+
+
+def test_dtensor_redistribute_graph_is_fully_lowered():
+    """``Shard(0) -> Replicate()`` traces to a _c10d_functional all_gather; lowered to fcoll."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def f(x):
+        d = DTensor.from_local(x, mesh, [Shard(0)])
+        return d.redistribute(mesh, [Replicate()]).to_local() + 1
+
+    gm = make_fx(f)(torch.randn(4, 3))
+    assert "_c10d_functional" in _namespaces(gm)
+    gm = _lower(gm).graph_module
+    assert "_c10d_functional" not in _namespaces(gm)
+    (ag,) = G.collectives(gm)
+    assert ag.target is _F.all_gather_into_tensor.default and G.wait_of(ag) is not None
+
+
+def test_c10d_functional_autograd_namespace_is_lowered():
+    g = dist.group.WORLD.group_name
+    A = torch.ops._c10d_functional_autograd
+
+    def f(x):
+        a = _C.wait_tensor(A.all_gather_into_tensor(x, 2, g))
+        r = _C.wait_tensor(A.reduce_scatter_tensor(x, "sum", 2, g))
+        t = _C.wait_tensor(A.all_to_all_single(x, [2, 2], [2, 2], g))
+        return a, r, t
+
+    with FakeTensorMode():
+        gm = make_fx(f)(torch.randn(4, 3))
+    gm = _lower(gm).graph_module
+    assert _namespaces(gm) == {"fcoll"}
+    assert [n.target for n in G.collectives(gm)] == [
+        _F.all_gather_into_tensor.default, _F.reduce_scatter_tensor.default,
+        _F.all_to_all_single.default]
