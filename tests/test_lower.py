@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 
 import expecttest
 import pytest

@@ -96,7 +96,6 @@ def test_explain_reports_no_graph_break_for_all_calls_in_one_function(fake_pg):
 
 
 def test_group_forms_resolve_to_the_group_name(fake_pg):
-    names = []
 
     def f(x):
         dist.all_reduce(x)
