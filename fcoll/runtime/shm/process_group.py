@@ -98,29 +98,36 @@ class FcollProcessGroup(dist.ProcessGroup):
     def _submit(self, name: str, shape_of: torch.Tensor | None, *, reduce_op: str = "",
                 root: int = -1, extra: Any = None, error: str | None = None,
                 run: Callable[[alg.Call], None] | None = None, st: Staging | None = None,
-                result: Any = None) -> dist.Work:
+                result: Any = None, post: Callable[[], None] | None = None,
+                opts: Any = None) -> dist.Work:
         seq = self._seq
         self._seq += 1
         if error is not None:
             error = f"fcoll {name}: {self._desc_rank()}: {error}"
-        dtype = str(shape_of.dtype).replace("torch.", "") if shape_of is not None else ""
+        dtype = str(shape_of.dtype)[6:] if shape_of is not None else ""
         shape = tuple(shape_of.shape) if shape_of is not None else ()
         payload = hdr.encode(seq, name, dtype, shape, reduce_op, root, extra, error)
         if error is not None:
             self._engine.submit(Job(name, seq, payload, alg.barrier, None, None))
             raise ValueError(error)
-        job = Job(name, seq, payload, run, st.finish if st is not None else None, result)
-        fut = self._engine.submit(job)
+        finish = st.finish if st is not None and st.needed() else None
+        if post is not None:
+            finish = post if finish is None else (lambda f=finish: (f(), post()))
+        # A synchronous call (asyncOp False: c10d waits right away) runs on the caller's thread
+        # in wait(); waking the worker would only make the two threads fight over the GIL.
+        wake = getattr(opts, "asyncOp", True) if opts is not None else True
+        job = self._engine.submit(Job(name, seq, payload, run, finish, result), wake=wake)
         if self._coalescing is not None:
-            self._coalescing.append(fut)
-        return FcollWork(fut, name)
+            self._coalescing.append(job)
+        return FcollWork(self._engine, [job], name)
 
     # ---- all_reduce / reduce ----------------------------------------------------------------
     def allreduce(self, tensors, opts=None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._allreduce("all_reduce", tensors, reduce_op_name(opts.reduceOp))
+        return self._allreduce("all_reduce", tensors, reduce_op_name(opts.reduceOp), opts=opts)
 
-    def _allreduce(self, name: str, tensors, op: str, root: int | None = None) -> dist.Work:
+    def _allreduce(self, name: str, tensors, op: str, root: int | None = None,
+                   opts=None) -> dist.Work:
         if len(tensors) != 1:
             return self._submit(name, None, error=f"expects 1 tensor, got {len(tensors)}")
         t = tensors[0]
@@ -138,11 +145,12 @@ class FcollProcessGroup(dist.ProcessGroup):
             alg.all_reduce(c, flat, flat if writes else None, op, SMALL_ALLREDUCE_BYTES)
 
         return self._submit(name, t, reduce_op=op, root=-1 if root is None else root, run=run,
-                            st=st, result=[t])
+                            st=st, result=[t], opts=opts)
 
     def reduce(self, tensors, opts=None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceOptions()
-        return self._allreduce("reduce", tensors, reduce_op_name(opts.reduceOp), opts.rootRank)
+        return self._allreduce("reduce", tensors, reduce_op_name(opts.reduceOp), opts.rootRank,
+                               opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
         """One all_reduce per dtype over the tensors packed into one flat buffer."""
@@ -175,7 +183,7 @@ class FcollProcessGroup(dist.ProcessGroup):
                         off += x.numel()
 
         return self._submit(name, None, reduce_op=op, extra=sig, run=run, st=st,
-                            result=list(tensors))
+                            result=list(tensors), opts=opts)
 
     # ---- all_gather ---------------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
@@ -192,7 +200,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         src = st.input(input).view(-1).view(torch.uint8)
         dst = st.output(output).view(-1).view(torch.uint8).view(n, -1)
         return self._submit(name, input, run=lambda c: alg.all_gather(c, src, dst), st=st,
-                            result=[output])
+                            result=[output], opts=opts)
 
     _allgather_base = all_gather_single
 
@@ -221,7 +229,7 @@ class FcollProcessGroup(dist.ProcessGroup):
             for p, o in enumerate(outs):
                 st.scatter_into(o, dst[p])
 
-        return self._submit(name, inp, run=run, st=st, result=[list(outs)])
+        return self._submit(name, inp, run=run, st=st, result=[list(outs)], opts=opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
         works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
@@ -253,7 +261,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         dst = st.output(output).view(-1)
         return self._submit(name, input, reduce_op=op,
                             run=lambda c: alg.reduce_scatter(c, src, dst, op), st=st,
-                            result=[output])
+                            result=[output], opts=opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -278,7 +286,7 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     # ---- all_to_all ---------------------------------------------------------------------------
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
-                          opts=None) -> dist.Work:
+                          opts=None, _post=None, _result=None) -> dist.Work:
         name = "all_to_all_single"
         n = self._size
         in_s, out_s, err = Staging.check_splits(input, output, list(input_split_sizes or []),
@@ -295,7 +303,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         recv = _offsets(out_s, row)
         return self._submit(name, input, extra=(in_s, out_s),
                             run=lambda c: alg.all_to_all(c, src, dst, send, recv, row), st=st,
-                            result=[output])
+                            result=_result or [output], post=_post, opts=opts)
 
     alltoall_base = all_to_all_single
 
@@ -307,29 +315,23 @@ class FcollProcessGroup(dist.ProcessGroup):
         dt = input_tensors[0].dtype
         src = torch.cat([t.detach().reshape(-1).cpu().to(dt) for t in input_tensors])
         dst = torch.empty(sum(o.numel() for o in output_tensors), dtype=dt)
-        w = self.all_to_all_single(dst, src, [o.numel() for o in output_tensors],
-                                   [t.numel() for t in input_tensors])
-        fut = torch.futures.Future()
+        def post() -> None:
+            off = 0
+            for o in output_tensors:
+                o.copy_(dst[off:off + o.numel()].view(o.shape))
+                off += o.numel()
 
-        def done(f):
-            try:
-                f.value()
-                off = 0
-                for o in output_tensors:
-                    o.copy_(dst[off:off + o.numel()].view(o.shape))
-                    off += o.numel()
-                fut.set_result(list(output_tensors))
-            except BaseException as e:  # noqa: BLE001
-                fut.set_exception(e)
-
-        w.get_future().add_done_callback(done)
-        return FcollWork(fut, "all_to_all")
+        return self.all_to_all_single(dst, src, [o.numel() for o in output_tensors],
+                                      [t.numel() for t in input_tensors], _post=post,
+                                      _result=[list(output_tensors)])
 
     # ---- broadcast / barrier / coalescing ----------------------------------------------------
     def broadcast(self, tensors, opts=None) -> dist.Work:
         opts = opts if opts is not None else dist.BroadcastOptions()
-        name = "broadcast"
-        root = opts.rootRank
+        return self._broadcast(tensors, opts.rootRank, opts=opts)
+
+    def _broadcast(self, tensors, root: int, name: str = "broadcast", post=None,
+                   result=None, opts=None) -> dist.Work:
         err = None
         if len(tensors) != 1:
             err = f"expects 1 tensor, got {len(tensors)}"
@@ -343,22 +345,17 @@ class FcollProcessGroup(dist.ProcessGroup):
         st = Staging()
         buf = st.inout(t, read=root == self._rank).view(-1).view(torch.uint8)
         return self._submit(name, t, root=root, run=lambda c: alg.broadcast(c, buf, root),
-                            st=st, result=[t])
+                            st=st, result=result or [t], post=post, opts=opts)
 
     def barrier(self, opts=None) -> dist.Work:
-        return self._submit("barrier", None, run=alg.barrier)
+        return self._submit("barrier", None, run=alg.barrier, opts=opts)
 
     def _start_coalescing(self, device=None) -> None:
         self._coalescing = []
 
     def _end_coalescing(self, device=None) -> dist.Work:
-        futs, self._coalescing = self._coalescing or [], None
-        if not futs:
-            fut = torch.futures.Future()
-            fut.set_result(None)
-            return FcollWork(fut, "coalesced")
-        combined = torch.futures.collect_all(futs).then(lambda f: [x.value() for x in f.value()])
-        return FcollWork(combined, "coalesced")
+        jobs, self._coalescing = self._coalescing or [], None
+        return FcollWork(self._engine, jobs, "coalesced")
 
     # ---- rooted gather / scatter (via all_gather / broadcast) ------------------------------
     def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
@@ -381,22 +378,8 @@ class FcollProcessGroup(dist.ProcessGroup):
             stacked = torch.stack([t.detach().cpu() for t in input_lists[0]])
         else:
             stacked = torch.empty((n, *out.shape), dtype=out.dtype)
-        bopts = dist.BroadcastOptions()
-        bopts.rootRank = root
-        w = self.broadcast([stacked], bopts)
-        fut = torch.futures.Future()
-
-        def done(f):
-            try:
-                f.value()
-                out.copy_(stacked[self._rank])
-                fut.set_result([out])
-            except BaseException as e:  # noqa: BLE001
-                fut.set_exception(e)
-
-        w.get_future().add_done_callback(done)
-        return FcollWork(fut, "scatter")
-
+        return self._broadcast([stacked], root, name="scatter",
+                               post=lambda: out.copy_(stacked[self._rank]), result=[out])
 
 def _offsets(splits: list[int], row_bytes: int) -> list[tuple[int, int]]:
     out, off = [], 0

@@ -84,7 +84,9 @@ class Channel:
             for p in range(world)
         ]
         if spin_iters is None:
-            spin_iters = 300 if world <= (os.cpu_count() or 1) else 0
+            spin_iters = int(os.environ.get("FCOLL_SHM_SPIN", "300"))
+            if world > (os.cpu_count() or 1):
+                spin_iters = 0
         self.spin_iters = spin_iters
         self.words = words
 

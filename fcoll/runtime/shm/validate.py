@@ -83,6 +83,9 @@ class Staging:
         """Copy a contiguous uint8 ``row`` holding ``o``'s bytes into ``o`` (any layout)."""
         o.detach().copy_(row.view(o.dtype).view(o.shape))
 
+    def needed(self) -> bool:
+        return bool(self._back)
+
     def finish(self) -> None:
         for t, tmp in self._back:
             t.copy_(tmp)
