@@ -81,7 +81,8 @@ _FUNCTIONAL_TWIN = {
     "reduce_scatter_tensor_out": "reduce_scatter_tensor",
 }
 
-# A rewrite gets the node and returns True if it replaced it (and erased it), False to keep it.
+# A rewrite gets the node and returns True if it rewrote it (in place or by replacement), False
+# if it left it as it is.
 Rewrite = Callable[[fx.Node], bool]
 
 
