@@ -215,8 +215,10 @@ def collective_info(node: fx.Node) -> CollectiveInfo:
 def waits_of(start: fx.Node) -> list[fx.Node]:
     """The ``wait_tensor`` nodes that wait on ``start``'s outputs, in graph order.
 
-    For the in-place ops (which return their input), waits on the mutated input that come after
-    ``start`` are included.
+    Waits are found through ``start``'s own users (and ``getitem`` of a list result). For the
+    in-place ops that is the wait on the value the op returns; a wait taken on the mutated input
+    node itself is not linked to ``start`` (``lower_c10d_functional`` rewrites in-place
+    collectives into functional ones so that every wait is linked).
     """
     waits: list[fx.Node] = []
     for user in start.users:
