@@ -19,7 +19,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 R = dist.ReduceOp
 OPS = {"sum": R.SUM, "product": R.PRODUCT, "min": R.MIN, "max": R.MAX, "band": R.BAND,
        "bor": R.BOR, "bxor": R.BXOR, "avg": R.AVG}
-SMALL, LARGE = 37, 600_001  # LARGE float32 is above one 2 MiB slot: exercises chunking
+SMALL, LARGE = 37, 2_200_001  # LARGE float32 is above one 8 MiB slot: exercises chunking
 
 
 def _valid(op: str, dt: torch.dtype) -> bool:
@@ -281,7 +281,9 @@ def _subgroups_and_mesh(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_op_dtype_and_reduce_op_matches_gloo(world):
-    assert run_ranks(_suite, world, timeout_s=240) == [True] * world
+    # at 4 ranks, 64 KiB slots: every op of more than 64 KiB goes through several chunks
+    env = {"FCOLL_SHM_SLOT_BYTES": str(64 << 10)} if world == 4 else {}
+    assert run_ranks(_suite, world, timeout_s=240, env=env) == [True] * world
     assert fcoll_segments() == []
 
 

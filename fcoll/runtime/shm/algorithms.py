@@ -112,48 +112,57 @@ def _slice(L: int, n: int, p: int) -> tuple[int, int]:
 def all_reduce(c: Call, src: torch.Tensor, dst: torch.Tensor | None, op: str,
                small_bytes: int) -> None:
     """Reduce flat ``src`` across ranks into flat ``dst`` (``dst is src`` for all_reduce; None on
-    the non-root ranks of a rooted reduce, which compute their share but write nothing)."""
+    the non-root ranks of a rooted reduce, which compute their share but write nothing).
+
+    Large messages pipeline: right after publishing phase B of chunk i, a rank copies chunk i+1
+    into the other slot before waiting for its peers (safe: every peer finished reading that
+    slot's previous use before it arrived at chunk i's phase A, which this rank has waited for).
+    """
     ch = c.ch
     n, r = ch.world, ch.rank
-    data = ch.seg.data
+    seg = ch.seg
     e = src.element_size()
     M = src.numel()
-    per = ch.seg.layout.slot_bytes // e
     if M * e <= small_bytes:
         slot = c.slot()
-        rows = data[slot].view(src.dtype)[:, :M]
+        rows = seg.rows(slot, src.dtype)[:, :M]
         rows[r].copy_(src)
         c.first_sync(slot)
         if dst is not None:
             reduce_rows(rows, op, dst)
         return
-    scratch = None
-    for c0 in range(0, M, per):
+    per = seg.layout.slot_bytes // e
+    starts = list(range(0, M, per))
+    scratch = None if dst is not None else torch.empty(-(-per // n) + 16, dtype=src.dtype)
+    slot = c.slot()
+    seg.rows(slot, src.dtype)[r, :min(per, M)].copy_(src[:min(per, M)])
+    for i, c0 in enumerate(starts):
         L = min(per, M - c0)
-        slot = c.slot()
-        rows = data[slot].view(src.dtype)[:, :L]
-        rows[r].copy_(src[c0:c0 + L])
-        if c0 == 0:
+        rows = seg.rows(slot, src.dtype)[:, :L]
+        if i == 0:
             c.first_sync(slot)
         else:
             c.sync()
         a, b = _slice(L, n, r)
         if b > a:
-            if dst is not None:
-                tgt = dst[c0 + a:c0 + b]
-            else:
-                if scratch is None:
-                    scratch = torch.empty(per, dtype=src.dtype)
-                tgt = scratch[:b - a]
+            tgt = dst[c0 + a:c0 + b] if dst is not None else scratch[:b - a]
             reduce_rows(rows[:, a:b], op, tgt)
             rows[r, a:b].copy_(tgt)
-        c.sync()
+        ch.arrive()
+        if i + 1 < len(starts):
+            nxt = starts[i + 1]
+            nslot = c.slot()
+            nl = min(per, M - nxt)
+            seg.rows(nslot, src.dtype)[r, :nl].copy_(src[nxt:nxt + nl])
+        ch.wait_all(c.what, c.start)
         if dst is not None:
             for p in range(n):
                 if p != r:
                     a, b = _slice(L, n, p)
                     if b > a:
                         dst[c0 + a:c0 + b].copy_(rows[p, a:b])
+        if i + 1 < len(starts):
+            slot = nslot
 
 
 def all_gather(c: Call, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -190,7 +199,7 @@ def reduce_scatter(c: Call, src: torch.Tensor, dst: torch.Tensor, op: str) -> No
     while True:
         L = min(per, M - c0)
         slot = c.slot()
-        drows = data[slot].view(src.dtype)
+        drows = ch.seg.rows(slot, src.dtype)
         drows[r, :n * L].view(n, L).copy_(src[:, c0:c0 + L])
         if c0 == 0:
             c.first_sync(slot)

@@ -15,6 +15,7 @@ reduce_scatter ``[n * N, ...] -> [N, ...]``; all_to_all_single ``[sum(in_splits)
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, Callable
 
 import torch
@@ -27,7 +28,16 @@ from fcoll.runtime.shm.segment import open_segment
 from fcoll.runtime.shm.sync import Channel
 from fcoll.runtime.shm.validate import Staging, check_reduce_op, reduce_op_name
 
-SLOT_BYTES = 2 << 20  # per rank and slot; a segment is 2 * world * SLOT_BYTES + a few pages
+SEGMENT_DATA_BYTES = 32 << 20  # data slots of one group: 2 slots per rank
+
+
+def slot_bytes_for(world: int) -> int:
+    """Bytes of one data slot: 8 MiB at 2 ranks, 4 MiB at 4, 2 MiB at 8 (fewer, larger chunks
+    mean fewer synchronisations; the segment stays at about 32 MiB whatever the group size).
+    ``FCOLL_SHM_SLOT_BYTES`` overrides it (tests use small slots to exercise chunking)."""
+    if os.environ.get("FCOLL_SHM_SLOT_BYTES"):
+        return max(4096, int(os.environ["FCOLL_SHM_SLOT_BYTES"]) // 4096 * 4096)
+    return max(1 << 20, min(8 << 20, SEGMENT_DATA_BYTES // (2 * world))) // 4096 * 4096
 SMALL_ALLREDUCE_BYTES = 64 << 10
 
 
@@ -42,7 +52,7 @@ class FcollProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
-                 global_ranks: list[int] | None = None, slot_bytes: int = SLOT_BYTES):
+                 global_ranks: list[int] | None = None, slot_bytes: int | None = None):
         super().__init__(rank, size)
         self._rank = rank
         self._size = size
@@ -51,7 +61,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         self._group_desc = ""
         self._seq = 0
         self._timeout_s = timeout.total_seconds()
-        seg = open_segment(store, rank, size, slot_bytes, timeout)
+        seg = open_segment(store, rank, size, slot_bytes or slot_bytes_for(size), timeout)
         ch = Channel(seg, rank, size, self._timeout_s, self._global_ranks)
         self._engine = Engine(seg, ch, f"g{self._global_ranks[0]}x{size}r{rank}")
         self._coalescing: list[Any] | None = None

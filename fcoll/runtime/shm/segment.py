@@ -144,6 +144,14 @@ class Segment:
         self.words = self.buf.cast("I")
         whole = torch.frombuffer(mm, dtype=torch.uint8)
         self.data = whole[layout.data_off:layout.total].view(2, layout.world, layout.slot_bytes)
+        self._rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def rows(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """Data slot ``slot`` of every rank as ``[world, slot_bytes / itemsize]`` of ``dtype``."""
+        v = self._rows.get((slot, dtype))
+        if v is None:
+            v = self._rows[(slot, dtype)] = self.data[slot].view(dtype)
+        return v
 
     def word_addr(self, rank: int, index: int) -> int:
         return self.base + self.layout.word(rank, index) * 4
@@ -151,6 +159,7 @@ class Segment:
     def close(self) -> None:
         """Drop every view and unmap; a view still held elsewhere leaves the mapping to the GC."""
         self.data = None
+        self._rows = {}
         try:
             self.words.release()
             self.buf.release()
