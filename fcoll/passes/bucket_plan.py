@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from fcoll.passes.graph import (
-    META_HIDING, args_by_name, bucket_key, collective_info, is_collective, waits_of,
+    META_HIDING, CollectiveInfo, args_by_name, collective_info, is_collective, waits_of,
 )
 from fcoll.runtime.config import FcollConfig
 
@@ -139,18 +139,15 @@ def _rejection(node: fx.Node, kind: str, waits: list[fx.Node]) -> str | None:
     return None
 
 
-def _member(node: fx.Node, wait: fx.Node, idx: dict[fx.Node, int], ready_of, out_idx: int,
-            by_name: dict[str, int]) -> _Member:
+def _member(node: fx.Node, info: CollectiveInfo, wait: fx.Node, idx: dict[fx.Node, int],
+            ready_of, out_idx: int, by_name: dict[str, int]) -> _Member:
     ready = max((ready_of(u) for u in node.all_input_nodes), default=(-1,))
     users = [idx[u] for u in wait.users]
     hides = [by_name[h] for h in node.meta.get(META_HIDING) or () if h in by_name]
-    in_val = node.args[0].meta["val"]
     return _Member(node=node, ready=ready, wait_idx=idx[wait],
                    first_use=min(users) if users else out_idx,
-                   last_hide=max(hides, default=-1),
-                   in_bytes=in_val.numel() * in_val.element_size(),
-                   out_bytes=node.meta["val"].numel() * node.meta["val"].element_size(),
-                   dtype=in_val.dtype)
+                   last_hide=max(hides, default=-1), in_bytes=info.in_bytes,
+                   out_bytes=info.out_bytes, dtype=info.dtypes[0])
 
 
 def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[Bucket]:
@@ -228,9 +225,12 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
         if reason is not None:
             log.debug("not bucketing %s: %s", node.name, reason)
             continue
-        # namespace too: a merged collective and its wait must come from one op library
-        key = bucket_key(node, multi_dtype=True) + (node.target.namespace,)
-        m = _member(node, waits[0], idx, ready_of, out_idx, by_name)
+        # The multi-dtype form of graph.bucket_key, from the info at hand (one collective_info
+        # per node keeps planning fast), plus the namespace: a merged collective and its wait
+        # must come from one op library.
+        key = (info.kind, info.group_name, info.group_size, info.reduce_op, info.src,
+               node.target.namespace)
+        m = _member(node, info, waits[0], idx, ready_of, out_idx, by_name)
         b = open_by_key.get(key)
         if b is not None:
             why = _join_rejection(b, m, cap, budget, concat)

@@ -1,0 +1,174 @@
+"""Time of the default pass pipeline, per pass, on synthetic transformer training graphs of 1k to
+100k nodes.
+
+Usage: ``python benchmarks/passes_scaling.py [--nodes 1000 5000 ...] [--json scaling.json]``
+
+The graph: a training step of an FSDP transformer, in ``_c10d_functional`` ops as Dynamo and
+AOTAutograd emit them (so ``lower_c10d_functional`` has work). Per layer, forward: all_gather of 4
+weight shards, then norm, qkv mm, attention-like mm/softmax, output mm, residual, MLP (2 mm, gelu),
+residual; backward: the same 4 all_gathers again, the gradient mms, reduce_scatter (avg) of the 4
+weight gradients, all_reduce (avg) of 2 small norm-weight gradients. Every op is waited right after
+it is issued (as tracing emits it). Layers are added until the node count is reached. Nodes carry
+fake ``meta["val"]`` (hidden 256, 64 tokens, float32).
+
+Timing: ``run_pipeline(gm, FcollConfig())`` on the fake process group, graphs being
+``_LazyGraphModule`` as under ``torch.compile`` (``--eager-recompile`` for plain ones); per pass seconds come from
+``gm.meta["fcoll_passes"]``; median of ``--reps`` runs on fresh graphs. ``check_rank_consistency`` is
+a no-op on the fake process group (its cost at 2 real ranks is measured in
+``tests/test_consistency.py``). Targets: at most 2 s at 50k nodes, and at most 2.3x time per
+doubling of nodes (reported as ``growth per doubling = ratio ** (1 / log2(n2 / n1))``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.node import map_arg
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+HIDDEN, TOKENS, N = 256, 64, 2
+
+
+class _G:
+    """Graph under construction; values computed on the meta device, wrapped as FakeTensors."""
+
+    def __init__(self) -> None:
+        self.graph, self.mode, self.meta = fx.Graph(), FakeTensorMode(), {}
+        self.count = 0
+
+    def _set(self, node: fx.Node, meta) -> fx.Node:
+        self.meta[node] = meta
+        node.meta["val"] = FakeTensor(self.mode, meta, torch.device("cpu"))
+        self.count += 1
+        return node
+
+    def input(self, shape) -> fx.Node:
+        return self._set(self.graph.placeholder(f"in{self.count}"),
+                         torch.empty(shape, device="meta"))
+
+    def __call__(self, target, *args) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        return self._set(node, target(*map_arg(args, self.meta.__getitem__)))
+
+    def waited(self, target, *args) -> fx.Node:
+        return self(c10d.wait_tensor.default, self(target, *args))
+
+
+def _layer_forward(g: _G, x: fx.Node, shards: list[fx.Node], group: str) -> fx.Node:
+    w = [g.waited(c10d.all_gather_into_tensor.default, s, N, group) for s in shards]
+    h = g(aten.mul.Tensor, g(aten.sub.Tensor, x, g(aten.mean.dim, x, [-1], True)), 0.5)
+    qkv = g(aten.mm.default, h, g(aten.t.default, w[0]))
+    att = g(aten._softmax.default, g(aten.mm.default, qkv, g(aten.t.default, qkv)), -1, False)
+    o = g(aten.mm.default, g(aten.mm.default, att, qkv), g(aten.t.default, w[1]))
+    x = g(aten.add.Tensor, x, o)
+    m = g(aten.gelu.default, g(aten.mm.default, x, g(aten.t.default, w[2])))
+    return g(aten.add.Tensor, x, g(aten.mm.default, m, g(aten.t.default, w[3])))
+
+
+def _layer_backward(g: _G, grad: fx.Node, x: fx.Node, shards: list[fx.Node], norms: list[fx.Node],
+                    group: str) -> fx.Node:
+    w = [g.waited(c10d.all_gather_into_tensor.default, s, N, group) for s in shards]
+    for wi in reversed(w):
+        gw = g(aten.mm.default, g(aten.t.default, grad), x)
+        g.waited(c10d.reduce_scatter_tensor.default, gw, "avg", N, group)
+        grad = g(aten.mul.Tensor, g(aten.mm.default, grad, wi), 0.5)
+    for nw in norms:
+        gn = g(aten.sum.dim_IntList, g(aten.mul.Tensor, grad, nw), [0])
+        g.waited(c10d.all_reduce.default, gn, "avg", group)
+    return grad
+
+
+def transformer_step(n_nodes: int, group: str, lazy: bool = True) -> fx.GraphModule:
+    """A training-step graph of about ``n_nodes`` nodes (whole layers, at least one)."""
+    g = _G()
+    x = g.input([TOKENS, HIDDEN])
+    layers, saved = [], []
+    while g.count < n_nodes // 2 or not layers:
+        shards = [g.input([HIDDEN // N, HIDDEN]) for _ in range(4)]
+        norms = [g.input([HIDDEN]) for _ in range(2)]
+        saved.append(x)
+        x = _layer_forward(g, x, shards, group)
+        layers.append((shards, norms))
+    grad = g(aten.mul.Tensor, x, 1.0)
+    for (shards, norms), xs in zip(reversed(layers), reversed(saved)):
+        grad = _layer_backward(g, grad, xs, shards, norms, group)
+    g.graph.output((grad,))
+    # As torch.compile hands graphs to backends (TORCH_COMPILE_USE_LAZY_GRAPH_MODULE=1, the
+    # default): a lazy module, whose recompile() only marks the code stale, so the passes' timings
+    # do not include generating Python code for the whole graph after every pass.
+    return _LazyGraphModule(torch.nn.Module(), g.graph) if lazy else \
+        fx.GraphModule(torch.nn.Module(), g.graph)
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fcoll.passes.graph import collectives
+    from fcoll.passes.registry import registered_passes, run_pipeline
+    from fcoll.runtime.config import FcollConfig
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[1000, 5000, 10000, 50000, 100000])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--eager-recompile", action="store_true",
+                   help="plain GraphModules: every pass's recompile() generates code at once")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)
+    group = dist.group.WORLD.group_name
+    config = FcollConfig()
+    names = [n for n in config.pipeline if n in registered_passes()]
+    rows = []
+    for target in args.nodes:
+        per_pass: dict[str, list[float]] = {n: [] for n in names}
+        totals = []
+        for _ in range(args.reps):
+            gm = transformer_step(target, group, lazy=not args.eager_recompile)
+            n_nodes, n_coll = len(gm.graph.nodes), len(collectives(gm))
+            t0 = time.perf_counter()
+            gm = run_pipeline(gm, config, names)
+            totals.append(time.perf_counter() - t0)
+            for rec in gm.meta["fcoll_passes"]:
+                per_pass[rec["pass"]].append(rec["seconds"])
+        rows.append({"target_nodes": target, "nodes": n_nodes, "collectives": n_coll,
+                     "collectives_after": len(collectives(gm)),
+                     "total_s": statistics.median(totals),
+                     "passes_s": {k: statistics.median(v) for k, v in per_pass.items()}})
+        r = rows[-1]
+        print(f"{r['nodes']:>7} nodes {r['collectives']:>5} -> {r['collectives_after']:>4} "
+              f"collectives: total {r['total_s']:.3f} s  " +
+              "  ".join(f"{k} {v:.3f}" for k, v in r["passes_s"].items()), flush=True)
+    print()
+    header = f"{'nodes':>7} {'total s':>8} " + " ".join(f"{k[:22]:>22}" for k in names) + \
+        f" {'growth/doubling':>15}"
+    print(header)
+    for i, r in enumerate(rows):
+        growth = ""
+        if i:
+            prev = rows[i - 1]
+            ratio = r["total_s"] / prev["total_s"]
+            r["growth_per_doubling"] = ratio ** (1 / math.log2(r["nodes"] / prev["nodes"]))
+            growth = f"{r['growth_per_doubling']:.2f}x"
+        print(f"{r['nodes']:>7} {r['total_s']:8.3f} " +
+              " ".join(f"{r['passes_s'][k]:22.3f}" for k in names) + f" {growth:>15}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"pipeline": names, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
