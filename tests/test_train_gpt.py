@@ -45,9 +45,10 @@ def _ranks(rank: int, n: int) -> dict:
             params = tg.shard_params(params, rank, n)
         state = tg.init_adamw(params)
         step = tg.make_train_step(cfg, comm, parallel, shapes=shapes)
-        explain = torch._dynamo.explain(step)
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
-            out["breaks"][parallel] = explain(params, state, x, y).graph_break_count
+        if parallel == "ddp":  # fsdp: compile_step's fullgraph=True raises on any break
+            explain = torch._dynamo.explain(step)
+            with torch._dynamo.config.patch(trace_autograd_ops=True):
+                out["breaks"][parallel] = explain(params, state, x, y).graph_break_count
         ref_loss, ref_grads, _, _ = step(params, state, x, y)
         for compute in ("eager", "inductor"):
             torch._dynamo.reset()
@@ -76,10 +77,12 @@ def _ranks(rank: int, n: int) -> dict:
 
 
 def test_compiled_step_matches_eager_and_single_process():
-    results = run_ranks(_ranks, 2, backend="fcoll", timeout_s=420)
+    # One Inductor compile thread per rank: 2 ranks on 2 cores gain nothing from a worker pool.
+    results = run_ranks(_ranks, 2, backend="fcoll", timeout_s=420,
+                        env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
     for r in results:
         assert r["mismatch"] == [], "\n".join(r["mismatch"])
-        assert r["breaks"] == {"ddp": 0, "fsdp": 0}
+        assert r["breaks"] == {"ddp": 0}
         assert r["dynamo_graph_breaks"] == 0
     # both ranks hold the same parameters (ddp), equal to one process with batch 2B
     corpus = tg.Corpus(tg.load_text())

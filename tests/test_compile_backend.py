@@ -1,0 +1,249 @@
+"""The fcoll compile backend: options, partitioning, listeners, executor, Inductor segments, traces.
+
+Single-process tests use PyTorch's fake process group; one 2-rank run (fcoll process group)
+checks real results, PyTorch's ``_c10d_functional`` ops, and the trace files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+import fcoll
+from fcoll.passes.graph import collectives, is_collective, is_wait
+from fcoll.runtime.backend import (META_PIPELINE_SECONDS, CompiledGraph, _partition_fn,
+                                   fcoll_backend, register_compile_listener)
+from fcoll.runtime.config import FcollConfig
+from fcoll.runtime.executor import GraphExecutor, UnknownOpError
+from fcoll.runtime.inductor_compute import Segment, split_segments
+from fcoll.testing import run_ranks
+
+
+@pytest.fixture
+def fake_pg():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    torch._dynamo.reset()
+    yield dist.group.WORLD
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+def _ar_graph(pg) -> fx.GraphModule:
+    """``x -> mm -> all_reduce -> relu(mm) -> wait -> add``, traced with make_fx."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        y = x @ x
+        a = torch.ops.fcoll.all_reduce(y, "sum", pg.group_name)
+        r = torch.relu(y)
+        return fcoll.wait_tensor(a) + r
+    return make_fx(f)(torch.randn(4, 4))
+
+
+# -- options -----------------------------------------------------------------------------------
+
+def test_unknown_option_raises_naming_it(fake_pg):
+    gm = _ar_graph(fake_pg)
+    with pytest.raises(ValueError, match="bucket_cap_gb"):
+        fcoll_backend(gm, [torch.randn(4, 4)], options={"bucket_cap_gb": 1})
+    f = torch.compile(lambda x: x * 2, backend="fcoll", options={"no_such_option": 1})
+    with pytest.raises(Exception, match="no_such_option") as info:
+        f(torch.ones(2))
+    assert isinstance(info.value.__cause__ or info.value.inner_exception, ValueError)
+
+
+@pytest.mark.parametrize("options,name", [({"bucket_cap_mb": -1}, "bucket_cap_mb"),
+                                          ({"compute": "gpu"}, "compute"),
+                                          ({"overlap": "yes"}, "overlap")])
+def test_bad_option_value_raises_naming_it(fake_pg, options, name):
+    with pytest.raises(ValueError, match=name):
+        fcoll_backend(_ar_graph(fake_pg), [torch.randn(4, 4)], options=options)
+
+
+def test_backend_works_without_import_fcoll():
+    code = ("import sys, torch\n"
+            "f = torch.compile(lambda x: torch.sin(x) * 2, backend='fcoll')\n"
+            "x = torch.randn(3)\n"
+            "torch.testing.assert_close(f(x), torch.sin(x) * 2)\n"
+            "assert 'fcoll' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- partitioning ------------------------------------------------------------------------------
+
+def test_partitioner_never_recomputes_collective_in_backward(fake_pg):
+    """Under a tight activation-memory budget the min-cut partitioner recomputes what it may;
+    PyTorch never lets it recompute a ``_c10d_functional`` collective, and fcoll's partition
+    function gives fcoll's ops the same protection::
+
+        fw: all_gather(w) -> wait -> mm -> relu      bw: (no all_gather) ... reduce_scatter
+    """
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import aot_function
+
+    def f(x, w):
+        full = fcoll.wait_tensor(torch.ops.fcoll.all_gather_into_tensor(w, 2, fake_pg.group_name))
+        return torch.relu(x @ full.t()).sum()
+
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm
+    x = torch.randn(64, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    with functorch_config.patch(activation_memory_budget=0.01):
+        aot_function(f, fw_compiler=capture, bw_compiler=capture,
+                     partition_fn=_partition_fn(FcollConfig(compute="inductor")))(x, w).backward()
+    fw, bw = graphs
+    assert [n.target.__name__ for n in collectives(fw)] == ["all_gather_into_tensor.default"]
+    assert [n.target.__name__ for n in collectives(bw)] == ["reduce_scatter_tensor.default"]
+
+
+# -- listeners and pass records ----------------------------------------------------------------
+
+def test_listener_gets_forward_and_backward_before_and_after_passes(fake_pg):
+    records: list[CompiledGraph] = []
+    handle = register_compile_listener(records.append)
+    try:
+        def f(a, b):
+            return fcoll.all_reduce(a @ b, "sum", fake_pg).sum()
+        a = torch.randn(4, 4, requires_grad=True)
+        b = torch.randn(4, 4, requires_grad=True)
+        torch.compile(f, backend="fcoll", options={"check_ranks": False})(a, b).backward()
+    finally:
+        handle.remove()
+    names = [r.name for r in records]
+    assert len(names) == 2 and names[0].endswith("_forward") and names[1].endswith("_backward")
+    for r in records:
+        assert r.before is not r.after and r.rank == 0 and not r.config.check_ranks
+        assert META_PIPELINE_SECONDS in r.after.meta
+        assert [p["pass"] for p in r.after.meta["fcoll_passes"]][0] == "lower_c10d_functional"
+    assert len(collectives(records[0].before)) == 1
+    # removed: no more records
+    torch._dynamo.reset()
+    torch.compile(lambda x: x + 1, backend="fcoll")(torch.ones(2))
+    assert len(records) == 2
+
+
+# -- executor ----------------------------------------------------------------------------------
+
+_lib = torch.library.Library("fcolltest", "DEF")  # noqa: TOR901
+_lib.define("twice(Tensor x) -> Tensor")
+_lib.impl("twice", lambda x: 2 * x, "CompositeExplicitAutograd")
+
+
+def test_executor_unknown_op_fails_at_build_with_its_name():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.ops.fcolltest.twice.default, (x,)))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with pytest.raises(UnknownOpError, match=r"fcolltest.twice.*node twice_default of graph g7"):
+        GraphExecutor(gm, "g7")
+
+
+def test_executor_fast_and_traced_paths_agree(fake_pg, tmp_path):
+    from fcoll.runtime.trace import TraceRecorder
+
+    gm = _ar_graph(fake_pg)
+    x = torch.randn(4, 4)
+    fast = GraphExecutor(gm, "g")([x])
+    rec = TraceRecorder(str(tmp_path / "rank0.json"), 0)
+    traced = GraphExecutor(gm, "g", recorder=rec)([x])
+    torch.testing.assert_close(fast, traced)
+    torch.testing.assert_close(traced, x @ x + torch.relu(x @ x))  # fake pg: no-op reduce
+    events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["cat"] == "compute"} >= {"mm", "relu", "add"}
+
+
+# -- inductor segments -------------------------------------------------------------------------
+
+def test_segments_cut_at_every_collective_and_wait_in_graph_order(fake_pg):
+    """``mm -> all_reduce -> relu -> wait -> add`` becomes
+    ``[segment_0: mm] all_reduce [segment_1: relu] wait [segment_2: add]``."""
+    gm = _ar_graph(fake_pg)
+    items = split_segments(gm)
+    kinds = ["seg" if isinstance(i, Segment) else
+             "ar" if is_collective(i) else "wait" if is_wait(i) else i.name for i in items]
+    assert kinds == ["seg", "ar", "seg", "wait", "seg"]
+    seg0, seg1, seg2 = (i for i in items if isinstance(i, Segment))
+    assert [n.name for n in seg0.nodes] == ["mm"] and seg0.outputs == seg0.nodes
+    assert [n.name for n in seg1.nodes] == ["relu"]
+    assert [n.name for n in seg2.inputs] == ["wait_tensor", "relu"]
+    for seg in (seg0, seg1, seg2):
+        assert not any(n.target.namespace == "fcoll" for n in seg.graph_module(gm).graph.nodes
+                       if n.op == "call_function")
+
+
+# -- 2 ranks: real results, _c10d_functional graphs, traces ------------------------------------
+
+def _ranks(rank: int, n: int, trace_dir: str) -> dict:
+    import torch.distributed._functional_collectives as funcol
+
+    from fcoll.runtime.backend import register_compile_listener
+
+    pg = dist.group.WORLD
+    graphs = []
+    register_compile_listener(lambda r: graphs.append(r.after))
+
+    def fc(a, w):
+        h = fcoll.all_reduce(a @ w, "sum", pg)
+        g = fcoll.wait_tensor(torch.ops.fcoll.all_gather_into_tensor(w, n, pg.group_name))
+        return (torch.tanh(h) * 2).sum() + g.sum()
+
+    def torch_fc(a, w):
+        return (torch.tanh(funcol.all_reduce(a @ w, "sum", pg)) * 2).sum()
+
+    a = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(10)).requires_grad_()
+    out = {}
+    f = torch.compile(fc, backend="fcoll", options={"trace_dir": trace_dir})
+    for _ in range(2):  # two runs: the trace holds both
+        loss = f(a, w)
+        ga, gw = torch.autograd.grad(loss, (a, w))
+    out["fcoll"] = (loss.detach(), ga, gw)
+    out["collectives"] = [[c.name for c in collectives(g)] for g in graphs]
+    out["c10d"] = torch.compile(torch_fc, backend="fcoll")(a.detach(), w.detach())
+    return out
+
+
+def test_two_ranks_results_c10d_graphs_and_trace(tmp_path):
+    results = run_ranks(_ranks, 2, backend="fcoll", args=(str(tmp_path),), timeout_s=240)
+    a = [torch.randn(8, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(10))
+    h = a[0] @ w + a[1] @ w
+    dh = 2 * (1 - torch.tanh(h) ** 2)
+    for rank, r in enumerate(results):
+        loss, ga, gw = r["fcoll"]
+        torch.testing.assert_close(loss, (torch.tanh(h) * 2).sum() + 2 * w.sum())
+        # all_reduce's backward sums dh over both ranks; all_gather's reduce-scatters ones
+        torch.testing.assert_close(ga, (2 * dh) @ w.t())
+        torch.testing.assert_close(gw, a[rank].t() @ (2 * dh) + 2)
+        torch.testing.assert_close(r["c10d"], (torch.tanh(h) * 2).sum())
+    for rank in range(2):
+        events = json.loads((tmp_path / f"rank{rank}.json").read_text())["traceEvents"]
+        expected = [c for graph in results[rank]["collectives"][:2] for c in graph]
+        assert len(expected) >= 2, "no collectives in the compiled graphs"
+        begins = [e for e in events if e["ph"] == "b"]
+        ends = {e["id"]: e for e in events if e["ph"] == "e"}
+        # two runs of each graph, every collective issued and waited for, in graph order
+        assert [e["name"] for e in begins] == expected * 2
+        for b in begins:
+            e = ends[b["id"]]
+            assert b["cat"] == e["cat"] == "comm" and b["pid"] == rank
+            assert b["tid"] == e["tid"] == f"comm:{b['args']['group']}"
+            assert e["ts"] >= b["ts"] and e["args"]["wait_node"]
+            assert set(e["args"]) == {"op", "group", "bytes", "busbw_gbps", "wait_node"}
+            assert e["args"]["bytes"] > 0
+        compute = [e for e in events if e["cat"] == "compute"]
+        assert compute and all(e["ph"] == "X" and e["tid"] == "compute" and e["dur"] >= 0
+                               and "target" in e["args"] for e in compute)
