@@ -18,7 +18,8 @@ and the creator also unlinks at interpreter exit if it is still linked. We never
 
 Layout (offsets in bytes, every region 4096-aligned)::
 
-    control  [world][64]            per rank: arrive counter (u32), pid (u32), start time (u64)
+    control  [world][64]            per rank: arrive counter (u32), pid (u32), start time (u64),
+                                    one sleep flag (u32) per waiting peer
     headers  [2][world][HEADER]     collective headers, double buffered like the data
     data     [2][world][slot_bytes] per-rank data slots, double buffered
 """
@@ -46,6 +47,8 @@ W_ARRIVE = 0
 W_PID = 1
 W_START_LO = 2
 W_START_HI = 3
+W_SLEEP = 4  # W_SLEEP + q: rank q is (about to be) blocked in FUTEX_WAIT on this counter
+MAX_SLEEP_FLAGS = CONTROL_BYTES // 4 - W_SLEEP
 
 _linked: set[str] = set()  # names this process created and has not unlinked yet
 
