@@ -124,6 +124,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[1000, 5000, 10000, 50000, 100000])
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--passes", nargs="+", default=None,
+                   help="time only these passes of the default pipeline (default: all registered)")
     p.add_argument("--eager-recompile", action="store_true",
                    help="plain GraphModules: every pass's recompile() generates code at once")
     p.add_argument("--json", default=None)
@@ -131,7 +133,8 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)
     group = dist.group.WORLD.group_name
     config = FcollConfig()
-    names = [n for n in config.pipeline if n in registered_passes()]
+    names = [n for n in config.pipeline if n in registered_passes()
+             and (args.passes is None or n in args.passes)]
     rows = []
     for target in args.nodes:
         per_pass: dict[str, list[float]] = {n: [] for n in names}
