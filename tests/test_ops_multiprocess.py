@@ -64,6 +64,8 @@ def _forward_cases(rank: int, n: int) -> dict[str, torch.Tensor]:
     out["ar-noncontig"] = (fcoll.all_reduce(x, "sum", world) * 1).clone()
     xs = [make_input("arc-0", rank), make_input("arc-1", rank, dtype=torch.float64, shape=(3,))]
     out["arc-0"], out["arc-1"] = [t.wait() for t in fcoll.all_reduce_coalesced(xs, "max", world)]
+    xs = [make_input("arca-0", rank), make_input("arca-1", rank, dtype=torch.int32)]
+    out["arca-0"], out["arca-1"] = [t.wait() for t in fcoll.all_reduce_coalesced(xs, "avg", world)]
     for dim in (0, 1):
         x = make_input(f"ag-{dim}", rank, shape=(2, 3))
         out[f"ag-{dim}"] = fcoll.all_gather_tensor(x, dim, world) + 0
@@ -108,6 +110,9 @@ def _expected_forward(n: int) -> dict[str, torch.Tensor]:
     exp["arc-0"] = ref.all_reduce([make_input("arc-0", r) for r in range(n)], "max")
     exp["arc-1"] = ref.all_reduce(
         [make_input("arc-1", r, dtype=torch.float64, shape=(3,)) for r in range(n)], "max")
+    exp["arca-0"] = ref.all_reduce([make_input("arca-0", r) for r in range(n)], "avg")
+    exp["arca-1"] = ref.all_reduce([make_input("arca-1", r, dtype=torch.int32) for r in range(n)],
+                                   "avg")
     for dim in (0, 1):
         exp[f"ag-{dim}"] = ref.all_gather(
             [make_input(f"ag-{dim}", r, shape=(2, 3)) for r in range(n)], dim)

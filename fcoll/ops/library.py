@@ -261,20 +261,45 @@ def _all_reduce_(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.
     return input
 
 
+def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str,
+                          group_name: str) -> None:
+    """Reduce every tensor of ``outs`` in place, as few backend calls as the backend allows.
+
+    fcoll's backend packs tensors of every dtype into one coalesced collective; gloo coalesces
+    tensors of one dtype, so there each dtype is one call, issued back to back.
+    """
+    for t in outs:
+        validate_reduce_op(op_name, reduce_op, t.dtype)
+    pg = group_from_name(group_name)
+    if pg.size() == 1 or not outs:
+        return
+    coalesce_dtypes = _backend_name(pg) == "fcoll"
+    per_call: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, object]]] = {}
+    for t in outs:
+        buf, copy_back = _wire_output(pg, t, initialised=True)
+        op, fin = _reduce_args(reduce_op, pg, t.dtype, buf)
+        key = (int(op),) if coalesce_dtypes else (int(op), buf.dtype)
+        per_call.setdefault(key, []).append((t, buf, _chain(fin, copy_back)))
+    for members in per_call.values():
+        opts = dist.AllreduceCoalescedOptions()
+        opts.reduceOp = _reduce_args(reduce_op, pg, members[0][0].dtype, members[0][1])[0]
+        opts.asyncOp = True
+        work = pg.allreduce_coalesced([buf for _, buf, _ in members], opts)
+        for t, _, finish in members:
+            pending.register(t, work, finish)
+
+
 @_impl("all_reduce_coalesced")
 def _all_reduce_coalesced(inputs: list[torch.Tensor], reduce_op: str,
                           group_name: str) -> list[torch.Tensor]:
-    for t in inputs:
-        validate_reduce_op("all_reduce_coalesced", reduce_op, t.dtype)
-    return [_all_reduce(t, reduce_op, group_name) for t in inputs]
+    outs = [t.clone(memory_format=torch.contiguous_format) for t in inputs]
+    _all_reduce_many_into("all_reduce_coalesced", outs, reduce_op, group_name)
+    return outs
 
 
 @_impl("all_reduce_coalesced_")
 def _all_reduce_coalesced_(inputs: list[torch.Tensor], reduce_op: str, group_name: str) -> None:
-    for t in inputs:
-        validate_reduce_op("all_reduce_coalesced_", reduce_op, t.dtype)
-    for t in inputs:
-        _all_reduce_into(t, reduce_op, group_name)
+    _all_reduce_many_into("all_reduce_coalesced_", list(inputs), reduce_op, group_name)
 
 
 def _gather_into(op: str, input: torch.Tensor, out: torch.Tensor, group_size: int,
