@@ -110,5 +110,5 @@ def _never_joins(rank, world):
 
 def test_rank_that_never_joins_times_out_at_the_group_timeout():
     elapsed, _ = run_ranks(_never_joins, 2, timeout_s=60, pg_timeout_s=2.0)
-    assert 1.9 <= elapsed < 4.0
+    assert 1.9 <= elapsed < 6.0  # generous upper bound: CI machines are shared and noisy
     assert fcoll_segments() == []

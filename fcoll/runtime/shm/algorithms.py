@@ -60,14 +60,15 @@ class Call:
         ch.arrive()
         ch.wait_all(self.what, self.start)
         heads = [hdr.read(seg.buf, lay.header(slot, p)) for p in range(ch.world)]
-        return hdr.check(heads, self.name, ch.describe)
+        return hdr.check(heads, self.name, ch.describe, self.payload)
 
     def sync(self) -> None:
         self.ch.arrive()
         self.ch.wait_all(self.what, self.start)
 
 
-def reduce_rows(rows: torch.Tensor, op: str, out: torch.Tensor) -> None:
+def reduce_rows(rows: torch.Tensor, op: str, out: torch.Tensor,
+                row_list: list[torch.Tensor] | None = None) -> None:
     """``out[i] = op(rows[0, i], ..., rows[n-1, i])``; rows ``[n, L]`` (strided), out ``[L]``.
 
     bool follows logical semantics: sum/max = or, product/min = and. avg is sum / n (floating
@@ -76,6 +77,10 @@ def reduce_rows(rows: torch.Tensor, op: str, out: torch.Tensor) -> None:
     n = rows.shape[0]
     if n == 1:
         out.copy_(rows[0])
+        return
+    if n == 2 and op == "sum" and rows.dtype != torch.bool:
+        a, b = row_list if row_list is not None else rows.unbind(0)
+        torch.add(a, b, out=out)
         return
     if rows.dtype == torch.bool:
         op = _BOOL_OP.get(op, op)
@@ -124,6 +129,14 @@ def all_reduce(c: Call, src: torch.Tensor, dst: torch.Tensor | None, op: str,
     e = src.element_size()
     M = src.numel()
     per = seg.layout.slot_bytes // e
+    if M <= per:  # one chunk: cached views, no slicing
+        slot = c.slot()
+        rows, row_list = seg.prefix_views(slot, src.dtype, M)
+        row_list[r].copy_(src)
+        c.first_sync(slot)
+        if dst is not None:
+            reduce_rows(rows, op, dst, row_list)
+        return
     if M * e <= small_bytes or n <= 2:
         # One phase per chunk, every rank reduces the whole chunk over all n rows. At 2 ranks
         # this moves less data than reduce-scatter + all-gather (write C, read 2C, write C vs

@@ -182,6 +182,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.ch.closing = True
         self._wake.release()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)

@@ -148,12 +148,25 @@ class Segment:
         whole = torch.frombuffer(mm, dtype=torch.uint8)
         self.data = whole[layout.data_off:layout.total].view(2, layout.world, layout.slot_bytes)
         self._rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._prefix: dict = {}
 
     def rows(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
         """Data slot ``slot`` of every rank as ``[world, slot_bytes / itemsize]`` of ``dtype``."""
         v = self._rows.get((slot, dtype))
         if v is None:
             v = self._rows[(slot, dtype)] = self.data[slot].view(dtype)
+        return v
+
+    def prefix_views(self, slot: int, dtype: torch.dtype, numel: int):
+        """Cached ``(rows[:, :numel], [rows[p, :numel] for p])`` of slot ``slot`` as ``dtype``:
+        small collectives of a recurring size then make no new tensor views."""
+        key = (slot, dtype, numel)
+        v = self._prefix.get(key)
+        if v is None:
+            if len(self._prefix) > 512:
+                self._prefix.clear()
+            rows = self.rows(slot, dtype)[:, :numel]
+            v = self._prefix[key] = (rows, list(rows.unbind(0)))
         return v
 
     def word_addr(self, rank: int, index: int) -> int:
@@ -163,6 +176,7 @@ class Segment:
         """Drop every view and unmap; a view still held elsewhere leaves the mapping to the GC."""
         self.data = None
         self._rows = {}
+        self._prefix = {}
         try:
             self.words.release()
             self.buf.release()

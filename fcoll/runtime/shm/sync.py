@@ -102,6 +102,7 @@ class Channel:
         self.spin_iters = spin_iters
         self.spin_yield = os.environ.get("FCOLL_SHM_YIELD", "1") == "1"
         self.words = words
+        self.closing = False  # set by the owner to make blocked waits give up at the next tick
 
     def describe(self, p: int) -> str:
         g = self.global_ranks[p]
@@ -163,6 +164,9 @@ class Channel:
                 futex_wait(addr, cur, min(tick, remaining))
                 if time.monotonic() - t0 >= _TICK_S * 0.9:
                     self.check_peers(what)
+                    if self.closing:
+                        raise PeerError(f"fcoll {what}: the process group was destroyed while "
+                                        f"rank {self.rank} waited for {self.describe(p)}")
                 tick = _TICK_S
         finally:
             words[flag] = 0

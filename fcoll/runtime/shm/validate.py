@@ -7,6 +7,8 @@ none waits for a collective that will never come.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _FLOAT_ONLY = {"avg"}
@@ -14,12 +16,19 @@ _INT_ONLY = {"band", "bor", "bxor"}
 _KNOWN = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"}
 
 
+_NAMES: dict = {}
+
+
 def reduce_op_name(op) -> str:
     """``ReduceOp`` / ``ReduceOp.RedOpType`` -> ``"sum"``, ``"band"``, ..."""
     kind = getattr(op, "op", op)
-    return getattr(kind, "name", str(kind)).lower()
+    name = _NAMES.get(kind)
+    if name is None:
+        name = _NAMES[kind] = getattr(kind, "name", str(kind)).lower()
+    return name
 
 
+@functools.lru_cache(maxsize=None)
 def check_reduce_op(op: str, dtype: torch.dtype) -> str | None:
     """Error message when reduce op ``op`` is not defined for ``dtype``.
 
@@ -94,6 +103,8 @@ class Staging:
     def check_output(t: torch.Tensor, arg: str) -> str | None:
         if not isinstance(t, torch.Tensor):
             return f"{arg} must be a tensor, got {type(t).__name__}"
+        if t.is_contiguous() and t.layout == torch.strided and not t.is_cuda:
+            return None  # the common case; a contiguous tensor has no internal overlap
         if t.device.type not in ("cpu", "cuda"):
             return f"{arg} is on device {t.device}; fcoll supports cpu and cuda tensors"
         if t.layout != torch.strided:
