@@ -25,6 +25,7 @@ wait_tensor                     ``[*]``                     the same tensor, onc
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -80,6 +81,15 @@ for _name, _schema in SCHEMAS.items():
     lib.define(_schema, tags=_PT2 + _EXTRA_TAGS.get(_name, ()))
 
 torch.fx.node.has_side_effect(torch.ops.fcoll.wait_tensor.default)
+
+# wait_tensor returns its input buffer once the collective has filled it, exactly as
+# _c10d_functional.wait_tensor does (callers rely on `wait_tensor(y)` completing `y`). AOTAutograd's
+# first-call aliasing analysis exempts the _c10d_functional namespace for that reason
+# (torch/_functorch/_aot_autograd/runtime_wrappers.py, pytorch#170986) but warns for fcoll's twin
+# on every compile. Silence exactly that warning, for this one op; any other op still warns.
+warnings.filterwarnings(
+    "ignore", category=UserWarning,
+    message=r"fcoll::wait_tensor \(with implementation in .*\): The output of this custom operator")
 for _inplace in ("all_reduce_", "all_reduce_coalesced_", "all_gather_into_tensor_out",
                  "broadcast_"):
     torch.fx.node.has_side_effect(getattr(torch.ops.fcoll, _inplace).default)

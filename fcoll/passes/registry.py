@@ -109,6 +109,7 @@ def run_pipeline(gm: fx.GraphModule, config: FcollConfig | None = None,
     config = config if config is not None else FcollConfig()
     names = tuple(names if names is not None else config.pipeline)
     passes = [get_pass(n, config) for n in names]
+    gm = _lazy(gm)
     records = list(gm.meta.get(META_PASSES, []))
     for p in passes:
         t0 = time.perf_counter()
@@ -126,6 +127,22 @@ def run_pipeline(gm: fx.GraphModule, config: FcollConfig | None = None,
             on_pass(p.name, gm)
     gm.meta[META_PASSES] = records
     return gm
+
+
+def _lazy(gm: fx.GraphModule) -> fx.GraphModule:
+    """The same graph in a module whose ``recompile()`` only marks the code stale.
+
+    Every pass ends with ``recompile()``; on a 50k-node graph each real code generation costs
+    seconds, so the pipeline generates code once, when the module is first called or printed
+    (PyTorch's ``_LazyGraphModule``, as Inductor uses it for the same reason).
+    """
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if isinstance(gm, _LazyGraphModule):
+        return gm
+    lazy = _LazyGraphModule(gm, gm.graph, class_name=type(gm).__name__)
+    lazy.meta.update(gm.meta)
+    return lazy
 
 
 def _load_builtin_passes() -> None:
