@@ -234,20 +234,31 @@ def _backend_name(pg: Any) -> str:
         return "unknown"
 
 
+def _quiet(fn, *args, **kwargs):
+    """Call a c10d function with its deprecation warning silenced.
+
+    The older ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are used on purpose: with
+    ``all_gather_single`` on gloo, a calibration inside a compile hung in 2 of 4 runs here.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return fn(*args, **kwargs)
+
+
 def _time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> float:
     """Fastest time of one blocking collective of ``nbytes`` (the larger buffer), in us."""
     import torch.distributed as dist
 
-    _gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    _scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     n = pg.size()
     numel = max(n, nbytes // 4 // n * n)
     big, out = torch.zeros(numel), torch.zeros(numel)
     small = torch.zeros(numel // n)
     ops = {
         "all_reduce": lambda: dist.all_reduce(big, group=pg),
-        "all_gather": lambda: _gather(big, small, group=pg),
-        "reduce_scatter": lambda: _scatter(small, big, group=pg),
+        "all_gather": lambda: _quiet(dist.all_gather_into_tensor, big, small, group=pg),
+        "reduce_scatter": lambda: _quiet(dist.reduce_scatter_tensor, small, big, group=pg),
         "all_to_all": lambda: dist.all_to_all_single(out, big, group=pg),
         "broadcast": lambda: dist.broadcast(big, group=pg, group_src=0),
     }
@@ -280,6 +291,7 @@ def calibrate_group(pg: Any, reps: int = 3) -> tuple[ComputeRates, dict[tuple[st
     backend, n = _backend_name(pg), pg.size()
     t0 = time.perf_counter()
     local = measure_compute_rates()
+    dist.barrier(group=pg)  # ranks may reach this seconds apart (compile times differ)
     values = [local.flops_per_us, local.bytes_per_us, local.op_overhead_us]
     for kind in KINDS:
         values += [_time_collective(kind, pg, b, reps) for b in CALIBRATION_BYTES]

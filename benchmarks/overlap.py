@@ -1,0 +1,270 @@
+"""Overlap benchmark: the DDP and FSDP training steps of ``examples/train_gpt.py`` on 2 ranks.
+
+Measures, in one run, per parallel mode (median step time over ``--steps`` steps after warm-up):
+
+- ``off``: ``torch.compile(backend="fcoll", options={"overlap": False})`` (no reorder pass);
+- ``on``: ``backend="fcoll"`` with the default pipeline (``reorder_for_overlap`` included);
+- ``compute``: the same step with every collective replaced by a local copy of the same size
+  (compute-only time);
+- ``comm``: the step's collectives alone (same kinds and bytes, bucketed like the compiled step
+  at ``bucket_cap_mb``, issued back to back and waited at the end): communication-only time;
+- ``exposed_comm = step - compute`` for ``off`` and ``on``; targets: ``exposed_comm <= 0.15 *
+  comm`` when compute >= comm, and ``step <= 1.1 * max(compute, comm)``;
+- ``inductor``: PyTorch's best available setting on the same step (``backend="inductor"``,
+  ``torch._inductor.config.reorder_for_compute_comm_overlap=True``, PyTorch's funcol).
+
+The ranks talk over gloo inside a network namespace whose loopback is rate-limited with
+``tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 100ms`` (0.125 GB/s; NOTES.md).
+Without root, ``ip`` or ``tc`` it falls back to plain loopback, and says so in the table and
+the JSON (``"network"``).
+
+    python benchmarks/overlap.py --json overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NETNS_ENV = "FCOLL_BENCH_NETWORK"
+TBF = ["tbf", "rate", "1gbit", "burst", "256kb", "latency", "100ms"]
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parallel", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--no-inductor", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--network", choices=["auto", "tbf", "loopback"], default="auto")
+    p.add_argument("--json", default="overlap.json")
+    p.add_argument("--timeout-s", type=float, default=3000)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Network namespace (driver side)
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def _run_in_netns(argv: list[str]) -> int | None:
+    """Re-run this script inside a rate-limited namespace; None if one cannot be made."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        print("no root / ip / tc: falling back to plain loopback", file=sys.stderr)
+        return None
+    ns = f"fcoll-bench-{os.getpid()}"
+    try:
+        _sh("ip", "netns", "add", ns)
+    except subprocess.CalledProcessError as e:
+        print(f"cannot create a network namespace ({e.stderr.strip()}): plain loopback",
+              file=sys.stderr)
+        return None
+    try:
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", *TBF)
+        env = dict(os.environ, **{NETNS_ENV: "tbf 1gbit loopback in a network namespace"})
+        return subprocess.run(["ip", "netns", "exec", ns, sys.executable,
+                               os.path.abspath(__file__), *argv, "--network", "loopback"],
+                              env=env).returncode
+    except subprocess.CalledProcessError as e:
+        print(f"cannot rate-limit the namespace ({e.stderr.strip()}): plain loopback",
+              file=sys.stderr)
+        return None
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks
+
+class LocalComm:
+    """Collectives replaced by local copies of the same output size (compute-only time)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def all_reduce_avg(self, t):
+        return t.clone()
+
+    def all_gather(self, shard):
+        return shard.repeat(self.n)  # [k] -> [n * k], backward sums the n chunks
+
+
+def _time_steps(run, args_fn, warmup: int, steps: int, barrier) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        inputs = args_fn(i)
+        barrier()
+        t0 = time.perf_counter()
+        run(*inputs)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int) -> list[float]:
+    """The step's collectives alone: same kinds and bytes, bucketed at ``cap_bytes``."""
+    import torch
+    import torch.distributed as dist
+
+    import fcoll
+
+    numels = [p.numel() for p in params.values()]
+    kinds = [("all_reduce", numels)] if parallel == "ddp" else \
+        [("all_gather", numels), ("reduce_scatter", numels)]
+    buckets = []
+    for kind, sizes in kinds:
+        cur = 0
+        for s in sizes:
+            if cur and (cur + s) * 4 > cap_bytes:
+                buckets.append((kind, cur))
+                cur = 0
+            cur += s
+        buckets.append((kind, cur))
+    bufs = [(k, torch.randn(s * (n if k == "reduce_scatter" else 1))) for k, s in buckets]
+    times = []
+    for _ in range(steps + 1):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        outs = []
+        for kind, b in bufs:
+            if kind == "all_reduce":
+                outs.append(fcoll.all_reduce(b, "sum", group))
+            elif kind == "all_gather":
+                outs.append(fcoll.all_gather_tensor(b, 0, group))
+            else:
+                outs.append(fcoll.reduce_scatter_tensor(b, "sum", 0, group))
+        for o in outs:
+            fcoll.wait_tensor(o)
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def _rank(rank: int, world: int, a: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_gpt as T
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    corpus = T.Corpus(T.load_text())
+    cfg = T.GPTConfig(vocab_size=corpus.vocab_size, seq_len=a["seq_len"], n_layer=a["n_layer"],
+                      n_head=4, d_model=a["d_model"])
+    results: dict = {}
+    barrier = lambda: dist.barrier(group)  # noqa: E731
+    for parallel in a["parallel"]:
+        full = T.init_params(cfg, 0)
+        shapes = {k: v.shape for k, v in full.items()} if parallel == "fsdp" else None
+        params = T.shard_params(full, rank, world) if parallel == "fsdp" else full
+        state = T.init_adamw(params)
+
+        def batch(i):
+            x, y = T.get_batch(corpus.train, a["batch_size"], a["seq_len"], seed=0, step=i,
+                               rank=rank, world_size=world)
+            return params, state, x, y
+
+        variants = {
+            "off": (T.FcollComm(group), "fcoll", {"overlap": False}),
+            "on": (T.FcollComm(group), "fcoll", {}),
+            "compute": (LocalComm(world), "fcoll", {}),
+        }
+        if not a["no_inductor"]:
+            variants["inductor"] = (T.TorchComm(group), "inductor", None)
+        res: dict = {}
+        for name, (comm, backend, options) in variants.items():
+            torch._dynamo.reset()
+            step = T.make_train_step(cfg, comm, parallel, shapes=shapes)
+            try:
+                if backend == "inductor":
+                    import torch._inductor.config as icfg
+
+                    with icfg.patch(reorder_for_compute_comm_overlap=True):
+                        run = T.compile_step(step, "inductor")
+                        times = _time_steps(run, batch, a["warmup"], a["steps"], barrier)
+                else:
+                    run = T.compile_step(step, backend, options)
+                    times = _time_steps(run, batch, a["warmup"], a["steps"], barrier)
+                res[name] = statistics.median(times)
+            except Exception as e:  # noqa: BLE001  a baseline that fails is reported, not fatal
+                res[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        res["comm"] = statistics.median(_comm_only(params, parallel, world, 25 * 2 ** 20, group,
+                                                   a["steps"]))
+        results[parallel] = res
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+def _table(results: dict, network: str) -> tuple[str, dict]:
+    lines = [f"network: {network}; times: median step, ms (2 ranks, gloo)",
+             f"{'mode':6} {'compute':>9} {'comm':>9} {'off':>9} {'on':>9} {'inductor':>12} "
+             f"{'exp_off':>9} {'exp_on':>9} {'exp_on/comm':>11} {'on/max':>7}  targets"]
+    summary = {}
+    for mode, r in results.items():
+        ms = {k: (v * 1e3 if isinstance(v, float) else None) for k, v in r.items()}
+        comp, comm, off, on = ms["compute"], ms["comm"], ms["off"], ms["on"]
+        s = {"compute_ms": comp, "comm_ms": comm, "step_off_ms": off, "step_on_ms": on,
+             "inductor_ms": ms.get("inductor"),
+             "inductor_error": r.get("inductor") if ms.get("inductor") is None else None}
+        if None not in (comp, comm, off, on):
+            s["exposed_comm_off_ms"] = off - comp
+            s["exposed_comm_on_ms"] = on - comp
+            s["exposed_over_comm"] = (on - comp) / comm
+            s["step_over_max"] = on / max(comp, comm)
+            s["target_exposed_met"] = (comp < comm) or s["exposed_over_comm"] <= 0.15
+            s["target_step_met"] = s["step_over_max"] <= 1.1
+            ind = f"{ms['inductor']:.1f}" if ms.get("inductor") is not None else "failed"
+            lines.append(
+                f"{mode:6} {comp:9.1f} {comm:9.1f} {off:9.1f} {on:9.1f} {ind:>12} "
+                f"{off - comp:9.1f} {on - comp:9.1f} {s['exposed_over_comm']:11.2f} "
+                f"{s['step_over_max']:7.2f}  exposed<=15%: {s['target_exposed_met']}, "
+                f"step<=1.1x: {s['target_step_met']}")
+        else:
+            lines.append(f"{mode:6} failed: {r}")
+        summary[mode] = s
+    return "\n".join(lines), summary
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = _parse(argv)
+    if a.network in ("auto", "tbf") and NETNS_ENV not in os.environ:
+        rc = _run_in_netns([x for x in argv if x not in ("auto", "tbf", "--network")])
+        if rc is not None:
+            return rc
+        if a.network == "tbf":
+            return 2
+    network = os.environ.get(NETNS_ENV, "plain loopback (NOT rate-limited)")
+    sys.path.insert(0, ROOT)
+    from fcoll.testing import run_ranks
+
+    t0 = time.time()
+    r0 = run_ranks(_rank, 2, backend="gloo", args=(vars(a),), timeout_s=a.timeout_s,
+                   pg_timeout_s=a.timeout_s)[0]
+    text, summary = _table(r0, network)
+    print(text)
+    with open(a.json, "w") as f:
+        json.dump({"network": network, "args": vars(a), "results": summary,
+                   "raw_seconds": r0, "wall_s": time.time() - t0}, f, indent=2)
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
