@@ -19,7 +19,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 R = dist.ReduceOp
 OPS = {"sum": R.SUM, "product": R.PRODUCT, "min": R.MIN, "max": R.MAX, "band": R.BAND,
        "bor": R.BOR, "bxor": R.BXOR, "avg": R.AVG}
-SMALL, LARGE = 37, 2_200_001  # LARGE float32 is above one 8 MiB slot: exercises chunking
+SMALL, LARGE = 37, 2_200_001  # LARGE float32 spans several 1 MiB slots: exercises chunking
 
 
 def _valid(op: str, dt: torch.dtype) -> bool:
