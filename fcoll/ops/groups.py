@@ -59,8 +59,12 @@ def group_from_name(group_name: str) -> "dist.ProcessGroup":
 
 
 def group_size(group_name: str) -> int:
-    """Number of ranks in the group named ``group_name``."""
-    return group_from_name(group_name).size()
+    """Number of ranks in the group named ``group_name``.
+
+    Uses ``c10d._get_group_size_by_name``, which Dynamo folds to a constant at trace time (as it
+    does for PyTorch's own functional collectives), so calling this never breaks a graph.
+    """
+    return c10d._get_group_size_by_name(group_name)
 
 
 def group_rank(group_name: str) -> int:
