@@ -29,6 +29,7 @@ from fcoll.runtime.shm.sync import Channel
 from fcoll.runtime.shm.validate import Staging, check_reduce_op, reduce_op_name
 
 SLOT_BYTES = 1 << 20
+SMALL_ALLREDUCE_BYTES = 64 << 10  # at 3+ ranks, one-phase all_reduce up to this size
 
 
 def slot_bytes_for(world: int) -> int:
