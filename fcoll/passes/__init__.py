@@ -1,0 +1,36 @@
+"""FX graph passes over collectives: lowering, bucketing, overlap scheduling, rank checks.
+
+Each pass is a ``torch.fx.passes.infra.pass_base.PassBase`` registered by name; run one with
+``get_pass(name, config)(gm)`` or several with ``run_pipeline(gm, config, names)``.
+
+=========================  ===================================================================
+pass                       what it does
+=========================  ===================================================================
+lower_c10d_functional      ``torch.ops._c10d_functional.*`` -> ``torch.ops.fcoll.*``
+bucket_collectives         merge same-key collectives into buckets of <= ``bucket_cap_mb``
+sink_waits                 each wait just before the first use of its result
+raise_collectives          each collective just after its last input is ready
+reorder_for_overlap        cost-model list scheduling under memory / in-flight budgets
+check_rank_consistency     compare collective fingerprints across ranks (raises, never hangs)
+=========================  ===================================================================
+"""
+
+from fcoll.passes.bucket_plan import Bucket, plan_buckets
+from fcoll.passes.bucketing import BucketCollectives, apply_buckets
+from fcoll.passes.consistency import (
+    CheckRankConsistency, RankMismatchError, RankTimeoutError, fingerprint,
+)
+from fcoll.passes.lower import LowerC10dFunctional
+from fcoll.passes.overlap import (
+    PredictedEvent, RaiseCollectives, ReorderForOverlap, SinkWaits, predict,
+)
+from fcoll.passes.registry import (
+    FcollPass, PassFailed, get_pass, register_pass, registered_passes, run_pipeline,
+)
+
+__all__ = [
+    "Bucket", "plan_buckets", "apply_buckets", "BucketCollectives", "CheckRankConsistency",
+    "RankMismatchError", "RankTimeoutError", "fingerprint", "LowerC10dFunctional",
+    "PredictedEvent", "RaiseCollectives", "ReorderForOverlap", "SinkWaits", "predict",
+    "FcollPass", "PassFailed", "get_pass", "register_pass", "registered_passes", "run_pipeline",
+]

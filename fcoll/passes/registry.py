@@ -150,8 +150,4 @@ def _load_builtin_passes() -> None:
     import importlib
 
     for module in ("lower", "overlap", "bucketing", "consistency"):
-        try:
-            importlib.import_module(f"fcoll.passes.{module}")
-        except ModuleNotFoundError as e:
-            if e.name != f"fcoll.passes.{module}":
-                raise
+        importlib.import_module(f"fcoll.passes.{module}")

@@ -17,7 +17,6 @@ marks its own ops the same way before calling them (:func:`_save_collectives`).
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 import logging
 import time
@@ -81,30 +80,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_missing(missing: tuple[str, ...]) -> None:
-    log.warning("fcoll: passes %s are not registered yet and are skipped", list(missing))
-
-
-def _runnable_pipeline(config: FcollConfig) -> tuple[str, ...]:
-    """TEMPORARY (issue 3): the passes of ``config.pipeline`` that are registered.
-
-    Other engineers are writing the passes; until all of them land, missing ones are skipped with
-    one WARNING per process. The final integration makes this strict (an unknown name raises in
-    :func:`fcoll.passes.registry.run_pipeline`). Names given explicitly in ``options["passes"]``
-    are always strict.
-    """
-    from fcoll.passes.registry import registered_passes
-
-    if config.passes is not None:
-        return config.pipeline
-    available = set(registered_passes())
-    missing = tuple(n for n in config.pipeline if n not in available)
-    if missing:
-        _warn_missing(missing)
-    return tuple(n for n in config.pipeline if n in available)
-
-
 def _save_collectives(joint: fx.GraphModule) -> None:
     """Mark every fcoll node MUST_SAVE, as PyTorch does for ``_c10d_functional`` nodes."""
     from torch.utils.checkpoint import CheckpointPolicy
@@ -151,19 +126,25 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
     from fcoll.runtime.trace import recorder_for, trace_dir_from
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    from fcoll.inspect.artifacts import artifacts_enabled, emit_artifacts
+
     rank = _rank()
-    before = copy.deepcopy(gm) if _listeners else None
+    tlparse = artifacts_enabled()
+    before = copy.deepcopy(gm) if _listeners or tlparse else None
     t0 = time.perf_counter()
     # AOTAutograd calls its compilers inside its FakeTensorMode. Passes read fake values from
     # node.meta and enter their mode themselves; the cost model's calibration times real
     # collectives, which must not be faked.
     with unset_fake_temporarily():
-        gm = run_pipeline(gm, config, _runnable_pipeline(config))
+        gm = run_pipeline(gm, config)
     gm.meta[META_PIPELINE_SECONDS] = time.perf_counter() - t0
     log.debug("%s: pipeline %s in %.1f ms", name, [r["pass"] for r in gm.meta.get(
         "fcoll_passes", [])], gm.meta[META_PIPELINE_SECONDS] * 1e3)
+    record = CompiledGraph(name=name, before=before, after=gm, config=config, rank=rank)
     for fn in list(_listeners.values()):
-        fn(CompiledGraph(name=name, before=before, after=gm, config=config, rank=rank))
+        fn(record)
+    if tlparse:
+        emit_artifacts(record)  # tlparse shows fcoll's graphs and reports (TORCH_TRACE=dir)
     trace_dir = trace_dir_from(config.trace_dir)
     recorder = recorder_for(trace_dir, rank) if trace_dir else None
     if config.compute == "inductor":
