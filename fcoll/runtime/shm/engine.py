@@ -108,6 +108,10 @@ class Engine:
             self._wake.release()
         return job
 
+    def kick(self) -> None:
+        """Make the worker run whatever is queued."""
+        self._wake.release()
+
     def _take(self) -> Job | None:
         with self._lock:
             if self._running or not self._pending:
@@ -160,6 +164,10 @@ class Engine:
                 f"fcoll {job.name}: the process group is unusable after an earlier error: "
                 f"{self.broken}"))
             return
+        # Spin long on the caller's thread (it waits anyway), briefly on the worker (the caller
+        # is computing and needs the core).
+        self.ch.spin_iters = (self.ch.spin_async if threading.current_thread() is self._thread
+                              else self.ch.spin_sync)
         call = Call(self.ch, job.name, f"{job.name} (collective #{job.seq})", time.monotonic(),
                     job.payload)
         try:

@@ -130,7 +130,8 @@ class FcollProcessGroup(dist.ProcessGroup):
             finish = post if finish is None else (lambda f=finish: (f(), post()))
         # A synchronous call (asyncOp False: c10d waits right away) runs on the caller's thread
         # in wait(); waking the worker would only make the two threads fight over the GIL.
-        wake = getattr(opts, "asyncOp", True) if opts is not None else True
+        wake = (getattr(opts, "asyncOp", True) if opts is not None else True) or (
+            self._coalescing is not None)
         job = self._engine.submit(Job(name, seq, payload, run, finish, result), wake=wake)
         if self._coalescing is not None:
             self._coalescing.append(job)
@@ -370,6 +371,7 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     def _end_coalescing(self, device=None) -> dist.Work:
         jobs, self._coalescing = self._coalescing or [], None
+        self._engine.kick()
         return FcollWork(self._engine, jobs, "coalesced")
 
     # ---- rooted gather / scatter (via all_gather / broadcast) ------------------------------

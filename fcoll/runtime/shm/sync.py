@@ -100,6 +100,8 @@ class Channel:
             if world > (os.cpu_count() or 1):
                 spin_iters = 0
         self.spin_iters = spin_iters
+        self.spin_sync = spin_iters
+        self.spin_async = spin_iters // 10
         self.spin_yield = os.environ.get("FCOLL_SHM_YIELD", "1") == "1"
         self.words = words
         self.closing = False  # set by the owner to make blocked waits give up at the next tick
