@@ -181,6 +181,24 @@ def _layouts_and_forms(rank, world, gl):
         e = torch.empty(world * 2)
         dist.all_gather_into_tensor(e, t[:2], group=gl)
         _check([o], [e], "coalescing manager all_gather")
+    # rooted gather / scatter, empty tensors
+    x = _make((4,), torch.int32, rank, 30)
+    outs_f = [torch.empty(4, dtype=torch.int32) for _ in range(world)] if rank == 0 else None
+    outs_g = [torch.empty(4, dtype=torch.int32) for _ in range(world)] if rank == 0 else None
+    dist.gather(x, outs_f, dst=0)
+    dist.gather(x, outs_g, dst=0, group=gl)
+    if rank == 0:
+        _check(outs_f, outs_g, "gather")
+    src = [_make((3,), torch.float64, 0, 40 + p) for p in range(world)]
+    of, og = torch.empty(3, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
+    dist.scatter(of, src if rank == world - 1 else None, src=world - 1)
+    dist.scatter(og, src if rank == world - 1 else None, src=world - 1, group=gl)
+    _check([of], [og], "scatter")
+    e = torch.empty(0)
+    dist.all_reduce(e)
+    dist.broadcast(e, 0)
+    out = torch.empty(0)
+    dist.all_gather_into_tensor(out, e)
     dist.barrier()
 
 
