@@ -138,9 +138,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             self._wake.acquire()
-            if self._closed and not self._pending:
-                return
             self._run_pending()
+            if self._closed:
+                return
 
     def wait(self, job: Job, timeout_s: float | None = None) -> None:
         """Block until ``job`` completed (running it here if nobody started it); raise its error.
