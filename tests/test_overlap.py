@@ -55,8 +55,10 @@ class TestSnapshots(TestCase):
         """Gradients all_reduced as produced; waits go to the outputs.
 
         before: mm0 -> ar0 -> wait0 -> mm1 -> ... -> mm2 -> ar1 -> wait1 -> mm3
-        sink_waits / reorder: mm0 -> ar0 -> mm1 (hides ar0) -> ... -> ar1 -> mm3 (hides ar1)
-        -> wait0 -> wait1 (raise_collectives: no change, each ar already follows its mm)
+        sink_waits: mm0 -> ar0 -> mm1 (hides ar0) -> ... -> ar1 -> mm3 (hides ar1) -> wait0 -> wait1
+        raise_collectives: no change (each ar already follows its mm)
+        reorder (issued just early enough): mm0 -> mm1 -> ... -> ar0 -> mm2 (hides ar0) -> ar1
+        -> mm3 (hides ar1) -> wait0 -> wait1
         """
         gm = canonical.ddp_backward(n_layers=2)
         self.assertExpectedInline(format_graph(gm), """\
@@ -107,10 +109,10 @@ graph(%arg0: f32[256, 1024], %arg1: f32[256, 1024], %arg2: f32[1024, 1024], %arg
 graph(%arg0: f32[256, 1024], %arg1: f32[256, 1024], %arg2: f32[1024, 1024], %arg3: f32[256, 1024], %arg4: f32[1024, 1024]):
   %t0: f32[1024, 256] = aten.t(%arg0)
   %mm0: f32[1024, 1024] = aten.mm(%t0, %arg3)
-  %ar0: f32[1024, 1024] = fcoll.all_reduce(%mm0, 'avg', '0')  # all_reduce group=0 ranks=2 op=avg
   %mm1: f32[256, 1024] = aten.mm(%arg0, %arg4)
   %threshold_backward0: f32[256, 1024] = aten.threshold_backward(%mm1, %arg3, 0.0)
   %t1: f32[1024, 256] = aten.t(%threshold_backward0)
+  %ar0: f32[1024, 1024] = fcoll.all_reduce(%mm0, 'avg', '0')  # all_reduce group=0 ranks=2 op=avg
   %mm2: f32[1024, 1024] = aten.mm(%t1, %arg1)
   %ar1: f32[1024, 1024] = fcoll.all_reduce(%mm2, 'avg', '0')  # all_reduce group=0 ranks=2 op=avg
   %mm3: f32[256, 1024] = aten.mm(%threshold_backward0, %arg2)
@@ -122,7 +124,9 @@ graph(%arg0: f32[256, 1024], %arg1: f32[256, 1024], %arg2: f32[1024, 1024], %arg
         """All_gather per layer; the next layer's gather is issued before this layer's mm.
 
         before: ag0 -> wait0 -> mm0 -> relu0 -> ag1 -> wait1 -> mm1 -> relu1
-        raise / reorder: ag0 -> ag1 -> wait0 -> mm0 (hides ag1) -> relu0 -> wait1 -> mm1
+        raise: ag0 -> ag1 -> wait0 -> mm0 (hides ag1) -> relu0 -> wait1 -> mm1
+        reorder (just early enough: mm0 covers ag1, so ag1 waits for it and holds no memory
+        earlier): ag0 -> wait0 -> ag1 -> mm0 (hides ag1) -> relu0 -> wait1 -> mm1
         """
         gm = canonical.fsdp_forward(n_layers=2)
         self.assertExpectedInline(format_graph(gm), """\
@@ -168,9 +172,9 @@ graph(%arg0: f32[256, 1024], %arg1: f32[512, 1024], %arg2: f32[512, 1024]):
         self.assertExpectedInline(format_graph(run("reorder_for_overlap", gm)), """\
 graph(%arg0: f32[256, 1024], %arg1: f32[512, 1024], %arg2: f32[512, 1024]):
   %ag0: f32[1024, 1024] = fcoll.all_gather_into_tensor(%arg1, 2, '0')  # all_gather group=0 ranks=2
-  %ag1: f32[1024, 1024] = fcoll.all_gather_into_tensor(%arg2, 2, '0')  # all_gather group=0 ranks=2
   %wait0: f32[1024, 1024] = fcoll.wait_tensor(%ag0)  # waits %ag0
   %t0: f32[1024, 1024] = aten.t(%wait0)
+  %ag1: f32[1024, 1024] = fcoll.all_gather_into_tensor(%arg2, 2, '0')  # all_gather group=0 ranks=2
   %mm0: f32[256, 1024] = aten.mm(%arg0, %t0)
   %relu0: f32[256, 1024] = aten.relu(%mm0)
   %wait1: f32[1024, 1024] = fcoll.wait_tensor(%ag1)  # waits %ag1
@@ -183,8 +187,8 @@ graph(%arg0: f32[256, 1024], %arg1: f32[512, 1024], %arg2: f32[512, 1024]):
         """All_gather of the weight and reduce_scatter of its gradient per layer.
 
         before: ag0 -> wait0 -> mm0 -> rs0 -> wait1 -> mm1 -> ... (each collective waited at once)
-        reorder: ag0 -> mm0 -> rs0 -> ag1 -> wait(ag0) -> mm1 (hides rs0, ag1) -> ...
-        -> wait(rs*) at the outputs
+        reorder: ag0 -> mm0 (hides ag0) -> rs0 -> wait(ag0) -> mm1 (hides rs0) -> ag1
+        -> mm2 (hides ag1) -> rs1 -> wait(ag1) -> mm3 (hides rs1) -> wait(rs*) at the outputs
         """
         gm = canonical.fsdp_backward(n_layers=2)
         self.assertExpectedInline(format_graph(gm), """\
@@ -244,28 +248,28 @@ graph(%arg0: f32[256, 1024], %arg1: f32[256, 1024], %arg2: f32[512, 1024], %arg3
         gm = canonical.fsdp_backward(n_layers=2)
         self.assertExpectedInline(format_graph(run("reorder_for_overlap", gm)), """\
 graph(%arg0: f32[256, 1024], %arg1: f32[256, 1024], %arg2: f32[512, 1024], %arg3: f32[256, 1024], %arg4: f32[512, 1024]):
-  %ag0: f32[1024, 1024] = fcoll.all_gather_into_tensor(%arg4, 2, '0')  # all_gather group=0 ranks=2
   %t0: f32[1024, 256] = aten.t(%arg0)
+  %ag0: f32[1024, 1024] = fcoll.all_gather_into_tensor(%arg4, 2, '0')  # all_gather group=0 ranks=2
   %mm0: f32[1024, 1024] = aten.mm(%t0, %arg3)
   %rs0: f32[512, 1024] = fcoll.reduce_scatter_tensor(%mm0, 'avg', 2, '0')  # reduce_scatter group=0 ranks=2 op=avg
-  %ag1: f32[1024, 1024] = fcoll.all_gather_into_tensor(%arg2, 2, '0')  # all_gather group=0 ranks=2
   %wait0: f32[1024, 1024] = fcoll.wait_tensor(%ag0)  # waits %ag0
   %mm1: f32[256, 1024] = aten.mm(%arg0, %wait0)
   %threshold_backward0: f32[256, 1024] = aten.threshold_backward(%mm1, %arg3, 0.0)
   %t1: f32[1024, 256] = aten.t(%threshold_backward0)
+  %ag1: f32[1024, 1024] = fcoll.all_gather_into_tensor(%arg2, 2, '0')  # all_gather group=0 ranks=2
   %mm2: f32[1024, 1024] = aten.mm(%t1, %arg1)
   %rs1: f32[512, 1024] = fcoll.reduce_scatter_tensor(%mm2, 'avg', 2, '0')  # reduce_scatter group=0 ranks=2 op=avg
-  %wait1: f32[512, 1024] = fcoll.wait_tensor(%rs0)  # waits %rs0
-  %wait2: f32[1024, 1024] = fcoll.wait_tensor(%ag1)  # waits %ag1
-  %mm3: f32[256, 1024] = aten.mm(%threshold_backward0, %wait2)
+  %wait1: f32[1024, 1024] = fcoll.wait_tensor(%ag1)  # waits %ag1
+  %mm3: f32[256, 1024] = aten.mm(%threshold_backward0, %wait1)
+  %wait2: f32[512, 1024] = fcoll.wait_tensor(%rs0)  # waits %rs0
   %wait3: f32[512, 1024] = fcoll.wait_tensor(%rs1)  # waits %rs1
-  return (%wait1, %wait3, %mm3)""")
+  return (%wait2, %wait3, %mm3)""")
 
     def test_moe_all_to_all(self):
         """Dispatch/combine all_to_all hidden behind the gate and the shared expert.
 
         before: gate -> a2a0 -> wait0 -> expert mm -> a2a1 -> wait1 -> shared mm -> add
-        reorder: a2a0 -> gate, shared mm (hide a2a0) -> wait0 -> expert -> a2a1
+        reorder: gate -> a2a0 -> shared mm, relu (hide a2a0) -> wait0 -> expert -> a2a1
         -> shared mm (hides a2a1) -> wait1 -> add
         """
         gm = canonical.moe_all_to_all(n_blocks=1)
@@ -326,17 +330,17 @@ graph(%arg0: f32[512, 512], %arg1: f32[512, 1], %arg2: f32[512, 1024], %arg3: f3
         gm = canonical.moe_all_to_all(n_blocks=1)
         self.assertExpectedInline(format_graph(run("reorder_for_overlap", gm)), """\
 graph(%arg0: f32[512, 512], %arg1: f32[512, 1], %arg2: f32[512, 1024], %arg3: f32[1024, 512], %arg4: f32[512, 1024], %arg5: f32[1024, 512]):
-  %a2a0: f32[512, 512] = fcoll.all_to_all_single(%arg0, [256, 256], [256, 256], '0')  # all_to_all group=0 ranks=2
   %mm0: f32[512, 1] = aten.mm(%arg0, %arg1)
   %sigmoid0: f32[512, 1] = aten.sigmoid(%mm0)
+  %a2a0: f32[512, 512] = fcoll.all_to_all_single(%arg0, [256, 256], [256, 256], '0')  # all_to_all group=0 ranks=2
   %mm1: f32[512, 1024] = aten.mm(%arg0, %arg4)
+  %relu0: f32[512, 1024] = aten.relu(%mm1)
   %wait0: f32[512, 512] = fcoll.wait_tensor(%a2a0)  # waits %a2a0
   %mm2: f32[512, 1024] = aten.mm(%wait0, %arg2)
-  %relu0: f32[512, 1024] = aten.relu(%mm2)
-  %mm3: f32[512, 512] = aten.mm(%relu0, %arg3)
+  %relu1: f32[512, 1024] = aten.relu(%mm2)
+  %mm3: f32[512, 512] = aten.mm(%relu1, %arg3)
   %a2a1: f32[512, 512] = fcoll.all_to_all_single(%mm3, [256, 256], [256, 256], '0')  # all_to_all group=0 ranks=2
-  %relu1: f32[512, 1024] = aten.relu(%mm1)
-  %mm4: f32[512, 512] = aten.mm(%relu1, %arg5)
+  %mm4: f32[512, 512] = aten.mm(%relu0, %arg5)
   %wait1: f32[512, 512] = fcoll.wait_tensor(%a2a1)  # waits %a2a1
   %mul0: f32[512, 512] = aten.mul.Tensor(%wait1, %sigmoid0)
   %add0: f32[512, 512] = aten.add.Tensor(%arg0, %mul0)

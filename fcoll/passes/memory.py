@@ -83,12 +83,14 @@ class Storage:
         size: root -> bytes it allocates (0 for pinned roots).
         uses: root -> nodes that use any alias of it (collective inputs: also its waits).
         pinned: roots never freed (placeholders, attributes, graph outputs).
+        touches: node -> :meth:`roots_used` of it, filled by :func:`storage_model`.
     """
 
     root: dict[fx.Node, fx.Node] = field(default_factory=dict)
     size: dict[fx.Node, int] = field(default_factory=dict)
     uses: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     pinned: set[fx.Node] = field(default_factory=set)
+    touches: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
 
     def alloc(self, node: fx.Node) -> int:
         """Bytes ``node`` allocates when it runs."""
@@ -96,6 +98,9 @@ class Storage:
 
     def roots_used(self, node: fx.Node) -> list[fx.Node]:
         """Roots whose storage ``node`` touches (its inputs'; a wait: its collective's inputs)."""
+        cached = self.touches.get(node)
+        if cached is not None:
+            return cached
         seen: list[fx.Node] = []
         for i in _uses_of(node):
             r = self.root[i]
@@ -128,7 +133,8 @@ def storage_model(graph: fx.Graph) -> Storage:
         if node.op == "output":
             st.pinned.update(st.root[i] for i in node.all_input_nodes)
             continue
-        for r in st.roots_used(node):
+        st.touches[node] = st.roots_used(node)  # computed once: schedulers ask per step
+        for r in st.touches[node]:
             st.uses[r].append(node)
     for r in st.pinned:
         st.size[r] = 0

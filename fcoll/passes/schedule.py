@@ -20,15 +20,15 @@ blocks compute until its collective ends; exposed time = the blocked time.
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch.fx as fx
 
-from fcoll.passes.graph import collective_info, is_collective, is_wait, start_of, waits_of
-from fcoll.passes.memory import MemoryTracker, Storage, mutation_deps, peak_bytes, \
-    storage_model
+from fcoll.passes.graph import collective_info, is_collective, is_wait, start_of
+from fcoll.passes.memory import Storage, mutation_deps, peak_bytes, storage_model
 
 __all__ = ["Deps", "dependencies", "apply_order", "PredictedEvent", "Timeline", "simulate",
            "Plan", "CollectiveRecord", "list_schedule"]
@@ -103,7 +103,11 @@ def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
 
 
 def apply_order(graph: fx.Graph, order: Sequence[fx.Node]) -> bool:
-    """Reorder ``graph``'s nodes to ``order`` (a permutation of them); True if anything moved."""
+    """Reorder ``graph``'s nodes to ``order`` (a permutation of them); True if anything moved.
+
+    One walk with ``Node.append`` (O(N), ``node.meta`` kept). It does not lint: every fcoll
+    pass is linted once by ``FcollPass.ensures`` (a lint here would double the cost).
+    """
     current = list(graph.nodes)
     if len(current) != len(order) or set(current) != set(order):
         raise ValueError("apply_order: the new order is not a permutation of the graph's nodes")
@@ -112,7 +116,6 @@ def apply_order(graph: fx.Graph, order: Sequence[fx.Node]) -> bool:
     for prev, node in zip(order, order[1:]):
         if prev.next is not node:
             prev.append(node)
-    graph.lint()
     return True
 
 
@@ -223,160 +226,232 @@ class Plan:
 
 
 def _records(tl: Timeline) -> dict[fx.Node, CollectiveRecord]:
-    compute = [(n, e) for n, e in tl.by_node.items() if e.kind == "compute"]
+    """Per collective: estimate, exposed time and the compute overlapping its lane interval.
+
+    Compute events are serial (each starts where the previous ended), so their start times are
+    sorted and the overlapping ones are found by bisection: O(C log N + overlaps).
+    """
+    compute = [e for e in tl.events if e.kind == "compute"]
+    starts = [e.start_us for e in compute]
     out = {}
     for node, ev in tl.issued.items():
-        hiding = [n.name for n, c in compute
-                  if min(c.end_us, ev.end_us) - max(c.start_us, ev.start_us) > 0]
+        i = max(bisect.bisect_right(starts, ev.start_us) - 1, 0)
+        hiding = []
+        while i < len(compute) and compute[i].start_us < ev.end_us:
+            c = compute[i]
+            if min(c.end_us, ev.end_us) - max(c.start_us, ev.start_us) > 0:
+                hiding.append(c.node)
+            i += 1
         out[node] = CollectiveRecord(ev.end_us - ev.start_us, ev.exposed_us, hiding)
     return out
 
 
-def _ancestor_masks(deps: Deps) -> dict[fx.Node, int]:
-    """Bit ``pos[m]`` of ``mask[n]`` is set when ``m`` must run before ``n``."""
-    mask: dict[fx.Node, int] = {}
+_COMPUTE, _COLL, _WAIT = 0, 1, 2
+
+
+@dataclass
+class _Info:
+    """Per-node facts the scheduler needs, computed once per plan (all O(N + E))."""
+
+    deps: Deps
+    movable: list[fx.Node]          # every node but placeholders, attributes and the output
+    kind: dict[fx.Node, int]        # _COMPUTE, _COLL or _WAIT
+    est: dict[fx.Node, float]       # estimated us, asked once per node
+    dep: dict[fx.Node, int]         # index of the latest collective whose wait it depends on
+    colls: list[fx.Node]            # collectives in (fixed) order
+    start: dict[fx.Node, fx.Node]   # wait -> its collective
+    nbytes: dict[fx.Node, int]      # collective -> max(in, out) bytes on this rank
+    group: dict[fx.Node, str]       # collective -> group name (its lane)
+    n_succ: dict[fx.Node, int]      # movable successors (the output is always last)
+
+
+def _prepare(deps: Deps, estimate: Callable[[fx.Node], float]) -> _Info:
+    movable = [n for n in deps.order if n.op not in _FIXED]
+    kind, est, dep, start, nbytes, group = {}, {}, {}, {}, {}, {}
+    colls: list[fx.Node] = []
+    index: dict[fx.Node, int] = {}
     for n in deps.order:
-        m = 0
-        for p in deps.preds[n]:
-            m |= mask[p] | (1 << deps.pos[p])
-        mask[n] = m
-    return mask
+        d = max((dep[p] for p in deps.preds[n]), default=-1)
+        if n.op not in _FIXED and is_collective(n):
+            kind[n] = _COLL
+            info = collective_info(n)
+            index[n] = len(colls)
+            colls.append(n)
+            nbytes[n], group[n] = max(info.in_bytes, info.out_bytes), info.group_name
+            est[n] = max(0.0, float(estimate(n)))
+        elif n.op not in _FIXED and is_wait(n):
+            kind[n] = _WAIT
+            c = start_of(n)
+            if c is not None:
+                start[n] = c
+                d = max(d, index[c])
+        else:
+            kind[n] = _COMPUTE
+            est[n] = max(0.0, float(estimate(n))) if n.op == "call_function" else 0.0
+        dep[n] = d
+    n_succ = {n: sum(1 for s in deps.succs[n] if s.op not in _FIXED) for n in movable}
+    return _Info(deps, movable, kind, est, dep, colls, start, nbytes, group, n_succ)
 
 
-class _Scheduler:
-    """One greedy pass; see :func:`list_schedule` for the policy."""
+def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
+                      max_in_flight_bytes: int) -> list[fx.Node]:
+    """One pass of the policy of :func:`list_schedule`; returns the movable nodes in order.
 
-    def __init__(self, deps: Deps, storage: Storage, estimate, limit_bytes: int,
-                 max_in_flight_bytes: int) -> None:
-        self.d, self.st, self.estimate = deps, storage, estimate
-        self.limit, self.cap = limit_bytes, max_in_flight_bytes
-        self.masks = _ancestor_masks(deps)
-        self.colls = [n for n in deps.order if is_collective(n)]
-        self.bytes = {c: max(collective_info(c).in_bytes, collective_info(c).out_bytes)
-                      for c in self.colls}
-        self.told: set[tuple[fx.Node, str]] = set()
-        self.is_wait = {n: is_wait(n) for n in deps.order}
-        self.is_compute = {n: not self.is_wait[n] and not is_collective(n) for n in deps.order}
+    Scheduling runs from the end of the graph backwards, so "how much compute runs between a
+    collective's issue and its first wait" is known exactly when the issue is placed. Every step
+    is a heap operation or a constant-time update: O((N + E) log N).
+    """
+    d, pos, order, kind = g.deps, g.deps.pos, g.deps.order, g.kind
+    left = dict(g.n_succ)
+    compute: list[tuple[int, int]] = []   # (-dep, -pos): descendants of later waits first
+    waits: list[int] = []                 # -pos
+    deferred: list[int] = []              # -pos of waits held back by the in-flight cap
+    for n in g.movable:
+        if left[n] == 0:
+            if kind[n] == _COMPUTE:
+                heapq.heappush(compute, (-g.dep[n], -pos[n]))
+            elif kind[n] == _WAIT:
+                heapq.heappush(waits, -pos[n])
+    placed: list[fx.Node] = []
+    k = len(g.colls) - 1
+    now = 0.0                             # compute us placed so far (from the end)
+    wait_at: dict[fx.Node, float] = {}    # collective -> `now` when its first-run wait was placed
+    lane_next: dict[str, float] = {}      # group -> `now` at the issue of its next collective
+    in_flight: set[fx.Node] = set()
+    flight = live = 0
+    touched: set[fx.Node] = set()
+    roots, size = storage.root, storage.size
 
-    def _why_not(self, c: fx.Node, mem: MemoryTracker, flight: int) -> str | None:
-        if mem.would_reach(c) > self.limit:
-            return (f"issuing it would raise live memory to {mem.would_reach(c)} bytes, over "
-                    f"the limit {self.limit} (baseline peak + memory_budget_mb)")
-        if flight and flight + self.bytes[c] > self.cap:
-            return (f"{flight} bytes already in flight + {self.bytes[c]} > max_in_flight_mb "
-                    f"({self.cap} bytes)")
-        return None
+    def fits(w: fx.Node) -> bool:
+        c = g.start.get(w)
+        return c is None or c in in_flight or not flight or \
+            flight + g.nbytes[c] <= max_in_flight_bytes
 
-    def run(self) -> tuple[list[fx.Node], Timeline]:
-        d, pos = self.d, self.d.pos
-        order = [n for n in d.order if n.op in ("placeholder", "get_attr")]
-        done = set(order)
-        mem, tl = MemoryTracker(self.st), Timeline(self.estimate)
-        for n in order:
-            mem.schedule(n)
-        missing = {n: sum(1 for p in d.preds[n] if p not in done) for n in d.order}
-        ready = sorted((pos[n] for n in d.order if n.op not in _FIXED and missing[n] == 0))
-        flight: dict[fx.Node, int] = {}
-        nxt = 0
-        while ready:
-            node = self._choose(ready, nxt, mem, tl, sum(flight.values()))
-            ready.remove(pos[node])
-            order.append(node)
-            mem.schedule(node)
-            tl.run(node)
-            if is_collective(node):
-                nxt += 1
-                flight[node] = self.bytes[node]
-            elif self.is_wait[node]:
-                start = tl._start(node)
-                if start in flight and waits_of(start)[-1] is node:
-                    del flight[start]
-            for s in d.succs[node]:
-                missing[s] -= 1
-                if missing[s] == 0 and s.op != "output":
-                    bisect.insort(ready, pos[s])
-        order.extend(n for n in d.order if n.op == "output")
-        return order, tl
+    def place(n: fx.Node) -> None:
+        nonlocal now, flight, live, k
+        placed.append(n)
+        for r in storage.roots_used(n):
+            if r not in touched:
+                touched.add(r)
+                live += size.get(r, 0)
+        if roots.get(n) is n and n in touched:
+            live -= size.get(n, 0)  # running backwards: its storage is allocated here
+        kn = kind[n]
+        if kn == _COMPUTE:
+            now += g.est[n]
+        elif kn == _WAIT and n in g.start:
+            c = g.start[n]
+            wait_at[c] = now
+            if c not in in_flight:
+                in_flight.add(c)
+                flight += g.nbytes[c]
+        elif kn == _COLL:
+            if n in in_flight:
+                in_flight.discard(n)
+                flight -= g.nbytes[n]
+            lane_next[g.group[n]] = now
+            k -= 1
+            while deferred and fits(order[-deferred[0]]):
+                heapq.heappush(waits, heapq.heappop(deferred))
+        for p in d.preds[n]:
+            if p.op in _FIXED:
+                continue
+            left[p] -= 1
+            if left[p] == 0:
+                if kind[p] == _COMPUTE:
+                    heapq.heappush(compute, (-g.dep[p], -pos[p]))
+                elif kind[p] == _WAIT:
+                    heapq.heappush(waits, -pos[p])
 
-    def _choose(self, ready: list[int], nxt: int, mem: MemoryTracker, tl: Timeline,
-                flight: int) -> fx.Node:
-        nodes = [self.d.order[i] for i in ready]
-        why = None
-        if nxt < len(self.colls) and self.colls[nxt] in nodes:
-            c = self.colls[nxt]
-            why = self._why_not(c, mem, flight)
-            if why is None:
-                return c
-            if (c, why[:8]) not in self.told:
-                self.told.add((c, why[:8]))
-                log.debug("reorder_for_overlap: %s not issued as early as possible: %s",
-                          c.name, why)
-        waits = [n for n in nodes if self.is_wait[n]]
-        finished = [w for w in waits if tl.blocked_us(w) == 0.0]
-        if finished and why is not None and "in flight" in why:
-            return finished[0]  # frees in-flight bytes for the next collective
-        compute = [n for n in nodes if self.is_compute[n] and mem.would_reach(n) <= self.limit]
-        if nxt < len(self.colls):
-            cone = self.masks[self.colls[nxt]]
-            for n in sorted(compute + finished, key=self.d.pos.__getitem__):
-                if cone >> self.d.pos[n] & 1:
-                    return n
+    while len(placed) < len(g.movable):
+        if waits:  # a wait runs just before its first user: placed as soon as it is ready
+            w = order[-heapq.heappop(waits)]
+            if fits(w):
+                place(w)
+            else:
+                heapq.heappush(deferred, -pos[w])
+            continue
+        c = g.colls[k] if k >= 0 and left[g.colls[k]] == 0 else None
+        if c is not None:
+            if c in wait_at:  # done by its first wait, and before the next issue on its lane
+                due = max(wait_at[c], lane_next.get(g.group[c], 0.0)) + g.est[c]
+            else:
+                due = now
+            pressure = bool(deferred) or live > limit_bytes
+            if now >= due or pressure or not compute:
+                if now < due:
+                    log.debug("reorder_for_overlap: %s issued later than planned: %s", c.name,
+                              "in-flight cap" if deferred else
+                              "memory limit" if live > limit_bytes else
+                              "no more independent compute to hide it")
+                place(c)
+                continue
         if compute:
-            return compute[0]
-        if waits:
-            return min(waits, key=lambda w: (tl.blocked_us(w), self.d.pos[w]))
-        return nodes[0]
+            place(order[-heapq.heappop(compute)[1]])
+        elif deferred:
+            w = order[-heapq.heappop(deferred)]
+            log.debug("reorder_for_overlap: %s: max_in_flight_mb cannot hold (no collective "
+                      "can complete first)", w.name)
+            place(w)
+        else:  # pragma: no cover - a DAG always has a ready node
+            raise RuntimeError("reorder_for_overlap: no ready node (dependency cycle?)")
+    placed.reverse()
+    return placed
 
 
 def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
                   memory_budget_bytes: int, max_in_flight_bytes: int) -> Plan:
     """Plan an order of ``graph`` that hides collectives behind independent compute.
 
-    Policy (greedy list scheduling over the ready set, one node at a time, simulated with
-    :class:`Timeline`; ties always broken by original position, so it is deterministic):
+    Policy: list scheduling *backwards* from the output, over the ready set (nodes whose
+    successors are all placed), with heaps; ties always broken by original position, so it is
+    deterministic and every rank plans the same order:
 
-    1. issue the next collective (in original collective order) as soon as it is ready, unless
-       that would exceed the memory limit (baseline peak + budget) or the in-flight cap (then
-       a wait whose collective has finished runs first, if there is one, to free the cap);
-    2. run an ancestor of the next collective (ready compute within the memory limit, or a
-       wait whose collective has finished), so the collective can be issued sooner;
-    3. run other ready compute within the memory limit, in original order;
-    4. run a ready wait, the one that blocks least (finished ones block 0 us);
-    5. otherwise the first ready node in original order.
+    1. a ready wait is placed at once: each wait runs just before its first user (sink). The
+       in-flight cap may hold it back (it then runs earlier), while a collective can complete;
+    2. the next collective (collectives are placed in reverse of their fixed order) is issued
+       *just early enough*: once the compute placed after its first wait covers its estimated
+       time, counted from its first wait or the issue of the next collective on its lane,
+       whichever is later (that one assumed a free lane). It is issued earlier only when nothing
+       else is ready (not enough independent compute), and later than planned when the memory
+       limit or the in-flight cap presses;
+    3. otherwise ready compute, highest ``dep`` first (``dep`` = index of the latest collective
+       whose wait it depends on), then latest original position: compute that depends on a
+       collective stays after its wait, independent compute moves in front of waits and hides
+       the collective that is being placed.
 
-    Waits are therefore as late as their users allow, and every collective is issued as early
-    as its inputs, the collective order and the budgets allow; the compute between issue and
-    wait hides it. The memory budget is verified on the finished order with
-    :func:`fcoll.passes.memory.peak_bytes`; if greedy choices overshoot it, the plan is retried
-    with half the budget, and finally the original order is kept (logged at DEBUG).
+    Issuing just early enough (rather than as early as possible, Inductor's ``raise_comms``)
+    keeps buffers alive no longer than needed and avoids many collectives contending with
+    compute at once. Cost: O((N + E) log N); estimates are asked once per node.
+
+    The memory limit is checked on the finished order with
+    :func:`fcoll.passes.memory.peak_bytes` (the planner's live-bytes count is a guide); over
+    budget, the plan is redone with a quarter of the budget, then none, then the original order
+    is kept (at most 3 plans; logged at DEBUG).
 
     Returns:
         The :class:`Plan` (order, per-collective records, memory figures in bytes).
     """
     storage = storage_model(graph)
     deps = dependencies(graph, storage)
-    memo: dict[fx.Node, float] = {}
-
-    def estimate_once(node: fx.Node) -> float:
-        if node not in memo:
-            memo[node] = estimate(node)
-        return memo[node]
-
+    info = _prepare(deps, estimate)
+    est = info.est.__getitem__
+    head = [n for n in deps.order if n.op in ("placeholder", "get_attr")]
+    tail = [n for n in deps.order if n.op == "output"]
     baseline = peak_bytes(deps.order, storage)
-    budget = memory_budget_bytes
-    for attempt in range(4):
-        order, tl = _Scheduler(deps, storage, estimate_once, baseline + budget,
-                               max_in_flight_bytes).run()
+    budgets = sorted({memory_budget_bytes, memory_budget_bytes // 4, 0}, reverse=True)
+    for attempt, budget in enumerate(budgets):
+        order = head + _reverse_schedule(info, storage, baseline + budget,
+                                         max_in_flight_bytes) + tail
         peak = peak_bytes(order, storage)
         if peak <= baseline + memory_budget_bytes:
             break
         log.debug("reorder_for_overlap: plan %d peaks at %d bytes, over baseline %d + budget "
-                  "%d; retrying with half the budget", attempt, peak, baseline,
+                  "%d; retrying with a smaller budget", attempt, peak, baseline,
                   memory_budget_bytes)
-        budget //= 2
     else:
         log.debug("reorder_for_overlap: no plan within the memory budget; keeping the order")
-        order, tl = deps.order, simulate(deps.order, estimate_once)
-        peak = baseline
+        order, peak = deps.order, baseline
+    tl = simulate(order, est)
     return Plan(order=order, records=_records(tl), timeline=tl, baseline_peak_bytes=baseline,
                 peak_bytes=peak, makespan_us=tl.now_us)
