@@ -52,6 +52,10 @@ def _mismatches(rank, world):
         "root": lambda: dist.broadcast(torch.ones(4), src=rank),
         "op": lambda: (dist.all_reduce(torch.ones(4)) if rank == 0
                        else dist.broadcast(torch.ones(4), src=0)),
+        # one rank needs two 1 MiB chunks, the other one: the slot counters must stay in step
+        "chunks": lambda: dist.all_gather_into_tensor(
+            torch.empty(2 * (300_000 if rank == 0 else 100)),
+            torch.ones(300_000 if rank == 0 else 100)),
         "splits": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), [2, 2],
                                                  [2, 2] if rank == 0 else [1, 2]),
         "splits_across_ranks": lambda: dist.all_to_all_single(

@@ -1,10 +1,10 @@
-"""Data movement of each collective through the double-buffered per-rank slots of a segment.
+"""Data movement of each collective through the per-rank slots of a segment.
 
-Every function runs on the group's worker thread with flat, contiguous CPU tensors and moves data
-in *chunks* that fit one slot (``slot_bytes`` per rank). Chunk ``u`` of the group uses slot
-``u % 2``. Reuse is safe: a rank writes slot ``s`` for use ``u`` only after it has waited for
-every peer at a phase of use ``u - 1``, and a peer reaches that phase only after it finished
-reading use ``u - 2`` (the previous use of ``s``).
+Every function runs with flat, contiguous CPU tensors and moves data in *chunks* that fit one
+slot (``slot_bytes`` per rank). Chunk ``u`` of the group uses slot ``u % 3``. A rank writes
+chunk ``u + 1`` right after publishing chunk ``u`` and before waiting for its peers (its copy
+overlaps theirs). That is safe: the slot's previous use is ``u - 2``; every peer finished
+reading it before it arrived at a phase of use ``u - 1``, which this rank has waited for.
 
 The first phase of every collective also carries the header; headers are checked on every rank
 before anything is written to an output, so an invalid or mismatched call raises everywhere and
@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from fcoll.runtime.shm import headers as hdr
+from fcoll.runtime.shm.segment import NSLOTS
 from fcoll.runtime.shm.sync import Channel
 
 _BOOL_OP = {"sum": "bor", "max": "bor", "product": "band", "min": "band"}
@@ -40,31 +41,68 @@ _BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bi
 class Call:
     """One collective as the worker runs it: the channel, names for errors, start time, header."""
 
-    __slots__ = ("ch", "name", "what", "start", "payload")
+    __slots__ = ("ch", "name", "what", "start", "payload", "first_use")
 
     def __init__(self, ch: Channel, name: str, what: str, start: float, payload: bytes):
         self.ch, self.name, self.what, self.start, self.payload = ch, name, what, start, payload
+        self.first_use = ch.use
 
     def slot(self) -> int:
         ch = self.ch
-        s = ch.use & 1
+        s = ch.use % NSLOTS
         ch.use += 1
         return s
 
+    def publish(self, slot: int, first: bool) -> None:
+        """Arrive at the next phase (with this rank's header if it is the collective's first)."""
+        ch = self.ch
+        if first:
+            hdr.write(ch.seg.buf, ch.seg.layout.header(slot, ch.rank), self.payload)
+        ch.arrive()
+
+    def collect(self, slot: int, first: bool) -> list[tuple]:
+        """Wait for every peer at this phase; on the first phase, check every header.
+
+        A failed check rewinds the slot counter to just after the first chunk, so ranks that
+        had already claimed a slot for their next chunk agree again with the others.
+        """
+        ch = self.ch
+        ch.wait_all(self.what, self.start)
+        if not first:
+            return []
+        lay = ch.seg.layout
+        heads = [hdr.read(ch.seg.buf, lay.header(slot, p)) for p in range(ch.world)]
+        try:
+            return hdr.check(heads, self.name, ch.describe, self.payload)
+        except hdr.CollectiveMismatchError:
+            ch.use = self.first_use + 1
+            raise
+
     def first_sync(self, slot: int) -> list[tuple]:
         """Publish this rank's header and data of the first phase, wait, check all headers."""
-        ch = self.ch
-        seg = ch.seg
-        lay = seg.layout
-        hdr.write(seg.buf, lay.header(slot, ch.rank), self.payload)
-        ch.arrive()
-        ch.wait_all(self.what, self.start)
-        heads = [hdr.read(seg.buf, lay.header(slot, p)) for p in range(ch.world)]
-        return hdr.check(heads, self.name, ch.describe, self.payload)
+        self.publish(slot, True)
+        return self.collect(slot, True)
 
     def sync(self) -> None:
         self.ch.arrive()
         self.ch.wait_all(self.what, self.start)
+
+
+def pipelined(c: Call, count: int, write, read) -> None:
+    """Run ``count`` one-phase chunks: ``write(i, slot)`` fills this rank's slot, and after every
+    rank published chunk i, ``read(i, slot)`` consumes it. Chunk i+1 is written before waiting on
+    chunk i (see the module docstring for why that is safe)."""
+    slot = c.slot()
+    write(0, slot)
+    for i in range(count):
+        c.publish(slot, i == 0)
+        nslot = -1
+        if i + 1 < count:
+            nslot = c.slot()
+            write(i + 1, nslot)
+        c.collect(slot, i == 0)
+        read(i, slot)
+        slot = nslot
 
 
 def reduce_rows(rows: torch.Tensor, op: str, out: torch.Tensor,
@@ -119,9 +157,8 @@ def all_reduce(c: Call, src: torch.Tensor, dst: torch.Tensor | None, op: str,
     """Reduce flat ``src`` across ranks into flat ``dst`` (``dst is src`` for all_reduce; None on
     the non-root ranks of a rooted reduce, which compute their share but write nothing).
 
-    Large messages pipeline: right after publishing phase B of chunk i, a rank copies chunk i+1
-    into the other slot before waiting for its peers (safe: every peer finished reading that
-    slot's previous use before it arrived at chunk i's phase A, which this rank has waited for).
+    Large messages pipeline: right after publishing chunk i (phase B of it with 3+ ranks), a
+    rank copies chunk i+1 into the next slot before waiting for its peers.
     """
     ch = c.ch
     n, r = ch.world, ch.rank
@@ -141,21 +178,18 @@ def all_reduce(c: Call, src: torch.Tensor, dst: torch.Tensor | None, op: str,
         # One phase per chunk, every rank reduces the whole chunk over all n rows. At 2 ranks
         # this moves less data than reduce-scatter + all-gather (write C, read 2C, write C vs
         # about 5C) and halves the synchronisations; for small messages latency dominates.
-        c0 = 0
-        while True:
-            L = min(per, M - c0)
-            slot = c.slot()
-            rows = seg.rows(slot, src.dtype)[:, :L]
-            rows[r].copy_(src[c0:c0 + L])
-            if c0 == 0:
-                c.first_sync(slot)
-            else:
-                c.sync()
+        def write(i: int, slot: int) -> None:
+            c0 = i * per
+            seg.rows(slot, src.dtype)[r, :min(per, M - c0)].copy_(src[c0:c0 + per])
+
+        def read(i: int, slot: int) -> None:
             if dst is not None:
-                reduce_rows(rows, op, dst[c0:c0 + L])
-            c0 += L
-            if c0 >= M:
-                return
+                c0 = i * per
+                L = min(per, M - c0)
+                reduce_rows(seg.rows(slot, src.dtype)[:, :L], op, dst[c0:c0 + L])
+
+        pipelined(c, -(-M // per), write, read)
+        return
     per = seg.layout.slot_bytes // e
     starts = list(range(0, M, per))
     scratch = None if dst is not None else torch.empty(-(-per // n) + 16, dtype=src.dtype)
@@ -197,43 +231,37 @@ def all_gather(c: Call, src: torch.Tensor, dst: torch.Tensor) -> None:
     data = ch.seg.data
     B = src.numel()
     S = ch.seg.layout.slot_bytes
-    c0 = 0
-    while True:
+
+    def write(i: int, slot: int) -> None:
+        data[slot][r, :min(S, B - i * S)].copy_(src[i * S:(i + 1) * S])
+
+    def read(i: int, slot: int) -> None:
+        c0 = i * S
         L = min(S, B - c0)
-        slot = c.slot()
-        rows = data[slot][:, :L]
-        rows[r].copy_(src[c0:c0 + L])
-        if c0 == 0:
-            c.first_sync(slot)
-        else:
-            c.sync()
-        dst[:, c0:c0 + L].copy_(rows)
-        c0 += L
-        if c0 >= B:
-            return
+        dst[:, c0:c0 + L].copy_(data[slot][:, :L])
+
+    pipelined(c, max(1, -(-B // S)), write, read)
 
 
 def reduce_scatter(c: Call, src: torch.Tensor, dst: torch.Tensor, op: str) -> None:
     """``src [n, M]`` (contiguous) on every rank -> ``dst [M]`` = op over ranks of ``src[r]``."""
     ch = c.ch
     n, r = ch.world, ch.rank
-    data = ch.seg.data
+    seg = ch.seg
     M = dst.numel()
-    per = ch.seg.layout.slot_bytes // (src.element_size() * n)
-    c0 = 0
-    while True:
+    per = seg.layout.slot_bytes // (src.element_size() * n)
+
+    def write(i: int, slot: int) -> None:
+        c0 = i * per
         L = min(per, M - c0)
-        slot = c.slot()
-        drows = ch.seg.rows(slot, src.dtype)
-        drows[r, :n * L].view(n, L).copy_(src[:, c0:c0 + L])
-        if c0 == 0:
-            c.first_sync(slot)
-        else:
-            c.sync()
-        reduce_rows(drows[:, r * L:(r + 1) * L], op, dst[c0:c0 + L])
-        c0 += L
-        if c0 >= M:
-            return
+        seg.rows(slot, src.dtype)[r, :n * L].view(n, L).copy_(src[:, c0:c0 + L])
+
+    def read(i: int, slot: int) -> None:
+        c0 = i * per
+        L = min(per, M - c0)
+        reduce_rows(seg.rows(slot, src.dtype)[:, r * L:(r + 1) * L], op, dst[c0:c0 + L])
+
+    pipelined(c, max(1, -(-M // per)), write, read)
 
 
 def broadcast(c: Call, buf: torch.Tensor, root: int) -> None:
@@ -243,22 +271,19 @@ def broadcast(c: Call, buf: torch.Tensor, root: int) -> None:
     B = buf.numel()
     cap = ch.world * ch.seg.layout.slot_bytes
     is_root = ch.rank == root
-    c0 = 0
-    while True:
-        L = min(cap, B - c0)
-        slot = c.slot()
-        flat = data[slot].view(-1)
+
+    def write(i: int, slot: int) -> None:
         if is_root:
-            flat[:L].copy_(buf[c0:c0 + L])
-        if c0 == 0:
-            c.first_sync(slot)
-        else:
-            c.sync()
+            c0 = i * cap
+            data[slot].view(-1)[:min(cap, B - c0)].copy_(buf[c0:c0 + cap])
+
+    def read(i: int, slot: int) -> None:
         if not is_root:
-            buf[c0:c0 + L].copy_(flat[:L])
-        c0 += L
-        if c0 >= B:
-            return
+            c0 = i * cap
+            L = min(cap, B - c0)
+            buf[c0:c0 + L].copy_(data[slot].view(-1)[:L])
+
+    pipelined(c, max(1, -(-B // cap)), write, read)
 
 
 def all_to_all(c: Call, src: torch.Tensor, dst: torch.Tensor, send: list[tuple[int, int]],

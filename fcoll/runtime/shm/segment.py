@@ -20,8 +20,8 @@ Layout (offsets in bytes, every region 4096-aligned)::
 
     control  [world][64]            per rank: arrive counter (u32), pid (u32), start time (u64),
                                     one sleep flag (u32) per waiting peer
-    headers  [2][world][HEADER]     collective headers, double buffered like the data
-    data     [2][world][slot_bytes] per-rank data slots, double buffered
+    headers  [3][world][HEADER]     collective headers, one per slot
+    data     [3][world][slot_bytes] per-rank data slots, used round robin
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "fcoll-"
 CONTROL_BYTES = 64  # one cache line per rank, so counters of different ranks never share a line
 HEADER_BYTES = 2048
+NSLOTS = 3  # data slots per rank, used round robin (see algorithms.py for why 3)
 PAGE = 4096
 
 # Word indices (u32) inside a rank's control record.
@@ -113,11 +114,11 @@ class Layout:
 
     @property
     def data_off(self) -> int:
-        return self.header_off + _round_up(2 * self.world * HEADER_BYTES)
+        return self.header_off + _round_up(NSLOTS * self.world * HEADER_BYTES)
 
     @property
     def total(self) -> int:
-        return self.data_off + 2 * self.world * self.slot_bytes
+        return self.data_off + NSLOTS * self.world * self.slot_bytes
 
     def header(self, slot: int, rank: int) -> int:
         return self.header_off + (slot * self.world + rank) * HEADER_BYTES
@@ -134,7 +135,7 @@ class Segment:
         words: ``memoryview`` (format ``I``) over the whole mapping; control words are read and
             written through it (aligned 4-byte loads and stores).
         buf: ``memoryview`` (bytes) over the whole mapping, for headers.
-        data: uint8 tensor ``[2, world, slot_bytes]`` over the data slots.
+        data: uint8 tensor ``[NSLOTS, world, slot_bytes]`` over the data slots.
         base: address of the mapping (for futex calls).
     """
 
@@ -146,7 +147,7 @@ class Segment:
         self.buf = memoryview(mm)
         self.words = self.buf.cast("I")
         whole = torch.frombuffer(mm, dtype=torch.uint8)
-        self.data = whole[layout.data_off:layout.total].view(2, layout.world, layout.slot_bytes)
+        self.data = whole[layout.data_off:layout.total].view(NSLOTS, layout.world, layout.slot_bytes)
         self._rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._prefix: dict = {}
 
