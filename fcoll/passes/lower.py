@@ -100,29 +100,42 @@ def _op(ns: str, name: str) -> torch._ops.OpOverload | None:
 
 def _retarget(node: fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> None:
     """Point ``node`` at ``target`` with new arguments, in place: its name, position, users and
-    ``meta`` (``val``, ``stack_trace``) stay as they are."""
-    node.target = target
-    node.args = args
-    node.kwargs = kwargs or {}
+    ``meta`` (``val``, ``stack_trace``) stay as they are.
+
+    Only what changes is assigned: every ``Node`` attribute assignment also updates the graph's
+    ``find_nodes`` table (a few microseconds each), and most rewrites change the target alone.
+    """
+    kwargs = kwargs or {}
+    if node.target is not target:
+        node.target = target
+    if node.args != args:
+        node.args = args
+    if node.kwargs != kwargs:
+        node.kwargs = kwargs
 
 
-def _normalised(node: fx.Node) -> tuple[tuple, dict]:
-    """``node``'s args and kwargs with ``group_name`` as str and ``reduce_op`` lower-case
-    (PyTorch's kernels accept "SUM"; fcoll's accept the lower-case names only)."""
-    names = [a.name for a in node.target._schema.arguments]
-    args, kwargs = list(node.args), dict(node.kwargs)
-    for key, fix in (("group_name", lower_group_name), ("reduce_op", str.lower)):
-        if key in kwargs:
-            kwargs[key] = fix(kwargs[key])
-        elif key in names and names.index(key) < len(args):
-            args[names.index(key)] = fix(args[names.index(key)])
-    return tuple(args), kwargs
+_FIXES = (("group_name", lower_group_name), ("reduce_op", str.lower))
 
 
-def _swap(target: torch._ops.OpOverload) -> Rewrite:
-    """Same schema: swap the target, normalise ``group_name`` and ``reduce_op``."""
+def _swap(source: torch._ops.OpOverload, target: torch._ops.OpOverload) -> Rewrite:
+    """Same schema: swap the target, normalise ``group_name`` to str and ``reduce_op`` to lower
+    case (PyTorch's kernels accept "SUM"; fcoll's accept the lower-case names only).
+
+    The positions of those arguments are read from ``source``'s schema once, not per node.
+    """
+    names = [a.name for a in source._schema.arguments]
+    fixes = [(key, names.index(key) if key in names else None, fix) for key, fix in _FIXES]
+
     def rewrite(node: fx.Node) -> bool:
-        _retarget(node, target, *_normalised(node))
+        args, kwargs = node.args, node.kwargs
+        for key, i, fix in fixes:
+            if key in kwargs:
+                kwargs = {**kwargs, key: fix(kwargs[key])}
+            elif i is not None and i < len(args):
+                value = fix(args[i])
+                if value != args[i]:
+                    args = (*args[:i], value, *args[i + 1:])
+        _retarget(node, target, args, kwargs)
         return True
     return rewrite
 
@@ -357,7 +370,7 @@ def _build_rules() -> dict[Any, Rewrite]:
         for name in _SAME_SCHEMA:
             src = _op(ns, name)
             if src is not None:
-                rules[src] = _swap(getattr(_F, name).default)
+                rules[src] = _swap(src, getattr(_F, name).default)
     for src, rewrite in ((_op("_c10d_functional", "all_reduce_coalesced_"),
                           _all_reduce_coalesced_inplace),
                          (_op("_c10d_functional", "reduce_scatter_tensor_out"),
@@ -401,7 +414,6 @@ class LowerC10dFunctional(FcollPass):
             rewrite = RULES.get(node.target)
             if rewrite is not None and rewrite(node):
                 modified = True
-        if modified:
-            graph_module.graph.lint()
+        if modified:   # FcollPass.ensures lints the result
             graph_module.recompile()
         return PassResult(graph_module, modified)
