@@ -8,8 +8,9 @@ waiters on its counter. Readers wait until every peer's counter reached ``k`` an
 Every rank runs the same phases in the same order (headers checked at the first phase of every
 collective), so counters agree.
 
-Waiting: a short bounded spin (only when there are at least as many cores as ranks), then
-``FUTEX_WAIT`` on the peer's counter (the kernel re-checks the value, so a wake between our read
+Waiting: a bounded spin (only when there are at least as many cores as ranks; up to 2000
+polls with a ``sched_yield`` every 8 when the caller's thread runs the collective, a tenth of
+that on the background worker, whose process is busy computing), then ``FUTEX_WAIT`` on the peer's counter (the kernel re-checks the value, so a wake between our read
 and the syscall is never lost) with a ~100 ms tick. A waiter raises its sleep flag in the
 counter owner's control record first, and the owner only issues ``FUTEX_WAKE`` when a flag is
 up: a wake costs a syscall and, on a busy machine, often a context switch (measured: 250 us per
