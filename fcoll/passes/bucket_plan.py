@@ -28,7 +28,8 @@ same buckets and the same collective order. Different orders on different ranks 
 
 Complexity: one pass over the nodes plus one over the collectives, O(N + E); there is no
 reachability query, because graph order already answers "does c2 depend on c1?" for the only
-question that matters (can they be issued and waited at a common point).
+question that matters (can they be issued and waited at a common point). Schemas are read once per
+op (:class:`_OpSpec`), not once per node: a node that is not a collective costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import torch
 import torch.fx as fx
 
 from fcoll.passes.graph import (
-    META_HIDING, CollectiveInfo, args_by_name, collective_info, is_collective, waits_of,
+    META_HIDING, args_by_name, collective_info, collective_kind, is_collective, tensor_bytes,
+    waits_of,
 )
 from fcoll.runtime.config import FcollConfig
 
@@ -91,6 +93,7 @@ class Bucket:
 @dataclass
 class _Member:
     node: fx.Node
+    wait: fx.Node         # the member's single wait
     ready: tuple          # sort key after which every input is ready
     wait_idx: int         # index of the member's wait
     first_use: int        # index of the first user of the wait (or of the output node)
@@ -98,6 +101,32 @@ class _Member:
     in_bytes: int
     out_bytes: int
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _OpSpec:
+    """What planning reads from a collective op's schema, once per op: its name, kind and the
+    positions of the arguments that make up the bucket key (None: the op has no such argument)."""
+
+    op: str
+    kind: str
+    nargs: int
+    group_name: int
+    group_size: int | None
+    reduce_op: int | None
+    src: int | None
+
+    @staticmethod
+    def of(node: fx.Node) -> "_OpSpec | None":
+        """The spec of ``node``'s op, or None if ``node`` is not a collective."""
+        if not is_collective(node):
+            return None
+        schema = node.target._schema
+        names = [a.name for a in schema.arguments]
+        pos = {k: names.index(k) if k in names else None
+               for k in ("group_name", "group_size", "reduce_op", "src")}
+        return _OpSpec(op=schema.name.split("::", 1)[-1], kind=collective_kind(node),
+                       nargs=len(names), **pos)
 
 
 @dataclass
@@ -139,15 +168,57 @@ def _rejection(node: fx.Node, kind: str, waits: list[fx.Node]) -> str | None:
     return None
 
 
-def _member(node: fx.Node, info: CollectiveInfo, wait: fx.Node, idx: dict[fx.Node, int],
-            ready_of, out_idx: int, by_name: dict[str, int]) -> _Member:
+def _member(node: fx.Node, wait: fx.Node, in_bytes: int, out_bytes: int, dtype: torch.dtype,
+            idx: dict[fx.Node, int], ready_of, out_idx: int, by_name) -> _Member:
     ready = max((ready_of(u) for u in node.all_input_nodes), default=(-1,))
     users = [idx[u] for u in wait.users]
-    hides = [by_name[h] for h in node.meta.get(META_HIDING) or () if h in by_name]
-    return _Member(node=node, ready=ready, wait_idx=idx[wait],
+    hiding = node.meta.get(META_HIDING)
+    hides = [by_name()[h] for h in hiding if h in by_name()] if hiding else ()
+    return _Member(node=node, wait=wait, ready=ready, wait_idx=idx[wait],
                    first_use=min(users) if users else out_idx,
-                   last_hide=max(hides, default=-1), in_bytes=info.in_bytes,
-                   out_bytes=info.out_bytes, dtype=info.dtypes[0])
+                   last_hide=max(hides, default=-1), in_bytes=in_bytes,
+                   out_bytes=out_bytes, dtype=dtype)
+
+
+class _Keys:
+    """Bucket keys and sizes of collective nodes, from argument positions read once per op.
+
+    Equal to what :func:`fcoll.passes.graph.collective_info` gives (the multi-dtype
+    :func:`~fcoll.passes.graph.bucket_key`), at a fraction of the cost; nodes with keyword or
+    missing arguments take ``collective_info`` itself. Group sizes of ops that do not carry one are
+    looked up once per group name.
+    """
+
+    def __init__(self) -> None:
+        self.specs: dict[Any, _OpSpec | None] = {}
+        self.group_sizes: dict[str, int | None] = {}
+
+    def spec(self, node: fx.Node) -> _OpSpec | None:
+        """The op spec of a ``call_function`` node, None for a non-collective (one dict lookup
+        once its op was seen)."""
+        t = node.target
+        try:
+            return self.specs[t]
+        except KeyError:
+            spec = self.specs[t] = _OpSpec.of(node)
+            return spec
+
+    def key(self, node: fx.Node, spec: _OpSpec) -> tuple:
+        """(kind, group name, group size, reduce op, root)."""
+        a = node.args
+        if node.kwargs or len(a) != spec.nargs:
+            info = collective_info(node)
+            return (info.kind, info.group_name, info.group_size, info.reduce_op, info.src)
+        group_name = str(a[spec.group_name])
+        if spec.group_size is not None and a[spec.group_size] is not None:
+            group_size = a[spec.group_size]
+        else:
+            if group_name not in self.group_sizes:
+                self.group_sizes[group_name] = collective_info(node).group_size
+            group_size = self.group_sizes[group_name]
+        return (spec.kind, group_name, group_size,
+                a[spec.reduce_op] if spec.reduce_op is not None else None,
+                a[spec.src] if spec.src is not None else None)
 
 
 def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[Bucket]:
@@ -176,9 +247,15 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
     nodes = list(gm.graph.nodes)
     idx = {n: i for i, n in enumerate(nodes)}
     out_idx = len(nodes) - 1
-    by_name = {n.name: i for i, n in enumerate(nodes)}
-    last_ph = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=0)
+    last_ph = max((idx[n] for n in gm.graph.find_nodes(op="placeholder")), default=0)
+    names: dict[str, int] = {}
 
+    def by_name() -> dict[str, int]:   # built on first use: only scheduler metadata needs it
+        if not names:
+            names.update((n.name, i) for i, n in enumerate(nodes))
+        return names
+
+    keys = _Keys()
     buckets: list[Bucket] = []
     wait_ready: dict[fx.Node, tuple] = {}     # member wait of a closed bucket -> its wait key
     open_by_key: dict[tuple, _Open] = {}
@@ -193,7 +270,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
         if open_by_key.get(b.key) is b:
             del open_by_key[b.key]
         for m in b.members:
-            open_of_wait.pop(waits_of(m.node)[0], None)
+            open_of_wait.pop(m.wait, None)
         if len(b.members) < 2:
             return
         seq = len(buckets)
@@ -205,32 +282,32 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
             seq=seq)
         buckets.append(bucket)
         for m in b.members:
-            wait_ready[waits_of(m.node)[0]] = bucket.wait_key
+            wait_ready[m.wait] = bucket.wait_key
         log.debug("bucket %d: %s %d members %s, %d bytes, issued after key %s, waited before "
-                  "node %s", seq, bucket.kind, len(bucket.members), list(bucket.members),
-                  bucket.in_bytes, b.ready, nodes[w].name)
+                  "node %s", seq, bucket.kind, len(bucket.members), bucket.members,
+                  bucket.in_bytes, b.ready, nodes[w])
 
     for node in nodes:
-        if not is_collective(node):
+        spec = keys.spec(node) if node.op == "call_function" else None
+        if spec is None:
             continue
         for u in node.all_input_nodes:   # a reader of an open bucket's wait fixes that bucket
             if u in open_of_wait:
                 close(open_of_wait[u])
-        info = collective_info(node)
-        if info.op not in BUCKETABLE_OPS:
-            log.debug("not bucketing %s: op %s is not bucketed", node.name, info.op)
+        if spec.op not in BUCKETABLE_OPS:
+            log.debug("not bucketing %s: op %s is not bucketed", node.name, spec.op)
             continue
         waits = waits_of(node)
-        reason = _rejection(node, info.kind, waits)
+        reason = _rejection(node, spec.kind, waits)
         if reason is not None:
             log.debug("not bucketing %s: %s", node.name, reason)
             continue
-        # The multi-dtype form of graph.bucket_key, from the info at hand (one collective_info
-        # per node keeps planning fast), plus the namespace: a merged collective and its wait
-        # must come from one op library.
-        key = (info.kind, info.group_name, info.group_size, info.reduce_op, info.src,
-               node.target.namespace)
-        m = _member(node, info, waits[0], idx, ready_of, out_idx, by_name)
+        # The multi-dtype form of graph.bucket_key plus the namespace: a merged collective and
+        # its wait must come from one op library.
+        key = keys.key(node, spec) + (node.target.namespace,)
+        val = node.args[0].meta["val"]
+        m = _member(node, waits[0], tensor_bytes(val), tensor_bytes(node.meta["val"]), val.dtype,
+                    idx, ready_of, out_idx, by_name)
         b = open_by_key.get(key)
         if b is not None:
             why = _join_rejection(b, m, cap, budget, concat)
