@@ -34,12 +34,13 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
-from fcoll.passes.graph import collective_info, is_collective, is_wait, size_hint, tensor_bytes
+from fcoll.passes.graph import args_by_name, collective_info, collective_kind, size_hint
+from fcoll.passes.memory import COLLECTIVE, WAIT, _Probe, op_class, per_op, value_bytes
 
 __all__ = [
     "CommParams", "ComputeRates", "CostModel", "DEFAULT_COMPUTE", "KINDS", "default_comm",
     "busbw_factor", "measure_compute_rates", "calibrate_group", "cached_model", "model_for",
-    "node_flops", "node_io_bytes", "is_free_op",
+    "node_flops", "node_io_bytes", "is_free_op", "collective_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class CostModel:
     group_backends: Mapping[str, str] = field(default_factory=dict)
     estimator: Callable[[Any], float | None] | None = field(default=None, compare=False)
     source: str = "default"
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, node: fx.Node) -> float:
         return self.estimate(node)
@@ -121,23 +123,47 @@ class CostModel:
             user = self.estimator(node)
             if user is not None:
                 return float(user)
-        if is_collective(node):
+        if node.op != "call_function":
+            return 0.0
+        cls = op_class(node)
+        if cls == COLLECTIVE:
             return self.collective_us(node)
-        if node.op != "call_function" or is_wait(node) or is_free_op(node):
+        if cls == WAIT or is_free_op(node):
             return 0.0
         return self.compute_us(node)
 
     def collective_us(self, node: fx.Node) -> float:
-        info = collective_info(node)
-        n = info.group_size or 2
-        backend = self.group_backends.get(info.group_name, "default")
-        params = self.comm.get((backend, info.kind, n)) or default_comm(info.kind, n)
-        return params.time_us(max(info.in_bytes, info.out_bytes))
+        a = args_by_name(node)
+        name, n = str(a["group_name"]), a.get("group_size")
+        if n is None:  # ops without a group_size argument: the registered group's size
+            n = collective_info(node).group_size
+        n = n or 2
+        kind = _collective_kind(node.target)
+        backend = self.group_backends.get(name, "default")
+        params = self.comm.get((backend, kind, n)) or default_comm(kind, n)
+        return params.time_us(collective_bytes(node))
 
     def compute_us(self, node: fx.Node) -> float:
         r = self.compute
-        return r.op_overhead_us + max(node_flops(node) / r.flops_per_us,
+        return r.op_overhead_us + max(self._flops(node) / r.flops_per_us,
                                       node_io_bytes(node) / r.bytes_per_us)
+
+    def _flops(self, node: fx.Node) -> int:
+        """:func:`node_flops`, memoized per (op, argument shapes): layers repeat, and the
+        formulas (pytree-heavy) would otherwise dominate planning time on large graphs."""
+        if _flop_formula(node.target) is None:
+            return 0
+        key = (id(node.target),) + tuple(
+            a.meta["val"].shape if isinstance(a, fx.Node) and isinstance(
+                a.meta.get("val"), torch.Tensor) else a if isinstance(a, (int, float)) else
+            repr(a) for a in node.args) + tuple(sorted(map(repr, node.kwargs.items())))
+        try:
+            hit = self._memo.get(key)
+        except TypeError:  # a symbolic size: no memo
+            return node_flops(node)
+        if hit is None or hit[0] is not node.target:
+            hit = self._memo[key] = (node.target, node_flops(node))
+        return hit[1]
 
 
 def is_free_op(node: fx.Node) -> bool:
@@ -145,27 +171,58 @@ def is_free_op(node: fx.Node) -> bool:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return True
+    return _returns_views(target)
+
+
+@per_op
+def _returns_views(target: torch._ops.OpOverload) -> bool:
+    """Schema fact, memoized per op: every return aliases an input without writing it."""
     returns = target._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write
                                  for r in returns)
 
 
-def _val(x: Any) -> Any:
-    return x.meta.get("val") if isinstance(x, fx.Node) else x
+def _vals(x: Any) -> Any:
+    """``x`` with every node replaced by its ``meta["val"]`` (lists and tuples too)."""
+    if isinstance(x, fx.Node):
+        return x.meta.get("val")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_vals(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _vals(v) for k, v in x.items()}
+    return x
+
+
+@per_op
+def _collective_kind(target: Any) -> str:
+    return collective_kind(_Probe(target))
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """``max(in_bytes, out_bytes)`` of a collective on this rank (as :class:`CollectiveInfo`),
+    without building the whole info: the larger of its output and its tensor inputs."""
+    read = 0
+    for i in node.all_input_nodes:
+        read += value_bytes(i.meta.get("val"))
+    return max(read, value_bytes(node.meta.get("val")))
+
+
+@per_op
+def _flop_formula(target: Any) -> Callable | None:
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(target, "overloadpacket", None)
+    return flop_registry.get(packet) if packet is not None else None
 
 
 def node_flops(node: fx.Node) -> int:
     """FLOPs of an aten node from ``torch.utils.flop_counter`` formulas (0 if it has none)."""
-    from torch.utils.flop_counter import flop_registry
-
-    packet = getattr(node.target, "overloadpacket", None)
-    formula = flop_registry.get(packet) if packet is not None else None
+    formula = _flop_formula(node.target)
     if formula is None:
         return 0
-    args = torch.fx.node.map_aggregate(node.args, _val)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, _val)
     try:
-        return size_hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
+        return size_hint(formula(*_vals(node.args), **_vals(node.kwargs),
+                                 out_val=node.meta.get("val")))
     except Exception as e:  # noqa: BLE001  a formula that cannot handle these args: count 0
         log.debug("no FLOP count for %s (%s): %s", node.name, node.target, e)
         return 0
@@ -173,8 +230,10 @@ def node_flops(node: fx.Node) -> int:
 
 def node_io_bytes(node: fx.Node) -> int:
     """Bytes read (tensor inputs) plus written (output) by ``node``, sizes evaluated with hints."""
-    read = sum(tensor_bytes(i.meta.get("val")) for i in node.all_input_nodes)
-    return read + tensor_bytes(node.meta.get("val"))
+    total = value_bytes(node.meta.get("val"))
+    for i in node.all_input_nodes:
+        total += value_bytes(i.meta.get("val"))
+    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,8 +385,8 @@ def _real_group(name: str) -> Any | None:
 def _group_names(gm: fx.GraphModule) -> list[str]:
     names: list[str] = []
     for node in gm.graph.nodes:
-        if is_collective(node):
-            g = collective_info(node).group_name
+        if op_class(node) == COLLECTIVE:
+            g = str(args_by_name(node)["group_name"])
             if g not in names:
                 names.append(g)
     return names

@@ -18,23 +18,89 @@ collective "later" means after its wait, since the buffer changes until then.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
 
-from fcoll.passes.graph import is_collective, is_wait, node_bytes, start_of, waits_of
+from fcoll.passes.graph import is_collective, is_wait, start_of, tensor_bytes, waits_of
 
-__all__ = ["Storage", "storage_model", "peak_bytes", "MemoryTracker", "mutation_deps"]
+__all__ = ["Storage", "storage_model", "peak_bytes", "MemoryTracker", "mutation_deps",
+           "op_class", "OTHER", "COLLECTIVE", "WAIT", "value_bytes"]
+
+
+OTHER, COLLECTIVE, WAIT = 0, 1, 2
+
+
+class _Probe:
+    """A stand-in node for :mod:`fcoll.passes.graph`'s queries, which read only op and target."""
+
+    op = "call_function"
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+
+def per_op(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Memoize ``fn(op)``, a fact of an op's schema, by the op's identity.
+
+    ``OpOverload.__hash__`` is Python code; these facts are asked per node, so the memo is keyed
+    by ``id`` (the op is kept in the entry, so its id cannot be reused).
+    """
+    memo: dict[int, tuple[Any, Any]] = {}
+
+    @functools.wraps(fn)
+    def wrapper(op: Any) -> Any:
+        hit = memo.get(id(op))
+        if hit is not None and hit[0] is op:
+            return hit[1]
+        value = fn(op)
+        memo[id(op)] = (op, value)
+        return value
+
+    return wrapper
+
+
+@per_op
+def _target_class(target: torch._ops.OpOverload) -> int:
+    probe = _Probe(target)
+    return COLLECTIVE if is_collective(probe) else WAIT if is_wait(probe) else OTHER
+
+
+def op_class(node: fx.Node) -> int:
+    """:data:`COLLECTIVE`, :data:`WAIT` or :data:`OTHER`: ``is_collective`` / ``is_wait``,
+    memoized per op (a 50k-node graph has a few dozen distinct ops; passes ask per node)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return OTHER
+    return _target_class(node.target)
+
+
+@per_op
+def _alias_positions(target: torch._ops.OpOverload) -> tuple[int, ...]:
+    """Positions of the arguments the first return of ``target`` aliases (schema facts)."""
+    returns = target._schema.returns
+    if not returns or returns[0].alias_info is None:
+        return ()
+    sets = returns[0].alias_info.before_set
+    return tuple(i for i, arg in enumerate(target._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.before_set & sets)
+
+
+@per_op
+def _write_arguments(target: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the ``Tensor(a!)`` arguments of ``target``."""
+    return tuple((i, a.name) for i, a in enumerate(target._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _aliased_input(node: fx.Node) -> fx.Node | None:
     """The input ``node``'s output aliases (view, in-place, getitem, wait), or None."""
     if node.op != "call_function":
         return None
-    if is_wait(node):
+    if op_class(node) == WAIT:
         src = node.args[0]
         return src if isinstance(src, fx.Node) else None
     if node.target is operator.getitem:
@@ -44,16 +110,15 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return None
-    returns = target._schema.returns
-    if not returns or returns[0].alias_info is None:
-        return None
-    sets = returns[0].alias_info.before_set
-    for arg, value in zip(target._schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.before_set & sets:
-            if isinstance(value, fx.Node):
-                return value
-            if isinstance(value, (list, tuple)) and value and isinstance(value[0], fx.Node):
-                return value[0]
+    args = node.args
+    for i in _alias_positions(target):
+        if i >= len(args):
+            break
+        value = args[i]
+        if isinstance(value, fx.Node):
+            return value
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], fx.Node):
+            return value[0]
     return None
 
 
@@ -63,14 +128,16 @@ def _written_inputs(node: fx.Node) -> list[fx.Node]:
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return []
     out: list[fx.Node] = []
-    args = dict(zip([a.name for a in target._schema.arguments], node.args))
-    args.update(node.kwargs)
-    for arg in target._schema.arguments:
-        if arg.alias_info is not None and arg.alias_info.is_write and arg.name in args:
-            value = args[arg.name]
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, fx.Node):
-                    out.append(v)
+    for i, name in _write_arguments(target):
+        if name in node.kwargs:
+            value = node.kwargs[name]
+        elif i < len(node.args):
+            value = node.args[i]
+        else:
+            continue
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, fx.Node):
+                out.append(v)
     return out
 
 
@@ -109,9 +176,23 @@ class Storage:
         return seen
 
 
+def value_bytes(val: Any) -> int:
+    """``tensor_bytes`` with a fast path for static shapes (``numel`` is then a plain int)."""
+    if isinstance(val, torch.Tensor):
+        n = val.numel()
+        if isinstance(n, int):
+            return n * val.element_size()
+    elif isinstance(val, (list, tuple)):
+        return sum(value_bytes(v) for v in val)
+    else:
+        return 0
+    return tensor_bytes(val)
+
+
 def _uses_of(node: fx.Node) -> list[fx.Node]:
-    inputs = list(node.all_input_nodes)
-    if is_wait(node):
+    inputs = node.all_input_nodes
+    if op_class(node) == WAIT:
+        inputs = list(inputs)
         start = start_of(node)
         if start is not None:
             inputs += start.all_input_nodes
@@ -127,7 +208,7 @@ def storage_model(graph: fx.Graph) -> Storage:
         if node.op in ("placeholder", "get_attr"):
             st.pinned.add(node)
         if st.root[node] is node:
-            st.size[node] = node_bytes(node)
+            st.size[node] = value_bytes(node.meta.get("val"))
             st.uses[node] = []
     for node in graph.nodes:
         if node.op == "output":
@@ -155,14 +236,18 @@ class MemoryTracker:
         return self.live + self.st.alloc(node)
 
     def schedule(self, node: fx.Node) -> None:
-        self.live += self.st.alloc(node)
-        self.peak = max(self.peak, self.live)
-        if self.st.root.get(node) is node and not self.remaining.get(node):
-            self.live -= self.st.size.get(node, 0)  # dead value: freed at once
-        for r in self.st.roots_used(node):
-            self.remaining[r] -= 1
-            if self.remaining[r] == 0 and r is not node:
-                self.live -= self.st.size.get(r, 0)
+        st, remaining = self.st, self.remaining
+        is_root = st.root.get(node) is node
+        if is_root:
+            self.live += st.size.get(node, 0)
+            if self.live > self.peak:
+                self.peak = self.live
+            if not remaining.get(node):
+                self.live -= st.size.get(node, 0)  # dead value: freed at once
+        for r in st.roots_used(node):
+            remaining[r] -= 1
+            if remaining[r] == 0 and r is not node:
+                self.live -= st.size.get(r, 0)
 
 
 def peak_bytes(order: Iterable[fx.Node], storage: Storage | None = None) -> int:

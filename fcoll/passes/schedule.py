@@ -25,10 +25,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import torch
 import torch.fx as fx
 
-from fcoll.passes.graph import collective_info, is_collective, is_wait, start_of
-from fcoll.passes.memory import Storage, mutation_deps, peak_bytes, storage_model
+from fcoll.passes.cost import collective_bytes
+from fcoll.passes.graph import args_by_name, start_of
+from fcoll.passes.memory import COLLECTIVE, OTHER, WAIT, Storage, _written_inputs, \
+    mutation_deps, op_class, peak_bytes, per_op, storage_model
 
 __all__ = ["Deps", "dependencies", "apply_order", "PredictedEvent", "Timeline", "simulate",
            "Plan", "CollectiveRecord", "list_schedule"]
@@ -55,50 +58,66 @@ class Deps:
     succs: dict[fx.Node, list[fx.Node]]
 
 
-def _is_barrier(node: fx.Node, storage: Storage) -> bool:
+@per_op
+def _op_is_impure(target: torch._ops.OpOverload) -> bool:
+    # For an OpOverload, torch's purity check reads only the op (schema, effects, RNG).
+    return torch._library.utils.is_impure(target)
+
+
+def _is_barrier(node: fx.Node) -> bool:
     if node.op == "call_module" or node.op == "call_method":
         return True
-    if node.op != "call_function" or is_wait(node) or is_collective(node):
+    if node.op != "call_function" or op_class(node) != OTHER:
         return False
-    from fcoll.passes.memory import _written_inputs
-
-    return node.is_impure() and not _written_inputs(node)
+    target = node.target
+    impure = _op_is_impure(target) if isinstance(target, torch._ops.OpOverload) \
+        else node.is_impure()
+    return impure and not _written_inputs(node)
 
 
 def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
-    """All ordering constraints of ``graph`` (see the module docstring)."""
+    """All ordering constraints of ``graph`` (see the module docstring). O(N + E log E)."""
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
     storage = storage if storage is not None else storage_model(graph)
-    edges: set[tuple[fx.Node, fx.Node]] = set()
-    for n in order:
-        edges.update((i, n) for i in n.all_input_nodes)
-    colls = [n for n in order if is_collective(n)]
-    edges.update(zip(colls, colls[1:]))
-    edges.update(mutation_deps(order, storage))
+    extra: dict[fx.Node, list[fx.Node]] = {}  # node -> extra predecessors (non-data edges)
+
+    def add(a: fx.Node, b: fx.Node) -> None:
+        extra.setdefault(b, []).append(a)
+
+    colls = [n for n in order if op_class(n) == COLLECTIVE]
+    for a, b in zip(colls, colls[1:]):
+        add(a, b)
+    for a, b in mutation_deps(order, storage):
+        add(a, b)
     barrier: fx.Node | None = None
     since: list[fx.Node] = []
     for n in order:
         if n.op in _FIXED:
             continue
-        if _is_barrier(n, storage):
-            edges.update((m, n) for m in since)
+        if _is_barrier(n):
+            for m in since:
+                add(m, n)
             since = []
             barrier = n
         elif barrier is not None:
-            edges.add((barrier, n))
+            add(barrier, n)
         since.append(n)
-    preds: dict[fx.Node, list[fx.Node]] = {n: [] for n in order}
+    preds: dict[fx.Node, list[fx.Node]] = {}
     succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in order}
-    for a, b in edges:
-        if pos[a] >= pos[b]:
-            raise ValueError(f"graph is not in topological order: {a.name} must run before "
-                             f"{b.name}")
-        preds[b].append(a)
-        succs[a].append(b)
+    key = pos.__getitem__
     for n in order:
-        preds[n].sort(key=pos.__getitem__)
-        succs[n].sort(key=pos.__getitem__)
+        ps = n.all_input_nodes
+        if n in extra:
+            ps = list(dict.fromkeys(ps + extra[n]))
+        ps.sort(key=key)
+        pn = pos[n]
+        if ps and pos[ps[-1]] >= pn:
+            raise ValueError(f"graph is not in topological order: {ps[-1].name} must run "
+                             f"before {n.name}")
+        preds[n] = ps
+        for p in ps:
+            succs[p].append(n)  # appended in order of pos[n]: already sorted
     return Deps(order, pos, preds, succs)
 
 
@@ -169,14 +188,15 @@ class Timeline:
     def run(self, node: fx.Node) -> PredictedEvent | None:
         if node.op != "call_function":
             return None
-        if is_collective(node):
-            lane = collective_info(node).group_name
+        cls = op_class(node)
+        if cls == COLLECTIVE:
+            lane = str(args_by_name(node)["group_name"])
             start = max(self.now_us, self.lane_free.get(lane, 0.0))
             ev = PredictedEvent(node.name, "collective", lane, start,
                                 start + max(0.0, self.estimate(node)))
             self.lane_free[lane] = ev.end_us
             self.issued[node] = ev
-        elif is_wait(node):
+        elif cls == WAIT:
             blocked = self.blocked_us(node)
             ev = PredictedEvent(node.name, "wait", "compute", self.now_us,
                                 self.now_us + blocked, blocked)
@@ -272,14 +292,14 @@ def _prepare(deps: Deps, estimate: Callable[[fx.Node], float]) -> _Info:
     index: dict[fx.Node, int] = {}
     for n in deps.order:
         d = max((dep[p] for p in deps.preds[n]), default=-1)
-        if n.op not in _FIXED and is_collective(n):
+        cls = op_class(n)
+        if cls == COLLECTIVE:
             kind[n] = _COLL
-            info = collective_info(n)
             index[n] = len(colls)
             colls.append(n)
-            nbytes[n], group[n] = max(info.in_bytes, info.out_bytes), info.group_name
+            nbytes[n], group[n] = collective_bytes(n), str(args_by_name(n)["group_name"])
             est[n] = max(0.0, float(estimate(n)))
-        elif n.op not in _FIXED and is_wait(n):
+        elif cls == WAIT:
             kind[n] = _WAIT
             c = start_of(n)
             if c is not None:
