@@ -96,11 +96,11 @@ def _write_arguments(target: torch._ops.OpOverload) -> tuple[tuple[int, str], ..
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
-def _aliased_input(node: fx.Node) -> fx.Node | None:
+def _aliased_input(node: fx.Node, cls: int | None = None) -> fx.Node | None:
     """The input ``node``'s output aliases (view, in-place, getitem, wait), or None."""
     if node.op != "call_function":
         return None
-    if op_class(node) == WAIT:
+    if (cls if cls is not None else op_class(node)) == WAIT:
         src = node.args[0]
         return src if isinstance(src, fx.Node) else None
     if node.target is operator.getitem:
@@ -151,6 +151,7 @@ class Storage:
         uses: root -> nodes that use any alias of it (collective inputs: also its waits).
         pinned: roots never freed (placeholders, attributes, graph outputs).
         touches: node -> :meth:`roots_used` of it, filled by :func:`storage_model`.
+        cls: node -> :func:`op_class` of it, filled by :func:`storage_model`.
     """
 
     root: dict[fx.Node, fx.Node] = field(default_factory=dict)
@@ -158,6 +159,7 @@ class Storage:
     uses: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     pinned: set[fx.Node] = field(default_factory=set)
     touches: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    cls: dict[fx.Node, int] = field(default_factory=dict)
 
     def alloc(self, node: fx.Node) -> int:
         """Bytes ``node`` allocates when it runs."""
@@ -189,9 +191,9 @@ def value_bytes(val: Any) -> int:
     return tensor_bytes(val)
 
 
-def _uses_of(node: fx.Node) -> list[fx.Node]:
+def _uses_of(node: fx.Node, cls: int | None = None) -> list[fx.Node]:
     inputs = node.all_input_nodes
-    if op_class(node) == WAIT:
+    if (cls if cls is not None else op_class(node)) == WAIT:
         inputs = list(inputs)
         start = start_of(node)
         if start is not None:
@@ -200,25 +202,32 @@ def _uses_of(node: fx.Node) -> list[fx.Node]:
 
 
 def storage_model(graph: fx.Graph) -> Storage:
-    """Build the :class:`Storage` model of ``graph`` (any order: roots follow data edges)."""
+    """Build the :class:`Storage` model of ``graph`` (any order: roots follow data edges). O(N+E)."""
     st = Storage()
-    for node in graph.nodes:
-        src = _aliased_input(node)
-        st.root[node] = st.root[src] if src is not None else node
-        if node.op in ("placeholder", "get_attr"):
-            st.pinned.add(node)
-        if st.root[node] is node:
-            st.size[node] = value_bytes(node.meta.get("val"))
-            st.uses[node] = []
-    for node in graph.nodes:
-        if node.op == "output":
-            st.pinned.update(st.root[i] for i in node.all_input_nodes)
+    root, size, uses, touches, pinned = st.root, st.size, st.uses, st.touches, st.pinned
+    classes = st.cls
+    nodes = list(graph.nodes)
+    for node in nodes:
+        c = classes[node] = op_class(node)
+        src = _aliased_input(node, c) if node.op == "call_function" else None
+        if src is not None:
+            root[node] = root[src]
             continue
-        st.touches[node] = st.roots_used(node)  # computed once: schedulers ask per step
-        for r in st.touches[node]:
-            st.uses[r].append(node)
-    for r in st.pinned:
-        st.size[r] = 0
+        root[node] = node
+        size[node] = value_bytes(node.meta.get("val"))
+        uses[node] = []
+        if node.op in ("placeholder", "get_attr"):
+            pinned.add(node)
+    for node in nodes:
+        if node.op == "output":
+            pinned.update(root[i] for i in node.all_input_nodes)
+            continue
+        # roots_used, computed once (schedulers ask per step)
+        rs = touches[node] = list(dict.fromkeys([root[i] for i in _uses_of(node, classes[node])]))
+        for r in rs:
+            uses[r].append(node)
+    for r in pinned:
+        size[r] = 0
     return st
 
 

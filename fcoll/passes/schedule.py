@@ -64,10 +64,10 @@ def _op_is_impure(target: torch._ops.OpOverload) -> bool:
     return torch._library.utils.is_impure(target)
 
 
-def _is_barrier(node: fx.Node) -> bool:
+def _is_barrier(node: fx.Node, cls: int) -> bool:
     if node.op == "call_module" or node.op == "call_method":
         return True
-    if node.op != "call_function" or op_class(node) != OTHER:
+    if node.op != "call_function" or cls != OTHER:
         return False
     target = node.target
     impure = _op_is_impure(target) if isinstance(target, torch._ops.OpOverload) \
@@ -85,7 +85,8 @@ def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
     def add(a: fx.Node, b: fx.Node) -> None:
         extra.setdefault(b, []).append(a)
 
-    colls = [n for n in order if op_class(n) == COLLECTIVE]
+    cls = storage.cls
+    colls = [n for n in order if cls[n] == COLLECTIVE]
     for a, b in zip(colls, colls[1:]):
         add(a, b)
     for a, b in mutation_deps(order, storage):
@@ -95,7 +96,7 @@ def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
     for n in order:
         if n.op in _FIXED:
             continue
-        if _is_barrier(n):
+        if _is_barrier(n, cls[n]):
             for m in since:
                 add(m, n)
             since = []
@@ -165,8 +166,10 @@ class PredictedEvent:
 class Timeline:
     """Simulates nodes in the order they are fed (see the module docstring for the model)."""
 
-    def __init__(self, estimate: Callable[[fx.Node], float]) -> None:
+    def __init__(self, estimate: Callable[[fx.Node], float],
+                 classes: dict[fx.Node, int] | None = None) -> None:
         self.estimate = estimate
+        self.classes = classes if classes is not None else {}
         self.now_us = 0.0
         self.lane_free: dict[str, float] = {}
         self.issued: dict[fx.Node, PredictedEvent] = {}
@@ -188,7 +191,9 @@ class Timeline:
     def run(self, node: fx.Node) -> PredictedEvent | None:
         if node.op != "call_function":
             return None
-        cls = op_class(node)
+        cls = self.classes.get(node)
+        if cls is None:
+            cls = op_class(node)
         if cls == COLLECTIVE:
             lane = str(args_by_name(node)["group_name"])
             start = max(self.now_us, self.lane_free.get(lane, 0.0))
@@ -213,9 +218,11 @@ class Timeline:
         return ev
 
 
-def simulate(nodes: Sequence[fx.Node], estimate: Callable[[fx.Node], float]) -> Timeline:
-    """Run ``nodes`` in order through a fresh :class:`Timeline`."""
-    tl = Timeline(estimate)
+def simulate(nodes: Sequence[fx.Node], estimate: Callable[[fx.Node], float],
+             classes: dict[fx.Node, int] | None = None) -> Timeline:
+    """Run ``nodes`` in order through a fresh :class:`Timeline` (``classes``: known
+    :func:`~fcoll.passes.memory.op_class` of nodes, e.g. ``Storage.cls``)."""
+    tl = Timeline(estimate, classes)
     for n in nodes:
         tl.run(n)
     return tl
@@ -285,14 +292,14 @@ class _Info:
     n_succ: dict[fx.Node, int]      # movable successors (the output is always last)
 
 
-def _prepare(deps: Deps, estimate: Callable[[fx.Node], float]) -> _Info:
+def _prepare(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float]) -> _Info:
     movable = [n for n in deps.order if n.op not in _FIXED]
     kind, est, dep, start, nbytes, group = {}, {}, {}, {}, {}, {}
     colls: list[fx.Node] = []
     index: dict[fx.Node, int] = {}
     for n in deps.order:
         d = max((dep[p] for p in deps.preds[n]), default=-1)
-        cls = op_class(n)
+        cls = storage.cls[n]
         if cls == COLLECTIVE:
             kind[n] = _COLL
             index[n] = len(colls)
@@ -454,7 +461,7 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     """
     storage = storage_model(graph)
     deps = dependencies(graph, storage)
-    info = _prepare(deps, estimate)
+    info = _prepare(deps, storage, estimate)
     est = info.est.__getitem__
     head = [n for n in deps.order if n.op in ("placeholder", "get_attr")]
     tail = [n for n in deps.order if n.op == "output"]
@@ -472,6 +479,6 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     else:
         log.debug("reorder_for_overlap: no plan within the memory budget; keeping the order")
         order, peak = deps.order, baseline
-    tl = simulate(order, est)
+    tl = simulate(order, est, storage.cls)
     return Plan(order=order, records=_records(tl), timeline=tl, baseline_peak_bytes=baseline,
                 peak_bytes=peak, makespan_us=tl.now_us)
