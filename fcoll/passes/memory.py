@@ -202,7 +202,7 @@ def _uses_of(node: fx.Node, cls: int | None = None) -> list[fx.Node]:
 
 
 def storage_model(graph: fx.Graph) -> Storage:
-    """Build the :class:`Storage` model of ``graph`` (any order: roots follow data edges). O(N+E)."""
+    """Build the :class:`Storage` model of ``graph`` (any order: roots follow data edges)."""
     st = Storage()
     root, size, uses, touches, pinned = st.root, st.size, st.uses, st.touches, st.pinned
     classes = st.cls

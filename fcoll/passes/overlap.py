@@ -6,9 +6,11 @@
   (its first user, or the first node ordered after it by a mutation or barrier).
 - ``raise_collectives``: every collective moves up to just after the last node it needs (its
   last input, the previous collective, a mutation or barrier, the last placeholder).
-- ``reorder_for_overlap``: the cost-model list scheduler of :mod:`fcoll.passes.schedule`, with
-  ``config.memory_budget_mb`` of extra peak memory and ``config.max_in_flight_mb`` of
-  outstanding collective bytes. It records per collective ``META_ESTIMATED_US``,
+- ``reorder_for_overlap``: the cost-model list scheduler of :mod:`fcoll.passes.schedule`: each
+  collective is issued just early enough that the independent compute before its first use
+  covers its estimated time (not as early as possible), with ``config.memory_budget_mb`` of
+  extra peak memory and ``config.max_in_flight_mb`` of outstanding collective bytes;
+  O((N + E) log N). It records per collective ``META_ESTIMATED_US``,
   ``META_HIDING`` (names of the compute nodes predicted to run while it is in flight) and
   ``META_EXPOSED_US`` in ``node.meta``.
 
@@ -31,7 +33,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fcoll.passes.cost import CostModel, cached_model, model_for
 from fcoll.passes.graph import (
-    META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, collectives, is_collective, is_wait,
+    META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, is_collective, is_wait,
 )
 from fcoll.passes.memory import COLLECTIVE, op_class
 from fcoll.passes.registry import FcollPass, register_pass
@@ -187,17 +189,18 @@ class ReorderForOverlap(FcollPass):
                                  memory_budget_bytes=int(self.config.memory_budget_mb * _MIB),
                                  max_in_flight_bytes=int(self.config.max_in_flight_mb * _MIB))
             modified = apply_order(graph_module.graph, plan.order)
-        for node, ev in plan.timeline.by_node.items():
-            node.meta[META_ESTIMATED_US] = ev.end_us - ev.start_us if ev.kind != "wait" else 0.0
-        for node, rec in plan.records.items():
-            node.meta[META_ESTIMATED_US] = rec.estimated_us
-            node.meta[META_HIDING] = list(rec.hiding)
-            node.meta[META_EXPOSED_US] = rec.exposed_us
-            if rec.exposed_us > 0:
-                log.debug("%s: %.1f us of %.1f us exposed (hidden by %d compute nodes; its "
-                          "inputs are ready only then, or there is no more independent compute "
-                          "before its first use)", node.name, rec.exposed_us, rec.estimated_us,
-                          len(rec.hiding))
+            for node, ev in plan.timeline.by_node.items():
+                node.meta[META_ESTIMATED_US] = \
+                    ev.end_us - ev.start_us if ev.kind != "wait" else 0.0
+            for node, rec in plan.records.items():
+                node.meta[META_ESTIMATED_US] = rec.estimated_us
+                node.meta[META_HIDING] = list(rec.hiding)
+                node.meta[META_EXPOSED_US] = rec.exposed_us
+                if rec.exposed_us > 0:
+                    log.debug("%s: %.1f us of %.1f us exposed (hidden by %d compute nodes; "
+                              "its inputs are ready only then, or there is no more "
+                              "independent compute before its first use)", node.name,
+                              rec.exposed_us, rec.estimated_us, len(rec.hiding))
         log.debug("reorder_for_overlap: makespan %.1f us (%s costs), peak +%d bytes over the "
                   "original order's %d", plan.makespan_us, model.source,
                   plan.peak_bytes - plan.baseline_peak_bytes, plan.baseline_peak_bytes)
