@@ -21,7 +21,7 @@ import canonical  # noqa: E402
 from fcoll.inspect import format_graph  # noqa: E402
 from fcoll.passes.graph import (  # noqa: E402
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, collective_info, collectives, is_collective,
-    is_wait, start_of, waits_of,
+    is_wait, start_of, wait_of, waits_of,
 )
 from fcoll.passes.memory import peak_bytes, storage_model  # noqa: E402
 from fcoll.passes.overlap import (  # noqa: E402
@@ -405,6 +405,31 @@ class TestRules(TestCase):
         gm = canonical.fsdp_forward(n_layers=4)  # each gather: 4 MiB out
         gm = run("reorder_for_overlap", gm, max_in_flight_mb=4.0)
         self.assertLessEqual(max_in_flight(gm), 4 * 2 ** 20)
+
+    def test_collective_issued_just_early_enough_not_as_early_as_possible(self):
+        """fsdp_forward(4): one layer's mm covers the next gather, so each ag_k (k >= 1) is
+        issued after wait_{k-1} (not all gathers up front), and is still fully hidden.
+
+        before: ag0 -> wait0 -> mm0 -> ag1 -> wait1 -> mm1 -> ...
+        after: ag0 -> wait0 -> ag1 -> mm0 (hides ag1) -> wait1 -> ag2 -> mm1 (hides ag2) -> ...
+        """
+        gm = run("reorder_for_overlap", canonical.fsdp_forward(n_layers=4))
+        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+        colls = collectives(gm)
+        for prev, c in zip(colls, colls[1:]):
+            self.assertGreater(pos[c], pos[wait_of(prev)], c.name)
+            self.assertEqual(c.meta[META_EXPOSED_US], 0.0, c.name)
+        self.assertEqual(max_in_flight(gm), 4 * 2 ** 20)
+
+    def test_estimates_are_asked_once_per_node(self):
+        seen = []
+
+        def estimator(node):
+            seen.append(node.name)
+            return None
+
+        run("reorder_for_overlap", canonical.ddp_backward(n_layers=3), estimator=estimator)
+        self.assertEqual(len(seen), len(set(seen)))
 
     def test_user_estimator_overrides_cost_model(self):
         seen = []
