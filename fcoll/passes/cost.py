@@ -383,13 +383,24 @@ def _real_group(name: str) -> Any | None:
 
 
 def _group_names(gm: fx.GraphModule) -> list[str]:
+    """Names of the groups ``gm``'s collectives use, in the order the groups were created.
+
+    Calibration is a blocking collective per group, so every rank must calibrate its groups in
+    one global order. Graph order is not one: rank-dependent code (a reduce's copy on the
+    destination only, uneven all_to_all splits) can make two ranks meet their groups in a
+    different order, which hung 2 of 3 runs here. Creation order is the same on every rank
+    (``new_group`` is collective), so it is used instead.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
     names: list[str] = []
     for node in gm.graph.nodes:
         if op_class(node) == COLLECTIVE:
             g = str(args_by_name(node)["group_name"])
             if g not in names:
                 names.append(g)
-    return names
+    created = {str(name): i for i, name in enumerate(c10d._world.pg_names.values())}
+    return sorted(names, key=lambda g: (created.get(g, len(created)), g))
 
 
 def _assemble(gm: fx.GraphModule, estimator, calibrate: bool) -> CostModel:
