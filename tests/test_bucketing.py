@@ -212,7 +212,7 @@ class TestComposition(unittest.TestCase):
         gm = run_pipeline(gm, FcollConfig())
         ran = [r["pass"] for r in gm.meta["fcoll_passes"]]
         self.assertEqual(ran, list(FcollConfig().pipeline))
-        self.assertEqual(ran.index("bucket_collectives") + 1, ran.index("reorder_for_overlap"))
+        self.assertLess(ran.index("bucket_collectives"), ran.index("reorder_for_overlap"))
         self.assertEqual(_kinds(gm), ["all_reduce"])
         gm.graph.lint()
 
