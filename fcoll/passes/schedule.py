@@ -297,9 +297,13 @@ def _prepare(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float])
     kind, est, dep, start, nbytes, group = {}, {}, {}, {}, {}, {}
     colls: list[fx.Node] = []
     index: dict[fx.Node, int] = {}
+    preds, classes = deps.preds, storage.cls
     for n in deps.order:
-        d = max((dep[p] for p in deps.preds[n]), default=-1)
-        cls = storage.cls[n]
+        d = -1
+        for p in preds[n]:
+            if dep[p] > d:
+                d = dep[p]
+        cls = classes[n]
         if cls == COLLECTIVE:
             kind[n] = _COLL
             index[n] = len(colls)
@@ -316,7 +320,10 @@ def _prepare(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float])
             kind[n] = _COMPUTE
             est[n] = max(0.0, float(estimate(n))) if n.op == "call_function" else 0.0
         dep[n] = d
-    n_succ = {n: sum(1 for s in deps.succs[n] if s.op not in _FIXED) for n in movable}
+    # Only the output can be a fixed successor, and succs are sorted: it comes last.
+    succs = deps.succs
+    n_succ = {n: len(succs[n]) - (1 if succs[n] and succs[n][-1].op == "output" else 0)
+              for n in movable}
     return _Info(deps, movable, kind, est, dep, colls, start, nbytes, group, n_succ)
 
 
@@ -347,7 +354,7 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
     in_flight: set[fx.Node] = set()
     flight = live = 0
     touched: set[fx.Node] = set()
-    roots, size = storage.root, storage.size
+    roots, size, touches = storage.root, storage.size, storage.touches
 
     def fits(w: fx.Node) -> bool:
         c = g.start.get(w)
@@ -357,7 +364,7 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
     def place(n: fx.Node) -> None:
         nonlocal now, flight, live, k
         placed.append(n)
-        for r in storage.roots_used(n):
+        for r in touches[n]:
             if r not in touched:
                 touched.add(r)
                 live += size.get(r, 0)
