@@ -74,6 +74,14 @@ META_BUCKET = "fcoll_bucket_members"
 
 aten = torch.ops.aten
 _WAITS = (torch.ops.fcoll.wait_tensor.default, torch.ops._c10d_functional.wait_tensor.default)
+#: fcoll collective -> first output dim from (input rows, args), as fcoll/ops/library.py's fake
+#: kernels give it (contiguous, the input's dtype); the rewrite emits these on 1-D buffers.
+_COLLECTIVE_SHAPES: dict[Any, Callable[[int, tuple], list[int]]] = {
+    torch.ops.fcoll.all_reduce.default: lambda rows, a: [rows],
+    torch.ops.fcoll.all_gather_into_tensor.default: lambda rows, a: [rows * a[1]],
+    torch.ops.fcoll.reduce_scatter_tensor.default: lambda rows, a: [rows // a[2]],
+    torch.ops.fcoll.all_to_all_single.default: lambda rows, a: [sum(a[1])],
+}
 _COALESCED = {"all_reduce": "all_reduce_coalesced",
               "all_gather": "all_gather_into_tensor_coalesced",
               "reduce_scatter": "reduce_scatter_tensor_coalesced"}
@@ -140,6 +148,9 @@ class _Vals:
             x, sizes, dim = args[0], args[1], (args[2] if len(args) > 2 else 0)
             return [self.like(x, [*x.shape[:dim], s, *x.shape[dim + 1:]], strides=list(x.stride()))
                     for s in sizes]
+        if target in _COLLECTIVE_SHAPES and args[0].dim():   # as fcoll's own fake kernels
+            x = args[0]
+            return self.like(x, [*_COLLECTIVE_SHAPES[target](x.shape[0], args), *x.shape[1:]])
         with self.fake_mode:
             return target(*args, **kwargs)
 
