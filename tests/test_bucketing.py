@@ -15,6 +15,8 @@ import unittest
 import expecttest
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.node import map_arg
 
 sys.path.insert(0, os.path.dirname(__file__))
 import canonical  # noqa: E402
@@ -22,7 +24,9 @@ from graphs_bucketing import Builder, random_graph, reachable, real_inputs  # no
 from fcoll.inspect import format_graph  # noqa: E402
 from fcoll.passes.bucket_plan import MIB, plan_buckets
 from fcoll.passes.bucketing import BucketCollectives, apply_buckets
-from fcoll.passes.graph import META_HIDING, collective_info, collectives, is_wait
+from fcoll.passes.graph import (  # noqa: E402
+    META_HIDING, bucket_key, collective_info, collectives, is_wait,
+)
 from fcoll.passes.registry import run_pipeline
 from fcoll.runtime.config import FcollConfig
 from fcoll.testing import run_ranks
@@ -233,6 +237,22 @@ class TestComposition(unittest.TestCase):
                     checked += 1
         self.assertGreater(checked, 0)
 
+    def test_collective_with_keyword_arguments_is_left_alone(self):
+        """``ar(x) ; ar(y) ; ar(input=z, ...)``: the first two merge, the keyword call is not
+        bucketed (the rewrite reads arguments by position) and nothing raises."""
+        b = Builder()
+        x, y, z = b.input("x", [4]), b.input("y", [8]), b.input("z", [2])
+        a1 = b(fc.all_reduce.default, x, "sum", "0")
+        a2 = b(fc.all_reduce.default, y, "sum", "0")
+        a3 = b.graph.call_function(fc.all_reduce.default, (),
+                                   {"input": z, "reduce_op": "sum", "group_name": "0"})
+        b._set(a3, b.meta[z])
+        gm = b.module([b.wait(a1), b.wait(a2), b.wait(a3)])
+        plan = plan_buckets(gm)
+        self.assertEqual([p.members for p in plan], [(a1.name, a2.name)])
+        self.assertEqual(plan[0].in_bytes, 12 * 4)
+        self.assertEqual(len(collectives(_bucket(gm))), 2)
+
     def test_hiding_metadata_moves_bucket_wait_after_hiding_compute(self):
         """``ar1 -> wait1 -> ar2 -> mm (hides ar2) -> wait2 -> add(wait1)``: the bucket waits after
         ``mm``, not at ``wait1``'s place."""
@@ -264,9 +284,23 @@ class TestRandomGraphs(unittest.TestCase):
             for i, a in enumerate(ms):      # no member reads another member's result
                 for c in ms[i + 1:]:
                     self.assertFalse(reachable(a, c) or reachable(c, a), (a, c))
+        for b in plan:                      # planning's per-op schema reading == collective_info
+            infos = [collective_info(nodes[m]) for m in b.members]
+            self.assertEqual({bucket_key(nodes[m], multi_dtype=True)
+                              + (nodes[m].target.namespace,) for m in b.members}, {b.key})
+            self.assertEqual(b.dtypes, tuple(i.dtypes[0] for i in infos))
+            self.assertEqual((b.in_bytes, b.out_bytes), (sum(i.in_bytes for i in infos),
+                                                         sum(i.out_bytes for i in infos)))
         n_before = len(collectives(gm))
         apply_buckets(gm, plan, config)
         gm.graph.lint()                     # topological order, no dangling nodes
+        for n in collectives(gm):           # shape-rule fake values == fcoll's fake kernels
+            if "fcoll_bucket_members" in n.meta and not isinstance(n.meta["val"], list):
+                with detect_fake_mode([n.args[0].meta["val"]]):
+                    ref = n.target(*map_arg(n.args, lambda a: a.meta["val"]))
+                val = n.meta["val"]
+                self.assertEqual((val.shape, val.stride(), val.dtype),
+                                 (ref.shape, ref.stride(), ref.dtype), n.name)
         seen: set[fx.Node] = set()
         for n in gm.graph.nodes:
             self.assertTrue(all(i in seen for i in n.all_input_nodes), n)

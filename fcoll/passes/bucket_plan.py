@@ -151,16 +151,18 @@ def _static_shape(val: Any) -> bool:
     return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape)
 
 
-def _rejection(node: fx.Node, kind: str, waits: list[fx.Node]) -> str | None:
+def _rejection(node: fx.Node, spec: _OpSpec, waits: list[fx.Node]) -> str | None:
     """Why ``node`` cannot join any bucket, or None."""
     if len(waits) != 1 or len(node.users) != 1:
         return f"{len(waits)} waits and {len(node.users)} users (need exactly one wait)"
+    if node.kwargs or len(node.args) != spec.nargs:
+        return "arguments passed by keyword (the rewrite reads them by position)"
     inp = node.args[0]
     if not isinstance(inp, fx.Node) or not _static_shape(inp.meta.get("val")):
         return "input has no static-shape meta['val']"
     if not _static_shape(node.meta.get("val")):
         return "output has no static-shape meta['val']"
-    if kind == "all_to_all":
+    if spec.kind == "all_to_all":
         a = args_by_name(node)
         splits = list(a["output_split_sizes"]) + list(a["input_split_sizes"])
         if not all(isinstance(s, int) for s in splits):
@@ -184,9 +186,8 @@ class _Keys:
     """Bucket keys and sizes of collective nodes, from argument positions read once per op.
 
     Equal to what :func:`fcoll.passes.graph.collective_info` gives (the multi-dtype
-    :func:`~fcoll.passes.graph.bucket_key`), at a fraction of the cost; nodes with keyword or
-    missing arguments take ``collective_info`` itself. Group sizes of ops that do not carry one are
-    looked up once per group name.
+    :func:`~fcoll.passes.graph.bucket_key`), at a fraction of the cost. Group sizes of ops that do
+    not carry one are looked up once per group name.
     """
 
     def __init__(self) -> None:
@@ -204,11 +205,9 @@ class _Keys:
             return spec
 
     def key(self, node: fx.Node, spec: _OpSpec) -> tuple:
-        """(kind, group name, group size, reduce op, root)."""
+        """(kind, group name, group size, reduce op, root) of a node with every argument given
+        by position (as :func:`_rejection` requires)."""
         a = node.args
-        if node.kwargs or len(a) != spec.nargs:
-            info = collective_info(node)
-            return (info.kind, info.group_name, info.group_size, info.reduce_op, info.src)
         group_name = str(a[spec.group_name])
         if spec.group_size is not None and a[spec.group_size] is not None:
             group_size = a[spec.group_size]
@@ -298,7 +297,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
             log.debug("not bucketing %s: op %s is not bucketed", node.name, spec.op)
             continue
         waits = waits_of(node)
-        reason = _rejection(node, spec.kind, waits)
+        reason = _rejection(node, spec, waits)
         if reason is not None:
             log.debug("not bucketing %s: %s", node.name, reason)
             continue
