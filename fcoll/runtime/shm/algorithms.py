@@ -253,6 +253,56 @@ def all_reduce(c: Call, src: torch.Tensor, dst: torch.Tensor | None, op: str,
             slot = nslot
 
 
+class SmallAllReducePlan:
+    """Cached views and facts of a one-slot all_reduce of one (dtype, shape, op): per slot, this
+    rank's row and every rank's rows shaped like the user's tensor, and the header offsets. A
+    recurring small all_reduce then makes no tensor views and runs no Python loop over ranks."""
+
+    __slots__ = ("op", "tail", "views", "hoffs", "peer_hoffs", "pair")
+
+    def __init__(self, ch: Channel, dtype: torch.dtype, shape: tuple, op: str):
+        seg, n, r = ch.seg, ch.world, ch.rank
+        numel = 1
+        for d in shape:
+            numel *= d
+        self.op = op
+        self.tail = ("all_reduce", str(dtype)[6:], tuple(shape), op, -1, None, None)
+        self.views = []
+        for slot in range(NSLOTS):
+            rows = seg.rows(slot, dtype)[:, :numel].view(n, *shape)
+            row_list = list(rows.unbind(0))
+            self.views.append((row_list[r], row_list[1 - r] if n == 2 else None, rows, row_list))
+        lay = seg.layout
+        self.hoffs = [[lay.header(s, p) for p in range(n)] for s in range(NSLOTS)]
+        self.peer_hoffs = [[lay.header(s, p) for p in range(n) if p != r] for s in range(NSLOTS)]
+        self.pair = n == 2
+
+
+def all_reduce_small(ch: Channel, plan: SmallAllReducePlan, t: torch.Tensor, payload: bytes,
+                     what: str, start: float) -> None:
+    """All_reduce of ``t`` (contiguous CPU, fits one slot) in place, in one phase: copy in, publish
+    header and data together, wait, check headers (bytes compare; decoded only if they differ),
+    reduce straight from the slots into ``t``. Same protocol as :func:`all_reduce`'s one-chunk
+    case, so a peer running the general path interoperates."""
+    slot = ch.use % NSLOTS
+    ch.use += 1
+    mine, peer, rows, row_list = plan.views[slot]
+    mine.copy_(t)
+    buf = ch.seg.buf
+    hdr.write(buf, plan.hoffs[slot][ch.rank], payload)
+    ch.arrive()
+    ch.wait_all(what, start)
+    for off in plan.peer_hoffs[slot]:
+        if hdr.read(buf, off) != payload:
+            hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], "all_reduce", ch.describe,
+                      payload)
+            break
+    if plan.pair:
+        reduce_pair_inplace(t, peer, plan.op)
+    else:
+        reduce_rows(rows, plan.op, t, row_list)
+
+
 def all_gather(c: Call, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Bytes: ``src [B]`` uint8 on every rank -> ``dst [n, B]`` uint8 (row p from rank p)."""
     ch = c.ch

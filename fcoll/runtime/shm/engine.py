@@ -108,6 +108,36 @@ class Engine:
             self._wake.release()
         return job
 
+    def run_inline(self, job: Job) -> bool:
+        """Execute ``job`` right here if the queue is empty and nobody is executing; returns
+        False (job not taken) otherwise. Saves the queue round trip of a synchronous call."""
+        with self._lock:
+            if self._running or self._pending or self._closed:
+                return False
+            self._running = True
+        try:
+            self._execute(job)
+        finally:
+            self.end_inline()
+        return True
+
+    def begin_inline(self) -> bool:
+        """Claim the executor for a caller-thread fast path (see ``run_inline``); the caller
+        must call ``end_inline`` after."""
+        with self._lock:
+            if self._running or self._pending or self._closed or self.broken is not None:
+                return False
+            self._running = True
+        self.ch.spin_iters = self.ch.spin_sync
+        return True
+
+    def end_inline(self) -> None:
+        with self._lock:
+            self._running = False
+            more = bool(self._pending)
+        if more:
+            self._wake.release()  # queued meanwhile by another thread: the worker runs it
+
     def kick(self) -> None:
         """Make the worker run whatever is queued."""
         self._wake.release()
@@ -247,6 +277,46 @@ class FcollWork(torch.distributed.Work):
     def result(self):
         self.wait()
         return self._jobs[-1].result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class DoneWork(torch.distributed.Work):
+    """The ``Work`` of a collective already executed on the caller's thread."""
+
+    def __init__(self, result, error: BaseException | None):
+        super().__init__()
+        self._result = result
+        self._error = error
+        self._fut: torch.futures.Future | None = None
+
+    def wait(self, timeout=None) -> bool:
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            self._fut = torch.futures.Future()
+            if self._error is not None:
+                self._fut.set_exception(self._error)
+            else:
+                self._fut.set_result(self._result)
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._result
 
     def synchronize(self) -> None:
         self.wait()

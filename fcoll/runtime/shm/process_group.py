@@ -15,7 +15,10 @@ reduce_scatter ``[n * N, ...] -> [N, ...]``; all_to_all_single ``[sum(in_splits)
 from __future__ import annotations
 
 import datetime
+import logging
+import marshal
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -23,11 +26,12 @@ import torch.distributed as dist
 
 from fcoll.runtime.shm import algorithms as alg
 from fcoll.runtime.shm import headers as hdr
-from fcoll.runtime.shm.engine import Engine, FcollWork, Job
+from fcoll.runtime.shm.engine import DoneWork, Engine, FcollWork, Job
 from fcoll.runtime.shm.segment import open_segment
-from fcoll.runtime.shm.sync import Channel
+from fcoll.runtime.shm.sync import Channel, PeerError
 from fcoll.runtime.shm.validate import Staging, check_reduce_op, reduce_op_name
 
+log = logging.getLogger("fcoll.runtime.shm.engine")
 SLOT_BYTES = 1 << 20
 SMALL_ALLREDUCE_BYTES = 64 << 10  # at 3+ ranks, one-phase all_reduce up to this size
 
@@ -70,6 +74,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         ch = Channel(seg, rank, size, self._timeout_s, self._global_ranks)
         self._engine = Engine(seg, ch, f"g{self._global_ranks[0]}x{size}r{rank}")
         self._coalescing: list[Any] | None = None
+        self._ar_plans: dict = {}
 
     # ---- identity -------------------------------------------------------------------------
     def size(self) -> int:
@@ -132,15 +137,65 @@ class FcollProcessGroup(dist.ProcessGroup):
         # in wait(); waking the worker would only make the two threads fight over the GIL.
         wake = (getattr(opts, "asyncOp", True) if opts is not None else True) or (
             self._coalescing is not None)
-        job = self._engine.submit(Job(name, seq, payload, run, finish, result), wake=wake)
+        job = Job(name, seq, payload, run, finish, result)
+        if not wake and self._engine.run_inline(job):
+            return FcollWork(self._engine, [job], name)
+        self._engine.submit(job, wake=wake)
         if self._coalescing is not None:
             self._coalescing.append(job)
         return FcollWork(self._engine, [job], name)
 
     # ---- all_reduce / reduce ----------------------------------------------------------------
     def allreduce(self, tensors, opts=None) -> dist.Work:
+        if (opts is not None and not opts.asyncOp and len(tensors) == 1
+                and self._coalescing is None):
+            work = self._allreduce_fast(tensors[0], opts.reduceOp)
+            if work is not None:
+                return work
         opts = opts if opts is not None else dist.AllreduceOptions()
         return self._allreduce("all_reduce", tensors, reduce_op_name(opts.reduceOp), opts=opts)
+
+    def _allreduce_fast(self, t, rop) -> dist.Work | None:
+        """A synchronous all_reduce of a contiguous CPU tensor that fits one slot, run right here
+        when nothing else is queued (see :func:`alg.all_reduce_small`); None: take the general
+        path. Failures are handled as :meth:`Engine._execute` handles them."""
+        if (t.layout is not torch.strided or not t.is_cpu or t.requires_grad
+                or not t.is_contiguous()):
+            return None
+        key = (t.dtype, t.shape, rop.op)
+        plan = self._ar_plans.get(key)
+        if plan is None:
+            plan = self._ar_plan(t, rop)
+            if len(self._ar_plans) > 256:
+                self._ar_plans.clear()
+            self._ar_plans[key] = plan
+        if plan is False:
+            return None
+        eng = self._engine
+        if not eng.begin_inline():
+            return None
+        seq = self._seq
+        self._seq = seq + 1
+        error = None
+        try:
+            alg.all_reduce_small(eng.ch, plan, t, marshal.dumps((seq,) + plan.tail),
+                                 f"all_reduce (collective #{seq})", time.monotonic())
+        except hdr.CollectiveMismatchError as e:  # raised by every rank at the same phase
+            error = e
+        except BaseException as e:  # noqa: BLE001  carried to wait(), group unusable
+            if not isinstance(e, PeerError):
+                log.exception("fcoll all_reduce failed")
+            eng.broken = error = e
+        finally:
+            eng.end_inline()
+        return DoneWork([t], error)
+
+    def _ar_plan(self, t, rop):
+        op = reduce_op_name(rop)
+        if (check_reduce_op(op, t.dtype) or t.numel() == 0
+                or t.numel() * t.element_size() > self._engine.seg.layout.slot_bytes):
+            return False
+        return alg.SmallAllReducePlan(self._engine.ch, t.dtype, tuple(t.shape), op)
 
     def _allreduce(self, name: str, tensors, op: str, root: int | None = None,
                    opts=None) -> dist.Work:
