@@ -278,6 +278,74 @@ class SmallAllReducePlan:
         self.pair = n == 2
 
 
+class OneSlotPlan:
+    """Header offsets of every slot, for the one-phase fast paths below; ``name`` is the
+    collective's name, ``tail`` its header without the sequence number, ``views`` per-slot
+    tensor views prepared by the caller."""
+
+    __slots__ = ("name", "tail", "views", "hoffs", "peer_hoffs", "op", "extra")
+
+    def __init__(self, ch: Channel, name: str, tail: tuple, views: list, op: str = "",
+                 extra=None):
+        n, r = ch.world, ch.rank
+        lay = ch.seg.layout
+        self.name, self.tail, self.views, self.op, self.extra = name, tail, views, op, extra
+        self.hoffs = [[lay.header(s, p) for p in range(n)] for s in range(NSLOTS)]
+        self.peer_hoffs = [[lay.header(s, p) for p in range(n) if p != r] for s in range(NSLOTS)]
+
+
+def exchange(ch: Channel, plan, slot: int, payload: bytes, what: str, start: float) -> None:
+    """Publish this rank's header (its data is already in ``slot``), wait for every peer, check
+    the headers: a bytes compare, decoded and checked field by field only if they differ."""
+    buf = ch.seg.buf
+    hdr.write(buf, plan.hoffs[slot][ch.rank], payload)
+    ch.arrive()
+    ch.wait_all(what, start)
+    for off in plan.peer_hoffs[slot]:
+        if hdr.read(buf, off) != payload:
+            hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name, ch.describe,
+                      payload)
+            break
+
+
+def all_gather_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: torch.Tensor,
+                     payload: bytes, what: str, start: float) -> None:
+    """One-slot all_gather: ``plan.views[slot] = (my row shaped like src, [n, numel] rows)``;
+    ``dst`` is the output viewed ``[n, numel]``."""
+    slot = ch.use % NSLOTS
+    ch.use += 1
+    mine, rows = plan.views[slot]
+    mine.copy_(src)
+    exchange(ch, plan, slot, payload, what, start)
+    dst.copy_(rows)
+
+
+def reduce_scatter_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: torch.Tensor,
+                         payload: bytes, what: str, start: float) -> None:
+    """One-slot reduce_scatter: ``plan.views[slot] = (my row shaped like src, piece r of every
+    rank shaped [n, *dst.shape], its rows)``."""
+    slot = ch.use % NSLOTS
+    ch.use += 1
+    mine, pieces, piece_list = plan.views[slot]
+    mine.copy_(src)
+    exchange(ch, plan, slot, payload, what, start)
+    reduce_rows(pieces, plan.op, dst, piece_list)
+
+
+def broadcast_small(ch: Channel, plan: OneSlotPlan, buf: torch.Tensor, root: int,
+                    payload: bytes, what: str, start: float) -> None:
+    """One-slot broadcast: ``plan.views[slot]`` is the slot's region shaped like ``buf`` (the
+    same bytes the general :func:`broadcast` uses)."""
+    slot = ch.use % NSLOTS
+    ch.use += 1
+    region = plan.views[slot]
+    if ch.rank == root:
+        region.copy_(buf)
+    exchange(ch, plan, slot, payload, what, start)
+    if ch.rank != root:
+        buf.copy_(region)
+
+
 def all_reduce_small(ch: Channel, plan: SmallAllReducePlan, t: torch.Tensor, payload: bytes,
                      what: str, start: float) -> None:
     """All_reduce of ``t`` (contiguous CPU, fits one slot) in place, in one phase: copy in, publish

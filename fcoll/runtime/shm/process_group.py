@@ -74,7 +74,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         ch = Channel(seg, rank, size, self._timeout_s, self._global_ranks)
         self._engine = Engine(seg, ch, f"g{self._global_ranks[0]}x{size}r{rank}")
         self._coalescing: list[Any] | None = None
-        self._ar_plans: dict = {}
+        self._plans: dict = {}
 
     # ---- identity -------------------------------------------------------------------------
     def size(self) -> int:
@@ -159,18 +159,25 @@ class FcollProcessGroup(dist.ProcessGroup):
         """A synchronous all_reduce of a contiguous CPU tensor that fits one slot, run right here
         when nothing else is queued (see :func:`alg.all_reduce_small`); None: take the general
         path. Failures are handled as :meth:`Engine._execute` handles them."""
-        if (t.layout is not torch.strided or not t.is_cpu or t.requires_grad
-                or not t.is_contiguous()):
+        if not _plain(t):
             return None
         key = (t.dtype, t.shape, rop.op)
-        plan = self._ar_plans.get(key)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._ar_plan(t, rop)
-            if len(self._ar_plans) > 256:
-                self._ar_plans.clear()
-            self._ar_plans[key] = plan
+            plan = self._remember(key, self._ar_plan(t, rop))
         if plan is False:
             return None
+        return self._run_fast(plan, alg.all_reduce_small, (t,), [t])
+
+    def _remember(self, key, plan):
+        if len(self._plans) > 256:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _run_fast(self, plan, fn, args, result) -> dist.Work | None:
+        """Run the one-slot fast path ``fn(ch, plan, *args, payload, what, start)`` here on the
+        caller's thread if the executor is idle; errors as in :meth:`Engine._execute`."""
         eng = self._engine
         if not eng.begin_inline():
             return None
@@ -178,17 +185,93 @@ class FcollProcessGroup(dist.ProcessGroup):
         self._seq = seq + 1
         error = None
         try:
-            alg.all_reduce_small(eng.ch, plan, t, marshal.dumps((seq,) + plan.tail),
-                                 f"all_reduce (collective #{seq})", time.monotonic())
+            fn(eng.ch, plan, *args, marshal.dumps((seq,) + plan.tail),
+               f"{plan.tail[0]} (collective #{seq})", time.monotonic())
         except hdr.CollectiveMismatchError as e:  # raised by every rank at the same phase
             error = e
         except BaseException as e:  # noqa: BLE001  carried to wait(), group unusable
             if not isinstance(e, PeerError):
-                log.exception("fcoll all_reduce failed")
+                log.exception("fcoll %s failed", plan.tail[0])
             eng.broken = error = e
         finally:
             eng.end_inline()
-        return DoneWork([t], error)
+        return DoneWork(result, error)
+
+    def _fits(self, t) -> bool:
+        return 0 < t.numel() * t.element_size() <= self._engine.seg.layout.slot_bytes
+
+    def _ag_fast(self, output, input):  # noqa: A002
+        if not (_plain(input) and _plain(output)):
+            return None
+        key = ("ag", input.dtype, input.shape, output.dtype, output.shape)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = False
+            n, numel = self._size, input.numel()
+            if (input.dtype == output.dtype and output.numel() == n * numel
+                    and self._fits(input)):
+                seg = self._engine.seg
+                views = []
+                for slot in range(3):
+                    rows = seg.rows(slot, input.dtype)[:, :numel]
+                    views.append((rows[self._rank].view(input.shape), rows))
+                plan = alg.OneSlotPlan(self._engine.ch, "all_gather_into_tensor",
+                                       ("all_gather_into_tensor", str(input.dtype)[6:],
+                                        tuple(input.shape), "", -1, None, None), views,
+                                       extra=(n, numel))
+            self._remember(key, plan)
+        if plan is False:
+            return None
+        return self._run_fast(plan, alg.all_gather_small, (input, output.view(plan.extra)),
+                              [output])
+
+    def _rs_fast(self, output, input, rop):  # noqa: A002
+        if not (_plain(input) and _plain(output)):
+            return None
+        key = ("rs", input.dtype, input.shape, output.dtype, output.shape, rop.op)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = False
+            n, M = self._size, output.numel()
+            op = reduce_op_name(rop)
+            if (not check_reduce_op(op, input.dtype) and input.dtype == output.dtype
+                    and input.numel() == n * M and self._fits(input)
+                    and (input.dim() == 0 or input.shape[0] % n == 0
+                         or output.dim() != input.dim())):
+                seg = self._engine.seg
+                r = self._rank
+                views = []
+                for slot in range(3):
+                    rows = seg.rows(slot, input.dtype)
+                    pieces = rows[:, r * M:(r + 1) * M].view(n, *output.shape)
+                    views.append((rows[r, :n * M].view(input.shape), pieces,
+                                  list(pieces.unbind(0))))
+                plan = alg.OneSlotPlan(self._engine.ch, "reduce_scatter_tensor",
+                                       ("reduce_scatter_tensor", str(input.dtype)[6:],
+                                        tuple(input.shape), op, -1, None, None), views, op=op)
+            self._remember(key, plan)
+        if plan is False:
+            return None
+        return self._run_fast(plan, alg.reduce_scatter_small, (input, output), [output])
+
+    def _bc_fast(self, t, root):
+        if not _plain(t):
+            return None
+        key = ("bc", t.dtype, t.shape, root)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = False
+            if 0 <= root < self._size and self._fits(t):
+                seg = self._engine.seg
+                views = [seg.rows(slot, t.dtype).view(-1)[:t.numel()].view(t.shape)
+                         for slot in range(3)]
+                plan = alg.OneSlotPlan(self._engine.ch, "broadcast",
+                                       ("broadcast", str(t.dtype)[6:], tuple(t.shape), "", root,
+                                        None, None), views)
+            self._remember(key, plan)
+        if plan is False:
+            return None
+        return self._run_fast(plan, alg.broadcast_small, (t, root), [t])
 
     def _ar_plan(self, t, rop):
         op = reduce_op_name(rop)
@@ -258,6 +341,10 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     # ---- all_gather ---------------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+        if opts is not None and not opts.asyncOp and self._coalescing is None:
+            work = self._ag_fast(output, input)
+            if work is not None:
+                return work
         name = "all_gather_into_tensor"
         n = self._size
         err = (Staging.check_output(output, "output_tensor")
@@ -314,6 +401,10 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     # ---- reduce_scatter -----------------------------------------------------------------------
     def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+        if opts is not None and not opts.asyncOp and self._coalescing is None:
+            work = self._rs_fast(output, input, opts.reduceOp)
+            if work is not None:
+                return work
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         name = "reduce_scatter_tensor"
         op = reduce_op_name(opts.reduceOp)
@@ -398,6 +489,11 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     # ---- broadcast / barrier / coalescing ----------------------------------------------------
     def broadcast(self, tensors, opts=None) -> dist.Work:
+        if (opts is not None and not opts.asyncOp and self._coalescing is None
+                and len(tensors) == 1):
+            work = self._bc_fast(tensors[0], opts.rootRank)
+            if work is not None:
+                return work
         opts = opts if opts is not None else dist.BroadcastOptions()
         return self._broadcast(tensors, opts.rootRank, opts=opts)
 
@@ -452,6 +548,12 @@ class FcollProcessGroup(dist.ProcessGroup):
             stacked = torch.empty((n, *out.shape), dtype=out.dtype)
         return self._broadcast([stacked], root, name="scatter",
                                post=lambda: out.copy_(stacked[self._rank]), result=[out])
+
+def _plain(t) -> bool:
+    """A dense, contiguous CPU tensor outside autograd: usable as is by the fast paths."""
+    return (isinstance(t, torch.Tensor) and t.layout is torch.strided and t.is_cpu
+            and not t.requires_grad and t.is_contiguous())
+
 
 def _offsets(splits: list[int], row_bytes: int) -> list[tuple[int, int]]:
     out, off = [], 0
