@@ -346,6 +346,36 @@ def broadcast_small(ch: Channel, plan: OneSlotPlan, buf: torch.Tensor, root: int
         buf.copy_(region)
 
 
+def all_to_all_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: torch.Tensor,
+                     payload: bytes, what: str, start: float) -> None:
+    """One-slot all_to_all with even splits; ``src``/``dst`` viewed ``[n, m]``;
+    ``plan.views[slot] = (my n sub-slots [n, m], sub-slot r of every rank [n, m])``, the layout
+    of :func:`all_to_all`. If a peer's header differs (a general-path peer with other splits
+    that still agree with ours), the rounds it needs are run too, with nothing to move here."""
+    slot = ch.use % NSLOTS
+    ch.use += 1
+    send, recv = plan.views[slot]
+    send.copy_(src)
+    buf = ch.seg.buf
+    hdr.write(buf, plan.hoffs[slot][ch.rank], payload)
+    ch.arrive()
+    ch.wait_all(what, start)
+    rounds = 1
+    for off in plan.peer_hoffs[slot]:
+        if hdr.read(buf, off) != payload:
+            heads = hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name,
+                              ch.describe, payload)
+            row_bytes, sub = plan.extra
+            longest = max(max(h[6][0]) if h[6][0] else 0 for h in heads) * row_bytes
+            rounds = max(1, -(-longest // sub))
+            break
+    dst.copy_(recv)
+    for _ in range(1, rounds):
+        ch.use += 1
+        ch.arrive()
+        ch.wait_all(what, start)
+
+
 def all_reduce_small(ch: Channel, plan: SmallAllReducePlan, t: torch.Tensor, payload: bytes,
                      what: str, start: float) -> None:
     """All_reduce of ``t`` (contiguous CPU, fits one slot) in place, in one phase: copy in, publish

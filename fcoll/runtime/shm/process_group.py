@@ -254,6 +254,47 @@ class FcollProcessGroup(dist.ProcessGroup):
             return None
         return self._run_fast(plan, alg.reduce_scatter_small, (input, output), [output])
 
+    def _a2a_fast(self, output, input, out_splits, in_splits):  # noqa: A002
+        if not (_plain(input) and _plain(output)) or input.dim() == 0:
+            return None
+        n = self._size
+        rows = input.shape[0]
+        k = rows // n
+        if in_splits and any(x != k for x in in_splits):
+            return None
+        if out_splits and any(x != k for x in out_splits):
+            return None
+        key = ("a2a", input.dtype, input.shape, output.dtype, output.shape,
+               len(in_splits or ()), len(out_splits or ()))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = False
+            seg = self._engine.seg
+            e = input.element_size()
+            sub = (seg.layout.slot_bytes // n) // 64 * 64
+            m = input.numel() // n
+            if (input.dtype == output.dtype and rows % n == 0 and input.shape == output.shape
+                    and 0 < m * e <= sub and len(in_splits or [0] * n) == n
+                    and len(out_splits or [0] * n) == n):
+                r = self._rank
+                views = []
+                for slot in range(3):
+                    rws = seg.rows(slot, input.dtype)
+                    se = sub // e
+                    send = rws[r, :n * se].view(n, se)[:, :m]
+                    views.append((send, rws[:, r * se:r * se + m]))
+                row = input[0].numel() * e
+                plan = alg.OneSlotPlan(self._engine.ch, "all_to_all_single",
+                                       ("all_to_all_single", str(input.dtype)[6:],
+                                        tuple(input.shape), "", -1, ([k] * n, [k] * n), None),
+                                       views, extra=(row, sub))
+            self._remember(key, plan)
+        if plan is False:
+            return None
+        n2 = (n, input.numel() // n)
+        return self._run_fast(plan, alg.all_to_all_small, (input.view(n2), output.view(n2)),
+                              [output])
+
     def _bc_fast(self, t, root):
         if not _plain(t):
             return None
@@ -449,6 +490,11 @@ class FcollProcessGroup(dist.ProcessGroup):
     # ---- all_to_all ---------------------------------------------------------------------------
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
                           opts=None, _post=None, _result=None) -> dist.Work:
+        if (opts is not None and not opts.asyncOp and self._coalescing is None
+                and _post is None):
+            work = self._a2a_fast(output, input, output_split_sizes, input_split_sizes)
+            if work is not None:
+                return work
         name = "all_to_all_single"
         n = self._size
         in_s, out_s, err = Staging.check_splits(input, output, list(input_split_sizes or []),
