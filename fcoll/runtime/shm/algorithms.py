@@ -258,7 +258,7 @@ class SmallAllReducePlan:
     rank's row and every rank's rows shaped like the user's tensor, and the header offsets. A
     recurring small all_reduce then makes no tensor views and runs no Python loop over ranks."""
 
-    __slots__ = ("op", "tail", "views", "hoffs", "peer_hoffs", "pair")
+    __slots__ = ("op", "tail", "views", "hoffs", "peer_hoffs", "pair", "name")
 
     def __init__(self, ch: Channel, dtype: torch.dtype, shape: tuple, op: str):
         seg, n, r = ch.seg, ch.world, ch.rank
@@ -266,6 +266,7 @@ class SmallAllReducePlan:
         for d in shape:
             numel *= d
         self.op = op
+        self.name = "all_reduce"
         self.tail = ("all_reduce", str(dtype)[6:], tuple(shape), op, -1, None, None)
         self.views = []
         for slot in range(NSLOTS):
@@ -302,7 +303,7 @@ def exchange(ch: Channel, plan, slot: int, payload: bytes, what: str, start: flo
     ch.arrive()
     ch.wait_all(what, start)
     for off in plan.peer_hoffs[slot]:
-        if hdr.read(buf, off) != payload:
+        if not hdr.equals(buf, ch.words, off, payload):
             hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name, ch.describe,
                       payload)
             break
@@ -362,7 +363,7 @@ def all_to_all_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: tor
     ch.wait_all(what, start)
     rounds = 1
     for off in plan.peer_hoffs[slot]:
-        if hdr.read(buf, off) != payload:
+        if not hdr.equals(buf, ch.words, off, payload):
             heads = hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name,
                               ch.describe, payload)
             row_bytes, sub = plan.extra
@@ -386,15 +387,7 @@ def all_reduce_small(ch: Channel, plan: SmallAllReducePlan, t: torch.Tensor, pay
     ch.use += 1
     mine, peer, rows, row_list = plan.views[slot]
     mine.copy_(t)
-    buf = ch.seg.buf
-    hdr.write(buf, plan.hoffs[slot][ch.rank], payload)
-    ch.arrive()
-    ch.wait_all(what, start)
-    for off in plan.peer_hoffs[slot]:
-        if hdr.read(buf, off) != payload:
-            hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], "all_reduce", ch.describe,
-                      payload)
-            break
+    exchange(ch, plan, slot, payload, what, start)
     if plan.pair:
         reduce_pair_inplace(t, peer, plan.op)
     else:

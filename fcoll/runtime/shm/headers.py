@@ -38,6 +38,13 @@ def write(buf: memoryview, offset: int, payload: bytes) -> None:
     buf[offset:offset + 4] = struct.pack("<I", n)
 
 
+def equals(buf: memoryview, words: memoryview, offset: int, payload: bytes) -> bool:
+    """Whether the header at ``offset`` (4-byte aligned; ``words`` is ``buf`` as u32) is
+    ``payload``, without copying it out."""
+    n = len(payload)
+    return words[offset >> 2] == n and buf[offset + 4:offset + 4 + n] == payload
+
+
 def read(buf: memoryview, offset: int) -> bytes:
     (n,) = struct.unpack_from("<I", buf, offset)
     return bytes(buf[offset + 4:offset + 4 + min(n, HEADER_BYTES - 4)])

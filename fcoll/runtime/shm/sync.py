@@ -89,6 +89,8 @@ class Channel:
         self._flags_on = world <= MAX_SLEEP_FLAGS
         self._my_flags = slice(lay.word(rank, W_SLEEP), lay.word(rank, W_SLEEP) + world)
         self._flag_idx = [lay.word(p, W_SLEEP + rank) for p in range(world)]
+        self._one_flag = (lay.word(rank, W_SLEEP + 1 - rank)
+                          if world == 2 and self._flags_on else -1)
         self._addr = [seg.word_addr(p, W_ARRIVE) for p in range(world)]
         self._peers = [p for p in range(world) if p != rank]
         self._ident = [
@@ -121,7 +123,10 @@ class Channel:
         k = self.phase & 0xFFFFFFFF
         words = self.words
         words[self._idx[self.rank]] = k
-        if not self._flags_on or any(words[self._my_flags]):
+        if self._one_flag >= 0:  # 2 ranks: one flag to look at
+            if words[self._one_flag]:
+                futex_wake(self._addr[self.rank])
+        elif not self._flags_on or any(words[self._my_flags]):
             futex_wake(self._addr[self.rank])
         return k
 
