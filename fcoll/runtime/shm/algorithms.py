@@ -485,9 +485,18 @@ def all_to_all(c: Call, src: torch.Tensor, dst: torch.Tensor, send: list[tuple[i
                 if b > a:
                     dst[off + a:off + b].copy_(data[slot][p, r * sub:r * sub + b - a])
 
+    # Rounds this rank knows it needs (its own longest segment) never exceed the group's
+    # (from every header), so round t+1 can be copied in before waiting on round t while
+    # t+1 < local rounds: one slot claimed per round, in round order, on every rank.
+    local = max(1, -(-max((ln for _, ln in send), default=0) // sub))
     slot = c.slot()
     copy_in(slot, 0)
-    heads = c.first_sync(slot)
+    c.publish(slot, True)
+    nslot = -1
+    if local > 1:
+        nslot = c.slot()
+        copy_in(nslot, 1)
+    heads = c.collect(slot, True)
     longest = max(max(h[6][0]) if h[6][0] else 0 for h in heads) * row_bytes
     rounds = max(1, -(-longest // sub))
     off_s, ln_s = send[r]
@@ -495,9 +504,15 @@ def all_to_all(c: Call, src: torch.Tensor, dst: torch.Tensor, send: list[tuple[i
     dst[off_r:off_r + ln_s].copy_(src[off_s:off_s + ln_s])
     copy_out(slot, 0)
     for t in range(1, rounds):
-        slot = c.slot()
-        copy_in(slot, t)
-        c.sync()
+        if nslot < 0:
+            nslot = c.slot()
+            copy_in(nslot, t)
+        slot, nslot = nslot, -1
+        ch.arrive()
+        if t + 1 < min(local, rounds):
+            nslot = c.slot()
+            copy_in(nslot, t + 1)
+        ch.wait_all(c.what, c.start)
         copy_out(slot, t)
 
 

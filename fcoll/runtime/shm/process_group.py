@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import marshal
+import math
 import os
 import time
 from typing import Any, Callable
@@ -503,7 +504,7 @@ class FcollProcessGroup(dist.ProcessGroup):
             input, output)
         if err:
             return self._submit(name, input, extra=None, error=err)
-        row = input[0].numel() * input.element_size() if input.dim() else input.element_size()
+        row = math.prod(input.shape[1:]) * input.element_size()  # also with 0 rows
         st = Staging()
         src = st.input(input).view(-1).view(torch.uint8)
         dst = st.output(output).view(-1).view(torch.uint8)
