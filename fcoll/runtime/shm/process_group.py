@@ -106,9 +106,11 @@ class FcollProcessGroup(dist.ProcessGroup):
         return f"FcollProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
 
     def shutdown(self) -> None:
+        self._plans.clear()  # the fast paths' views of the mapping, so close() can unmap it
         self._engine.close()
 
     def abort(self) -> None:
+        self._plans.clear()
         self._engine.close(timeout_s=0.5)
 
     def _desc_rank(self) -> str:
