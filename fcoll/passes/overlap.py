@@ -24,8 +24,6 @@ neither triton nor a GPU.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 
 import torch.fx as fx
@@ -36,7 +34,7 @@ from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, is_collective, is_wait,
 )
 from fcoll.passes.memory import COLLECTIVE, op_class
-from fcoll.passes.registry import FcollPass, register_pass
+from fcoll.passes.registry import FcollPass, gc_paused, register_pass
 from fcoll.passes.schedule import PredictedEvent, apply_order, dependencies, list_schedule, \
     simulate
 
@@ -46,24 +44,6 @@ __all__ = ["SinkWaits", "RaiseCollectives", "ReorderForOverlap", "PredictedEvent
 log = logging.getLogger(__name__)
 
 _MIB = 2 ** 20
-
-
-@contextlib.contextmanager
-def _no_gc():
-    """Pause the cyclic garbage collector while planning.
-
-    Planning allocates a few containers per node (no reference cycles) and drops them at the
-    end; each full collection meanwhile walks every object of the graph (nodes, meta, fake
-    tensors), which on a 50k-node graph cost about as much as the planning itself and made its
-    time grow faster than linearly. Reference counting still frees memory as usual.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _place(order: list[fx.Node], movers: dict[fx.Node, fx.Node], before: bool) -> list[fx.Node]:
@@ -184,7 +164,7 @@ class ReorderForOverlap(FcollPass):
         if not any(op_class(n) == COLLECTIVE for n in graph_module.graph.nodes):
             return PassResult(graph_module, False)
         model = model_for(graph_module, self.config.estimator)
-        with _no_gc():
+        with gc_paused():
             plan = list_schedule(graph_module.graph, model,
                                  memory_budget_bytes=int(self.config.memory_budget_mb * _MIB),
                                  max_in_flight_bytes=int(self.config.max_in_flight_mb * _MIB))

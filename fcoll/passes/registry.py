@@ -113,15 +113,15 @@ def run_pipeline(gm: fx.GraphModule, config: FcollConfig | None = None,
     passes = [get_pass(n, config) for n in names]
     gm = _lazy(gm)
     records = list(gm.meta.get(META_PASSES, []))
-    with _gc_paused():
+    with gc_paused():
         gm = _run_passes(gm, passes, records, on_pass)
     gm.meta[META_PASSES] = records
     return gm
 
 
 @contextlib.contextmanager
-def _gc_paused():
-    """Pause Python's cyclic GC while passes run, then restore its previous state.
+def gc_paused():
+    """Pause Python's cyclic GC while passes run (or one pass plans), then restore its state.
 
     Passes allocate tens of thousands of FX nodes on large graphs, and each automatic GC
     generation sweep scans the whole heap: measured here as a large, erratic share of the time
