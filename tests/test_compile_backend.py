@@ -7,7 +7,6 @@ checks real results, PyTorch's ``_c10d_functional`` ops, and the trace files.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

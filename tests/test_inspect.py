@@ -103,7 +103,7 @@ graph(%arg0: f32[s0, s1]):
 from types import SimpleNamespace  # noqa: E402
 
 from fcoll.passes.graph import (  # noqa: E402
-    collective_info, is_collective, is_wait, node_bytes, start_of,
+    collective_info, is_collective, is_wait, start_of,
 )
 
 COMPUTE_US = 10.0

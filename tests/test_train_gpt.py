@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
 import torch
 
 from fcoll.testing import run_ranks

@@ -24,7 +24,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.fx as fx
 from torch.utils.hooks import RemovableHandle
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from fcoll.passes.graph import collective_info, is_collective, is_wait, start_of, waits_of
+from fcoll.passes.graph import collective_info, is_collective, is_wait, waits_of
 from fcoll.runtime.trace import RunTrace, TraceRecorder, busbw_factor, now_us
 
 __all__ = ["OpTable", "UnknownOpError", "GraphExecutor", "RUNNABLE_NAMESPACES", "comm_bytes"]
