@@ -22,6 +22,8 @@ import torch.fx as fx
 from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, collectives, is_wait, start_of, waits_of,
 )
+from fcoll.passes.overlap import predict as overlap_predict
+from fcoll.passes.schedule import PredictedEvent
 
 __all__ = ["Event", "PredictFn", "predicted_events", "CollectiveTiming", "collective_timings",
            "wait_positions", "schedule_positions"]
@@ -31,20 +33,8 @@ log = logging.getLogger(__name__)
 PredictFn = Callable[[fx.GraphModule], Sequence[Any]]
 
 
-@dataclass(frozen=True)
-class Event:
-    """One scheduled node on the predicted (or measured) timeline; times in microseconds."""
-
-    node: str
-    kind: str
-    lane: str
-    start_us: float
-    end_us: float
-    exposed_us: float = 0.0
-
-    @property
-    def dur_us(self) -> float:
-        return max(0.0, self.end_us - self.start_us)
+#: One scheduled node of a predicted (or measured) timeline: the simulator's own event type.
+Event = PredictedEvent
 
 
 def _as_event(e: Any) -> Event:
@@ -60,16 +50,6 @@ def _as_event(e: Any) -> Event:
                  exposed_us=float(get("exposed_us", 0.0) or 0.0))
 
 
-def _default_predict() -> PredictFn | None:
-    try:
-        from fcoll.passes import overlap
-    except ModuleNotFoundError as e:
-        if e.name != "fcoll.passes.overlap":
-            raise
-        return None
-    return getattr(overlap, "predict", None)
-
-
 def predicted_events(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
                      predict: PredictFn | None = None, required: bool = False,
                      ) -> list[Event] | None:
@@ -81,24 +61,17 @@ def predicted_events(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
             as they are.
         predict: a simulator ``gm -> events``; default ``fcoll.passes.overlap.predict``. A
             simulator that returns None declines (``node.meta`` estimates are used).
-        required: raise instead of returning None when no simulator is available.
+        required: raise instead of returning None when the simulator declines.
 
     Returns:
-        The events sorted by start time (ties in graph order), or None when neither ``events``
-        nor a simulator is available and ``required`` is False.
+        The events sorted by start time (ties in graph order), or None when the simulator
+        declines and ``required`` is False.
 
     Raises:
-        RuntimeError: ``required`` and no simulator (``fcoll.passes.overlap`` is missing).
+        RuntimeError: ``required`` and the simulator returned None.
     """
     if events is None:
-        predict = predict if predict is not None else _default_predict()
-        if predict is None:
-            if required:
-                raise RuntimeError("no predicted schedule: fcoll.passes.overlap.predict is not "
-                                   "available; pass events= or predict=")
-            log.debug("no predict(): falling back to node.meta estimates")
-            return None
-        events = predict(gm)
+        events = (predict if predict is not None else overlap_predict)(gm)
         if events is None:
             if required:
                 raise RuntimeError("no predicted schedule: the predictor returned None")

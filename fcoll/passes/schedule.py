@@ -162,6 +162,11 @@ class PredictedEvent:
     end_us: float
     exposed_us: float = 0.0
 
+    @property
+    def dur_us(self) -> float:
+        """``end_us - start_us``, never negative."""
+        return max(0.0, self.end_us - self.start_us)
+
 
 class Timeline:
     """Simulates nodes in the order they are fed (see the module docstring for the model)."""
