@@ -25,6 +25,7 @@ neither triton nor a GPU.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
@@ -114,8 +115,19 @@ def raise_collectives_order(graph: fx.Graph) -> list[fx.Node]:
     return _place(deps.order, anchors, before=False)
 
 
+class _ReorderPass(FcollPass):
+    """A pass whose whole rewrite is one new node order, planned by ``plan(graph)``."""
+
+    plan: Callable[[fx.Graph], list[fx.Node]]
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        modified = apply_order(graph_module.graph, self.plan(graph_module.graph))
+        graph_module.recompile()
+        return PassResult(graph_module, modified)
+
+
 @register_pass
-class SinkWaits(FcollPass):
+class SinkWaits(_ReorderPass):
     """``sink_waits``: move each ``wait_tensor`` down to just before the first node needing it.
 
     Invariant: only waits move, and a wait never passes a node that needs its result, so values
@@ -123,16 +135,11 @@ class SinkWaits(FcollPass):
     """
 
     name = "sink_waits"
-
-    def call(self, graph_module: fx.GraphModule) -> PassResult:
-        order = sink_waits_order(graph_module.graph)
-        modified = apply_order(graph_module.graph, order)
-        graph_module.recompile()
-        return PassResult(graph_module, modified)
+    plan = staticmethod(sink_waits_order)
 
 
 @register_pass
-class RaiseCollectives(FcollPass):
+class RaiseCollectives(_ReorderPass):
     """``raise_collectives``: move each collective up to just after its last input is ready.
 
     Collectives are never moved above the previous collective, so their relative order is
@@ -141,12 +148,7 @@ class RaiseCollectives(FcollPass):
     """
 
     name = "raise_collectives"
-
-    def call(self, graph_module: fx.GraphModule) -> PassResult:
-        order = raise_collectives_order(graph_module.graph)
-        modified = apply_order(graph_module.graph, order)
-        graph_module.recompile()
-        return PassResult(graph_module, modified)
+    plan = staticmethod(raise_collectives_order)
 
 
 @register_pass
