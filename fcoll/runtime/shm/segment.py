@@ -73,26 +73,26 @@ def _unlink_leftovers() -> None:
         unlink_quietly(path)
 
 
-def proc_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/pid/stat), or None."""
+def _proc_stat(pid: int) -> list[bytes] | None:
+    """Fields of /proc/pid/stat after the command name (field 3, the state, first), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return int(fields[19])
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/pid/stat), or None."""
+    fields = _proc_stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def proc_alive(pid: int, start_time: int) -> bool:
     """Whether ``pid`` is the same, still running process; zombies and dead processes are not."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X", b"x"):
+    fields = _proc_stat(pid)
+    if fields is None or fields[0] in (b"Z", b"X", b"x"):
         return False
     return int(fields[19]) == start_time
 
