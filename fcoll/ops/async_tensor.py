@@ -12,9 +12,36 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._dynamo.external_utils import is_compiling as _dynamo_is_compiling
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["AsyncCollectiveTensor", "wrap_async"]
+from fcoll.ops import pending
+
+__all__ = ["AsyncCollectiveTensor", "complete", "is_tracing", "wrap_async"]
+
+
+def is_tracing() -> bool:
+    """True under Dynamo, fake mode, the Python dispatcher, or make_fx (as PyTorch decides)."""
+    if _dynamo_is_compiling():
+        return True
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher):
+        return True
+    return get_proxy_mode() is not None
+
+
+def complete(tensor: torch.Tensor) -> torch.Tensor:
+    """Wait for the collective writing ``tensor`` and return its values.
+
+    While tracing this is ``torch.ops.fcoll.wait_tensor``, so the graph records the wait. Eagerly
+    it is :func:`fcoll.ops.pending.wait`, which returns ``tensor`` itself: the op's kernel would
+    return a copy (a custom op may not alias its input), which eager callers do not need.
+    """
+    if is_tracing():
+        return torch.ops.fcoll.wait_tensor(tensor)
+    return pending.wait(tensor)
 
 
 def _is_view_op(func) -> bool:
@@ -61,7 +88,7 @@ class AsyncCollectiveTensor(torch.Tensor):
     def trigger_wait(self) -> torch.Tensor:
         """Wait for the collective (once) and return the plain output tensor."""
         if not self.completed:
-            out = torch.ops.fcoll.wait_tensor(self.elem)
+            out = complete(self.elem)
             self.completed = True
             return out
         return self.elem

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from fcoll.ops.async_tensor import complete
 from fcoll.ops.groups import group_from_name
 
 __all__: list[str] = []
@@ -39,7 +40,7 @@ def _differentiable_reduce(op: str, reduce_op: str) -> None:
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
-    return _ops.wait_tensor(t)
+    return complete(t)
 
 
 # all_reduce ----------------------------------------------------------------------------------

@@ -12,11 +12,9 @@ Shapes are per rank; ``n`` is the group size.
 from __future__ import annotations
 
 import torch
-from torch._dynamo.external_utils import is_compiling as _dynamo_is_compiling
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from fcoll.ops import autograd as _autograd  # noqa: F401  registers backward formulas
-from fcoll.ops.async_tensor import AsyncCollectiveTensor, wrap_async
+from fcoll.ops.async_tensor import AsyncCollectiveTensor, complete, is_tracing, wrap_async
 from fcoll.ops.groups import GroupLike, group_size, resolve_group_name
 
 __all__ = [
@@ -29,19 +27,8 @@ __all__ = [
 _ops = torch.ops.fcoll
 
 
-def _tracing() -> bool:
-    """True under Dynamo, fake mode, the Python dispatcher, or make_fx (as PyTorch decides)."""
-    if _dynamo_is_compiling():
-        return True
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-        return True
-    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher):
-        return True
-    return get_proxy_mode() is not None
-
-
 def _finish(t: torch.Tensor) -> torch.Tensor:
-    return _ops.wait_tensor(t) if _tracing() else wrap_async(t)
+    return _ops.wait_tensor(t) if is_tracing() else wrap_async(t)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +43,7 @@ def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """
     if isinstance(tensor, AsyncCollectiveTensor):
         return tensor.wait()
-    return _ops.wait_tensor(tensor)
+    return complete(tensor)
 
 
 def all_reduce(self: torch.Tensor, reduceOp: str, group: GroupLike, tag: str = "") -> torch.Tensor:

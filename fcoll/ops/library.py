@@ -5,7 +5,8 @@ so a graph pass can rewrite one namespace into the other by swapping the target 
 
 Eager kernels validate their arguments, start the collective on the group's backend with
 ``async_op=True`` and return the output buffer at once; ``wait_tensor`` blocks until it is
-filled (see :mod:`fcoll.ops.pending`). Any ``torch.distributed`` backend works: fcoll's
+filled (see :mod:`fcoll.ops.pending`) and returns a copy, since a custom op may not return an
+alias of its input (fcoll's executor and ``AsyncCollectiveTensor`` wait without the copy). Any ``torch.distributed`` backend works: fcoll's
 shared-memory backend, gloo, nccl. On a group of one rank every collective is a local copy and
 completes before the op returns.
 
@@ -19,13 +20,12 @@ all_gather_into_tensor(_out)    ``[N, *]``                  ``[n * N, *]``
 reduce_scatter_tensor           ``[n * N, *]``              ``[N, *]``
 all_to_all_single               ``[sum(input_split), *]``   ``[sum(output_split), *]``
 broadcast(_)                    ``[*]``                     ``[*]`` (src's values)
-wait_tensor                     ``[*]``                     the same tensor, once complete
+wait_tensor                     ``[*]``                     ``[*]`` (a completed copy)
 ==============================  ==========================  ===============================
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import torch
@@ -82,14 +82,13 @@ for _name, _schema in SCHEMAS.items():
 
 torch.fx.node.has_side_effect(torch.ops.fcoll.wait_tensor.default)
 
-# wait_tensor returns its input buffer once the collective has filled it, exactly as
-# _c10d_functional.wait_tensor does (callers rely on `wait_tensor(y)` completing `y`). AOTAutograd's
-# first-call aliasing analysis exempts the _c10d_functional namespace for that reason
-# (torch/_functorch/_aot_autograd/runtime_wrappers.py, pytorch#170986) but warns for fcoll's twin
-# on every compile. Silence exactly that warning, for this one op; any other op still warns.
-warnings.filterwarnings(
-    "ignore", category=UserWarning,
-    message=r"fcoll::wait_tensor \(with implementation in .*\): The output of this custom operator")
+# wait_tensor's kernel returns a completed *copy* of its input, never the input itself. Custom ops
+# may not return an alias of an input: AOTAutograd's first-call analysis raises on it under CI=1
+# (torch._functorch.config.error_on_custom_op_aliasing) and warns otherwise, "to become an error";
+# PyTorch exempts only its own _c10d_functional namespace (runtime_wrappers.py, pytorch#170986).
+# The copy also keeps Inductor, which treats the op as a functional fallback kernel, from reusing
+# the collective's buffer while the wait's output is alive. The copy-free paths are fcoll's own:
+# the backend's executor and AsyncCollectiveTensor call fcoll.ops.pending.wait directly.
 for _inplace in ("all_reduce_", "all_reduce_coalesced_", "all_gather_into_tensor_out",
                  "broadcast_"):
     torch.fx.node.has_side_effect(getattr(torch.ops.fcoll, _inplace).default)
@@ -445,7 +444,7 @@ def _broadcast_(input: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
 
 @_impl("wait_tensor")
 def _wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return pending.wait(tensor)
+    return pending.wait(tensor).clone()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,6 +516,5 @@ def _(input, src, group_name):
 
 @_fake("wait_tensor")
 def _(tensor):
-    # As in PyTorch's _c10d_functional meta kernel: a fresh tensor, so that tracing never sees
-    # the wait's output alias the collective's (functional graphs carry no aliasing).
+    # A fresh tensor, like the eager kernel's copy (and PyTorch's _c10d_functional meta kernel).
     return torch.empty_like(tensor)

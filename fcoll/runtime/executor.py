@@ -95,9 +95,10 @@ class OpTable:
 
 
 def _default_overrides() -> dict[Any, Callable[..., Any]]:
-    """``fcoll.wait_tensor`` runs its kernel (:func:`fcoll.ops.pending.wait`) directly: the same
-    code without a trip through the dispatcher, whose alias check warns because the kernel
-    returns its input (as PyTorch's wait_tensor does)."""
+    """``fcoll.wait_tensor`` runs :func:`fcoll.ops.pending.wait` directly and returns the
+    collective's own buffer. The op's kernel returns a copy (a custom op may not alias its input);
+    the executor can skip it because it runs no buffer reuse of its own: a value lives as long as
+    a later node reads it."""
     from fcoll.ops import pending
 
     return {torch.ops.fcoll.wait_tensor.default: pending.wait}
