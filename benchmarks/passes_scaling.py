@@ -9,8 +9,10 @@ AOTAutograd emit them (so ``lower_c10d_functional`` has work). Per layer, forwar
 weight shards, then norm, qkv mm, attention-like mm/softmax, output mm, residual, MLP (2 mm, gelu),
 residual; backward: the same 4 all_gathers again, the gradient mms, reduce_scatter (avg) of the 4
 weight gradients, all_reduce (avg) of 2 small norm-weight gradients. Every op is waited right after
-it is issued (as tracing emits it). Layers are added until the node count is reached. Nodes carry
-fake ``meta["val"]`` (hidden 256, 64 tokens, float32).
+it is issued (as tracing emits it). The graph has the number of layers whose node count is
+nearest the size asked for (80 nodes a layer: "50k" is 49,971 nodes; an earlier version added
+layers until the size was passed and measured "50k" on 56,307). Nodes carry fake
+``meta["val"]`` (hidden 256, 64 tokens, float32).
 
 Timing: ``run_pipeline(gm, FcollConfig())`` on the fake process group, graphs being
 ``_LazyGraphModule`` as under ``torch.compile`` (``--eager-recompile`` for plain ones); per pass
@@ -101,12 +103,11 @@ def _layer_backward(g: _G, grad: fx.Node, x: fx.Node, shards: list[fx.Node], nor
     return grad
 
 
-def transformer_step(n_nodes: int, group: str, lazy: bool = True) -> fx.GraphModule:
-    """A training-step graph of about ``n_nodes`` nodes (whole layers, at least one)."""
+def _build(n_layers: int, group: str) -> fx.Graph:
     g = _G()
     x = g.input([TOKENS, HIDDEN])
     layers, saved = [], []
-    while g.count < n_nodes // 2 or not layers:
+    for _ in range(n_layers):
         shards = [g.input([HIDDEN // N, HIDDEN]) for _ in range(4)]
         norms = [g.input([HIDDEN]) for _ in range(2)]
         saved.append(x)
@@ -116,11 +117,20 @@ def transformer_step(n_nodes: int, group: str, lazy: bool = True) -> fx.GraphMod
     for (shards, norms), xs in zip(reversed(layers), reversed(saved)):
         grad = _layer_backward(g, grad, xs, shards, norms, group)
     g.graph.output((grad,))
+    return g.graph
+
+
+def transformer_step(n_nodes: int, group: str, lazy: bool = True) -> fx.GraphModule:
+    """A training-step graph with the number of whole layers (at least one) whose node count is
+    nearest ``n_nodes`` (within half a layer: 40 nodes)."""
+    one, two = (len(_build(k, group).nodes) for k in (1, 2))
+    per_layer = two - one
+    graph = _build(max(1, round((n_nodes - (one - per_layer)) / per_layer)), group)
     # As torch.compile hands graphs to backends (TORCH_COMPILE_USE_LAZY_GRAPH_MODULE=1, the
     # default): a lazy module, whose recompile() only marks the code stale, so the passes' timings
     # do not include generating Python code for the whole graph after every pass.
-    return _LazyGraphModule(torch.nn.Module(), g.graph) if lazy else \
-        fx.GraphModule(torch.nn.Module(), g.graph)
+    return _LazyGraphModule(torch.nn.Module(), graph) if lazy else \
+        fx.GraphModule(torch.nn.Module(), graph)
 
 
 class _OverCap(Exception):

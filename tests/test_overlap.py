@@ -13,6 +13,7 @@ import unittest
 
 import torch
 from expecttest import TestCase
+from torch.fx.passes.infra.pass_base import PassResult
 from torch.testing import FileCheck
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -20,8 +21,8 @@ import canonical  # noqa: E402
 
 from fcoll.inspect import format_graph  # noqa: E402
 from fcoll.passes.graph import (  # noqa: E402
-    META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, collective_info, collectives, is_collective,
-    is_wait, start_of, wait_of, waits_of,
+    META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, check_topological, collective_info,
+    collectives, is_collective, is_wait, start_of, wait_of, waits_of,
 )
 from fcoll.passes.memory import peak_bytes, storage_model  # noqa: E402
 from fcoll.passes.overlap import (  # noqa: E402
@@ -491,6 +492,35 @@ class TestRules(TestCase):
         self.assertEqual(gm.meta["fcoll_passes"][0]["pass"], "reorder_for_overlap")
         self.assertNotIn("reorder_for_overlap", FcollConfig(overlap=False).pipeline)
 
+
+    def test_a_pass_that_breaks_topological_order_fails_by_name(self):
+        """``FcollPass.ensures`` (check_topological) names the pass, the node and its input."""
+        from fcoll.passes.registry import FcollPass, _REGISTRY, register_pass
+
+        @register_pass
+        class _MoveWaitFirst(FcollPass):
+            name = "_test_move_wait_first"
+
+            def call(self, graph_module):
+                wait = next(n for n in graph_module.graph.nodes if is_wait(n))
+                next(iter(graph_module.graph.nodes)).prepend(wait)
+                return PassResult(graph_module, True)
+
+        try:
+            with self.assertRaisesRegex(Exception, r"_test_move_wait_first.*topological order: "
+                                        r"wait_tensor.* uses .*which is ordered after it"):
+                run_pipeline(canonical.mm_overlap(), FcollConfig(), ["_test_move_wait_first"])
+        finally:
+            del _REGISTRY["_test_move_wait_first"]
+
+    def test_check_topological_names_erased_inputs(self):
+        gm = canonical.mm_overlap()
+        wait = next(n for n in gm.graph.nodes if is_wait(n))
+        user = next(iter(wait.users))
+        wait.users.clear()   # detach without rewriting the user: it still names the wait
+        gm.graph.erase_node(wait)
+        with self.assertRaisesRegex(RuntimeError, f"{user.name} .* uses wait_tensor.*erased"):
+            check_topological(gm.graph)
 
 def max_in_flight(gm):
     """Largest sum of bytes of collectives issued and not yet fully waited, in graph order."""

@@ -225,8 +225,7 @@ class CheckRankConsistency(FcollPass):
     name = "check_rank_consistency"
 
     def ensures(self, graph_module: fx.GraphModule) -> None:
-        """Nothing: the pass never modifies the graph, so there is nothing new to lint (a lint
-        costs 0.1 s on a 50k-node graph)."""
+        """Nothing: the pass never modifies the graph, so there is nothing new to check."""
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         if not dist.is_available() or not dist.is_initialized():

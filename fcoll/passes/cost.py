@@ -144,26 +144,43 @@ class CostModel:
         return params.time_us(collective_bytes(node))
 
     def compute_us(self, node: fx.Node) -> float:
-        r = self.compute
-        return r.op_overhead_us + max(self._flops(node) / r.flops_per_us,
-                                      node_io_bytes(node) / r.bytes_per_us)
-
-    def _flops(self, node: fx.Node) -> int:
-        """:func:`node_flops`, memoized per (op, argument shapes): layers repeat, and the
-        formulas (pytree-heavy) would otherwise dominate planning time on large graphs."""
-        if _flop_formula(node.target) is None:
-            return 0
-        key = (id(node.target),) + tuple(
-            a.meta["val"].shape if isinstance(a, fx.Node) and isinstance(
-                a.meta.get("val"), torch.Tensor) else a if isinstance(a, (int, float)) else
-            repr(a) for a in node.args) + tuple(sorted(map(repr, node.kwargs.items())))
+        """``op_overhead_us + max(flops / flops_per_us, io_bytes / bytes_per_us)``, memoized
+        per (op, argument shapes and dtypes, output shapes and dtypes): layers repeat, and the
+        FLOP formulas (pytree-heavy) would otherwise dominate planning time on large graphs.
+        Symbolic sizes are not memoized (a SymInt is unhashable)."""
+        key = (id(node.target), _signature(node.args), _signature(node.kwargs),
+               _signature(node.meta.get("val")))
         try:
             hit = self._memo.get(key)
-        except TypeError:  # a symbolic size: no memo
-            return node_flops(node)
+        except TypeError:
+            return self._compute_us(node)
         if hit is None or hit[0] is not node.target:
-            hit = self._memo[key] = (node.target, node_flops(node))
+            hit = self._memo[key] = (node.target, self._compute_us(node))
         return hit[1]
+
+    def _compute_us(self, node: fx.Node) -> float:
+        r = self.compute
+        return r.op_overhead_us + max(node_flops(node) / r.flops_per_us,
+                                      node_io_bytes(node) / r.bytes_per_us)
+
+
+def _signature(x: Any) -> Any:
+    """What a compute estimate depends on in ``x`` (an argument, kwargs or a value): tensors
+    by (shape, dtype), nodes by their value's, containers element-wise, other values as they
+    are (``repr`` if unhashable)."""
+    if isinstance(x, fx.Node):
+        x = x.meta.get("val")
+        if not isinstance(x, torch.Tensor):
+            return ("node", repr(x) if x is not None else None)
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_signature(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _signature(v)) for k, v in x.items())
+    if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+        return x
+    return repr(x)
 
 
 def is_free_op(node: fx.Node) -> bool:

@@ -414,6 +414,6 @@ class LowerC10dFunctional(FcollPass):
             rewrite = RULES.get(node.target)
             if rewrite is not None and rewrite(node):
                 modified = True
-        if modified:   # FcollPass.ensures lints the result
+        if modified:   # FcollPass.ensures checks the result
             graph_module.recompile()
         return PassResult(graph_module, modified)

@@ -16,7 +16,7 @@
 
 All three keep the relative order of collectives (a different order on different ranks hangs),
 are deterministic (ties broken by original position), keep ``node.meta`` (nodes are moved with
-``Node.append``, never copied) and end with ``graph.lint()``. Sources: Inductor's
+``Node.append``, never copied) and are checked by ``FcollPass.ensures``. Sources: Inductor's
 ``torch/_inductor/comms.py`` (``sink_waits``, ``raise_comms``, ``reorder_compute_for_overlap``)
 and ``fx_passes/overlap_scheduling.py`` for the vocabulary; this is fcoll's own code, which needs
 neither triton nor a GPU.

@@ -17,7 +17,7 @@ from typing import Callable, ClassVar, Sequence, TypeVar
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fcoll.passes.graph import META_PASSES
+from fcoll.passes.graph import META_PASSES, check_topological
 from fcoll.runtime.config import FcollConfig
 
 __all__ = ["FcollPass", "register_pass", "get_pass", "registered_passes", "run_pipeline",
@@ -33,8 +33,9 @@ class PassFailed(RuntimeError):
 class FcollPass(PassBase):
     """Base of fcoll passes: ``GraphModule -> PassResult(gm, modified)``.
 
-    Subclasses set ``name`` and implement ``call``. ``ensures`` lints the graph after the pass,
-    so a pass that breaks topological order or leaves a dangling node fails loudly, by name.
+    Subclasses set ``name`` and implement ``call``. ``ensures`` checks the graph after the pass
+    (:func:`~fcoll.passes.graph.check_topological`), so a pass that breaks topological order or
+    leaves a dangling node fails loudly, by name.
     """
 
     name: ClassVar[str] = ""
@@ -47,7 +48,7 @@ class FcollPass(PassBase):
         raise NotImplementedError
 
     def ensures(self, graph_module: fx.GraphModule) -> None:
-        graph_module.graph.lint()
+        check_topological(graph_module.graph)
 
 
 _REGISTRY: dict[str, type[FcollPass]] = {}

@@ -125,8 +125,8 @@ def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
 def apply_order(graph: fx.Graph, order: Sequence[fx.Node]) -> bool:
     """Reorder ``graph``'s nodes to ``order`` (a permutation of them); True if anything moved.
 
-    One walk with ``Node.append`` (O(N), ``node.meta`` kept). It does not lint: every fcoll
-    pass is linted once by ``FcollPass.ensures`` (a lint here would double the cost).
+    One walk with ``Node.append`` (O(N), ``node.meta`` kept). It does not check the result:
+    every fcoll pass is checked once by ``FcollPass.ensures`` (a check here would double it).
     """
     current = list(graph.nodes)
     if len(current) != len(order) or set(current) != set(order):
