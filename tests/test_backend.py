@@ -259,10 +259,49 @@ def _validation_errors(rank, world):
     return msgs
 
 
+def _two_rank_split_paths(rank, world, gl):
+    """At 2 ranks, a synchronous reduce_scatter with pieces of 256 KiB or more, and an even
+    all_to_all with rows that large, send only the peer's part through shared memory. Results
+    match gloo, for every reduce op, and also when the other rank takes the general path (its
+    input is not contiguous) in the same collective."""
+    size = 40_000  # float32: 320 KB pieces, 640 KB input (one slot)
+    for name in ("sum", "product", "max", "min"):
+        y = _make((2 * size, 2), torch.float32, rank, 6000)
+        out = torch.empty((size, 2))
+        a, b = _on_both(lambda g, o, t: dist.reduce_scatter_tensor(o, t, op=OPS[name], group=g),
+                        gl, out, y)
+        _check(a[:1], b[:1], f"reduce_scatter_tensor split {name}")
+    y = _make((2 * size, 2), torch.float32, rank, 6001)
+    out = torch.empty((size, 2))
+    dist.reduce_scatter_tensor(out, y, op=R.AVG)
+    ref = torch.empty((size, 2))
+    dist.reduce_scatter_tensor(ref, y, op=R.SUM, group=gl)
+    _check([out], [ref / 2], "reduce_scatter_tensor split avg")
+    yb = _make((2 * 8 * size,), torch.bool, rank, 6002)
+    outb = torch.empty((8 * size,), dtype=torch.bool)
+    a, b = _on_both(lambda g, o, t: dist.reduce_scatter_tensor(o, t, op=R.MAX, group=g),
+                    gl, outb, yb)
+    _check(a[:1], b[:1], "reduce_scatter_tensor split bool max")
+    # rank 0 on the general path (non-contiguous input), rank 1 on the split fast path
+    wide = _make((2 * size, 4), torch.float32, rank, 6003)
+    y = wide[:, ::2] if rank == 0 else wide[:, ::2].contiguous()
+    out = torch.empty((size, 2))
+    a, b = _on_both(lambda g, o, t: dist.reduce_scatter_tensor(o, t, group=g), gl, out, y)
+    _check(a[:1], b[:1], "reduce_scatter_tensor split, peer on the general path")
+    for mixed in (False, True):
+        wide = _make((2 * size, 4), torch.float32, rank, 6004)
+        x = wide[:, ::2] if mixed and rank == 1 else wide[:, ::2].contiguous()
+        out = torch.empty((2 * size, 2))
+        a, b = _on_both(lambda g, o, t: dist.all_to_all_single(o, t, group=g), gl, out, x)
+        _check(a[:1], b[:1], f"all_to_all_single split (peer on the general path: {mixed})")
+
+
 def _suite(rank, world):
     gl = dist.new_group(backend="gloo")
     _all_reduce_everything(rank, world, gl)
     _movement_everything(rank, world, gl)
+    if world == 2:
+        _two_rank_split_paths(rank, world, gl)
     _layouts_and_forms(rank, world, gl)
     _async_overlap(rank, world)
     if world > 1:

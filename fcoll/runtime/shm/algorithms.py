@@ -105,39 +105,52 @@ def pipelined(c: Call, count: int, write, read) -> None:
         slot = nslot
 
 
-def reduce_rows(rows: torch.Tensor, op: str, out: torch.Tensor,
+def reduce_rows(rows: torch.Tensor | None, op: str, out: torch.Tensor,
                 row_list: list[torch.Tensor] | None = None) -> None:
     """``out[i] = op(rows[0, i], ..., rows[n-1, i])``; rows ``[n, L]`` (strided), out ``[L]``.
 
-    bool follows logical semantics: sum/max = or, product/min = and. avg is sum / n (floating
-    dtypes only; the caller validates).
+    ``row_list`` (the rows as separate tensors, in rank order) may be given instead of, or as
+    well as, ``rows``; with 2 rows only ``row_list`` is used (``rows`` may then be None), so
+    the two operands need not lie in one strided tensor. bool follows logical semantics:
+    sum/max = or, product/min = and. avg is sum / n (floating dtypes only; the caller
+    validates).
     """
-    n = rows.shape[0]
+    n = len(row_list) if row_list is not None else rows.shape[0]
     if n == 1:
-        out.copy_(rows[0])
+        out.copy_(row_list[0] if row_list is not None else rows[0])
         return
-    if n == 2 and op == "sum" and rows.dtype != torch.bool:
+    if n == 2:
         a, b = row_list if row_list is not None else rows.unbind(0)
-        torch.add(a, b, out=out)
+        if op == "sum" and a.dtype != torch.bool:
+            torch.add(a, b, out=out)
+            return
+        if a.dtype == torch.bool:
+            op = _BOOL_OP.get(op, op)
+        if op in ("sum", "avg"):
+            torch.add(a, b, out=out)
+            if op == "avg":
+                out.div_(2)
+        elif op == "product":
+            torch.mul(a, b, out=out)
+        elif op == "min":
+            torch.minimum(a, b, out=out)
+        elif op == "max":
+            torch.maximum(a, b, out=out)
+        else:
+            _BITWISE[op](a, b, out=out)
         return
     if rows.dtype == torch.bool:
         op = _BOOL_OP.get(op, op)
     if op in ("sum", "avg"):
-        if n == 2:
-            torch.add(rows[0], rows[1], out=out)
-        else:
-            torch.sum(rows, 0, dtype=out.dtype, out=out)
+        torch.sum(rows, 0, dtype=out.dtype, out=out)
         if op == "avg":
             out.div_(n)
     elif op == "product":
-        if n == 2:
-            torch.mul(rows[0], rows[1], out=out)
-        else:
-            torch.prod(rows, 0, dtype=out.dtype, out=out)
+        torch.prod(rows, 0, dtype=out.dtype, out=out)
     elif op == "min":
-        torch.minimum(rows[0], rows[1], out=out) if n == 2 else torch.amin(rows, 0, out=out)
+        torch.amin(rows, 0, out=out)
     elif op == "max":
-        torch.maximum(rows[0], rows[1], out=out) if n == 2 else torch.amax(rows, 0, out=out)
+        torch.amax(rows, 0, out=out)
     else:
         f = _BITWISE[op]
         f(rows[0], rows[1], out=out)
@@ -324,13 +337,26 @@ def all_gather_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: tor
 def reduce_scatter_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: torch.Tensor,
                          payload: bytes, what: str, start: float) -> None:
     """One-slot reduce_scatter: ``plan.views[slot] = (my row shaped like src, piece r of every
-    rank shaped [n, *dst.shape], its rows)``."""
+    rank shaped [n, *dst.shape], its rows, my row's piece for the peer or None)``.
+
+    With 2 ranks and large pieces (``plan.extra`` is then ``(2, *dst.shape)``) only the piece
+    the peer reduces goes through shared memory, and this rank's own piece is read straight
+    from ``src``: half the copy-in. The slot layout is the same, and no rank ever reads its
+    peer's copy of its own piece, so a peer on the general path interoperates."""
     slot = ch.use % NSLOTS
     ch.use += 1
-    mine, pieces, piece_list = plan.views[slot]
-    mine.copy_(src)
+    mine, pieces, piece_list, for_peer = plan.views[slot]
+    if plan.extra is None:
+        mine.copy_(src)
+        exchange(ch, plan, slot, payload, what, start)
+        reduce_rows(pieces, plan.op, dst, piece_list)
+        return
+    r = ch.rank
+    src2 = src.view(plan.extra)
+    for_peer.copy_(src2[1 - r])
     exchange(ch, plan, slot, payload, what, start)
-    reduce_rows(pieces, plan.op, dst, piece_list)
+    own = src2[r]
+    reduce_rows(None, plan.op, dst, [own, piece_list[1]] if r == 0 else [piece_list[0], own])
 
 
 def broadcast_small(ch: Channel, plan: OneSlotPlan, buf: torch.Tensor, root: int,
@@ -352,11 +378,19 @@ def all_to_all_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: tor
     """One-slot all_to_all with even splits; ``src``/``dst`` viewed ``[n, m]``;
     ``plan.views[slot] = (my n sub-slots [n, m], sub-slot r of every rank [n, m])``, the layout
     of :func:`all_to_all`. If a peer's header differs (a general-path peer with other splits
-    that still agree with ours), the rounds it needs are run too, with nothing to move here."""
+    that still agree with ours), the rounds it needs are run too, with nothing to move here.
+    With 2 ranks and large rows (``plan.op == "split"``) only the peer's row goes through
+    shared memory and this rank's own row is copied straight from ``src`` to ``dst`` (no rank
+    reads its own sub-slot of a peer, so the layout is unchanged)."""
     slot = ch.use % NSLOTS
     ch.use += 1
     send, recv = plan.views[slot]
-    send.copy_(src)
+    split = plan.op == "split"  # 2 ranks, large rows: this rank's own row skips the slot
+    if split:
+        p = 1 - ch.rank
+        send[p].copy_(src[p])
+    else:
+        send.copy_(src)
     buf = ch.seg.buf
     hdr.write(buf, plan.hoffs[slot][ch.rank], payload)
     ch.arrive()
@@ -370,7 +404,11 @@ def all_to_all_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: tor
             longest = max(max(h[6][0]) if h[6][0] else 0 for h in heads) * row_bytes
             rounds = max(1, -(-longest // sub))
             break
-    dst.copy_(recv)
+    if split:  # outputs are written only after the header check
+        dst[ch.rank].copy_(src[ch.rank])
+        dst[p].copy_(recv[p])
+    else:
+        dst.copy_(recv)
     for _ in range(1, rounds):
         ch.use += 1
         ch.arrive()

@@ -35,6 +35,11 @@ from fcoll.runtime.shm.validate import Staging, check_reduce_op, reduce_op_name
 log = logging.getLogger("fcoll.runtime.shm.engine")
 SLOT_BYTES = 1 << 20
 SMALL_ALLREDUCE_BYTES = 64 << 10  # at 3+ ranks, one-phase all_reduce up to this size
+# At 2 ranks, reduce_scatter pieces and all_to_all rows of at least this many bytes skip
+# the slot for this rank's own part (half the copy-in); below it the extra tensor views
+# (1.5-2 us each on the 2-core machine) cost more than the copy they save (measured: even at
+# 128 KiB pieces the split is 2 us slower, at 512 KiB 20 us faster).
+SPLIT_BYTES = 256 << 10
 
 
 def slot_bytes_for(world: int) -> int:
@@ -161,14 +166,16 @@ class FcollProcessGroup(dist.ProcessGroup):
     def _allreduce_fast(self, t, rop) -> dist.Work | None:
         """A synchronous all_reduce of a contiguous CPU tensor that fits one slot, run right here
         when nothing else is queued (see :func:`alg.all_reduce_small`); None: take the general
-        path. Failures are handled as :meth:`Engine._execute` handles them."""
-        if not _plain(t):
-            return None
-        key = (t.dtype, t.shape, rop.op)
+        path. Failures are handled as :meth:`Engine._execute` handles them.
+
+        Plans are keyed by the ``ReduceOp`` itself: its hash and equality are by value and
+        cost about a third of reading ``rop.op`` and hashing the enum."""
+        key = (t.dtype, t.shape, rop)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._remember(key, self._ar_plan(t, rop))
-        if plan is False:
+            plan = self._remember(key, self._ar_plan(t, rop) if _plain(t) else None)
+        if not plan or not (t.layout is _STRIDED and t.is_cpu and t.is_contiguous()
+                            and not t.requires_grad):
             return None
         return self._run_fast(plan, alg.all_reduce_small, (t,), [t])
 
@@ -180,24 +187,36 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     def _run_fast(self, plan, fn, args, result) -> dist.Work | None:
         """Run the one-slot fast path ``fn(ch, plan, *args, payload, what, start)`` here on the
-        caller's thread if the executor is idle; errors as in :meth:`Engine._execute`."""
+        caller's thread if the executor is idle; errors as in :meth:`Engine._execute`.
+
+        The executor is claimed and released inline (what ``Engine.begin_inline`` and
+        ``end_inline`` do), to keep a few method calls off every small collective."""
         eng = self._engine
-        if not eng.begin_inline():
-            return None
+        lock = eng._lock
+        with lock:
+            if eng._running or eng._pending or eng._closed or eng.broken is not None:
+                return None
+            eng._running = True
+        ch = eng.ch
+        ch.spin_iters = ch.spin_sync
         seq = self._seq
         self._seq = seq + 1
         error = None
         try:
-            fn(eng.ch, plan, *args, marshal.dumps((seq,) + plan.tail),
-               f"{plan.tail[0]} (collective #{seq})", time.monotonic())
+            fn(ch, plan, *args, marshal.dumps((seq,) + plan.tail),
+               f"{plan.name} (collective #{seq})", time.monotonic())
         except hdr.CollectiveMismatchError as e:  # raised by every rank at the same phase
             error = e
         except BaseException as e:  # noqa: BLE001  carried to wait(), group unusable
             if not isinstance(e, PeerError):
-                log.exception("fcoll %s failed", plan.tail[0])
+                log.exception("fcoll %s failed", plan.name)
             eng.broken = error = e
         finally:
-            eng.end_inline()
+            with lock:
+                eng._running = False
+                more = bool(eng._pending)
+            if more:
+                eng.kick()  # queued meanwhile by another thread: the worker runs it
         return DoneWork(result, error)
 
     def _fits(self, t) -> bool:
@@ -243,15 +262,18 @@ class FcollProcessGroup(dist.ProcessGroup):
                          or output.dim() != input.dim())):
                 seg = self._engine.seg
                 r = self._rank
+                split = n == 2 and M * input.element_size() >= SPLIT_BYTES
                 views = []
                 for slot in range(3):
                     rows = seg.rows(slot, input.dtype)
                     pieces = rows[:, r * M:(r + 1) * M].view(n, *output.shape)
-                    views.append((rows[r, :n * M].view(input.shape), pieces,
-                                  list(pieces.unbind(0))))
+                    mine = rows[r, :n * M]
+                    views.append((mine.view(input.shape), pieces, list(pieces.unbind(0)),
+                                  mine.view(n, *output.shape)[1 - r] if split else None))
                 plan = alg.OneSlotPlan(self._engine.ch, "reduce_scatter_tensor",
                                        ("reduce_scatter_tensor", str(input.dtype)[6:],
-                                        tuple(input.shape), op, -1, None, None), views, op=op)
+                                        tuple(input.shape), op, -1, None, None), views, op=op,
+                                       extra=(n, *output.shape) if split else None)
             self._remember(key, plan)
         if plan is False:
             return None
@@ -290,7 +312,8 @@ class FcollProcessGroup(dist.ProcessGroup):
                 plan = alg.OneSlotPlan(self._engine.ch, "all_to_all_single",
                                        ("all_to_all_single", str(input.dtype)[6:],
                                         tuple(input.shape), "", -1, ([k] * n, [k] * n), None),
-                                       views, extra=(row, sub))
+                                       views, extra=(row, sub),
+                                       op="split" if n == 2 and m * e >= SPLIT_BYTES else "")
             self._remember(key, plan)
         if plan is False:
             return None
@@ -598,9 +621,12 @@ class FcollProcessGroup(dist.ProcessGroup):
         return self._broadcast([stacked], root, name="scatter",
                                post=lambda: out.copy_(stacked[self._rank]), result=[out])
 
+_STRIDED = torch.strided
+
+
 def _plain(t) -> bool:
     """A dense, contiguous CPU tensor outside autograd: usable as is by the fast paths."""
-    return (isinstance(t, torch.Tensor) and t.layout is torch.strided and t.is_cpu
+    return (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu
             and not t.requires_grad and t.is_contiguous())
 
 
