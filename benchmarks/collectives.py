@@ -15,7 +15,10 @@ Conventions (nccl-tests, ``doc/PERFORMANCE.md``):
   all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast 1.
 
 The JSON holds, per op and size in bytes: ``fcoll_us``, ``gloo_us``, ``fcoll_busbw_gbps``,
-``gloo_busbw_gbps``, ``speedup`` (gloo time / fcoll time).
+``gloo_busbw_gbps``, ``speedup`` (gloo time / fcoll time), and ``loadavg`` (the 1-minute load
+average before and after the run; on a shared machine ratios are only comparable at similar
+load). ``--repeat K`` runs K times the repetitions per size, for steadier medians on a noisy
+machine; ``--ops`` and ``--sizes`` restrict the run for quick iterations.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def _timed(call, k: int, barrier) -> float:
     return (time.perf_counter() - t0) / k * 1e6
 
 
-def _bench(rank: int, world: int, ops: list[str], sizes: list[int]):
+def _bench(rank: int, world: int, ops: list[str], sizes: list[int], repeat: int = 1):
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -99,6 +102,7 @@ def _bench(rank: int, world: int, ops: list[str], sizes: list[int]):
     for op in ops:
         for size in sizes:
             k, reps = _iters(size)
+            reps *= repeat
             calls = {"fcoll": _make_call(op, size, world, None),
                      "gloo": _make_call(op, size, world, gloo)}
             for call in calls.values():  # warm up (page faults, first-touch)
@@ -123,11 +127,19 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write results to this file")
     p.add_argument("--ops", nargs="*", default=OPS, choices=OPS)
     p.add_argument("--sizes", nargs="*", type=int, default=SIZES, help="bytes")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="multiply the repetitions per size by this (steadier medians)")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     n = args.nproc
-    per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes), timeout_s=1200)
-    out: dict = {"nproc": n, "units": {"time": "us", "bw": "GB/s (1e9 B/s)"}, "results": {}}
-    print(f"# fcoll shm vs gloo, {n} ranks, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    load_before = os.getloadavg()[0]
+    per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat), timeout_s=1200)
+    load_after = os.getloadavg()[0]
+    out: dict = {"nproc": n, "units": {"time": "us", "bw": "GB/s (1e9 B/s)"},
+                 "loadavg": {"before": load_before, "after": load_after}, "results": {}}
+    print(f"# fcoll shm vs gloo, {n} ranks, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"1-min load {load_before:.2f} before, {load_after:.2f} after")
     for op in args.ops:
         print(f"\n# {op}  (busbw factor {bus_factor(op, n):.3g})")
         print(f"{'size':>9} | {'fcoll us':>10} {'algbw':>7} {'busbw':>7} | "
