@@ -296,6 +296,24 @@ def _two_rank_split_paths(rank, world, gl):
         _check(a[:1], b[:1], f"all_to_all_single split (peer on the general path: {mixed})")
 
 
+def _held_sync_works_keep_their_results(rank, world):
+    """Synchronous fast-path calls reuse their Work object only when nobody else holds it."""
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    pg = dist.group.WORLD
+    a, b = torch.ones(3), torch.full((3,), 2.0)
+    wa = pg.allreduce([a], opts)
+    fa = wa.get_future()
+    wb = pg.allreduce([b], opts)
+    assert wa is not wb
+    assert wa.result()[0] is a and wb.result()[0] is b and fa.value()[0] is a
+    assert a.tolist() == [float(world)] * 3 and b.tolist() == [2.0 * world] * 3
+    del wa, wb, fa
+    for _ in range(3):
+        dist.all_reduce(a)  # c10d drops each Work after wait(): reused, results still right
+    assert a.tolist() == [float(world ** 4)] * 3
+
+
 def _suite(rank, world):
     gl = dist.new_group(backend="gloo")
     _all_reduce_everything(rank, world, gl)
@@ -304,6 +322,7 @@ def _suite(rank, world):
         _two_rank_split_paths(rank, world, gl)
     _layouts_and_forms(rank, world, gl)
     _async_overlap(rank, world)
+    _held_sync_works_keep_their_results(rank, world)
     if world > 1:
         _validation_errors(rank, world)
     if world == 4:

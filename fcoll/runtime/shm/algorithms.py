@@ -271,7 +271,7 @@ class SmallAllReducePlan:
     rank's row and every rank's rows shaped like the user's tensor, and the header offsets. A
     recurring small all_reduce then makes no tensor views and runs no Python loop over ranks."""
 
-    __slots__ = ("op", "tail", "views", "hoffs", "peer_hoffs", "pair", "name")
+    __slots__ = ("op", "tail", "views", "hoffs", "peer_hoffs", "pair", "name", "work")
 
     def __init__(self, ch: Channel, dtype: torch.dtype, shape: tuple, op: str):
         seg, n, r = ch.seg, ch.world, ch.rank
@@ -280,6 +280,7 @@ class SmallAllReducePlan:
             numel *= d
         self.op = op
         self.name = "all_reduce"
+        self.work = None  # the last Work returned for this plan (reused by the process group)
         self.tail = ("all_reduce", str(dtype)[6:], tuple(shape), op, -1, None, None)
         self.views = []
         for slot in range(NSLOTS):
@@ -297,13 +298,14 @@ class OneSlotPlan:
     collective's name, ``tail`` its header without the sequence number, ``views`` per-slot
     tensor views prepared by the caller."""
 
-    __slots__ = ("name", "tail", "views", "hoffs", "peer_hoffs", "op", "extra")
+    __slots__ = ("name", "tail", "views", "hoffs", "peer_hoffs", "op", "extra", "work")
 
     def __init__(self, ch: Channel, name: str, tail: tuple, views: list, op: str = "",
                  extra=None):
         n, r = ch.world, ch.rank
         lay = ch.seg.layout
         self.name, self.tail, self.views, self.op, self.extra = name, tail, views, op, extra
+        self.work = None  # the last Work returned for this plan (reused by the process group)
         self.hoffs = [[lay.header(s, p) for p in range(n)] for s in range(NSLOTS)]
         self.peer_hoffs = [[lay.header(s, p) for p in range(n) if p != r] for s in range(NSLOTS)]
 

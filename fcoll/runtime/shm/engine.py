@@ -291,6 +291,11 @@ class DoneWork(torch.distributed.Work):
         self._error = error
         self._fut: torch.futures.Future | None = None
 
+    def reset(self, result) -> None:
+        """Make this (successful, no longer referenced) Work stand for a new collective."""
+        self._result = result
+        self._fut = None
+
     def wait(self, timeout=None) -> bool:
         if self._error is not None:
             raise self._error
