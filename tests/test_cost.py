@@ -162,3 +162,29 @@ class TestCalibration(TestCase):
                 self.assertLess(r["first_s"], 1.0, label)  # target ~0.3 s; slack for CI load
                 self.assertLess(r["cached_s"], 0.01, label)
                 self.assertTrue(r["same_again"])
+
+
+def _calibrate_gloo_under_python_dispatcher(rank, world_size, rounds):
+    """Calibrate a gloo group ``rounds`` times with the Python dispatcher on, as inside
+    torch.compile (where the overlap pass calibrates)."""
+    import torch.distributed as dist
+    from torch._dispatch.python import enable_python_dispatcher
+
+    from fcoll.passes import cost as cm
+
+    with enable_python_dispatcher():
+        for _ in range(rounds):
+            cm._CACHE.groups.clear()
+            _, comm = cm.calibrate_group(dist.group.WORLD)
+    return sorted(comm)
+
+
+class TestCalibrationInsideCompile(TestCase):
+    def test_gloo_calibration_with_the_python_dispatcher_does_not_deadlock(self):
+        """With the Python dispatcher on, a gloo op runs its kernel holding the GIL, and gloo's
+        worker needs the GIL under its queue mutex: calibration deadlocked in 1 of 2-3
+        compiles before it turned the dispatcher off (see ``calibrate_group``)."""
+        r0, r1 = run_ranks(_calibrate_gloo_under_python_dispatcher, 2, backend="gloo",
+                           args=(8,), timeout_s=100)
+        self.assertEqual(r0, r1)
+        self.assertEqual({k[1] for k in r0}, set(cost.KINDS))

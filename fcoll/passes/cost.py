@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import no_python_dispatcher
 
 from fcoll.passes.graph import args_by_name, collective_info, collective_kind, size_hint
 from fcoll.passes.memory import COLLECTIVE, WAIT, _Probe, op_class, per_op, value_bytes
@@ -311,11 +312,7 @@ def _backend_name(pg: Any) -> str:
 
 
 def _quiet(fn, *args, **kwargs):
-    """Call a c10d function with its deprecation warning silenced.
-
-    The older ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are used on purpose: with
-    ``all_gather_single`` on gloo, a calibration inside a compile hung in 2 of 4 runs here.
-    """
+    """Call a c10d function with its ``FutureWarning`` (a deprecation notice) silenced."""
     import warnings
 
     with warnings.catch_warnings():
@@ -366,13 +363,21 @@ def calibrate_group(pg: Any, reps: int = 3) -> tuple[ComputeRates, dict[tuple[st
         return rates, comm
     backend, n = _backend_name(pg), pg.size()
     t0 = time.perf_counter()
-    local = measure_compute_rates()
-    dist.barrier(group=pg)  # ranks may reach this seconds apart (compile times differ)
-    values = [local.flops_per_us, local.bytes_per_us, local.op_overhead_us]
-    for kind in KINDS:
-        values += [_time_collective(kind, pg, b, reps) for b in CALIBRATION_BYTES]
-    shared = torch.tensor(values, dtype=torch.float64)
-    dist.broadcast(shared, group=pg, group_src=0)
+    # Inside torch.compile the Python dispatcher is on, and a c10d op then runs its kernel with
+    # the GIL held (pybind released it, the Python dispatcher took it back). On gloo that
+    # deadlocks: the enqueue waits for the worker's queue mutex, and the worker holds it while
+    # destroying the previous Work, whose tensors need the GIL to drop their Python objects
+    # (native stacks of both ranks taken with py-spy; 1 hang in 2-3 runs of
+    # tests/test_remaps.py's 2-rank program). Without the Python dispatcher the GIL stays
+    # released in the kernel.
+    with no_python_dispatcher():
+        local = measure_compute_rates()
+        dist.barrier(group=pg)  # ranks may reach this seconds apart (compile times differ)
+        values = [local.flops_per_us, local.bytes_per_us, local.op_overhead_us]
+        for kind in KINDS:
+            values += [_time_collective(kind, pg, b, reps) for b in CALIBRATION_BYTES]
+        shared = torch.tensor(values, dtype=torch.float64)
+        dist.broadcast(shared, group=pg, group_src=0)
     v = shared.tolist()
     rates = ComputeRates(*v[:3])
     comm = {}
@@ -425,14 +430,6 @@ def _assemble(gm: fx.GraphModule, estimator, calibrate: bool) -> CostModel:
     for name in _group_names(gm):
         pg = _real_group(name)
         if pg is None:
-            continue
-        if calibrate and _backend_name(pg) != "fcoll":
-            # Timing another backend means blocking collectives inside compile; on gloo such a
-            # calibration hung intermittently here (3 of 4 runs of tests/test_remaps.py's
-            # 2-rank program, both ranks issuing the same sequence; cause not found). Only
-            # fcoll's own backend, whose waits time out and name the ranks, is calibrated.
-            log.debug("group %s (%s): default costs, calibration runs on fcoll groups only",
-                      name, _backend_name(pg))
             continue
         if calibrate:
             rates, params = calibrate_group(pg)
