@@ -20,7 +20,9 @@ Algorithms (n ranks, this rank r, sizes per rank):
   intra-node algorithms), and every output element is computed by exactly one rank, so all ranks
   end bit-identical.
 * all_gather: per chunk, copy in, one phase, one strided copy of all n rows out.
-* reduce_scatter: per chunk, copy the n pieces in, one phase, reduce piece r over n rows.
+* reduce_scatter: per chunk, copy the n pieces in, one phase, reduce piece r over n rows
+  (at 2 ranks, one slot and pieces of ``SPLIT_BYTES`` or more: only the peer's piece is
+  copied in, and this rank's own piece is read from the input).
 * broadcast: the root fills the whole slot pair row set (n * slot_bytes), one phase, copy out.
 * all_to_all: each slot holds n sub-slots (one per destination); rounds until the longest
   (source, destination) segment is through; the number of rounds comes from the headers.
