@@ -314,6 +314,17 @@ def _held_sync_works_keep_their_results(rank, world):
     assert a.tolist() == [float(world ** 4)] * 3
 
 
+def _all_gather_fast_and_general_peers_agree(rank, world, gl):
+    """One-slot all_gather packs every rank's part into one region, on the fast path (a
+    contiguous input) and on the general path (here: odd ranks pass a non-contiguous one)."""
+    for size in (5, 3000, 60_000):  # 60_000 x 2 float32 = 480 KB: fills most of a 1 MiB slot
+        wide = _make((size, 4), torch.float32, rank, 7000 + size)
+        x = wide[:, ::2] if rank % 2 else wide[:, ::2].contiguous()
+        out = torch.empty((world * size, 2))
+        a, b = _on_both(lambda g, o, t: dist.all_gather_into_tensor(o, t, group=g), gl, out, x)
+        _check(a[:1], b[:1], f"all_gather_into_tensor fast/general mix {size}")
+
+
 def _suite(rank, world):
     gl = dist.new_group(backend="gloo")
     _all_reduce_everything(rank, world, gl)
@@ -323,6 +334,7 @@ def _suite(rank, world):
     _layouts_and_forms(rank, world, gl)
     _async_overlap(rank, world)
     _held_sync_works_keep_their_results(rank, world)
+    _all_gather_fast_and_general_peers_agree(rank, world, gl)
     if world > 1:
         _validation_errors(rank, world)
     if world == 4:

@@ -328,14 +328,15 @@ def exchange(ch: Channel, plan, slot: int, payload: bytes, what: str, start: flo
 
 def all_gather_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: torch.Tensor,
                      payload: bytes, what: str, start: float) -> None:
-    """One-slot all_gather: ``plan.views[slot] = (my row shaped like src, [n, numel] rows)``;
-    ``dst`` is the output viewed ``[n, numel]``."""
+    """One-slot all_gather in the packed layout of :func:`all_gather`: ``plan.views[slot] =
+    (my part shaped like src, every rank's part together shaped like the output)``; ``dst``
+    is the output itself, so the copy out is one contiguous copy and needs no new view."""
     slot = ch.use % NSLOTS
     ch.use += 1
-    mine, rows = plan.views[slot]
+    mine, packed = plan.views[slot]
     mine.copy_(src)
     exchange(ch, plan, slot, payload, what, start)
-    dst.copy_(rows)
+    dst.copy_(packed)
 
 
 def reduce_scatter_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: torch.Tensor,
@@ -437,12 +438,26 @@ def all_reduce_small(ch: Channel, plan: SmallAllReducePlan, t: torch.Tensor, pay
 
 
 def all_gather(c: Call, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Bytes: ``src [B]`` uint8 on every rank -> ``dst [n, B]`` uint8 (row p from rank p)."""
+    """Bytes: ``src [B]`` uint8 on every rank -> ``dst [n, B]`` uint8 (row p from rank p).
+
+    When ``B`` fits one slot (``B <= slot_bytes``) the parts are *packed*: rank p writes its B
+    bytes at offset ``p * B`` of the slot's ``n * slot_bytes`` bytes (the slot index is the
+    group's, so the whole region belongs to this collective, as for broadcast), and the copy
+    out is one contiguous copy; :func:`all_gather_small` uses the same layout. Larger messages
+    go chunk by chunk through each rank's own row.
+    """
     ch = c.ch
     r = ch.rank
     data = ch.seg.data
     B = src.numel()
     S = ch.seg.layout.slot_bytes
+    if B <= S:
+        slot = c.slot()
+        flat = data[slot].view(-1)
+        flat[r * B:(r + 1) * B].copy_(src)
+        c.first_sync(slot)
+        dst.view(-1).copy_(flat[:ch.world * B])
+        return
 
     def write(i: int, slot: int) -> None:
         data[slot][r, :min(S, B - i * S)].copy_(src[i * S:(i + 1) * S])
@@ -452,7 +467,7 @@ def all_gather(c: Call, src: torch.Tensor, dst: torch.Tensor) -> None:
         L = min(S, B - c0)
         dst[:, c0:c0 + L].copy_(data[slot][:, :L])
 
-    pipelined(c, max(1, -(-B // S)), write, read)
+    pipelined(c, -(-B // S), write, read)
 
 
 def reduce_scatter(c: Call, src: torch.Tensor, dst: torch.Tensor, op: str) -> None:

@@ -243,19 +243,19 @@ class FcollProcessGroup(dist.ProcessGroup):
             if (input.dtype == output.dtype and output.numel() == n * numel
                     and self._fits(input)):
                 seg = self._engine.seg
+                r = self._rank
                 views = []
-                for slot in range(3):
-                    rows = seg.rows(slot, input.dtype)[:, :numel]
-                    views.append((rows[self._rank].view(input.shape), rows))
+                for slot in range(3):  # the packed layout of alg.all_gather
+                    flat = seg.data[slot].view(-1).view(input.dtype)
+                    views.append((flat[r * numel:(r + 1) * numel].view(input.shape),
+                                  flat[:n * numel].view(output.shape)))
                 plan = alg.OneSlotPlan(self._engine.ch, "all_gather_into_tensor",
                                        ("all_gather_into_tensor", str(input.dtype)[6:],
-                                        tuple(input.shape), "", -1, None, None), views,
-                                       extra=(n, numel))
+                                        tuple(input.shape), "", -1, None, None), views)
             self._remember(key, plan)
         if plan is False:
             return None
-        return self._run_fast(plan, alg.all_gather_small, (input, output.view(plan.extra)),
-                              [output])
+        return self._run_fast(plan, alg.all_gather_small, (input, output), [output])
 
     def _rs_fast(self, output, input, rop):  # noqa: A002
         if not (_plain(input) and _plain(output)):
