@@ -25,7 +25,7 @@ from fcoll.inspect import format_graph  # noqa: E402
 from fcoll.passes.bucket_plan import MIB, plan_buckets
 from fcoll.passes.bucketing import BucketCollectives, apply_buckets
 from fcoll.passes.graph import (  # noqa: E402
-    META_HIDING, bucket_key, collective_info, collectives, is_wait,
+    META_HIDING, bucket_key, collective_info, collectives, is_collective, is_wait,
 )
 from fcoll.passes.registry import run_pipeline
 from fcoll.runtime.config import FcollConfig
@@ -208,6 +208,32 @@ graph(%arg0: f32[4], %arg1: f64[3], %arg2: i32[2]):
         self.assertTrue(plan_buckets(gm))
         self.assertEqual(format_graph(gm), before)
 
+
+
+class TestTiming(unittest.TestCase):
+    """Members must become ready, and be first used, within their own communication time of
+    each other: a bucket never waits through compute that could have hidden its members."""
+
+    def test_gradients_separated_by_more_compute_than_their_comm_stay_apart(self):
+        # 1 MiB gradients, two 512^3 mms (5.4 ms each at the default 50 GFLOP/s) between
+        # consecutive ones, about 1 ms of communication each (default 1 GB/s): no merge.
+        gm = canonical.ddp_backward(n_layers=4, batch=512, hidden=512)
+        plan = plan_buckets(gm, FcollConfig())
+        self.assertEqual(plan, [])
+
+    def test_same_gradients_merge_when_compute_is_cheap(self):
+        # The same graph with compute estimated at 1 us a node: members ready 2-3 us apart.
+        gm = canonical.ddp_backward(n_layers=4, batch=512, hidden=512)
+        cheap = FcollConfig(estimator=lambda n: 1.0 if not is_collective(n) else None)
+        plan = plan_buckets(gm, cheap)
+        self.assertEqual([len(b.members) for b in plan], [4])
+
+    def test_fsdp_forward_gathers_split_by_compute_between_first_uses(self):
+        # Every shard is ready at the start; the layers' first uses are 5 ms of compute apart.
+        gm = canonical.fsdp_forward(n_layers=4, batch=512, hidden=512)
+        self.assertEqual(plan_buckets(gm, FcollConfig()), [])
+        cheap = FcollConfig(estimator=lambda n: 1.0 if not is_collective(n) else None)
+        self.assertEqual([len(b.members) for b in plan_buckets(gm, cheap)], [4])
 
 class TestComposition(unittest.TestCase):
     def test_default_pipeline_buckets_then_schedules(self):

@@ -22,6 +22,17 @@ everything that reads it, so sorting all nodes by key is a topological order: **
 create a cycle**. In particular collectives that depend on each other (``c2`` reads ``wait(c1)``,
 directly or through compute) never share a bucket, because then ``F(c1) <= A``.
 
+Timing rule (buckets and overlap). Merging saves one collective's latency per member, but a
+bucket is issued only when its last member is ready and waited when its first result is needed.
+So members must become ready, and be first used, within their own estimated communication time
+(as separate collectives) of each other, in estimated compute time (the cost model's
+:func:`~fcoll.passes.cost.cached_model`, which never communicates; the user's estimator first).
+When compute between members is larger, the earlier members go out alone and that compute hides
+them; when communication dominates (the lane is busy anyway), members merge up to the cap. A DDP
+step whose gradients are all-reduced in parameter order (the first layer first, though it is
+ready last) thus gets one bucket per stretch of backward rather than one bucket issued after the
+whole backward. all_to_all has no timing rule: its bytes differ between ranks.
+
 Invariant (why ranks agree): every decision reads only the graph (order, shapes, dtypes, groups,
 scheduler metadata), never rank-local state, so every rank that compiled the same graph gets the
 same buckets and the same collective order. Different orders on different ranks would hang.
@@ -101,6 +112,9 @@ class _Member:
     in_bytes: int
     out_bytes: int
     dtype: torch.dtype
+    ready_us: float = 0.0   # estimated compute time before the inputs are ready
+    use_us: float = 0.0     # estimated compute time before the first use of the result
+    comm: Any = None        # CommParams of the member's kind and group; None: no timing rule
 
 
 @dataclass(frozen=True)
@@ -139,6 +153,9 @@ class _Open:
     last_hide: int = -1
     in_bytes: int = 0
     out_bytes: int = 0
+    ready_us: tuple[float, float] = (float("inf"), float("-inf"))   # (min, max) over members
+    use_us: tuple[float, float] = (float("inf"), float("-inf"))
+    comm_us: float = 0.0    # the members' estimated time as separate collectives
 
 
 def _wait_index(ready: tuple, wait_idx: int, last_hide: int) -> int:
@@ -171,15 +188,18 @@ def _rejection(node: fx.Node, spec: _OpSpec, waits: list[fx.Node]) -> str | None
 
 
 def _member(node: fx.Node, wait: fx.Node, in_bytes: int, out_bytes: int, dtype: torch.dtype,
-            idx: dict[fx.Node, int], ready_of, out_idx: int, by_name) -> _Member:
+            idx: dict[fx.Node, int], ready_of, out_idx: int, by_name, elapsed: list[float],
+            comm: Any) -> _Member:
     ready = max((ready_of(u) for u in node.all_input_nodes), default=(-1,))
     users = [idx[u] for u in wait.users]
+    first_use = min(users) if users else out_idx
     hiding = node.meta.get(META_HIDING)
     hides = [by_name()[h] for h in hiding if h in by_name()] if hiding else ()
-    return _Member(node=node, wait=wait, ready=ready, wait_idx=idx[wait],
-                   first_use=min(users) if users else out_idx,
+    return _Member(node=node, wait=wait, ready=ready, wait_idx=idx[wait], first_use=first_use,
                    last_hide=max(hides, default=-1), in_bytes=in_bytes,
-                   out_bytes=out_bytes, dtype=dtype)
+                   out_bytes=out_bytes, dtype=dtype,
+                   ready_us=elapsed[max(ready[0], -1) // 2 + 1], use_us=elapsed[first_use],
+                   comm=comm)
 
 
 class _Keys:
@@ -220,6 +240,29 @@ class _Keys:
                 a[spec.src] if spec.src is not None else None)
 
 
+class _Elapsed(list):
+    """``elapsed[i]``: estimated compute microseconds of nodes ``0 .. i-1`` (collectives and
+    waits count 0: they run on the communication lane); ``model`` is the cost model used."""
+
+    model: Any
+
+
+def _compute_elapsed_us(gm: fx.GraphModule, nodes: list[fx.Node],
+                        config: FcollConfig) -> _Elapsed:
+    from fcoll.passes.cost import cached_model
+    from fcoll.passes.memory import OTHER, op_class
+
+    model = cached_model(gm, config.estimator)
+    out = _Elapsed([0.0])
+    out.model = model
+    total = 0.0
+    for n in nodes:
+        if n.op == "call_function" and op_class(n) == OTHER:
+            total += model.estimate(n)
+        out.append(total)
+    return out
+
+
 def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[Bucket]:
     """Plan buckets for every bucketable collective of ``gm``; the graph is not modified.
 
@@ -228,13 +271,15 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
     merged bucket stays valid (``W <= F``, see the module docstring), its input bytes stay within
     ``config.bucket_cap_mb`` and the memory it holds while in flight (concat buffer + output in
     "concat" mode, output in "coalesced" mode) within ``config.memory_budget_mb``; otherwise that
-    bucket is closed and a new one opened. A bucket whose member's wait is read directly by a later
+    bucket is closed and a new one opened; the same happens when the timing rule (module
+    docstring) rejects the member. A bucket whose member's wait is read directly by a later
     collective is closed first, so that reader's issue point is known.
 
     Args:
         gm: a graph with fcoll or ``_c10d_functional`` collectives whose nodes carry
             ``meta["val"]`` (static shapes; others are left alone, logged at DEBUG).
-        config: uses ``bucket_cap_mb``, ``bucket_mode`` and ``memory_budget_mb``.
+        config: uses ``bucket_cap_mb``, ``bucket_mode``, ``memory_budget_mb`` and
+            ``estimator``.
 
     Returns:
         Buckets of two or more members, ordered by ``seq`` (the order they were closed).
@@ -254,6 +299,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
             names.update((n.name, i) for i, n in enumerate(nodes))
         return names
 
+    elapsed = _compute_elapsed_us(gm, nodes, config)
     keys = _Keys()
     buckets: list[Bucket] = []
     wait_ready: dict[fx.Node, tuple] = {}     # member wait of a closed bucket -> its wait key
@@ -306,7 +352,8 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
         key = keys.key(node, spec) + (node.target.namespace,)
         val = node.args[0].meta["val"]
         m = _member(node, waits[0], tensor_bytes(val), tensor_bytes(node.meta["val"]), val.dtype,
-                    idx, ready_of, out_idx, by_name)
+                    idx, ready_of, out_idx, by_name, elapsed,
+                    None if spec.kind == "all_to_all" else elapsed.model.comm_params(node))
         b = open_by_key.get(key)
         if b is not None:
             why = _join_rejection(b, m, cap, budget, concat)
@@ -345,6 +392,14 @@ def _join_rejection(b: _Open, m: _Member, cap: int, budget: int, concat: bool) -
     if w > first_use:
         return (f"dependency: issue point (after key {ready}) and hiding compute need the wait "
                 f"at node #{w}, after the first use of a member result (node #{first_use})")
+    if m.comm is not None:
+        comm_us = b.comm_us + m.comm.time_us(max(m.in_bytes, m.out_bytes))
+        ready_spread = max(b.ready_us[1], m.ready_us) - min(b.ready_us[0], m.ready_us)
+        use_spread = max(b.use_us[1], m.use_us) - min(b.use_us[0], m.use_us)
+        if max(ready_spread, use_spread) > comm_us:
+            return (f"timing: members ready {ready_spread:.0f} us and first used "
+                    f"{use_spread:.0f} us of compute apart, more than their {comm_us:.0f} us "
+                    f"of communication as separate collectives")
     return None
 
 
@@ -356,3 +411,7 @@ def _add(b: _Open, m: _Member) -> None:
     b.last_hide = max(b.last_hide, m.last_hide)
     b.in_bytes += m.in_bytes
     b.out_bytes += m.out_bytes
+    b.ready_us = (min(b.ready_us[0], m.ready_us), max(b.ready_us[1], m.ready_us))
+    b.use_us = (min(b.use_us[0], m.use_us), max(b.use_us[1], m.use_us))
+    if m.comm is not None:
+        b.comm_us += m.comm.time_us(max(m.in_bytes, m.out_bytes))

@@ -134,6 +134,10 @@ class CostModel:
         return self.compute_us(node)
 
     def collective_us(self, node: fx.Node) -> float:
+        return self.comm_params(node).time_us(collective_bytes(node))
+
+    def comm_params(self, node: fx.Node) -> CommParams:
+        """The alpha-beta parameters of collective ``node`` (its kind, group and group size)."""
         a = args_by_name(node)
         name, n = str(a["group_name"]), a.get("group_size")
         if n is None:  # ops without a group_size argument: the registered group's size
@@ -141,8 +145,7 @@ class CostModel:
         n = n or 2
         kind = _collective_kind(node.target)
         backend = self.group_backends.get(name, "default")
-        params = self.comm.get((backend, kind, n)) or default_comm(kind, n)
-        return params.time_us(collective_bytes(node))
+        return self.comm.get((backend, kind, n)) or default_comm(kind, n)
 
     def compute_us(self, node: fx.Node) -> float:
         """``op_overhead_us + max(flops / flops_per_us, io_bytes / bytes_per_us)``, memoized
