@@ -316,11 +316,12 @@ def exchange(ch: Channel, plan, slot: int, payload: bytes, what: str, start: flo
     """Publish this rank's header (its data is already in ``slot``), wait for every peer, check
     the headers: a bytes compare, decoded and checked field by field only if they differ."""
     buf = ch.seg.buf
-    hdr.write(buf, plan.hoffs[slot][ch.rank], payload)
+    words = ch.words
+    hdr.write(buf, plan.hoffs[slot][ch.rank], payload, words)
     ch.arrive()
     ch.wait_all(what, start)
     for off in plan.peer_hoffs[slot]:
-        if not hdr.equals(buf, ch.words, off, payload):
+        if not hdr.equals(buf, words, off, payload):
             hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name, ch.describe,
                       payload)
             break
@@ -397,7 +398,7 @@ def all_to_all_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: tor
     else:
         send.copy_(src)
     buf = ch.seg.buf
-    hdr.write(buf, plan.hoffs[slot][ch.rank], payload)
+    hdr.write(buf, plan.hoffs[slot][ch.rank], payload, ch.words)
     ch.arrive()
     ch.wait_all(what, start)
     rounds = 1

@@ -32,10 +32,15 @@ def encode(seq: int, op: str, dtype: str, shape: tuple, reduce_op: str, root: in
     return payload
 
 
-def write(buf: memoryview, offset: int, payload: bytes) -> None:
+def write(buf: memoryview, offset: int, payload: bytes, words: memoryview | None = None) -> None:
+    """Store ``payload`` and its length at ``offset`` (4-byte aligned); ``words`` is ``buf``
+    as u32, when the caller has it (one aligned store instead of packing the length)."""
     n = len(payload)
     buf[offset + 4:offset + 4 + n] = payload
-    buf[offset:offset + 4] = struct.pack("<I", n)
+    if words is not None:
+        words[offset >> 2] = n
+    else:
+        buf[offset:offset + 4] = struct.pack("<I", n)
 
 
 def equals(buf: memoryview, words: memoryview, offset: int, payload: bytes) -> bool:

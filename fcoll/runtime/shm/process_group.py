@@ -260,7 +260,7 @@ class FcollProcessGroup(dist.ProcessGroup):
     def _rs_fast(self, output, input, rop):  # noqa: A002
         if not (_plain(input) and _plain(output)):
             return None
-        key = ("rs", input.dtype, input.shape, output.dtype, output.shape, rop.op)
+        key = ("rs", input.dtype, input.shape, output.dtype, output.shape, rop)
         plan = self._plans.get(key)
         if plan is None:
             plan = False

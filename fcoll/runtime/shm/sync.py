@@ -146,9 +146,9 @@ class Channel:
         k = self.phase & 0xFFFFFFFF
         words = self.words
         for p in self._peers:
-            if self._arrived(p, k):
-                continue
             idx = self._idx[p]
+            if ((words[idx] - k) & 0xFFFFFFFF) < 0x80000000:  # arrived (see _arrived)
+                continue
             for i in range(self.spin_iters):
                 if ((words[idx] - k) & 0xFFFFFFFF) < 0x80000000:
                     break
