@@ -247,12 +247,12 @@ class _Elapsed(list):
     model: Any
 
 
-def _compute_elapsed_us(gm: fx.GraphModule, nodes: list[fx.Node],
-                        config: FcollConfig) -> _Elapsed:
+def _compute_elapsed_us(gm: fx.GraphModule, nodes: list[fx.Node], config: FcollConfig,
+                        estimates: dict | None) -> _Elapsed:
     from fcoll.passes.cost import cached_model
     from fcoll.passes.memory import OTHER, op_class
 
-    model = cached_model(gm, config.estimator)
+    model = cached_model(gm, config.estimator, estimates)
     out = _Elapsed([0.0])
     out.model = model
     total = 0.0
@@ -263,7 +263,8 @@ def _compute_elapsed_us(gm: fx.GraphModule, nodes: list[fx.Node],
     return out
 
 
-def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[Bucket]:
+def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
+                 estimates: dict | None = None) -> list[Bucket]:
     """Plan buckets for every bucketable collective of ``gm``; the graph is not modified.
 
     Collectives are visited in graph order; each key ((kind, group, group size, reduce op, root),
@@ -280,6 +281,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
             ``meta["val"]`` (static shapes; others are left alone, logged at DEBUG).
         config: uses ``bucket_cap_mb``, ``bucket_mode``, ``memory_budget_mb`` and
             ``estimator``.
+        estimates: the pipeline run's shared compute estimates (``FcollPass.estimates``).
 
     Returns:
         Buckets of two or more members, ordered by ``seq`` (the order they were closed).
@@ -299,7 +301,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None) -> list[
             names.update((n.name, i) for i, n in enumerate(nodes))
         return names
 
-    elapsed = _compute_elapsed_us(gm, nodes, config)
+    elapsed = _compute_elapsed_us(gm, nodes, config, estimates)
     keys = _Keys()
     buckets: list[Bucket] = []
     wait_ready: dict[fx.Node, tuple] = {}     # member wait of a closed bucket -> its wait key

@@ -418,7 +418,7 @@ class BucketCollectives(FcollPass):
         """Nothing more: :func:`apply_buckets` already ended with :func:`check_topological`."""
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
-        buckets = plan_buckets(graph_module, self.config)
+        buckets = plan_buckets(graph_module, self.config, self.estimates)
         if buckets:
             log.debug("bucket_collectives: %d buckets from %d collectives", len(buckets),
                       sum(len(b.members) for b in buckets))

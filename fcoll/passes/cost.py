@@ -114,6 +114,10 @@ class CostModel:
     estimator: Callable[[Any], float | None] | None = field(default=None, compare=False)
     source: str = "default"
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    #: node -> (args, kwargs, val, us): compute estimates shared by the passes of one pipeline
+    #: run (see :func:`model_for`); an entry counts only while the node's args, kwargs and value
+    #: are the very objects it was computed from.
+    by_node: dict | None = field(default=None, compare=False, repr=False)
 
     def __call__(self, node: fx.Node) -> float:
         return self.estimate(node)
@@ -152,14 +156,21 @@ class CostModel:
         per (op, argument shapes and dtypes, output shapes and dtypes): layers repeat, and the
         FLOP formulas (pytree-heavy) would otherwise dominate planning time on large graphs.
         Symbolic sizes are not memoized (a SymInt is unhashable)."""
-        key = (id(node.target), _signature(node.args), _signature(node.kwargs),
-               _signature(node.meta.get("val")))
+        args, kwargs, val = node.args, node.kwargs, node.meta.get("val")
+        by_node = self.by_node
+        if by_node is not None:
+            seen = by_node.get(node)
+            if seen is not None and seen[0] is args and seen[1] is kwargs and seen[2] is val:
+                return seen[3]
+        key = (id(node.target), _signature(args), _signature(kwargs), _signature(val))
         try:
             hit = self._memo.get(key)
         except TypeError:
             return self._compute_us(node)
         if hit is None or hit[0] is not node.target:
             hit = self._memo[key] = (node.target, self._compute_us(node))
+        if by_node is not None:
+            by_node[node] = (args, kwargs, val, hit[1])
         return hit[1]
 
     def _compute_us(self, node: fx.Node) -> float:
@@ -458,7 +469,8 @@ def _group_names(gm: fx.GraphModule) -> list[str]:
     return sorted(names, key=lambda g: (created.get(g, len(created)), g))
 
 
-def _assemble(gm: fx.GraphModule, estimator, calibrate: bool) -> CostModel:
+def _assemble(gm: fx.GraphModule, estimator, calibrate: bool,
+              estimates: dict | None = None) -> CostModel:
     compute, comm, backends, source = None, {}, {}, "default"
     for name in _group_names(gm):
         pg = _real_group(name)
@@ -475,20 +487,25 @@ def _assemble(gm: fx.GraphModule, estimator, calibrate: bool) -> CostModel:
         comm.update(params)
         compute = compute or rates
         source = "calibrated"
-    return CostModel(compute=compute or DEFAULT_COMPUTE, comm=comm, group_backends=backends,
-                     estimator=estimator, source=source)
+    compute = compute or DEFAULT_COMPUTE
+    return CostModel(compute=compute, comm=comm, group_backends=backends, estimator=estimator,
+                     source=source,
+                     by_node=estimates.setdefault(compute, {}) if estimates is not None else None)
 
 
-def model_for(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | None = None
-              ) -> CostModel:
+def model_for(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | None = None,
+              estimates: dict | None = None) -> CostModel:
     """The cost model for ``gm``, calibrating each real group of its collectives if needed.
 
     A collective call on real groups (see :func:`calibrate_group`); defaults on the fake pg.
+    ``estimates``: a dict shared by the passes of one pipeline run (``FcollPass.estimates``), in
+    which compute estimates are kept per node, per compute rates, so that a later pass does
+    not estimate a node again.
     """
-    return _assemble(gm, estimator, calibrate=True)
+    return _assemble(gm, estimator, calibrate=True, estimates=estimates)
 
 
-def cached_model(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | None = None
-                 ) -> CostModel:
+def cached_model(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | None = None,
+                 estimates: dict | None = None) -> CostModel:
     """Like :func:`model_for` but never communicates: uncalibrated groups use defaults."""
-    return _assemble(gm, estimator, calibrate=False)
+    return _assemble(gm, estimator, calibrate=False, estimates=estimates)

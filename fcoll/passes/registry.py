@@ -43,6 +43,9 @@ class FcollPass(PassBase):
     def __init__(self, config: FcollConfig | None = None) -> None:
         super().__init__()
         self.config = config if config is not None else FcollConfig()
+        #: Set by :func:`run_pipeline` to one dict shared by the passes of the run: compute
+        #: estimates per node (see :func:`fcoll.passes.cost.model_for`). None: no sharing.
+        self.estimates: dict | None = None
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -112,6 +115,9 @@ def run_pipeline(gm: fx.GraphModule, config: FcollConfig | None = None,
     config = config if config is not None else FcollConfig()
     names = tuple(names if names is not None else config.pipeline)
     passes = [get_pass(n, config) for n in names]
+    estimates: dict = {}   # lives for this run only (it holds nodes)
+    for p in passes:
+        p.estimates = estimates
     gm = _lazy(gm)
     records = list(gm.meta.get(META_PASSES, []))
     with gc_paused():
