@@ -229,7 +229,8 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
             s["step_over_max"] = on / max(comp, comm)
             s["target_exposed_met"] = (comp < comm) or s["exposed_over_comm"] <= 0.15
             s["target_step_met"] = s["step_over_max"] <= 1.1
-            ind = f"{ms['inductor']:.1f}" if ms.get("inductor") is not None else "failed"
+            ind = (f"{ms['inductor']:.1f}" if ms.get("inductor") is not None else
+                   "skipped" if "inductor" not in r else "failed")
             lines.append(
                 f"{mode:6} {comp:9.1f} {comm:9.1f} {off:9.1f} {on:9.1f} {ind:>12} "
                 f"{off - comp:9.1f} {on - comp:9.1f} {s['exposed_over_comm']:11.2f} "

@@ -35,8 +35,12 @@ bucket never waits before compute that was hiding one of its members. Views repl
 member's result follow that wait.
 
 Composition with ``reorder_for_overlap``: the default pipeline is ``lower_c10d_functional ->
-bucket_collectives -> reorder_for_overlap -> check_rank_consistency``. Bucketing first lets the
-scheduler place few large collectives (its cost model sees the merged sizes). When bucketing runs
+bucket_collectives -> check_rank_consistency -> reorder_for_overlap``. Bucketing first lets the
+scheduler place few large collectives (its cost model sees the merged sizes), and the planner's
+timing rule (:mod:`fcoll.passes.bucket_plan`) keeps buckets from swallowing the overlap the
+scheduler could find: members merge only when they are ready, and first used, within their own
+communication time of compute of each other. Both read one cost model, and share its compute
+estimates within a pipeline run (``FcollPass.estimates``). When bucketing runs
 after the scheduler instead, the hiding metadata keeps the planned overlap: a bucket's wait is never
 placed before a member's hiding compute, and a member whose hiding compute would force the wait
 past the first use of another member's result does not join.
