@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from expecttest import TestCase
@@ -188,3 +189,20 @@ class TestCalibrationInsideCompile(TestCase):
                            args=(8,), timeout_s=100)
         self.assertEqual(r0, r1)
         self.assertEqual({k[1] for k in r0}, set(cost.KINDS))
+
+
+def test_arg_of_reads_positional_and_keyword_arguments_by_schema_name():
+    import torch.fx as fx
+
+    from fcoll.passes.graph import arg_of
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    pos = g.call_function(torch.ops.fcoll.all_gather_into_tensor.default, (x, 2, "g0"))
+    kw = g.call_function(torch.ops.fcoll.all_gather_into_tensor.default, (x,),
+                         {"group_size": 2, "group_name": "g1"})
+    assert (arg_of(pos, "group_name"), arg_of(pos, "group_size")) == ("g0", 2)
+    assert (arg_of(kw, "group_name"), arg_of(kw, "group_size")) == ("g1", 2)
+    assert arg_of(pos, "reduce_op", None) is None
+    with pytest.raises(KeyError, match="no argument 'reduce_op'"):
+        arg_of(pos, "reduce_op")

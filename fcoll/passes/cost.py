@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 
-from fcoll.passes.graph import args_by_name, collective_info, collective_kind, size_hint
+from fcoll.passes.graph import arg_of, collective_info, collective_kind, size_hint
 from fcoll.passes.memory import COLLECTIVE, WAIT, _Probe, op_class, per_op, value_bytes
 
 __all__ = [
@@ -142,8 +142,7 @@ class CostModel:
 
     def comm_params(self, node: fx.Node) -> CommParams:
         """The alpha-beta parameters of collective ``node`` (its kind, group and group size)."""
-        a = args_by_name(node)
-        name, n = str(a["group_name"]), a.get("group_size")
+        name, n = str(arg_of(node, "group_name")), arg_of(node, "group_size", None)
         if n is None:  # ops without a group_size argument: the registered group's size
             n = collective_info(node).group_size
         n = n or 2
@@ -462,7 +461,7 @@ def _group_names(gm: fx.GraphModule) -> list[str]:
     names: list[str] = []
     for node in gm.graph.nodes:
         if op_class(node) == COLLECTIVE:
-            g = str(args_by_name(node)["group_name"])
+            g = str(arg_of(node, "group_name"))
             if g not in names:
                 names.append(g)
     created = {str(name): i for i, name in enumerate(c10d._world.pg_names.values())}

@@ -91,6 +91,32 @@ def collective_kind(node: fx.Node) -> str:
     return _KINDS[name[1]]
 
 
+_ARG_POSITION: dict[tuple[int, str], tuple[Any, int | None]] = {}
+_MISSING = object()
+
+
+def arg_of(node: fx.Node, name: str, default: Any = _MISSING) -> Any:
+    """The argument ``name`` of an op node, positional or keyword, without building
+    :func:`args_by_name`'s dict (its schema position is looked up once per op).
+
+    Raises:
+        KeyError: the node does not give ``name`` and there is no ``default``.
+    """
+    target = node.target
+    hit = _ARG_POSITION.get((id(target), name))
+    if hit is None or hit[0] is not target:   # the op is kept in the entry: its id stays unique
+        pos = next((i for i, a in enumerate(target._schema.arguments) if a.name == name), None)
+        hit = _ARG_POSITION[(id(target), name)] = (target, pos)
+    pos = hit[1]
+    if pos is not None and pos < len(node.args):
+        return node.args[pos]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if default is _MISSING:
+        raise KeyError(f"{node.name} ({target}) has no argument {name!r}")
+    return default
+
+
 def args_by_name(node: fx.Node) -> dict[str, Any]:
     """The node's arguments keyed by schema argument name (positional and keyword)."""
     schema = node.target._schema
@@ -279,7 +305,7 @@ def check_topological(graph: fx.Graph) -> None:
     """
     seen: set[fx.Node] = set()
     for node in graph.nodes:
-        for i in node.all_input_nodes:
+        for i in node._input_nodes:   # all_input_nodes without the list copy
             if i not in seen:
                 erased = getattr(i, "_erased", False)
                 where = ("erased" if erased else "ordered after it" if i.graph is graph

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from fcoll.passes.cost import collective_bytes
-from fcoll.passes.graph import args_by_name, start_of
+from fcoll.passes.graph import arg_of, start_of
 from fcoll.passes.memory import COLLECTIVE, OTHER, WAIT, Storage, _written_inputs, \
     mutation_deps, op_class, peak_bytes, per_op, storage_model
 
@@ -200,7 +200,7 @@ class Timeline:
         if cls is None:
             cls = op_class(node)
         if cls == COLLECTIVE:
-            lane = str(args_by_name(node)["group_name"])
+            lane = str(arg_of(node, "group_name"))
             start = max(self.now_us, self.lane_free.get(lane, 0.0))
             ev = PredictedEvent(node.name, "collective", lane, start,
                                 start + max(0.0, self.estimate(node)))
@@ -313,7 +313,7 @@ def _prepare(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float])
             kind[n] = _COLL
             index[n] = len(colls)
             colls.append(n)
-            nbytes[n], group[n] = collective_bytes(n), str(args_by_name(n)["group_name"])
+            nbytes[n], group[n] = collective_bytes(n), str(arg_of(n, "group_name"))
             est[n] = max(0.0, float(estimate(n)))
         elif cls == WAIT:
             kind[n] = _WAIT
