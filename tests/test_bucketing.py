@@ -25,7 +25,8 @@ from fcoll.inspect import format_graph  # noqa: E402
 from fcoll.passes.bucket_plan import MIB, plan_buckets
 from fcoll.passes.bucketing import BucketCollectives, apply_buckets
 from fcoll.passes.graph import (  # noqa: E402
-    META_HIDING, bucket_key, collective_info, collectives, is_collective, is_wait,
+    META_HIDING, bucket_key, check_topological, collective_info, collectives, is_collective,
+    is_wait,
 )
 from fcoll.passes.registry import run_pipeline
 from fcoll.runtime.config import FcollConfig
@@ -227,6 +228,39 @@ class TestTiming(unittest.TestCase):
         cheap = FcollConfig(estimator=lambda n: 1.0 if not is_collective(n) else None)
         plan = plan_buckets(gm, cheap)
         self.assertEqual([len(b.members) for b in plan], [4])
+
+    def test_gradients_traced_in_parameter_order_are_issued_in_order_of_readiness(self):
+        """DDP traces one all_reduce per parameter, in parameter order, after the backward; the
+        first parameter's gradient is ready last. Unmerged collectives move to their issue
+        point, so each goes out as its gradient is ready (the scheduler keeps this order)."""
+        aten = torch.ops.aten
+        b = Builder()
+        x, w = b.input("x", [512, 512]), b.input("w", [512, 512])
+        grads, h = [], x
+        for _ in range(3):              # backward: gradient of the last layer first
+            h = b(aten.mm.default, h, w)
+            grads.append(b(aten.mul.Tensor, h, 0.5))
+        waits = [b.wait(b(torch.ops.fcoll.all_reduce.default, g, "sum", "0"))
+                 for g in reversed(grads)]   # traced in parameter order: first layer first
+        gm = b.module(waits)
+        gm = _bucket(gm)
+        order = [n for n in gm.graph.nodes if n.op == "call_function"]
+        colls = [n for n in order if is_collective(n)]
+        self.assertEqual([c.args[0] for c in colls], grads)        # order of readiness
+        for g, c in zip(grads, colls):
+            self.assertIs(c.prev, g)                                # right after its input
+
+    def test_move_never_goes_later_than_the_collective_is(self):
+        """A placeholder counts as ready at the last placeholder; with placeholders between
+        collectives (hand-built graphs) a move would land after the collective's own wait."""
+        b = Builder()
+        x = b.input("x", [4, 4])
+        w0 = b.wait(b(torch.ops.fcoll.all_reduce.default, x, "sum", "0"))
+        y = b.input("y", [4, 4])                     # a placeholder after the collective
+        w1 = b.wait(b(torch.ops.fcoll.all_reduce.default, y, "max", "0"))  # another key
+        gm = _bucket(b.module([w0, w1]))
+        check_topological(gm.graph)                  # the first one stayed before its wait
+        self.assertEqual(len(collectives(gm)), 2)
 
     def test_fsdp_forward_gathers_split_by_compute_between_first_uses(self):
         # Every shard is ready at the start; the layers' first uses are 5 ms of compute apart.

@@ -266,7 +266,7 @@ def _compute_elapsed_us(gm: fx.GraphModule, nodes: list[fx.Node], config: FcollC
 
 
 def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
-                 estimates: dict | None = None) -> list[Bucket]:
+                 estimates: dict | None = None, include_moves: bool = False) -> list[Bucket]:
     """Plan buckets for every bucketable collective of ``gm``; the graph is not modified.
 
     Collectives are visited in graph order; each key ((kind, group, group size, reduce op, root),
@@ -284,9 +284,17 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
         config: uses ``bucket_cap_mb``, ``bucket_mode``, ``memory_budget_mb`` and
             ``estimator``.
         estimates: the pipeline run's shared compute estimates (``FcollPass.estimates``).
+        include_moves: also return one-member buckets ("moves"): the collective goes to its
+            issue point, right after its input is ready. With them, every bucketable
+            collective is issued in order of readiness (the same order on every rank, as it is
+            read from the graph) instead of keeping its traced place: a DDP step traces one
+            all_reduce per parameter in parameter order, and the first layer's gradient, ready
+            last, would otherwise hold back every gradient traced after it (the scheduler keeps
+            the relative order of collectives).
 
     Returns:
-        Buckets of two or more members, ordered by ``seq`` (the order they were closed).
+        Buckets of two or more members (and with ``include_moves``, of one), ordered by ``seq``
+        (the order they were closed).
     """
     config = config if config is not None else FcollConfig()
     cap = int(config.bucket_cap_mb * MIB)
@@ -320,8 +328,10 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
             del open_by_key[b.key]
         for m in b.members:
             open_of_wait.pop(m.wait, None)
-        if len(b.members) < 2:
+        if len(b.members) < (1 if include_moves else 2):
             return
+        if len(b.members) == 1 and b.ready >= (2 * idx[b.members[0].node],):
+            return   # a move only ever goes earlier (placeholders count as ready at the last one)
         seq = len(buckets)
         w = _wait_index(b.ready, b.wait_idx, b.last_hide)
         bucket = Bucket(
@@ -330,6 +340,8 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
             out_bytes=b.out_bytes, issue_key=b.ready + (1, seq), wait_key=(2 * w - 1, 0, seq),
             seq=seq)
         buckets.append(bucket)
+        if len(b.members) == 1:   # a move: its wait stays where it is
+            return
         for m in b.members:
             wait_ready[m.wait] = bucket.wait_key
         log.debug("bucket %d: %s %d members %s, %d bytes, issued after key %s, waited before "

@@ -356,7 +356,7 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
 
     Args:
         gm: the graph :func:`plan_buckets` planned, unchanged since.
-        buckets: the plan.
+        buckets: the plan; a one-member bucket moves its collective to its issue point.
         config: uses ``bucket_mode``.
 
     Returns:
@@ -373,17 +373,24 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
     by_name = {n.name: n for n in nodes}
     vals = [by_name[b.members[0]].args[0].meta["val"] for b in buckets]
     fake_vals = _Vals(detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True))
+    moves = {b.seq: by_name[b.members[0]] for b in buckets if len(b.members) == 1}
     rewrites = {b.seq: _Rewrite(b, [by_name[m] for m in b.members], config.bucket_mode)
-                for b in buckets}
+                for b in buckets if b.seq not in moves}
     replaced: dict[fx.Node, fx.Node] = {}
     groups = sorted([(b.issue_key, b.seq, "issue") for b in buckets]
-                    + [(b.wait_key, b.seq, "wait") for b in buckets])
+                    + [(b.wait_key, b.seq, "wait") for b in buckets if b.seq not in moves])
     anchor_now, cursor = None, None
     for key, seq, what in groups:
         anchor = nodes[max(key[0], 0) // 2]
         if anchor is not anchor_now:
             anchor_now, cursor = anchor, anchor
         nxt = cursor.next
+        if seq in moves:   # a one-member bucket: the collective itself moves to its issue point
+            member = moves[seq]
+            if member is not nxt:
+                nxt.prepend(member)
+            cursor = member
+            continue
         rw = rewrites[seq]
         meta = {k: rw.members[0].meta[k] for k in ("stack_trace",) if k in rw.members[0].meta}
         with g.inserting_before(nxt):
@@ -422,9 +429,10 @@ class BucketCollectives(FcollPass):
         """Nothing more: :func:`apply_buckets` already ended with :func:`check_topological`."""
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
-        buckets = plan_buckets(graph_module, self.config, self.estimates)
-        if buckets:
-            log.debug("bucket_collectives: %d buckets from %d collectives", len(buckets),
-                      sum(len(b.members) for b in buckets))
+        buckets = plan_buckets(graph_module, self.config, self.estimates, include_moves=True)
+        merged = [b for b in buckets if len(b.members) > 1]
+        if merged:
+            log.debug("bucket_collectives: %d buckets from %d collectives", len(merged),
+                      sum(len(b.members) for b in merged))
         apply_buckets(graph_module, buckets, self.config)
         return PassResult(graph_module, bool(buckets))
