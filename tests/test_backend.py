@@ -259,6 +259,21 @@ def _validation_errors(rank, world):
     return msgs
 
 
+def _coalesced_of_hundreds_of_tensors(rank, world):
+    """A coalesced all_reduce of 300 tensors (a whole model's gradients in one bucket): the
+    per-tensor signature outgrows the header and is compared through a digest."""
+    ts = [torch.full((3 + i % 5,), float(rank + i)) for i in range(300)]
+    dist.all_reduce_coalesced(ts)
+    for i, t in enumerate(ts):
+        assert t.tolist() == [float(sum(r + i for r in range(world)))] * (3 + i % 5), i
+    # one rank's 250th tensor differs: every rank raises, names the difference, moves no data
+    bad = [torch.ones(4 if (i == 250 and rank == 0) else 3) for i in range(300)]
+    with pytest.raises(ValueError, match=r"all_reduce_coalesced: rank 1 and rank 0 passed "
+                                         r"different tensors"):
+        dist.all_reduce_coalesced(bad)
+    assert all((t == 1).all() for t in bad)
+
+
 def _two_rank_split_paths(rank, world, gl):
     """At 2 ranks, a synchronous reduce_scatter with pieces of 256 KiB or more, and an even
     all_to_all with rows that large, send only the peer's part through shared memory. Results
@@ -337,6 +352,7 @@ def _suite(rank, world):
     _all_gather_fast_and_general_peers_agree(rank, world, gl)
     if world > 1:
         _validation_errors(rank, world)
+        _coalesced_of_hundreds_of_tensors(rank, world)
     if world == 4:
         _subgroups_and_mesh(rank, world)
     return True
