@@ -259,6 +259,16 @@ def _impl(name: str):
 
 @_impl("all_reduce")
 def _all_reduce(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    pg = group_from_name(group_name)
+    out_of_place = getattr(pg, "allreduce_out_of_place", None)   # fcoll's backend
+    if out_of_place is not None and pg.size() > 1:
+        # No clone of the input to reduce in place: the backend reads the input and writes a
+        # fresh output (one copy of the data fewer).
+        validate_reduce_op("all_reduce", reduce_op, input.dtype)
+        out = torch.empty_like(input, memory_format=torch.contiguous_format)
+        op, fin = _reduce_args(reduce_op, pg, input.dtype, out)
+        pending.register(out, out_of_place(input, out, op), fin)
+        return out
     out = input.clone(memory_format=torch.contiguous_format)
     _all_reduce_into(out, reduce_op, group_name)
     return out

@@ -378,6 +378,36 @@ class FcollProcessGroup(dist.ProcessGroup):
         return self._submit(name, t, reduce_op=op, root=-1 if root is None else root, run=run,
                             st=st, result=[t], opts=opts)
 
+    def allreduce_out_of_place(self, input: torch.Tensor, output: torch.Tensor,
+                               op: dist.ReduceOp) -> dist.Work:
+        """All-reduce ``input`` into ``output`` (same shape and dtype), leaving ``input`` alone,
+        asynchronously (the call returns at once; the ``Work`` completes it).
+
+        The functional ``all_reduce`` would otherwise clone its input and reduce the clone in
+        place: a full extra copy, which this path does not make (the algorithm reads the input
+        into the shared slots and reduces into the output). Ranks may mix this and
+        ``allreduce``: the header is the same.
+
+        Raises (through the Work, on every rank): the errors of ``allreduce`` for ``input``;
+        ``output`` of another shape or dtype is a ``ValueError`` here.
+        """
+        if output.shape != input.shape or output.dtype != input.dtype:
+            raise ValueError(f"fcoll all_reduce: rank {self._rank}: output {tuple(output.shape)} "
+                             f"{output.dtype} does not match input {tuple(input.shape)} "
+                             f"{input.dtype}")
+        name, red = "all_reduce", reduce_op_name(op)
+        err = check_reduce_op(red, input.dtype) or Staging.check_output(output, "output")
+        if err:
+            return self._submit(name, input, reduce_op=red, root=-1, error=err)
+        st = Staging()
+        src, dst = st.input(input).view(-1), st.output(output).view(-1)
+
+        def run(c: alg.Call) -> None:
+            alg.all_reduce(c, src, dst, red, SMALL_ALLREDUCE_BYTES)
+
+        return self._submit(name, input, reduce_op=red, root=-1, run=run, st=st,
+                            result=[output], opts=dist.AllreduceOptions())
+
     def reduce(self, tensors, opts=None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceOptions()
         return self._allreduce("reduce", tensors, reduce_op_name(opts.reduceOp), opts.rootRank,
