@@ -206,3 +206,29 @@ def test_arg_of_reads_positional_and_keyword_arguments_by_schema_name():
     assert arg_of(pos, "reduce_op", None) is None
     with pytest.raises(KeyError, match="no argument 'reduce_op'"):
         arg_of(pos, "reduce_op")
+
+
+def _compute_core_groups(rank, world_size):
+    import torch.distributed as dist
+
+    import canonical as c
+    from fcoll.passes.bucket_plan import plan_buckets
+    from fcoll.passes.cost import moves_data_on_compute_cores
+    from fcoll.runtime.config import FcollConfig
+
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for label, pg in (("fcoll", dist.group.WORLD), ("gloo", gloo)):
+        gm = c.ddp_backward(n_layers=4, batch=512, hidden=512, group=pg.group_name)
+        out[label] = (moves_data_on_compute_cores(pg.group_name),
+                      [len(b.members) for b in plan_buckets(gm, FcollConfig())])
+    return out
+
+
+def test_timing_rule_applies_to_network_backends_not_to_shared_memory():
+    """On fcoll's backend collectives run on the compute's cores: gradients far apart in
+    compute still merge there; on gloo the timing rule keeps them apart."""
+    r0, r1 = run_ranks(_compute_core_groups, 2, backend="fcoll", timeout_s=100)
+    assert r0 == r1
+    assert r0["fcoll"] == (True, [4])
+    assert r0["gloo"] == (False, [])

@@ -31,7 +31,9 @@ When compute between members is larger, the earlier members go out alone and tha
 them; when communication dominates (the lane is busy anyway), members merge up to the cap. A DDP
 step whose gradients are all-reduced in parameter order (the first layer first, though it is
 ready last) thus gets one bucket per stretch of backward rather than one bucket issued after the
-whole backward. all_to_all has no timing rule: its bytes differ between ranks.
+whole backward. all_to_all has no timing rule: its bytes differ between ranks. Nor do groups
+of fcoll's shared-memory backend, whose collectives run on the compute's own cores
+(:func:`~fcoll.passes.cost.moves_data_on_compute_cores`): there few large buckets win.
 
 Invariant (why ranks agree): every decision reads only the graph (order, shapes, dtypes, groups,
 scheduler metadata) and the cost model, whose calibrated numbers are rank 0's on every rank
@@ -47,6 +49,7 @@ op (:class:`_OpSpec`), not once per node: a node that is not a collective costs 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +57,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fcoll.passes.cost import moves_data_on_compute_cores
 from fcoll.passes.graph import (
     META_HIDING, args_by_name, collective_info, collective_kind, is_collective, tensor_bytes,
     waits_of,
@@ -312,6 +316,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
         return names
 
     elapsed = _compute_elapsed_us(gm, nodes, config, estimates)
+    _on_compute_cores = functools.lru_cache(maxsize=None)(moves_data_on_compute_cores)
     keys = _Keys()
     buckets: list[Bucket] = []
     wait_ready: dict[fx.Node, tuple] = {}     # member wait of a closed bucket -> its wait key
@@ -367,9 +372,10 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
         # its wait must come from one op library.
         key = keys.key(node, spec) + (node.target.namespace,)
         val = node.args[0].meta["val"]
+        timed = spec.kind != "all_to_all" and not _on_compute_cores(key[1])
         m = _member(node, waits[0], tensor_bytes(val), tensor_bytes(node.meta["val"]), val.dtype,
                     idx, ready_of, out_idx, by_name, elapsed,
-                    None if spec.kind == "all_to_all" else elapsed.model.comm_params(node))
+                    elapsed.model.comm_params(node) if timed else None)
         b = open_by_key.get(key)
         if b is not None:
             why = _join_rejection(b, m, cap, budget, concat)
