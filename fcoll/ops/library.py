@@ -6,9 +6,9 @@ so a graph pass can rewrite one namespace into the other by swapping the target 
 Eager kernels validate their arguments, start the collective on the group's backend with
 ``async_op=True`` and return the output buffer at once; ``wait_tensor`` blocks until it is
 filled (see :mod:`fcoll.ops.pending`) and returns a copy, since a custom op may not return an
-alias of its input (fcoll's executor and ``AsyncCollectiveTensor`` wait without the copy). Any ``torch.distributed`` backend works: fcoll's
-shared-memory backend, gloo, nccl. On a group of one rank every collective is a local copy and
-completes before the op returns.
+alias of its input (fcoll's executor and ``AsyncCollectiveTensor`` wait without the copy). Any
+``torch.distributed`` backend works: fcoll's shared-memory backend, gloo, nccl. On a group of
+one rank every collective is a local copy and completes before the op returns.
 
 Shapes (per rank, ``n`` = group size):
 

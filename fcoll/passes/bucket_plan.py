@@ -39,7 +39,8 @@ Invariant (why ranks agree): every decision reads only the graph (order, shapes,
 scheduler metadata) and the cost model, whose calibrated numbers are rank 0's on every rank
 (defaults before calibration, which happens at the same compile on every rank), never
 rank-local state, so every rank that compiled the same graph gets the same buckets and the same
-collective order (a user ``estimator`` must keep that promise too). Different orders on different ranks would hang.
+collective order (a user ``estimator`` must keep that promise too). Different orders on
+different ranks would hang.
 
 Complexity: one pass over the nodes plus one over the collectives, O(N + E); there is no
 reachability query, because graph order already answers "does c2 depend on c1?" for the only
