@@ -121,7 +121,7 @@ class _Member:
     dtype: torch.dtype
     ready_us: float = 0.0   # estimated compute time before the inputs are ready
     use_us: float = 0.0     # estimated compute time before the first use of the result
-    comm: Any = None        # CommParams of the member's kind and group; None: no timing rule
+    comm_us: float | None = None   # estimated time as a separate collective; None: no timing rule
 
 
 @dataclass(frozen=True)
@@ -195,18 +195,23 @@ def _rejection(node: fx.Node, spec: _OpSpec, waits: list[fx.Node]) -> str | None
 
 
 def _member(node: fx.Node, wait: fx.Node, in_bytes: int, out_bytes: int, dtype: torch.dtype,
-            idx: dict[fx.Node, int], ready_of, out_idx: int, by_name, elapsed: list[float],
-            comm: Any) -> _Member:
+            idx: dict[fx.Node, int], ready_of, out_idx: int, by_name, timing) -> _Member:
+    """``timing``: None (no timing rule for this member), or ``(elapsed, model)`` of
+    :func:`_compute_elapsed_us`."""
     ready = max((ready_of(u) for u in node.all_input_nodes), default=(-1,))
     users = [idx[u] for u in wait.users]
     first_use = min(users) if users else out_idx
     hiding = node.meta.get(META_HIDING)
     hides = [by_name()[h] for h in hiding if h in by_name()] if hiding else ()
-    return _Member(node=node, wait=wait, ready=ready, wait_idx=idx[wait], first_use=first_use,
-                   last_hide=max(hides, default=-1), in_bytes=in_bytes,
-                   out_bytes=out_bytes, dtype=dtype,
-                   ready_us=elapsed[max(ready[0], -1) // 2 + 1], use_us=elapsed[first_use],
-                   comm=comm)
+    m = _Member(node=node, wait=wait, ready=ready, wait_idx=idx[wait], first_use=first_use,
+                last_hide=max(hides, default=-1), in_bytes=in_bytes, out_bytes=out_bytes,
+                dtype=dtype)
+    if timing is None:
+        return m
+    elapsed, model = timing
+    m.ready_us, m.use_us = elapsed[max(ready[0], -1) // 2 + 1], elapsed[first_use]
+    m.comm_us = model.comm_params(node).time_us(max(in_bytes, out_bytes))
+    return m
 
 
 class _Keys:
@@ -247,27 +252,21 @@ class _Keys:
                 a[spec.src] if spec.src is not None else None)
 
 
-class _Elapsed(list):
-    """``elapsed[i]``: estimated compute microseconds of nodes ``0 .. i-1`` (collectives and
-    waits count 0: they run on the communication lane); ``model`` is the cost model used."""
-
-    model: Any
-
-
 def _compute_elapsed_us(gm: fx.GraphModule, nodes: list[fx.Node], config: FcollConfig,
-                        estimates: dict | None) -> _Elapsed:
+                        estimates: dict | None) -> tuple[list[float], Any]:
+    """``(elapsed, model)``: ``elapsed[i]`` is the estimated compute microseconds of nodes
+    ``0 .. i-1`` (collectives and waits count 0: they run on the communication lane), by the
+    cost ``model`` (:func:`~fcoll.passes.cost.cached_model`, which never communicates)."""
     from fcoll.passes.cost import cached_model
     from fcoll.passes.memory import OTHER, op_class
 
     model = cached_model(gm, config.estimator, estimates)
-    out = _Elapsed([0.0])
-    out.model = model
-    total = 0.0
+    elapsed, total = [0.0], 0.0
     for n in nodes:
         if n.op == "call_function" and op_class(n) == OTHER:
             total += model.estimate(n)
-        out.append(total)
-    return out
+        elapsed.append(total)
+    return elapsed, model
 
 
 def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
@@ -316,8 +315,11 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
             names.update((n.name, i) for i, n in enumerate(nodes))
         return names
 
-    elapsed = _compute_elapsed_us(gm, nodes, config, estimates)
     _on_compute_cores = functools.lru_cache(maxsize=None)(moves_data_on_compute_cores)
+
+    @functools.cache
+    def timing() -> tuple[list[float], Any]:   # only when some member has a timing rule
+        return _compute_elapsed_us(gm, nodes, config, estimates)
     keys = _Keys()
     buckets: list[Bucket] = []
     wait_ready: dict[fx.Node, tuple] = {}     # member wait of a closed bucket -> its wait key
@@ -375,8 +377,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
         val = node.args[0].meta["val"]
         timed = spec.kind != "all_to_all" and not _on_compute_cores(key[1])
         m = _member(node, waits[0], tensor_bytes(val), tensor_bytes(node.meta["val"]), val.dtype,
-                    idx, ready_of, out_idx, by_name, elapsed,
-                    elapsed.model.comm_params(node) if timed else None)
+                    idx, ready_of, out_idx, by_name, timing() if timed else None)
         b = open_by_key.get(key)
         if b is not None:
             why = _join_rejection(b, m, cap, budget, concat)
@@ -415,8 +416,8 @@ def _join_rejection(b: _Open, m: _Member, cap: int, budget: int, concat: bool) -
     if w > first_use:
         return (f"dependency: issue point (after key {ready}) and hiding compute need the wait "
                 f"at node #{w}, after the first use of a member result (node #{first_use})")
-    if m.comm is not None:
-        comm_us = b.comm_us + m.comm.time_us(max(m.in_bytes, m.out_bytes))
+    if m.comm_us is not None:
+        comm_us = b.comm_us + m.comm_us
         ready_spread = max(b.ready_us[1], m.ready_us) - min(b.ready_us[0], m.ready_us)
         use_spread = max(b.use_us[1], m.use_us) - min(b.use_us[0], m.use_us)
         if max(ready_spread, use_spread) > comm_us:
@@ -436,5 +437,5 @@ def _add(b: _Open, m: _Member) -> None:
     b.out_bytes += m.out_bytes
     b.ready_us = (min(b.ready_us[0], m.ready_us), max(b.ready_us[1], m.ready_us))
     b.use_us = (min(b.use_us[0], m.use_us), max(b.use_us[1], m.use_us))
-    if m.comm is not None:
-        b.comm_us += m.comm.time_us(max(m.in_bytes, m.out_bytes))
+    if m.comm_us is not None:
+        b.comm_us += m.comm_us

@@ -282,25 +282,25 @@ class _Cache:
 _CACHE = _Cache()  # the one process-level cache (calibration is a property of the process)
 
 
-def _min_us(fn: Callable[[], None], reps: int) -> float:
-    """Fastest of ``reps`` runs, in us (on a shared machine the minimum is the least noisy)."""
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, (time.perf_counter() - t0) * 1e6)
-    return best
-
-
-def _median_us(fn: Callable[[], None], reps: int) -> float:
-    """Median of ``reps`` runs, in us: for kernels long enough that the minimum is a lucky run
-    (a matmul that found the caches warm and the other core idle)."""
+def _times_us(fn: Callable[[], None], reps: int) -> list[float]:
+    """The time of each of ``reps`` runs of ``fn``, in us."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def _min_us(fn: Callable[[], None], reps: int) -> float:
+    """Fastest of ``reps`` runs, in us (on a shared machine the minimum is the least noisy)."""
+    return min(_times_us(fn, reps))
+
+
+def _median_us(fn: Callable[[], None], reps: int) -> float:
+    """Median of ``reps`` runs, in us: for kernels long enough that the minimum is a lucky run
+    (a matmul that found the caches warm and the other core idle)."""
+    return sorted(_times_us(fn, reps))[reps // 2]
 
 
 def _per_call_us(fn: Callable[[], None], calls: int, reps: int) -> float:

@@ -11,10 +11,11 @@ for the coalesced ops that return a list, through ``operator.getitem``.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -23,7 +24,8 @@ __all__ = [
     "NAMESPACES", "META_ESTIMATED_US", "META_HIDING", "META_EXPOSED_US", "META_PASSES",
     "CollectiveInfo", "is_collective", "is_wait", "is_fcoll_op", "collective_kind",
     "collective_info", "waits_of", "wait_of", "start_of", "bucket_key", "size_hint",
-    "tensor_bytes", "node_bytes", "collectives", "args_by_name",
+    "tensor_bytes", "node_bytes", "collectives", "args_by_name", "arg_of", "check_topological",
+    "per_op",
 ]
 
 NAMESPACES = ("fcoll", "_c10d_functional")
@@ -91,29 +93,49 @@ def collective_kind(node: fx.Node) -> str:
     return _KINDS[name[1]]
 
 
-_ARG_POSITION: dict[tuple[int, str], tuple[Any, int | None]] = {}
+def per_op(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Memoize ``fn(op)``, a fact of an op's schema, by the op's identity.
+
+    ``OpOverload.__hash__`` is Python code; these facts are asked per node, so the memo is keyed
+    by ``id`` (the op is kept in the entry, so its id cannot be reused).
+    """
+    memo: dict[int, tuple[Any, Any]] = {}
+
+    @functools.wraps(fn)
+    def wrapper(op: Any) -> Any:
+        hit = memo.get(id(op))
+        if hit is not None and hit[0] is op:
+            return hit[1]
+        value = fn(op)
+        memo[id(op)] = (op, value)
+        return value
+
+    return wrapper
+
+
+@per_op
+def _arg_positions(target: Any) -> dict[str, int]:
+    """Schema argument name -> position, for one op."""
+    return {a.name: i for i, a in enumerate(target._schema.arguments)}
+
+
 _MISSING = object()
 
 
 def arg_of(node: fx.Node, name: str, default: Any = _MISSING) -> Any:
     """The argument ``name`` of an op node, positional or keyword, without building
-    :func:`args_by_name`'s dict (its schema position is looked up once per op).
+    :func:`args_by_name`'s dict (schema positions are read once per op).
 
     Raises:
         KeyError: the node does not give ``name`` and there is no ``default``.
     """
-    target = node.target
-    hit = _ARG_POSITION.get((id(target), name))
-    if hit is None or hit[0] is not target:   # the op is kept in the entry: its id stays unique
-        pos = next((i for i, a in enumerate(target._schema.arguments) if a.name == name), None)
-        hit = _ARG_POSITION[(id(target), name)] = (target, pos)
-    pos = hit[1]
+    pos = _arg_positions(node.target).get(name)
     if pos is not None and pos < len(node.args):
         return node.args[pos]
     if name in node.kwargs:
         return node.kwargs[name]
     if default is _MISSING:
-        raise KeyError(f"{node.name} ({target}) has no argument {name!r}")
+        raise KeyError(f"{node.name} ({node.target}) has no argument {name!r}")
     return default
 
 

@@ -18,15 +18,14 @@ collective "later" means after its wait, since the buffer changes until then.
 
 from __future__ import annotations
 
-import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx as fx
 
-from fcoll.passes.graph import is_collective, is_wait, start_of, tensor_bytes, waits_of
+from fcoll.passes.graph import is_collective, is_wait, per_op, start_of, tensor_bytes, waits_of
 
 __all__ = ["Storage", "storage_model", "peak_bytes", "MemoryTracker", "mutation_deps",
            "op_class", "OTHER", "COLLECTIVE", "WAIT", "value_bytes"]
@@ -42,26 +41,6 @@ class _Probe:
 
     def __init__(self, target: Any) -> None:
         self.target = target
-
-
-def per_op(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Memoize ``fn(op)``, a fact of an op's schema, by the op's identity.
-
-    ``OpOverload.__hash__`` is Python code; these facts are asked per node, so the memo is keyed
-    by ``id`` (the op is kept in the entry, so its id cannot be reused).
-    """
-    memo: dict[int, tuple[Any, Any]] = {}
-
-    @functools.wraps(fn)
-    def wrapper(op: Any) -> Any:
-        hit = memo.get(id(op))
-        if hit is not None and hit[0] is op:
-            return hit[1]
-        value = fn(op)
-        memo[id(op)] = (op, value)
-        return value
-
-    return wrapper
 
 
 @per_op

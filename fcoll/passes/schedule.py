@@ -361,10 +361,12 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
     touched: set[fx.Node] = set()
     roots, size, touches = storage.root, storage.size, storage.touches
 
-    def fits(w: fx.Node) -> bool:
+    def fits(w: fx.Node, reserved: int = 0) -> bool:
+        """``w`` may run (backwards: its collective goes in flight) with ``reserved`` more
+        bytes already promised to other waits."""
         c = g.start.get(w)
-        return c is None or c in in_flight or not flight or \
-            flight + g.nbytes[c] <= max_in_flight_bytes
+        return c is None or c in in_flight or not (flight or reserved) or \
+            flight + reserved + g.nbytes[c] <= max_in_flight_bytes
 
     def place(n: fx.Node) -> None:
         nonlocal now, flight, live, k
@@ -394,13 +396,10 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
             # them: releasing every wait that fits the current flight one by one, then holding
             # most of them back again, made this quadratic (4,800 held waits: 3.9M heap moves).
             reserved = 0
-            while deferred:
-                c = g.start.get(order[-deferred[0]])
-                extra = 0 if c is None or c in in_flight else g.nbytes[c]
-                if (flight or reserved) and flight + reserved + extra > max_in_flight_bytes:
-                    break
+            while deferred and fits(w := order[-deferred[0]], reserved):
                 heapq.heappush(waits, heapq.heappop(deferred))
-                reserved += extra
+                c = g.start.get(w)
+                reserved += 0 if c is None or c in in_flight else g.nbytes[c]
         for p in d.preds[n]:
             if p.op in _FIXED:
                 continue
