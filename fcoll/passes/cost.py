@@ -363,6 +363,17 @@ def _quiet(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def _reduce_scatter_as_fcoll_does(pg: Any, out: torch.Tensor, input: torch.Tensor) -> None:
+    """One blocking reduce_scatter by the algorithm ``fcoll.reduce_scatter_tensor`` picks for
+    ``pg``'s backend (on gloo: all_to_all_single and a local sum)."""
+    from fcoll.ops.library import start_reduce_scatter
+
+    work, finish = start_reduce_scatter(pg, out, input, "sum", input.dtype)
+    work.wait()
+    if finish is not None:
+        finish()
+
+
 def _time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> float:
     """Fastest time of one blocking collective of ``nbytes`` (the larger buffer), in us."""
     import torch.distributed as dist
@@ -374,7 +385,7 @@ def _time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> float:
     ops = {
         "all_reduce": lambda: dist.all_reduce(big, group=pg),
         "all_gather": lambda: _quiet(dist.all_gather_into_tensor, big, small, group=pg),
-        "reduce_scatter": lambda: _quiet(dist.reduce_scatter_tensor, small, big, group=pg),
+        "reduce_scatter": lambda: _reduce_scatter_as_fcoll_does(pg, small, big),
         "all_to_all": lambda: dist.all_to_all_single(out, big, group=pg),
         "broadcast": lambda: dist.broadcast(big, group=pg, group_src=0),
     }
