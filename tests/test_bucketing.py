@@ -269,6 +269,31 @@ class TestTiming(unittest.TestCase):
         cheap = FcollConfig(estimator=lambda n: 1.0 if not is_collective(n) else None)
         self.assertEqual([len(b.members) for b in plan_buckets(gm, cheap)], [4])
 
+    def _head_gathers(self, compute_us: float) -> list:
+        """Two 1 MiB shards gathered at the start of a forward (about 1.1 ms each with the
+        default parameters): the first is used at once, the second after four nodes of
+        ``compute_us`` each."""
+        aten, b = torch.ops.aten, Builder()
+        x, s0, s1 = b.input("x", [512, 512]), b.input("s0", [256, 1024]), b.input("s1",
+                                                                                  [256, 1024])
+        w0 = b.wait(b(torch.ops.fcoll.all_gather_into_tensor.default, s0, 2, "0"))
+        w1 = b.wait(b(torch.ops.fcoll.all_gather_into_tensor.default, s1, 2, "0"))
+        h = b(aten.mm.default, x, w0)
+        for _ in range(3):
+            h = b(aten.relu.default, h)
+        out = b(aten.add.Tensor, h, w1)
+        gm = b.module([out])
+        est = FcollConfig(estimator=lambda n: compute_us if not is_collective(n) else None)
+        return plan_buckets(gm, est)
+
+    def test_gather_needed_first_is_not_held_back_by_one_needed_later(self):
+        # 1.6 ms of compute between the first uses: within the members' 2.2 ms of communication
+        # (the spread rule would merge), but merged, all 2.2 ms would be exposed where apart
+        # only the first 1.1 ms is: the exposure rule keeps them apart.
+        self.assertEqual(self._head_gathers(400.0), [])
+        # With 30 us between the first uses, nothing hides the second one either: merge.
+        self.assertEqual([len(b.members) for b in self._head_gathers(10.0)], [2])
+
 class TestComposition(unittest.TestCase):
     def test_default_pipeline_buckets_then_schedules(self):
         """Default order: one bucket for 50 gradients, then the scheduler moves its wait."""

@@ -31,7 +31,13 @@ When compute between members is larger, the earlier members go out alone and tha
 them; when communication dominates (the lane is busy anyway), members merge up to the cap. A DDP
 step whose gradients are all-reduced in parameter order (the first layer first, though it is
 ready last) thus gets one bucket per stretch of backward rather than one bucket issued after the
-whole backward. all_to_all has no timing rule: its bytes differ between ranks. Nor do groups
+whole backward. Second, a merge must not expose more communication than it saves latency: with
+``exposed(B) = max(0, comm(B) - compute between B's last ready member and its first use)``
+(alpha-beta ``comm`` of the merged bytes), a member joins only if ``exposed(merged) <=
+exposed(bucket) + exposed(member) + (comm(bucket) + comm(member) - comm(merged))``. This keeps
+the parameters an FSDP forward needs first out of a large bucket that nothing could hide (the
+first layer's all_gather, issued at the start of the graph), and still merges the gradients
+ready at the very end of a backward, which are exposed whether merged or not. all_to_all has no timing rule: its bytes differ between ranks. Nor do groups
 of fcoll's shared-memory backend, whose collectives run on the compute's own cores
 (:func:`~fcoll.passes.cost.moves_data_on_compute_cores`): there few large buckets win.
 
@@ -122,6 +128,7 @@ class _Member:
     ready_us: float = 0.0   # estimated compute time before the inputs are ready
     use_us: float = 0.0     # estimated compute time before the first use of the result
     comm_us: float | None = None   # estimated time as a separate collective; None: no timing rule
+    comm_params: Any = None        # the cost model's CommParams of its kind and group
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,7 @@ class _Open:
     ready_us: tuple[float, float] = (float("inf"), float("-inf"))   # (min, max) over members
     use_us: tuple[float, float] = (float("inf"), float("-inf"))
     comm_us: float = 0.0    # the members' estimated time as separate collectives
+    comm_bytes: int = 0     # sum over members of max(input, output) bytes (timed members)
 
 
 def _wait_index(ready: tuple, wait_idx: int, last_hide: int) -> int:
@@ -210,7 +218,8 @@ def _member(node: fx.Node, wait: fx.Node, in_bytes: int, out_bytes: int, dtype: 
         return m
     elapsed, model = timing
     m.ready_us, m.use_us = elapsed[max(ready[0], -1) // 2 + 1], elapsed[first_use]
-    m.comm_us = model.comm_params(node).time_us(max(in_bytes, out_bytes))
+    m.comm_params = model.comm_params(node)
+    m.comm_us = m.comm_params.time_us(max(in_bytes, out_bytes))
     return m
 
 
@@ -424,7 +433,24 @@ def _join_rejection(b: _Open, m: _Member, cap: int, budget: int, concat: bool) -
             return (f"timing: members ready {ready_spread:.0f} us and first used "
                     f"{use_spread:.0f} us of compute apart, more than their {comm_us:.0f} us "
                     f"of communication as separate collectives")
+        p = m.comm_params
+        alone = p.time_us(b.comm_bytes)
+        merged = p.time_us(b.comm_bytes + max(m.in_bytes, m.out_bytes))
+        exposed_merged = _exposed_us(merged, max(b.ready_us[1], m.ready_us),
+                                     min(b.use_us[0], m.use_us))
+        exposed_apart = (_exposed_us(alone, b.ready_us[1], b.use_us[0])
+                         + _exposed_us(m.comm_us, m.ready_us, m.use_us))
+        if exposed_merged > exposed_apart + (alone + m.comm_us - merged):
+            return (f"exposure: merged, {exposed_merged:.0f} us of communication would not be "
+                    f"hidden by compute, against {exposed_apart:.0f} us apart, more than the "
+                    f"{alone + m.comm_us - merged:.0f} us of latency merging saves")
     return None
+
+
+def _exposed_us(comm_us: float, ready_us: float, use_us: float) -> float:
+    """Communication time not covered by the compute between a collective's issue (its inputs
+    ready, ``ready_us`` of compute into the graph) and its first use (``use_us``)."""
+    return max(0.0, comm_us - (use_us - ready_us))
 
 
 def _add(b: _Open, m: _Member) -> None:
@@ -439,3 +465,4 @@ def _add(b: _Open, m: _Member) -> None:
     b.use_us = (min(b.use_us[0], m.use_us), max(b.use_us[1], m.use_us))
     if m.comm_us is not None:
         b.comm_us += m.comm_us
+        b.comm_bytes += max(m.in_bytes, m.out_bytes)
