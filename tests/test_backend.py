@@ -391,6 +391,104 @@ def test_every_op_dtype_and_reduce_op_matches_gloo(world):
     assert fcoll_segments() == []
 
 
+def _coalesced_inputs(rank: int, op: str, seed: int) -> list[torch.Tensor]:
+    """Mixed dtypes in one list (float32 ones in between, so the dtypes interleave), sizes
+    from empty to many 4 KiB slots, pieces straddling chunk boundaries, non-contiguous
+    views (a transpose, a strided slice). float32, float64 and int32 total more than 64 KiB
+    (3+ ranks: the two-phase path), bfloat16 and bool less."""
+    dts = [torch.float32, torch.float64, torch.bfloat16]
+    if op != "avg":
+        dts += [torch.int32, torch.bool]
+    out, k = [], 0
+    for dt in dts:
+        for shape in [(1,), (1000,), (1500,), (0,), (3000,), (17000,)]:
+            out.append(_make(shape, dt, rank, seed + k))
+            out.append(_make((7,), torch.float32, rank, seed + 100 + k))
+            k += 1
+        out.append(_make((41, 37), dt, rank, seed + k).t())  # non-contiguous
+        out.append(_make((2 * 1111,), dt, rank, seed + k + 1)[::2])
+        k += 2
+    return out
+
+
+def _coalesced_reference(op: str, world: int, seed: int) -> list[torch.Tensor]:
+    """The reduction of every rank's :func:`_coalesced_inputs`, computed locally (exact: small
+    integer values)."""
+    per_rank = [_coalesced_inputs(p, op, seed) for p in range(world)]
+    ref = []
+    for ts in zip(*per_rank):
+        x = torch.stack([t.to(torch.float64) for t in ts])
+        if ts[0].dtype == torch.bool or op == "max":
+            y = x.amax(0) if ts[0].numel() else x.sum(0)
+        elif op == "avg":
+            y = x.mean(0)
+        else:
+            y = x.sum(0)
+        ref.append(y.to(ts[0].dtype))
+    return ref
+
+
+def _coalesced_zero_copy(rank, world):
+    """Coalesced all_reduce (in place and out of place, on the process group and through the
+    ops) of many dtypes in one call, run with 4 KiB slots so that the pieces of the inputs
+    straddle chunk boundaries, equals a reference reduction, bit for bit; the out-of-place
+    forms leave their inputs alone and return contiguous outputs of the inputs' shapes."""
+    import fcoll
+    from fcoll.ops import pending
+    from fcoll.ops.groups import group_from_name
+
+    gname = dist.group.WORLD.group_name
+    pg = group_from_name(gname)
+    for seed, op in enumerate(["sum", "avg", "max"]):
+        seed *= 1000
+        ref = _coalesced_reference(op, world, seed)
+
+        def check(got, form):
+            assert len(got) == len(ref), form
+            for i, (g, r) in enumerate(zip(got, ref)):
+                assert g.shape == r.shape and g.dtype == r.dtype, (form, i, g.shape, r.shape)
+                assert torch.equal(g, r), f"{form} {op}: tensor {i} {r.dtype} {tuple(r.shape)}"
+
+        ins = _coalesced_inputs(rank, op, seed)
+        keep = [t.clone() for t in ins]
+        # out of place on the group; rank 0 runs the in-place form at the same time (the
+        # header is the same, so ranks may mix them)
+        if rank == 0:
+            pg.allreduce_coalesced(ins, _coalesced_opts(op)).wait()
+            check(ins, "pg in place (mixed with out of place)")
+            ins = [t.clone() for t in keep]
+        else:
+            outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ins]
+            pg.allreduce_coalesced_out_of_place(ins, outs, OPS[op]).wait()
+            check(outs, "pg out of place")
+            assert all(torch.equal(a, b) for a, b in zip(ins, keep)), "input modified"
+        # the functional op: fresh outputs, inputs untouched
+        res = fcoll.all_reduce_coalesced(ins, op, dist.group.WORLD)
+        res = [t.wait() for t in res]
+        check(res, "fcoll.all_reduce_coalesced")
+        assert all(t.is_contiguous() for t in res)
+        assert all(torch.equal(a, b) for a, b in zip(ins, keep)), "functional input modified"
+        # the in-place op, non-contiguous targets included
+        torch.ops.fcoll.all_reduce_coalesced_(ins, op, gname)
+        for t in ins:
+            pending.wait(t)
+        check(ins, "fcoll.all_reduce_coalesced_")
+    return True
+
+
+def _coalesced_opts(op: str):
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = OPS[op]
+    return opts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_coalesced_all_reduce_reduces_pieces_in_place_and_out_of_place(world):
+    env = {"FCOLL_SHM_SLOT_BYTES": "4096"}
+    assert run_ranks(_coalesced_zero_copy, world, timeout_s=180, env=env) == [True] * world
+    assert fcoll_segments() == []
+
+
 def _single(rank, world):
     t = torch.arange(5.0)
     dist.all_reduce(t)

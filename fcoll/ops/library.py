@@ -281,36 +281,53 @@ def _all_reduce_(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.
 
 
 def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str,
-                          group_name: str) -> None:
-    """Reduce every tensor of ``outs`` in place, as few backend calls as the backend allows.
+                          group_name: str, inputs: list[torch.Tensor] | None = None) -> None:
+    """Reduce every tensor of ``outs`` in place, as few backend calls as the backend allows;
+    with ``inputs`` (a backend with ``allreduce_coalesced_out_of_place``, a group of 2 ranks
+    or more), reduce ``inputs[i]`` into ``outs[i]`` instead, leaving the inputs alone.
 
     fcoll's backend packs tensors of every dtype into one coalesced collective; gloo coalesces
     tensors of one dtype, so there each dtype is one call, issued back to back.
     """
-    for t in outs:
+    for t in outs if inputs is None else inputs:
         validate_reduce_op(op_name, reduce_op, t.dtype)
     pg = group_from_name(group_name)
     if pg.size() == 1 or not outs:
         return
     coalesce_dtypes = _backend_name(pg) == "fcoll"
-    per_call: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, object]]] = {}
-    for t in outs:
-        buf, copy_back = _wire_output(pg, t, initialised=True)
+    per_call: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, object, int]]] = {}
+    for i, t in enumerate(outs):
+        # out of place, ``outs`` are fresh contiguous tensors, which fcoll's backend (the one
+        # with the out-of-place form) takes as they are, in every dtype
+        buf, copy_back = (_wire_output(pg, t, initialised=True) if inputs is None
+                          else (t, None))
         op, fin = _reduce_args(reduce_op, pg, t.dtype, buf)
         key = (int(op),) if coalesce_dtypes else (int(op), buf.dtype)
-        per_call.setdefault(key, []).append((t, buf, _chain(fin, copy_back)))
+        per_call.setdefault(key, []).append((t, buf, _chain(fin, copy_back), i))
     for members in per_call.values():
         opts = dist.AllreduceCoalescedOptions()
         opts.reduceOp = _reduce_args(reduce_op, pg, members[0][0].dtype, members[0][1])[0]
         opts.asyncOp = True
-        work = pg.allreduce_coalesced([buf for _, buf, _ in members], opts)
-        for t, _, finish in members:
+        bufs = [buf for _, buf, _, _ in members]
+        if inputs is None:
+            work = pg.allreduce_coalesced(bufs, opts)
+        else:
+            work = pg.allreduce_coalesced_out_of_place([inputs[i] for *_, i in members], bufs,
+                                                       opts.reduceOp)
+        for t, _, finish, _ in members:
             pending.register(t, work, finish)
 
 
 @_impl("all_reduce_coalesced")
 def _all_reduce_coalesced(inputs: list[torch.Tensor], reduce_op: str,
                           group_name: str) -> list[torch.Tensor]:
+    pg = group_from_name(group_name)
+    if getattr(pg, "allreduce_coalesced_out_of_place", None) is not None and pg.size() > 1:
+        # fcoll's backend: no clone of the inputs to reduce in place; the backend reads each
+        # input into its shared slots and reduces into a fresh output (one copy fewer).
+        outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+        _all_reduce_many_into("all_reduce_coalesced", outs, reduce_op, group_name, inputs)
+        return outs
     outs = [t.clone(memory_format=torch.contiguous_format) for t in inputs]
     _all_reduce_many_into("all_reduce_coalesced", outs, reduce_op, group_name)
     return outs

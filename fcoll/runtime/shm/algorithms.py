@@ -19,6 +19,9 @@ Algorithms (n ranks, this rank r, sizes per rank):
   reduces 1/n of the data (reduce-scatter then all-gather, as in NCCL's ring/tree-free
   intra-node algorithms), and every output element is computed by exactly one rank, so all ranks
   end bit-identical.
+* coalesced all_reduce (a list of tensors of one dtype): the chunks and phases of all_reduce
+  of their concatenation, without concatenating: pieces of the inputs are copied straight
+  into the slot row, and reduced from the slot rows straight into their outputs.
 * all_gather: per chunk, copy in, one phase, one strided copy of all n rows out.
 * reduce_scatter: per chunk, copy the n pieces in, one phase, reduce piece r over n rows
   (at 2 ranks, one slot and pieces of ``SPLIT_BYTES`` or more: only the peer's piece is
@@ -266,6 +269,154 @@ def all_reduce(c: Call, src: torch.Tensor, dst: torch.Tensor | None, op: str,
                         dst[c0 + a:c0 + b].copy_(rows[p, a:b])
         if i + 1 < len(starts):
             slot = nslot
+
+
+def chunk_pieces(sizes: list[int], per: int) -> list[list[tuple[int, int, int, int]]]:
+    """Cut tensors of ``sizes`` elements, laid end to end, into chunks of ``per`` elements.
+
+    Returns, per chunk (at least one, even when every size is 0), its pieces in order as
+    ``(tensor index, offset in the tensor, offset in the chunk, length)``, all in elements;
+    a tensor that straddles a chunk boundary gives one piece on each side, and an empty
+    tensor gives none.
+    """
+    chunks: list[list[tuple[int, int, int, int]]] = [
+        [] for _ in range(max(1, -(-sum(sizes) // per)))]
+    pos = 0
+    for i, m in enumerate(sizes):
+        a = 0
+        while a < m:
+            u, o = divmod(pos + a, per)
+            ln = min(m - a, per - o)
+            chunks[u].append((i, a, o, ln))
+            a += ln
+        pos += m
+    return chunks
+
+
+def _piece(t: torch.Tensor, a: int, ln: int) -> torch.Tensor:
+    return t if a == 0 and ln == t.numel() else t[a:a + ln]
+
+
+# 2 ranks, in place: one foreach call per chunk instead of a loop over its pieces (same
+# kernels per tensor on the CPU, so the same bits as reduce_pair_inplace)
+_FOREACH_INPLACE = {"sum": torch._foreach_add_, "product": torch._foreach_mul_,
+                    "max": torch._foreach_maximum_, "min": torch._foreach_minimum_}
+
+
+def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor], op: str,
+                    small_bytes: int) -> None:
+    """All-reduce flat tensors of one dtype as if they were one concatenated tensor, without
+    concatenating them: ``dsts[i] = op over ranks of srcs[i]``.
+
+    Args:
+        srcs: flat (1-D), contiguous CPU tensors, all of one dtype (at least one tensor).
+        dsts: flat, contiguous outputs, ``dsts[i]`` of ``srcs[i]``'s numel; ``dsts is srcs``
+            reduces in place. An output must not overlap any other input.
+
+    Same chunks, phases and slot contents as :func:`all_reduce` of the concatenation, so the
+    data that crosses shared memory and the synchronisations are unchanged. Each chunk is
+    filled with one ``torch.cat(pieces, out=row)`` of the pieces of the inputs that fall in
+    it, straight into this rank's slot row; after the chunk's phase each piece is reduced
+    from the slot rows straight into its output: at 2 ranks ``op(input piece, peer's row
+    piece)`` (``op`` is commutative elementwise, so both ranks compute the same bits, see
+    :func:`reduce_pair_inplace`), at 3+ ranks over all rows in rank order. 3+ ranks above
+    ``small_bytes`` in all take :func:`all_reduce`'s two-phase path, cut at the pieces: each
+    output element is still computed by exactly one rank. Compared with concatenating, this
+    saves a copy of every byte in and one out, and a fresh buffer's page faults.
+    """
+    ch = c.ch
+    n, r = ch.world, ch.rank
+    seg = ch.seg
+    dtype = srcs[0].dtype
+    e = srcs[0].element_size()
+    per = seg.layout.slot_bytes // e
+    in_place = dsts is srcs
+    # per chunk: its input pieces, output pieces, offsets in the chunk, lengths, and fill
+    plan = []
+    for pieces in chunk_pieces([x.numel() for x in srcs], per):
+        ins = [_piece(srcs[i], a, ln) for i, a, _, ln in pieces]
+        outs = ins if in_place else [_piece(dsts[i], a, ln) for i, a, _, ln in pieces]
+        lens = [ln for _, _, _, ln in pieces]
+        plan.append((ins, outs, [o for _, _, o, _ in pieces], lens, sum(lens)))
+    M = sum(p[4] for p in plan)
+
+    def write(u: int, slot: int) -> None:
+        ins, _, _, _, L = plan[u]
+        if ins:
+            torch.cat(ins, out=seg.rows(slot, dtype)[r, :L])
+
+    if M * e > small_bytes and n > 2:
+        _all_reduce_many_two_phase(c, plan, write, dtype, op)
+        return
+    fused = _FOREACH_INPLACE.get(op) if in_place and dtype != torch.bool else None
+    add = op == "sum" and dtype != torch.bool
+
+    def read(u: int, slot: int) -> None:
+        ins, outs, _, lens, L = plan[u]
+        if not ins:
+            return
+        rows = seg.rows(slot, dtype)[:, :L]
+        if n > 2:
+            for x, d in zip(rows.split_with_sizes(lens, 1), outs):
+                reduce_rows(x, op, d)
+            return
+        peer = rows[1 - r].split_with_sizes(lens)
+        if fused is not None:
+            fused(outs, peer)
+        elif in_place:
+            for d, p in zip(outs, peer):
+                reduce_pair_inplace(d, p, op)
+        elif add:
+            for s, p, d in zip(ins, peer, outs):
+                torch.add(s, p, out=d)
+        else:
+            for s, p, d in zip(ins, peer, outs):
+                reduce_rows(None, op, d, [s, p] if r == 0 else [p, s])
+
+    pipelined(c, len(plan), write, read)
+
+
+def _all_reduce_many_two_phase(c: Call, plan: list, write, dtype: torch.dtype,
+                               op: str) -> None:
+    """:func:`all_reduce`'s reduce-scatter + all-gather path (3+ ranks) over the pieces of
+    :func:`all_reduce_many`: rank r reduces slice r of each chunk into the outputs' pieces in
+    it and back into its own row; after phase B it copies the other slices out."""
+    ch = c.ch
+    n, r = ch.world, ch.rank
+    seg = ch.seg
+
+    def clipped(u: int, a: int, b: int):
+        _, outs, offs, lens, _ = plan[u]
+        for d, o, ln in zip(outs, offs, lens):
+            x, y = max(o, a), min(o + ln, b)
+            if y > x:
+                yield d[x - o:y - o], x, y
+
+    slot = c.slot()
+    write(0, slot)
+    for u in range(len(plan)):
+        rows = seg.rows(slot, dtype)
+        if u == 0:
+            c.first_sync(slot)
+        else:
+            c.sync()
+        L = plan[u][4]
+        a, b = _slice(L, n, r)
+        for tgt, x, y in clipped(u, a, b):
+            reduce_rows(rows[:, x:y], op, tgt)
+            rows[r, x:y].copy_(tgt)
+        ch.arrive()
+        nslot = -1
+        if u + 1 < len(plan):
+            nslot = c.slot()
+            write(u + 1, nslot)
+        ch.wait_all(c.what, c.start)
+        for p in range(n):
+            if p != r:
+                a, b = _slice(L, n, p)
+                for tgt, x, y in clipped(u, a, b):
+                    tgt.copy_(rows[p, x:y])
+        slot = nslot
 
 
 class SmallAllReducePlan:

@@ -414,37 +414,80 @@ class FcollProcessGroup(dist.ProcessGroup):
                                opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
-        """One all_reduce per dtype over the tensors packed into one flat buffer."""
+        """All-reduce every tensor of ``tensors`` in place (any shapes, dtypes mixed): one
+        collective, in which the tensors of each dtype (in order of first appearance) are
+        reduced as if concatenated, through :func:`alg.all_reduce_many` (no concatenated copy).
+
+        The header of the first phase carries every tensor's dtype and shape, so ranks that
+        pass different lists raise the same ``ValueError`` instead of hanging.
+        """
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        op = reduce_op_name(opts.reduceOp)
+        return self._coalesced(tensors, None, opts.reduceOp, opts)
+
+    def allreduce_coalesced_out_of_place(self, inputs: list[torch.Tensor],
+                                         outputs: list[torch.Tensor],
+                                         op: dist.ReduceOp) -> dist.Work:
+        """All-reduce ``inputs[i]`` into ``outputs[i]`` (same shape and dtype) for every i in one
+        collective, leaving the inputs alone, asynchronously (the ``Work`` completes it).
+
+        The functional ``all_reduce_coalesced`` would otherwise clone every input and reduce
+        the clones in place; here the algorithm reads each input into the shared slots and
+        reduces straight into its output. Ranks may mix this and ``allreduce_coalesced``: the
+        header is the same. Outputs must not overlap any input.
+
+        Raises (through the Work, on every rank): the errors of ``allreduce_coalesced`` for
+        ``inputs``; lists of different lengths, or an output of another shape or dtype than
+        its input, are a ``ValueError`` here.
+        """
+        if len(inputs) != len(outputs):
+            raise ValueError(f"fcoll all_reduce_coalesced: rank {self._rank}: {len(outputs)} "
+                             f"outputs for {len(inputs)} inputs")
+        for i, (x, y) in enumerate(zip(inputs, outputs)):
+            if y.shape != x.shape or y.dtype != x.dtype:
+                raise ValueError(f"fcoll all_reduce_coalesced: rank {self._rank}: outputs[{i}] "
+                                 f"{tuple(y.shape)} {y.dtype} does not match inputs[{i}] "
+                                 f"{tuple(x.shape)} {x.dtype}")
+        return self._coalesced(inputs, outputs, op, None)
+
+    def _coalesced(self, inputs, outputs, rop, opts) -> dist.Work:
+        """``allreduce_coalesced`` (``outputs`` None: in place) and its out-of-place form.
+
+        Per tensor this costs a few microseconds of Python on the calling thread (a bucket
+        holds hundreds): dense contiguous CPU tensors outside autograd (the common case) are
+        used as they are, without ``Staging``'s detach and device checks."""
+        op = reduce_op_name(rop)
         name = "all_reduce_coalesced"
-        errs = [check_reduce_op(op, t.dtype) or Staging.check_output(t, f"tensors[{i}]")
-                for i, t in enumerate(tensors)]
-        err = next((e for e in errs if e), None)
-        sig = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
+        targets = inputs if outputs is None else outputs
+        err = next((e for e in (check_reduce_op(op, x.dtype) or (
+            None if _plain(t) else Staging.check_output(t, f"tensors[{i}]"))
+            for i, (x, t) in enumerate(zip(inputs, targets))) if e), None)
+        sig = tuple((_dtype_name(t.dtype), tuple(t.shape)) for t in inputs)
         if err:
             return self._submit(name, None, reduce_op=op, extra=sig, error=err)
         st = Staging()
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault(t.dtype, []).append(st.inout(t))
+        groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for i, t in enumerate(inputs):
+            srcs, dsts = groups.setdefault(t.dtype, ([], []))
+            if outputs is None:
+                srcs.append(_flat(t) if _plain(t) else st.inout(t).view(-1))
+            else:
+                srcs.append(_flat(t) if _plain(t) else st.input(t).view(-1))
+                o = outputs[i].detach()  # autograd may wrap an output once it is returned
+                dsts.append(_flat(o) if _plain(o) else st.output(o).view(-1))
 
         def run(c: alg.Call) -> None:
             first = True
-            for dt, ts in groups.items():
-                flat = torch.cat([x.view(-1) for x in ts]) if len(ts) > 1 else ts[0].view(-1)
+            for dt, (srcs, dsts) in groups.items():
                 if not first:
-                    c.payload = hdr.encode(-1, name, str(dt), (flat.numel(),), op, -1, None)
-                alg.all_reduce(c, flat, flat, op, SMALL_ALLREDUCE_BYTES)
+                    c.payload = hdr.encode(-1, name, str(dt), (sum(x.numel() for x in srcs),),
+                                           op, -1, None)
+                alg.all_reduce_many(c, srcs, srcs if outputs is None else dsts, op,
+                                    SMALL_ALLREDUCE_BYTES)
                 first = False
-                if len(ts) > 1:
-                    off = 0
-                    for x in ts:
-                        x.view(-1).copy_(flat[off:off + x.numel()])
-                        off += x.numel()
 
         return self._submit(name, None, reduce_op=op, extra=sig, run=run, st=st,
-                            result=list(tensors), opts=opts)
+                            result=list(targets),
+                            opts=opts if opts is not None else dist.AllreduceCoalescedOptions())
 
     # ---- all_gather ---------------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
@@ -668,6 +711,21 @@ def _plain(t) -> bool:
     """A dense, contiguous CPU tensor outside autograd: usable as is by the fast paths."""
     return (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu
             and not t.requires_grad and t.is_contiguous())
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.view(-1)
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``str(dtype)`` ("torch.float32"), cached: a coalesced header lists hundreds."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def _offsets(splits: list[int], row_bytes: int) -> list[tuple[int, int]]:
