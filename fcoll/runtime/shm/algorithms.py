@@ -271,30 +271,46 @@ def all_reduce(c: Call, src: torch.Tensor, dst: torch.Tensor | None, op: str,
             slot = nslot
 
 
-def chunk_pieces(sizes: list[int], per: int) -> list[list[tuple[int, int, int, int]]]:
-    """Cut tensors of ``sizes`` elements, laid end to end, into chunks of ``per`` elements.
+def chunk_pieces(srcs: list[torch.Tensor], dsts: list[torch.Tensor] | None,
+                 per: int) -> list[tuple[list, list, list[int], list[int], int]]:
+    """Cut flat tensors, laid end to end, into chunks of ``per`` elements.
 
-    Returns, per chunk (at least one, even when every size is 0), its pieces in order as
-    ``(tensor index, offset in the tensor, offset in the chunk, length)``, all in elements;
-    a tensor that straddles a chunk boundary gives one piece on each side, and an empty
-    tensor gives none.
+    Returns, per chunk (at least one, even when every tensor is empty): the pieces of
+    ``srcs`` in it, the same pieces of ``dsts`` (``srcs[i]`` and ``dsts[i]`` have one numel;
+    ``dsts`` None: the ``srcs`` pieces again), each piece's offset in the chunk and length,
+    and the chunk's fill, all in elements. A tensor that straddles a chunk boundary gives a
+    piece (a view) on each side; a whole tensor is its own piece; an empty one gives none.
     """
-    chunks: list[list[tuple[int, int, int, int]]] = [
-        [] for _ in range(max(1, -(-sum(sizes) // per)))]
-    pos = 0
-    for i, m in enumerate(sizes):
+    chunks = []
+    ins: list = []
+    outs: list = ins if dsts is None else []
+    offs: list[int] = []
+    lens: list[int] = []
+    o = 0
+    for i, x in enumerate(srcs):
+        m = x.numel()
         a = 0
         while a < m:
-            u, o = divmod(pos + a, per)
             ln = min(m - a, per - o)
-            chunks[u].append((i, a, o, ln))
+            if ln == m:
+                ins.append(x)
+                if dsts is not None:
+                    outs.append(dsts[i])
+            else:
+                ins.append(x[a:a + ln])
+                if dsts is not None:
+                    outs.append(dsts[i][a:a + ln])
+            offs.append(o)
+            lens.append(ln)
             a += ln
-        pos += m
+            o += ln
+            if o == per:
+                chunks.append((ins, outs, offs, lens, o))
+                ins, offs, lens, o = [], [], [], 0
+                outs = ins if dsts is None else []
+    if o or not chunks:
+        chunks.append((ins, outs, offs, lens, o))
     return chunks
-
-
-def _piece(t: torch.Tensor, a: int, ln: int) -> torch.Tensor:
-    return t if a == 0 and ln == t.numel() else t[a:a + ln]
 
 
 # 2 ranks, in place: one foreach call per chunk instead of a loop over its pieces (same
@@ -332,12 +348,7 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
     per = seg.layout.slot_bytes // e
     in_place = dsts is srcs
     # per chunk: its input pieces, output pieces, offsets in the chunk, lengths, and fill
-    plan = []
-    for pieces in chunk_pieces([x.numel() for x in srcs], per):
-        ins = [_piece(srcs[i], a, ln) for i, a, _, ln in pieces]
-        outs = ins if in_place else [_piece(dsts[i], a, ln) for i, a, _, ln in pieces]
-        lens = [ln for _, _, _, ln in pieces]
-        plan.append((ins, outs, [o for _, _, o, _ in pieces], lens, sum(lens)))
+    plan = chunk_pieces(srcs, None if in_place else dsts, per)
     M = sum(p[4] for p in plan)
 
     def write(u: int, slot: int) -> None:

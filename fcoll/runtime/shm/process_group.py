@@ -452,41 +452,51 @@ class FcollProcessGroup(dist.ProcessGroup):
     def _coalesced(self, inputs, outputs, rop, opts) -> dist.Work:
         """``allreduce_coalesced`` (``outputs`` None: in place) and its out-of-place form.
 
-        Per tensor this costs a few microseconds of Python on the calling thread (a bucket
-        holds hundreds): dense contiguous CPU tensors outside autograd (the common case) are
-        used as they are, without ``Staging``'s detach and device checks."""
+        A bucket holds hundreds of tensors, so the per-tensor work on the calling thread is
+        kept to one pass: dense contiguous CPU tensors outside autograd (the common case) are
+        used as they are, without ``Staging``'s detach and device checks. The algorithm runs
+        under ``no_grad``: autograd may wrap an output once the op has returned it, before
+        the collective writes it."""
         op = reduce_op_name(rop)
         name = "all_reduce_coalesced"
-        targets = inputs if outputs is None else outputs
-        err = next((e for e in (check_reduce_op(op, x.dtype) or (
-            None if _plain(t) else Staging.check_output(t, f"tensors[{i}]"))
-            for i, (x, t) in enumerate(zip(inputs, targets))) if e), None)
-        sig = tuple((_dtype_name(t.dtype), tuple(t.shape)) for t in inputs)
-        if err:
-            return self._submit(name, None, reduce_op=op, extra=sig, error=err)
         st = Staging()
         groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for i, t in enumerate(inputs):
-            srcs, dsts = groups.setdefault(t.dtype, ([], []))
+        sig = []
+        err = None
+        for i, x in enumerate(inputs):
+            dt = x.dtype
+            sig.append((_dtype_name(dt), tuple(x.shape)))
+            if err is not None:
+                continue  # the whole signature still goes into the header
+            o = x if outputs is None else outputs[i]
+            plain = _plain(o)
+            err = check_reduce_op(op, dt) or (
+                None if plain else Staging.check_output(o, f"tensors[{i}]"))
+            if err is not None:
+                continue
+            srcs, dsts = groups.get(dt) or groups.setdefault(dt, ([], []))
             if outputs is None:
-                srcs.append(_flat(t) if _plain(t) else st.inout(t).view(-1))
+                srcs.append(_flat(x) if plain else st.inout(x).view(-1))
             else:
-                srcs.append(_flat(t) if _plain(t) else st.input(t).view(-1))
-                o = outputs[i].detach()  # autograd may wrap an output once it is returned
-                dsts.append(_flat(o) if _plain(o) else st.output(o).view(-1))
+                srcs.append(_flat(x) if _plain(x) else st.input(x).view(-1))
+                dsts.append(_flat(o) if plain else st.output(o).view(-1))
+        sig = tuple(sig)
+        if err:
+            return self._submit(name, None, reduce_op=op, extra=sig, error=err)
 
         def run(c: alg.Call) -> None:
             first = True
-            for dt, (srcs, dsts) in groups.items():
-                if not first:
-                    c.payload = hdr.encode(-1, name, str(dt), (sum(x.numel() for x in srcs),),
-                                           op, -1, None)
-                alg.all_reduce_many(c, srcs, srcs if outputs is None else dsts, op,
-                                    SMALL_ALLREDUCE_BYTES)
-                first = False
+            with torch.no_grad():
+                for dt, (srcs, dsts) in groups.items():
+                    if not first:
+                        c.payload = hdr.encode(-1, name, str(dt),
+                                               (sum(x.numel() for x in srcs),), op, -1, None)
+                    alg.all_reduce_many(c, srcs, srcs if outputs is None else dsts, op,
+                                        SMALL_ALLREDUCE_BYTES)
+                    first = False
 
         return self._submit(name, None, reduce_op=op, extra=sig, run=run, st=st,
-                            result=list(targets),
+                            result=list(inputs if outputs is None else outputs),
                             opts=opts if opts is not None else dist.AllreduceCoalescedOptions())
 
     # ---- all_gather ---------------------------------------------------------------------------
