@@ -332,13 +332,17 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
     Same chunks, phases and slot contents as :func:`all_reduce` of the concatenation, so the
     data that crosses shared memory and the synchronisations are unchanged. Each chunk is
     filled with one ``torch.cat(pieces, out=row)`` of the pieces of the inputs that fall in
-    it, straight into this rank's slot row; after the chunk's phase each piece is reduced
-    from the slot rows straight into its output: at 2 ranks ``op(input piece, peer's row
-    piece)`` (``op`` is commutative elementwise, so both ranks compute the same bits, see
-    :func:`reduce_pair_inplace`), at 3+ ranks over all rows in rank order. 3+ ranks above
-    ``small_bytes`` in all take :func:`all_reduce`'s two-phase path, cut at the pieces: each
-    output element is still computed by exactly one rank. Compared with concatenating, this
-    saves a copy of every byte in and one out, and a fresh buffer's page faults.
+    it, straight into this rank's slot row. At 2 ranks, after the chunk's phase each piece
+    is reduced straight into its output as ``op(input piece, peer's row piece)`` (``op`` is
+    commutative elementwise, so both ranks compute the same bits, see
+    :func:`reduce_pair_inplace`; in place, one foreach call per chunk). At 3+ ranks the chunk
+    is reduced whole over the rows, in rank order, into a private scratch row, and its pieces
+    are copied out with one foreach call: per-piece reductions over n rows cost more in
+    per-op overhead than the copy (4 ranks, measured: 200 tensors of 54 KiB in all 2.5 ->
+    1.7 ms, 0.87 MiB 4.8 -> 2.6 ms, 13.9 MiB 21.5 -> 21.0 ms). Above ``small_bytes`` in all
+    they take :func:`all_reduce`'s two-phase path the same way, so each output element is
+    still computed by exactly one rank. Compared with concatenating, this saves a copy of
+    every byte in and one out, and a fresh buffer's page faults.
     """
     ch = c.ch
     n, r = ch.world, ch.rank
@@ -356,8 +360,9 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
         if ins:
             torch.cat(ins, out=seg.rows(slot, dtype)[r, :L])
 
+    scratch = torch.empty(min(per, M), dtype=dtype) if n > 2 else None
     if M * e > small_bytes and n > 2:
-        _all_reduce_many_two_phase(c, plan, write, dtype, op)
+        _all_reduce_many_two_phase(c, plan, write, dtype, op, scratch)
         return
     fused = _FOREACH_INPLACE.get(op) if in_place and dtype != torch.bool else None
     add = op == "sum" and dtype != torch.bool
@@ -368,8 +373,8 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
             return
         rows = seg.rows(slot, dtype)[:, :L]
         if n > 2:
-            for x, d in zip(rows.split_with_sizes(lens, 1), outs):
-                reduce_rows(x, op, d)
+            reduce_rows(rows, op, scratch[:L])
+            torch._foreach_copy_(outs, scratch[:L].split_with_sizes(lens))
             return
         peer = rows[1 - r].split_with_sizes(lens)
         if fused is not None:
@@ -387,35 +392,27 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
     pipelined(c, len(plan), write, read)
 
 
-def _all_reduce_many_two_phase(c: Call, plan: list, write, dtype: torch.dtype,
-                               op: str) -> None:
-    """:func:`all_reduce`'s reduce-scatter + all-gather path (3+ ranks) over the pieces of
-    :func:`all_reduce_many`: rank r reduces slice r of each chunk into the outputs' pieces in
-    it and back into its own row; after phase B it copies the other slices out."""
+def _all_reduce_many_two_phase(c: Call, plan: list, write, dtype: torch.dtype, op: str,
+                               scratch: torch.Tensor) -> None:
+    """:func:`all_reduce`'s reduce-scatter + all-gather path (3+ ranks) for
+    :func:`all_reduce_many`: rank r reduces slice r of each chunk into ``scratch`` (a private
+    row of ``slot_bytes``) and back into its own slot row; after phase B it gathers the other
+    slices into ``scratch`` and copies the chunk's pieces out with one foreach call."""
     ch = c.ch
     n, r = ch.world, ch.rank
     seg = ch.seg
-
-    def clipped(u: int, a: int, b: int):
-        _, outs, offs, lens, _ = plan[u]
-        for d, o, ln in zip(outs, offs, lens):
-            x, y = max(o, a), min(o + ln, b)
-            if y > x:
-                yield d[x - o:y - o], x, y
-
     slot = c.slot()
     write(0, slot)
-    for u in range(len(plan)):
+    for u, (_, outs, _, lens, L) in enumerate(plan):
         rows = seg.rows(slot, dtype)
         if u == 0:
             c.first_sync(slot)
         else:
             c.sync()
-        L = plan[u][4]
         a, b = _slice(L, n, r)
-        for tgt, x, y in clipped(u, a, b):
-            reduce_rows(rows[:, x:y], op, tgt)
-            rows[r, x:y].copy_(tgt)
+        if b > a:
+            reduce_rows(rows[:, a:b], op, scratch[a:b])
+            rows[r, a:b].copy_(scratch[a:b])
         ch.arrive()
         nslot = -1
         if u + 1 < len(plan):
@@ -425,8 +422,10 @@ def _all_reduce_many_two_phase(c: Call, plan: list, write, dtype: torch.dtype,
         for p in range(n):
             if p != r:
                 a, b = _slice(L, n, p)
-                for tgt, x, y in clipped(u, a, b):
-                    tgt.copy_(rows[p, x:y])
+                if b > a:
+                    scratch[a:b].copy_(rows[p, a:b])
+        if outs:
+            torch._foreach_copy_(outs, scratch[:L].split_with_sizes(lens))
         slot = nslot
 
 
