@@ -393,7 +393,7 @@ def test_every_op_dtype_and_reduce_op_matches_gloo(world):
 
 def _coalesced_inputs(rank: int, op: str, seed: int) -> list[torch.Tensor]:
     """Mixed dtypes in one list (float32 ones in between, so the dtypes interleave), sizes
-    from empty to many 4 KiB slots, pieces straddling chunk boundaries, non-contiguous
+    from empty (and 0-d) to many 4 KiB slots, pieces straddling chunk boundaries, non-contiguous
     views (a transpose, a strided slice). float32, float64 and int32 total more than 64 KiB
     (3+ ranks: the two-phase path), bfloat16 and bool less."""
     dts = [torch.float32, torch.float64, torch.bfloat16]
@@ -401,7 +401,7 @@ def _coalesced_inputs(rank: int, op: str, seed: int) -> list[torch.Tensor]:
         dts += [torch.int32, torch.bool]
     out, k = [], 0
     for dt in dts:
-        for shape in [(1,), (1000,), (1500,), (0,), (3000,), (17000,)]:
+        for shape in [(1,), (1000,), (1500,), (0,), (), (3000,), (17000,)]:
             out.append(_make(shape, dt, rank, seed + k))
             out.append(_make((7,), torch.float32, rank, seed + 100 + k))
             k += 1
