@@ -473,7 +473,30 @@ def _coalesced_zero_copy(rank, world):
         for t in ins:
             pending.wait(t)
         check(ins, "fcoll.all_reduce_coalesced_")
-    return True
+    return _signed_zeros(rank, pg)
+
+
+def _signed_zeros(rank, pg):
+    """max/min of -0.0 and +0.0 (``torch.maximum(-0., 0.)`` is 0., with the operands swapped
+    -0.): every rank must still get the same bits, on every all_reduce path."""
+    import fcoll
+
+    out = {}
+    for op in ("max", "min"):
+        zeros = [torch.full((n,), -0.0 if rank % 2 == 0 else 0.0) for n in (5, 3000)]
+        for n, z in zip((5, 3000), zeros):
+            t = z.clone()
+            dist.all_reduce(t, op=OPS[op])  # one-slot fast path / chunked general path
+            out[f"{op} all_reduce {n}"] = torch.signbit(t).tolist()
+            t = z.clone()
+            dist.all_reduce(t, op=OPS[op], async_op=True).wait()
+            out[f"{op} all_reduce async {n}"] = torch.signbit(t).tolist()
+        ts = [z.clone() for z in zeros]
+        pg.allreduce_coalesced(ts, _coalesced_opts(op)).wait()
+        out[f"{op} coalesced in place"] = [torch.signbit(t).tolist() for t in ts]
+        res = [t.wait() for t in fcoll.all_reduce_coalesced(zeros, op, dist.group.WORLD)]
+        out[f"{op} coalesced"] = [torch.signbit(t).tolist() for t in res]
+    return out
 
 
 def _coalesced_opts(op: str):
@@ -485,7 +508,9 @@ def _coalesced_opts(op: str):
 @pytest.mark.parametrize("world", [2, 4])
 def test_coalesced_all_reduce_reduces_pieces_in_place_and_out_of_place(world):
     env = {"FCOLL_SHM_SLOT_BYTES": "4096"}
-    assert run_ranks(_coalesced_zero_copy, world, timeout_s=180, env=env) == [True] * world
+    signs = run_ranks(_coalesced_zero_copy, world, timeout_s=180, env=env)
+    for key in signs[0]:
+        assert all(s[key] == signs[0][key] for s in signs), f"ranks differ: {key}"
     assert fcoll_segments() == []
 
 
