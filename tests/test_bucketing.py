@@ -75,8 +75,8 @@ graph(%arg0: f32[4, 8], %arg1: f32[4, 8], %arg2: f32[8, 8], %arg3: f32[4, 8], %a
   %reshape0: f32[64] = aten.reshape(%mm0, [-1])
   %reshape1: f32[64] = aten.reshape(%mm2, [-1])
   %cat0: f32[128] = aten.cat([%reshape0, %reshape1])
-  %ar0: f32[128] = fcoll.all_reduce(%cat0, 'avg', '0')  # all_reduce group=0 ranks=2 op=avg
-  %wait0: f32[128] = fcoll.wait_tensor(%ar0)  # waits %ar0
+  %ar_0: f32[128] = fcoll.all_reduce_(%cat0, 'avg', '0')  # all_reduce group=0 ranks=2 op=avg
+  %wait0: f32[128] = fcoll.wait_tensor(%ar_0)  # waits %ar_0
   %split_with_sizes0: [f32[64], f32[64]] = aten.split_with_sizes(%wait0, [64, 64], 0)
   %getitem0: f32[64] = getitem(%split_with_sizes0, 0)
   %getitem1: f32[64] = getitem(%split_with_sizes0, 1)
@@ -146,17 +146,17 @@ graph(%arg0: f32[4, 8], %arg1: f32[4, 8], %arg2: f32[4, 8], %arg3: f32[4, 8]):
         self.assertExpectedInline(format_graph(gm), """\
 graph(%arg0: f32[4], %arg1: f64[3], %arg2: i32[2]):
   %cat0: f32[8] = aten.cat([%arg0, %arg0])
-  %ar0: f32[8] = fcoll.all_reduce(%cat0, 'sum', '0')  # all_reduce group=0 ranks=2 op=sum
-  %ar1: f64[3] = fcoll.all_reduce(%arg1, 'sum', '0')  # all_reduce group=0 ranks=2 op=sum
+  %ar_0: f32[8] = fcoll.all_reduce_(%cat0, 'sum', '0')  # all_reduce group=0 ranks=2 op=sum
+  %ar0: f64[3] = fcoll.all_reduce(%arg1, 'sum', '0')  # all_reduce group=0 ranks=2 op=sum
   %view0: u8[16] = aten.view.dtype(%arg0, u8)
   %view1: u8[8] = aten.view.dtype(%arg2, u8)
   %cat1: u8[24] = aten.cat([%view0, %view1])
   %ag0: u8[48] = fcoll.all_gather_into_tensor(%cat1, 2, '0')  # all_gather group=0 ranks=2
-  %wait0: f32[8] = fcoll.wait_tensor(%ar0)  # waits %ar0
+  %wait0: f32[8] = fcoll.wait_tensor(%ar_0)  # waits %ar_0
   %split_with_sizes0: [f32[4], f32[4]] = aten.split_with_sizes(%wait0, [4, 4], 0)
   %getitem0: f32[4] = getitem(%split_with_sizes0, 0)
   %getitem1: f32[4] = getitem(%split_with_sizes0, 1)
-  %wait1: f64[3] = fcoll.wait_tensor(%ar1)  # waits %ar1
+  %wait1: f64[3] = fcoll.wait_tensor(%ar0)  # waits %ar0
   %wait2: u8[48] = fcoll.wait_tensor(%ag0)  # waits %ag0
   %view2: u8[2, 24] = aten.view(%wait2, [2, 24])
   %split_with_sizes1: [u8[2, 16], u8[2, 8]] = aten.split_with_sizes(%view2, [16, 8], 1)
