@@ -12,7 +12,8 @@ Measures, in one run, per parallel mode (median step time over ``--steps`` steps
   comm`` when compute >= comm, and ``step <= 1.1 * max(compute, comm)``;
 - ``floor``: no schedule of one step can beat ``max(compute, forward + comm)`` for DDP, where
   ``forward`` is the compiled loss alone (gradients, and so their collectives, exist only after
-  it), and ``max(compute, comm)`` for FSDP; ``on/floor`` says how close the schedule comes;
+  it), nor, for FSDP, ``max(forward, all_gathers) + max(compute - forward, reduce_scatters)``
+  (each kind timed alone, like ``comm``); ``on/floor`` says how close the schedule comes;
 - ``inductor``: PyTorch's best available setting on the same step (``backend="inductor"``,
   ``torch._inductor.config.reorder_for_compute_comm_overlap=True``, PyTorch's funcol).
 
@@ -118,8 +119,10 @@ def _time_steps(run, args_fn, warmup: int, steps: int, barrier) -> list[float]:
     return times
 
 
-def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int) -> list[float]:
-    """The step's collectives alone: same kinds and bytes, bucketed at ``cap_bytes``."""
+def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int,
+               only: str | None = None) -> list[float]:
+    """The step's collectives alone: same kinds and bytes, bucketed at ``cap_bytes``; ``only``
+    keeps one kind ("all_gather" or "reduce_scatter")."""
     import torch
     import torch.distributed as dist
 
@@ -128,6 +131,7 @@ def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int)
     numels = [p.numel() for p in params.values()]
     kinds = [("all_reduce", numels)] if parallel == "ddp" else \
         [("all_gather", numels), ("reduce_scatter", numels)]
+    kinds = [k for k in kinds if only is None or k[0] == only]
     buckets = []
     for kind, sizes in kinds:
         cur = 0
@@ -207,14 +211,20 @@ def _rank(rank: int, world: int, a: dict) -> dict:
                 res[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         res["comm"] = statistics.median(_comm_only(params, parallel, world, 25 * 2 ** 20, group,
                                                    a["steps"]))
-        if parallel == "ddp":   # the compute before any gradient exists (no collective in it)
-            torch._dynamo.reset()
+        # The forward's compute alone (the loss of full parameters, no collective): DDP's
+        # gradients, and so its collectives, exist only after it; FSDP's all_gathers must be
+        # hidden by it, its reduce_scatters by the rest.
+        torch._dynamo.reset()
 
-            def forward(params, state, x, y):
-                return T.gpt_loss(params.__getitem__, x, y, cfg)
-            run = T.compile_step(forward, "fcoll", {})
-            res["forward"] = statistics.median(
-                _time_steps(run, batch, a["warmup"], a["steps"], barrier))
+        def forward(params, state, x, y):
+            return T.gpt_loss(full.__getitem__, x, y, cfg)
+        run = T.compile_step(forward, "fcoll", {})
+        res["forward"] = statistics.median(
+            _time_steps(run, batch, a["warmup"], a["steps"], barrier))
+        if parallel == "fsdp":
+            for kind in ("all_gather", "reduce_scatter"):
+                res[f"comm_{kind}"] = statistics.median(_comm_only(
+                    params, parallel, world, 25 * 2 ** 20, group, a["steps"], only=kind))
         results[parallel] = res
     return results
 
@@ -243,10 +253,16 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
             s["target_step_met"] = s["step_over_max"] <= 1.1
             # No schedule of one step beats this: DDP's collectives start only once the forward
             # is done (the gradients do not exist before), so the step is at least forward +
-            # comm; FSDP's can start at once.
-            fwd = ms.get("forward")
+            # comm; FSDP's forward takes at least as long as its all_gathers, and its backward
+            # as long as its reduce_scatters.
+            fwd = ms.get("forward") or 0.0
             s["forward_ms"] = fwd
-            s["floor_ms"] = max(comp, (fwd or 0.0) + comm)
+            if "comm_all_gather" in ms:
+                ag, rs = ms["comm_all_gather"], ms["comm_reduce_scatter"]
+                s["comm_all_gather_ms"], s["comm_reduce_scatter_ms"] = ag, rs
+                s["floor_ms"] = max(max(fwd, ag) + max(comp - fwd, rs), comp, comm)
+            else:
+                s["floor_ms"] = max(comp, fwd + comm)
             s["step_over_floor"] = on / s["floor_ms"]
             ind = (f"{ms['inductor']:.1f}" if ms.get("inductor") is not None else
                    "skipped" if "inductor" not in r else "failed")
