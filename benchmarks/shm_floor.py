@@ -14,9 +14,10 @@ No header, no validation, no Python process group, no c10d dispatch, no timeout 
 a message that fits one of fcoll's slots (1 MiB at 2 ranks), which fcoll's backend moves with
 this same algorithm plus all of those, a lower bound on its time. Larger messages are no floor:
 fcoll pipelines them through 1 MiB slots that stay in cache, where this reference copies the
-whole message in, then adds it (measured: faster than this reference at 128 MiB). Rows alternate between two regions,
-as fcoll's slots rotate (measured: 2-3 regions 177-185 us at 1 MiB, 16 regions 250 us, since
-the peer's cached copies of a row are then evicted and fetched again).
+whole message in, then adds it (measured: faster than this reference at 128 MiB). Rows
+alternate between two regions, as fcoll's slots rotate (measured at 1 MiB: 2-3 regions
+177-185 us, 16 regions 250 us, since the peer's cached copies of a row are then evicted and
+fetched again).
 
 Prints, per size, the median time of one all_reduce (the slower rank's), ``algbw = size /
 time`` and ``busbw = algbw * 2(n-1)/n`` (nccl-tests, = algbw at 2 ranks), and writes them to

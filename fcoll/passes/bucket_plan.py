@@ -37,8 +37,9 @@ whole backward. Second, a merge must not expose more communication than it saves
 exposed(bucket) + exposed(member) + (comm(bucket) + comm(member) - comm(merged))``. This keeps
 the parameters an FSDP forward needs first out of a large bucket that nothing could hide (the
 first layer's all_gather, issued at the start of the graph), and still merges the gradients
-ready at the very end of a backward, which are exposed whether merged or not. all_to_all has no timing rule: its bytes differ between ranks. Nor do groups
-of fcoll's shared-memory backend, whose collectives run on the compute's own cores
+ready at the very end of a backward, which are exposed whether merged or not. all_to_all has
+no timing rule: its bytes differ between ranks. Nor do groups of fcoll's shared-memory
+backend, whose collectives run on the compute's own cores
 (:func:`~fcoll.passes.cost.moves_data_on_compute_cores`): there few large buckets win.
 
 Invariant (why ranks agree): every decision reads only the graph (order, shapes, dtypes, groups,
