@@ -131,6 +131,8 @@ class Storage:
         pinned: roots never freed (placeholders, attributes, graph outputs).
         touches: node -> :meth:`roots_used` of it, filled by :func:`storage_model`.
         cls: node -> :func:`op_class` of it, filled by :func:`storage_model`.
+        start: wait -> the collective it waits on (:func:`start_of`), filled by
+            :func:`storage_model`.
     """
 
     root: dict[fx.Node, fx.Node] = field(default_factory=dict)
@@ -139,6 +141,7 @@ class Storage:
     pinned: set[fx.Node] = field(default_factory=set)
     touches: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     cls: dict[fx.Node, int] = field(default_factory=dict)
+    start: dict[fx.Node, fx.Node] = field(default_factory=dict)
 
     def alloc(self, node: fx.Node) -> int:
         """Bytes ``node`` allocates when it runs."""
@@ -180,34 +183,83 @@ def _uses_of(node: fx.Node, cls: int | None = None) -> list[fx.Node]:
     return inputs
 
 
+def _node_facts(target: Any) -> tuple[int, tuple[int, ...]]:
+    """(:func:`op_class`, alias positions) of a ``call_function`` target."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return OTHER, ()
+    return _target_class(target), _alias_positions(target)
+
+
 def storage_model(graph: fx.Graph) -> Storage:
-    """Build the :class:`Storage` model of ``graph`` (any order: roots follow data edges)."""
+    """Build the :class:`Storage` model of ``graph`` (in topological order: roots follow data
+    edges). O(N + E); also fills ``Storage.touches``, ``cls`` and ``start``."""
     st = Storage()
     root, size, uses, touches, pinned = st.root, st.size, st.uses, st.touches, st.pinned
-    classes = st.cls
+    classes, starts = st.cls, st.start
+    # id(op) -> _node_facts(op), for this call only (the graph keeps its ops alive meanwhile):
+    # one dict lookup per node instead of three memoized schema queries.
+    facts: dict[int, tuple[int, tuple[int, ...]]] = {}
     nodes = list(graph.nodes)
     for node in nodes:
-        c = classes[node] = op_class(node)
-        src = _aliased_input(node, c) if node.op == "call_function" else None
-        if src is not None:
+        c, src = OTHER, None
+        if node.op == "call_function":
+            target = node.target
+            f = facts.get(id(target))
+            if f is None:
+                f = facts[id(target)] = _node_facts(target)
+            c = f[0]
+            if c == WAIT:
+                src = node.args[0]
+                start = start_of(node)
+                if start is not None:
+                    starts[node] = start
+            elif target is operator.getitem:
+                src = node.args[0]
+                # getitem of a multi-output op picks a distinct tensor: it aliases only itself.
+                if isinstance(src, fx.Node) and root[src] is src:
+                    src = None
+            else:
+                src = _first_node_at(node.args, f[1])
+        classes[node] = c
+        if isinstance(src, fx.Node):
             root[node] = root[src]
             continue
         root[node] = node
-        size[node] = value_bytes(node.meta.get("val"))
         uses[node] = []
         if node.op in ("placeholder", "get_attr"):
             pinned.add(node)
+            size[node] = 0
+        else:
+            size[node] = value_bytes(node.meta.get("val"))
     for node in nodes:
         if node.op == "output":
             pinned.update(root[i] for i in node.all_input_nodes)
             continue
         # roots_used, computed once (schedulers ask per step)
-        rs = touches[node] = list(dict.fromkeys([root[i] for i in _uses_of(node, classes[node])]))
+        inputs = node._input_nodes   # all_input_nodes without the list copy
+        start = starts.get(node)
+        if start is not None:
+            inputs = [*inputs, *start._input_nodes]
+        rs = touches[node] = list(dict.fromkeys([root[i] for i in inputs]))
         for r in rs:
             uses[r].append(node)
     for r in pinned:
         size[r] = 0
     return st
+
+
+def _first_node_at(args: tuple, positions: tuple[int, ...]) -> fx.Node | None:
+    """The node at the first of ``positions`` in ``args`` (or the first node of a list there),
+    as :func:`_aliased_input` reads schema alias positions."""
+    for i in positions:
+        if i >= len(args):
+            break
+        value = args[i]
+        if isinstance(value, fx.Node):
+            return value
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], fx.Node):
+            return value[0]
+    return None
 
 
 class MemoryTracker:
@@ -225,28 +277,44 @@ class MemoryTracker:
 
     def schedule(self, node: fx.Node) -> None:
         st, remaining = self.st, self.remaining
-        is_root = st.root.get(node) is node
-        if is_root:
-            self.live += st.size.get(node, 0)
+        size = st.size
+        if st.root.get(node) is node:
+            self.live += size.get(node, 0)
             if self.live > self.peak:
                 self.peak = self.live
             if not remaining.get(node):
-                self.live -= st.size.get(node, 0)  # dead value: freed at once
+                self.live -= size.get(node, 0)  # dead value: freed at once
         for r in st.roots_used(node):
-            remaining[r] -= 1
-            if remaining[r] == 0 and r is not node:
-                self.live -= st.size.get(r, 0)
+            left = remaining[r] = remaining[r] - 1
+            if left == 0 and r is not node:
+                self.live -= size.get(r, 0)
 
 
 def peak_bytes(order: Iterable[fx.Node], storage: Storage | None = None) -> int:
-    """Peak live bytes (excluding pinned storages) of running the nodes in ``order``."""
+    """Peak live bytes (excluding pinned storages) of running the nodes in ``order``.
+
+    :meth:`MemoryTracker.schedule` over ``order``, inlined (it runs twice per plan on every
+    node of the graph).
+    """
     order = list(order)
     if storage is None:
         storage = storage_model(order[0].graph) if order else Storage()
-    tracker = MemoryTracker(storage)
+    root, size, touches = storage.root, storage.size, storage.touches
+    remaining = {r: len(u) for r, u in storage.uses.items()}
+    live = peak = 0
     for node in order:
-        tracker.schedule(node)
-    return tracker.peak
+        if root.get(node) is node:
+            b = size.get(node, 0)
+            if live + b > peak:
+                peak = live + b
+            if remaining.get(node):
+                live += b   # else a dead value: freed at once
+        used = touches.get(node)
+        for r in used if used is not None else storage.roots_used(node):
+            left = remaining[r] = remaining[r] - 1
+            if left == 0 and r is not node:
+                live -= size.get(r, 0)
+    return peak
 
 
 def mutation_deps(order: Sequence[fx.Node], storage: Storage) -> list[tuple[fx.Node, fx.Node]]:
@@ -258,7 +326,16 @@ def mutation_deps(order: Sequence[fx.Node], storage: Storage) -> list[tuple[fx.N
     """
     pos = {n: i for i, n in enumerate(order)}
     edges: list[tuple[fx.Node, fx.Node]] = []
+    writes: dict[int, bool] = {}   # id(op) -> it has Tensor(a!) arguments, for this call only
     for m in order:
+        target = m.target
+        if m.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        w = writes.get(id(target))
+        if w is None:
+            w = writes[id(target)] = bool(_write_arguments(target))
+        if not w:
+            continue
         written = {storage.root[x] for x in _written_inputs(m)}
         if not written:
             continue

@@ -111,7 +111,8 @@ def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
         ps = n.all_input_nodes
         if n in extra:
             ps = list(dict.fromkeys(ps + extra[n]))
-        ps.sort(key=key)
+        if len(ps) > 1:
+            ps.sort(key=key)
         pn = pos[n]
         if ps and pos[ps[-1]] >= pn:
             raise ValueError(f"graph is not in topological order: {ps[-1].name} must run "
@@ -172,7 +173,9 @@ class Timeline:
     """Simulates nodes in the order they are fed (see the module docstring for the model)."""
 
     def __init__(self, estimate: Callable[[fx.Node], float],
-                 classes: dict[fx.Node, int] | None = None) -> None:
+                 classes: dict[fx.Node, int] | None = None, *,
+                 starts: dict[fx.Node, fx.Node] | None = None,
+                 groups: dict[fx.Node, str] | None = None) -> None:
         self.estimate = estimate
         self.classes = classes if classes is not None else {}
         self.now_us = 0.0
@@ -180,7 +183,8 @@ class Timeline:
         self.issued: dict[fx.Node, PredictedEvent] = {}
         self.events: list[PredictedEvent] = []
         self.by_node: dict[fx.Node, PredictedEvent] = {}
-        self._starts: dict[fx.Node, fx.Node | None] = {}
+        self._starts: dict[fx.Node, fx.Node | None] = dict(starts) if starts else {}
+        self._groups = groups if groups is not None else {}
 
     def _start(self, wait: fx.Node) -> fx.Node | None:
         if wait not in self._starts:
@@ -200,7 +204,9 @@ class Timeline:
         if cls is None:
             cls = op_class(node)
         if cls == COLLECTIVE:
-            lane = str(arg_of(node, "group_name"))
+            lane = self._groups.get(node)
+            if lane is None:
+                lane = str(arg_of(node, "group_name"))
             start = max(self.now_us, self.lane_free.get(lane, 0.0))
             ev = PredictedEvent(node.name, "collective", lane, start,
                                 start + max(0.0, self.estimate(node)))
@@ -224,10 +230,16 @@ class Timeline:
 
 
 def simulate(nodes: Sequence[fx.Node], estimate: Callable[[fx.Node], float],
-             classes: dict[fx.Node, int] | None = None) -> Timeline:
-    """Run ``nodes`` in order through a fresh :class:`Timeline` (``classes``: known
-    :func:`~fcoll.passes.memory.op_class` of nodes, e.g. ``Storage.cls``)."""
-    tl = Timeline(estimate, classes)
+             classes: dict[fx.Node, int] | None = None, *,
+             starts: dict[fx.Node, fx.Node] | None = None,
+             groups: dict[fx.Node, str] | None = None) -> Timeline:
+    """Run ``nodes`` in order through a fresh :class:`Timeline`.
+
+    Known facts of the nodes, each optional (asked of the node when missing): ``classes``,
+    their :func:`~fcoll.passes.memory.op_class` (e.g. ``Storage.cls``); ``starts``, wait ->
+    its collective (``Storage.start``); ``groups``, collective -> its group name.
+    """
+    tl = Timeline(estimate, classes, starts=starts, groups=groups)
     for n in nodes:
         tl.run(n)
     return tl
@@ -302,7 +314,7 @@ def _prepare(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float])
     kind, est, dep, start, nbytes, group = {}, {}, {}, {}, {}, {}
     colls: list[fx.Node] = []
     index: dict[fx.Node, int] = {}
-    preds, classes = deps.preds, storage.cls
+    preds, classes, starts = deps.preds, storage.cls, storage.start
     for n in deps.order:
         d = -1
         for p in preds[n]:
@@ -317,7 +329,7 @@ def _prepare(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float])
             est[n] = max(0.0, float(estimate(n)))
         elif cls == WAIT:
             kind[n] = _WAIT
-            c = start_of(n)
+            c = starts.get(n)
             if c is not None:
                 start[n] = c
                 d = max(d, index[c])
@@ -499,6 +511,6 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     else:
         log.debug("reorder_for_overlap: no plan within the memory budget; keeping the order")
         order, peak = deps.order, baseline
-    tl = simulate(order, est, storage.cls)
+    tl = simulate(order, est, storage.cls, starts=storage.start, groups=info.group)
     return Plan(order=order, records=_records(tl), timeline=tl, baseline_peak_bytes=baseline,
                 peak_bytes=peak, makespan_us=tl.now_us)
