@@ -161,11 +161,13 @@ class Storage:
 
 
 def value_bytes(val: Any) -> int:
-    """``tensor_bytes`` with a fast path for static shapes (``numel`` is then a plain int)."""
+    """``tensor_bytes`` with a fast path for static shapes (``nbytes`` is then a plain int)."""
     if isinstance(val, torch.Tensor):
-        n = val.numel()
-        if isinstance(n, int):
-            return n * val.element_size()
+        if not val._has_symbolic_sizes_strides:
+            try:
+                return val.nbytes   # numel() * element_size(), in one call
+            except RuntimeError:    # sparse layouts define no nbytes
+                return val.numel() * val.element_size()
     elif isinstance(val, (list, tuple)):
         return sum(value_bytes(v) for v in val)
     else:
@@ -240,7 +242,10 @@ def storage_model(graph: fx.Graph) -> Storage:
         start = starts.get(node)
         if start is not None:
             inputs = [*inputs, *start._input_nodes]
-        rs = touches[node] = list(dict.fromkeys([root[i] for i in inputs]))
+        rs = [root[i] for i in inputs]
+        if len(rs) > 1:
+            rs = list(dict.fromkeys(rs))
+        touches[node] = rs
         for r in rs:
             uses[r].append(node)
     for r in pinned:

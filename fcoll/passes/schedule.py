@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -337,10 +338,13 @@ def _prepare(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float])
             kind[n] = _COMPUTE
             est[n] = max(0.0, float(estimate(n))) if n.op == "call_function" else 0.0
         dep[n] = d
-    # Only the output can be a fixed successor, and succs are sorted: it comes last.
+    # Only the output can be a fixed successor; it does not count.
     succs = deps.succs
-    n_succ = {n: len(succs[n]) - (1 if succs[n] and succs[n][-1].op == "output" else 0)
-              for n in movable}
+    n_succ = {n: len(succs[n]) for n in movable}
+    outputs = [n for n in deps.order if n.op == "output"]
+    for p in {p for out in outputs for p in preds[out]}:
+        if p in n_succ:
+            n_succ[p] -= 1
     return _Info(deps, movable, kind, est, dep, colls, start, nbytes, group, n_succ)
 
 
@@ -380,28 +384,30 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
         return c is None or c in in_flight or not (flight or reserved) or \
             flight + reserved + g.nbytes[c] <= max_in_flight_bytes
 
+    preds, est, dep, starts, nbytes = d.preds, g.est, g.dep, g.start, g.nbytes
+
     def place(n: fx.Node) -> None:
         nonlocal now, flight, live, k
         placed.append(n)
         for r in touches[n]:
             if r not in touched:
                 touched.add(r)
-                live += size.get(r, 0)
-        if roots.get(n) is n and n in touched:
-            live -= size.get(n, 0)  # running backwards: its storage is allocated here
+                live += size[r]
+        if roots[n] is n and n in touched:
+            live -= size[n]  # running backwards: its storage is allocated here
         kn = kind[n]
         if kn == _COMPUTE:
-            now += g.est[n]
-        elif kn == _WAIT and n in g.start:
-            c = g.start[n]
+            now += est[n]
+        elif kn == _WAIT and n in starts:
+            c = starts[n]
             wait_at[c] = now
             if c not in in_flight:
                 in_flight.add(c)
-                flight += g.nbytes[c]
+                flight += nbytes[c]
         elif kn == _COLL:
             if n in in_flight:
                 in_flight.discard(n)
-                flight -= g.nbytes[n]
+                flight -= nbytes[n]
             lane_next[g.group[n]] = now
             k -= 1
             # Release held-back waits that now fit, counting the bytes of those released before
@@ -410,19 +416,23 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
             reserved = 0
             while deferred and fits(w := order[-deferred[0]], reserved):
                 heapq.heappush(waits, heapq.heappop(deferred))
-                c = g.start.get(w)
-                reserved += 0 if c is None or c in in_flight else g.nbytes[c]
-        for p in d.preds[n]:
-            if p.op in _FIXED:
+                c = starts.get(w)
+                reserved += 0 if c is None or c in in_flight else nbytes[c]
+        for p in preds[n]:
+            count = left.get(p)
+            if count is None:  # placeholders and attributes: not scheduled
                 continue
-            left[p] -= 1
-            if left[p] == 0:
+            left[p] = count - 1
+            if count == 1:
                 if kind[p] == _COMPUTE:
-                    heapq.heappush(compute, (-g.dep[p], -pos[p]))
+                    heapq.heappush(compute, (-dep[p], -pos[p]))
                 elif kind[p] == _WAIT:
                     heapq.heappush(waits, -pos[p])
 
-    while len(placed) < len(g.movable):
+    n_movable = len(g.movable)
+    due_of: fx.Node | None = None          # the collective `due` was computed for
+    due = 0.0
+    while len(placed) < n_movable:
         if waits:  # a wait runs just before its first user: placed as soon as it is ready
             w = order[-heapq.heappop(waits)]
             if fits(w):
@@ -432,10 +442,13 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
             continue
         c = g.colls[k] if k >= 0 and left[g.colls[k]] == 0 else None
         if c is not None:
-            if c in wait_at:  # done by its first wait, and before the next issue on its lane
-                due = max(wait_at[c], lane_next.get(g.group[c], 0.0)) + g.est[c]
-            else:
-                due = now
+            # Fixed while c is the next collective: its waits are placed, and lane_next
+            # changes only when a collective is placed.
+            if c is not due_of:
+                due_of = c
+                # done by its first wait, and before the next issue on its lane
+                due = max(wait_at[c], lane_next.get(g.group[c], 0.0)) + est[c] \
+                    if c in wait_at else -math.inf   # nothing waits on it: issue now
             pressure = bool(deferred) or live > limit_bytes
             if now >= due or pressure or not compute:
                 if now < due:
