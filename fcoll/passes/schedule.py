@@ -349,8 +349,9 @@ def _prepare(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float])
 
 
 def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
-                      max_in_flight_bytes: int) -> list[fx.Node]:
-    """One pass of the policy of :func:`list_schedule`; returns the movable nodes in order.
+                      max_in_flight_bytes: int) -> tuple[list[fx.Node], int]:
+    """One pass of the policy of :func:`list_schedule`; returns the movable nodes in order and
+    their :func:`~fcoll.passes.memory.peak_bytes`.
 
     Scheduling runs from the end of the graph backwards, so "how much compute runs between a
     collective's issue and its first wait" is known exactly when the issue is placed. Every step
@@ -373,7 +374,7 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
     wait_at: dict[fx.Node, float] = {}    # collective -> `now` when its first-run wait was placed
     lane_next: dict[str, float] = {}      # group -> `now` at the issue of its next collective
     in_flight: set[fx.Node] = set()
-    flight = live = 0
+    flight = live = peak = 0
     touched: set[fx.Node] = set()
     roots, size, touches = storage.root, storage.size, storage.touches
 
@@ -387,14 +388,19 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
     preds, est, dep, starts, nbytes = d.preds, g.est, g.dep, g.start, g.nbytes
 
     def place(n: fx.Node) -> None:
-        nonlocal now, flight, live, k
+        nonlocal now, flight, live, peak, k
         placed.append(n)
         for r in touches[n]:
             if r not in touched:
                 touched.add(r)
                 live += size[r]
-        if roots[n] is n and n in touched:
-            live -= size[n]  # running backwards: its storage is allocated here
+        # `live`: storages used at or after n and allocated before it, i.e. the live bytes
+        # when n runs forwards, before it allocates (and peak_bytes counts peaks only there).
+        if roots[n] is n:
+            if n in touched:
+                live -= size[n]  # running backwards: its storage is allocated here
+            if live + size[n] > peak:
+                peak = live + size[n]
         kn = kind[n]
         if kn == _COMPUTE:
             now += est[n]
@@ -468,7 +474,7 @@ def _reverse_schedule(g: _Info, storage: Storage, limit_bytes: int,
         else:  # pragma: no cover - a DAG always has a ready node
             raise RuntimeError("reorder_for_overlap: no ready node (dependency cycle?)")
     placed.reverse()
-    return placed
+    return placed, peak
 
 
 def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
@@ -496,8 +502,9 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     keeps buffers alive no longer than needed and avoids many collectives contending with
     compute at once. Cost: O((N + E) log N); estimates are asked once per node.
 
-    The memory limit is checked on the finished order with
-    :func:`fcoll.passes.memory.peak_bytes` (the planner's live-bytes count is a guide); over
+    The memory limit is checked on the finished order's peak (the model of
+    :func:`fcoll.passes.memory.peak_bytes`, counted while planning; the planner's choices
+    follow the live bytes of a partial plan, a guide); over
     budget, the plan is redone with a quarter of the budget, then none, then the original order
     is kept (at most 3 plans; logged at DEBUG).
 
@@ -511,11 +518,15 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     head = [n for n in deps.order if n.op in ("placeholder", "get_attr")]
     tail = [n for n in deps.order if n.op == "output"]
     baseline = peak_bytes(deps.order, storage)
+    # The fixed nodes run with nothing else live (before, or after, every other node): what
+    # they allocate (the output node: its value) is a peak of its own.
+    fixed_peak = max((storage.alloc(n) for n in head + tail), default=0)
     budgets = sorted({memory_budget_bytes, memory_budget_bytes // 4, 0}, reverse=True)
     for attempt, budget in enumerate(budgets):
-        order = head + _reverse_schedule(info, storage, baseline + budget,
-                                         max_in_flight_bytes) + tail
-        peak = peak_bytes(order, storage)
+        movable, peak = _reverse_schedule(info, storage, baseline + budget,
+                                          max_in_flight_bytes)
+        order = head + movable + tail
+        peak = max(peak, fixed_peak)
         if peak <= baseline + memory_budget_bytes:
             break
         log.debug("reorder_for_overlap: plan %d peaks at %d bytes, over baseline %d + budget "
