@@ -109,7 +109,7 @@ def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
     succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in order}
     key = pos.__getitem__
     for n in order:
-        ps = n.all_input_nodes
+        ps = list(n._input_nodes)   # all_input_nodes without its Python property call
         if n in extra:
             ps = list(dict.fromkeys(ps + extra[n]))
         if len(ps) > 1:
@@ -291,7 +291,9 @@ def _records(tl: Timeline) -> dict[fx.Node, CollectiveRecord]:
     return out
 
 
-_COMPUTE, _COLL, _WAIT = 0, 1, 2
+# Node kinds of the scheduler: the op classes of :mod:`fcoll.passes.memory` (so that
+# ``Storage.cls`` serves as the kind of every node).
+_COMPUTE, _COLL, _WAIT = OTHER, COLLECTIVE, WAIT
 
 
 @dataclass
@@ -300,11 +302,11 @@ class _Info:
 
     deps: Deps
     movable: list[fx.Node]          # every node but placeholders, attributes and the output
-    kind: dict[fx.Node, int]        # _COMPUTE, _COLL or _WAIT
+    kind: dict[fx.Node, int]        # _COMPUTE, _COLL or _WAIT (Storage.cls)
     est: dict[fx.Node, float]       # estimated us, asked once per node
     dep: dict[fx.Node, int]         # index of the latest collective whose wait it depends on
     colls: list[fx.Node]            # collectives in (fixed) order
-    start: dict[fx.Node, fx.Node]   # wait -> its collective
+    start: dict[fx.Node, fx.Node]   # wait -> its collective (Storage.start)
     nbytes: dict[fx.Node, int]      # collective -> max(in, out) bytes on this rank
     group: dict[fx.Node, str]       # collective -> group name (its lane)
     n_succ: dict[fx.Node, int]      # movable successors (the output is always last)
@@ -312,30 +314,26 @@ class _Info:
 
 def _prepare(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float]) -> _Info:
     movable = [n for n in deps.order if n.op not in _FIXED]
-    kind, est, dep, start, nbytes, group = {}, {}, {}, {}, {}, {}
+    est, dep, nbytes, group = {}, {}, {}, {}
     colls: list[fx.Node] = []
     index: dict[fx.Node, int] = {}
-    preds, classes, starts = deps.preds, storage.cls, storage.start
+    preds, kind, start = deps.preds, storage.cls, storage.start
     for n in deps.order:
         d = -1
         for p in preds[n]:
             if dep[p] > d:
                 d = dep[p]
-        cls = classes[n]
-        if cls == COLLECTIVE:
-            kind[n] = _COLL
+        k = kind[n]
+        if k == _COLL:
             index[n] = len(colls)
             colls.append(n)
             nbytes[n], group[n] = collective_bytes(n), str(arg_of(n, "group_name"))
             est[n] = max(0.0, float(estimate(n)))
-        elif cls == WAIT:
-            kind[n] = _WAIT
-            c = starts.get(n)
+        elif k == _WAIT:
+            c = start.get(n)
             if c is not None:
-                start[n] = c
                 d = max(d, index[c])
         else:
-            kind[n] = _COMPUTE
             est[n] = max(0.0, float(estimate(n))) if n.op == "call_function" else 0.0
         dep[n] = d
     # Only the output can be a fixed successor; it does not count.
