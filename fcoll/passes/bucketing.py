@@ -388,9 +388,16 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
     replaced: dict[fx.Node, fx.Node] = {}
     groups = sorted([(b.issue_key, b.seq, "issue") for b in buckets]
                     + [(b.wait_key, b.seq, "wait") for b in buckets if b.seq not in moves])
+    moved = set(moves.values())
     anchor_now, cursor = None, None
     for key, seq, what in groups:
-        anchor = nodes[max(key[0], 0) // 2]
+        # A group goes right after original node key[0] // 2. If that node is a collective that
+        # a move took earlier (moves are processed first: a move's key is below its node's),
+        # the place is after the last original node before it that is still where it was.
+        i = max(key[0], 0) // 2
+        while nodes[i] in moved:
+            i -= 1
+        anchor = nodes[i]
         if anchor is not anchor_now:
             anchor_now, cursor = anchor, anchor
         nxt = cursor.next
