@@ -60,6 +60,8 @@ def _forward_cases(rank: int, n: int) -> dict[str, torch.Tensor]:
             assert isinstance(y, fcoll.AsyncCollectiveTensor)
             out[f"ar-{op}-{dtype}"] = y.wait().clone()
             assert torch.equal(x, x0), "input was modified"
+            x = make_input(f"rs-{op}-{dtype}", rank, shape=(n, 3), dtype=dtype)
+            out[f"rs-{op}-{dtype}"] = fcoll.reduce_scatter_tensor(x, op, 0, world).wait().clone()
     x = make_input("ar-noncontig", rank, shape=(6, 4)).t()
     out["ar-noncontig"] = (fcoll.all_reduce(x, "sum", world) * 1).clone()
     xs = [make_input("arc-0", rank), make_input("arc-1", rank, dtype=torch.float64, shape=(3,))]
@@ -105,6 +107,9 @@ def _expected_forward(n: int) -> dict[str, torch.Tensor]:
             if valid(op, dtype):
                 key = f"ar-{op}-{dtype}"
                 exp[key] = ref.all_reduce([make_input(key, r, dtype=dtype) for r in range(n)], op)
+                key = f"rs-{op}-{dtype}"
+                exp[key] = ref.reduce_scatter(
+                    [make_input(key, r, shape=(n, 3), dtype=dtype) for r in range(n)], op)
     exp["ar-noncontig"] = ref.all_reduce(
         [make_input("ar-noncontig", r, shape=(6, 4)).t() for r in range(n)])
     exp["arc-0"] = ref.all_reduce([make_input("arc-0", r) for r in range(n)], "max")

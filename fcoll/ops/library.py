@@ -455,13 +455,14 @@ def reduce_rows_into(rows: torch.Tensor, reduce_op: str, out: torch.Tensor,
     """``out = reduce_op(rows[0], ..., rows[n-1])`` elementwise; ``rows`` is ``[n, *out.shape]``.
 
     ``dtype`` is the user's dtype when the rows travel in a wider one (bool as uint8): bool
-    reductions are logical (sum/max/bor = or, product/min/band = and). ``avg`` is the sum
-    divided by ``n`` (integers: truncating division, as C). Sums and products accumulate in
-    ``out``'s dtype, as a backend reducing in place does.
+    reductions are logical (sum = max = or, product = min = and; band, bor and bxor stay
+    bitwise, which on 0/1 is logical). ``avg`` is the sum divided by ``n`` (integers:
+    truncating division, as C). Sums and products accumulate in ``out``'s dtype, as a backend
+    reducing in place does.
     """
     n = rows.shape[0]
     if (dtype or out.dtype) == torch.bool:
-        reduce_op = "max" if reduce_op in ("sum", "max", "bor") else "min"
+        reduce_op = {"sum": "max", "product": "min"}.get(reduce_op, reduce_op)
     if reduce_op in ("sum", "avg"):
         torch.sum(rows, 0, dtype=out.dtype, out=out)
         if reduce_op == "avg":

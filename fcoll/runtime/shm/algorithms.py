@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from fcoll.ops.library import reduce_rows_into
 from fcoll.runtime.shm import headers as hdr
 from fcoll.runtime.shm.segment import NSLOTS
 from fcoll.runtime.shm.sync import Channel
@@ -118,7 +119,8 @@ def reduce_rows(rows: torch.Tensor | None, op: str, out: torch.Tensor,
     well as, ``rows``; with 2 rows only ``row_list`` is used (``rows`` may then be None), so
     the two operands need not lie in one strided tensor. bool follows logical semantics:
     sum/max = or, product/min = and. avg is sum / n (floating dtypes only; the caller
-    validates).
+    validates). Three rows or more: :func:`fcoll.ops.library.reduce_rows_into`, which gloo
+    groups' reduce_scatter uses too.
     """
     n = len(row_list) if row_list is not None else rows.shape[0]
     if n == 1:
@@ -144,23 +146,7 @@ def reduce_rows(rows: torch.Tensor | None, op: str, out: torch.Tensor,
         else:
             _BITWISE[op](a, b, out=out)
         return
-    if rows.dtype == torch.bool:
-        op = _BOOL_OP.get(op, op)
-    if op in ("sum", "avg"):
-        torch.sum(rows, 0, dtype=out.dtype, out=out)
-        if op == "avg":
-            out.div_(n)
-    elif op == "product":
-        torch.prod(rows, 0, dtype=out.dtype, out=out)
-    elif op == "min":
-        torch.amin(rows, 0, out=out)
-    elif op == "max":
-        torch.amax(rows, 0, out=out)
-    else:
-        f = _BITWISE[op]
-        f(rows[0], rows[1], out=out)
-        for i in range(2, n):
-            f(out, rows[i], out=out)
+    reduce_rows_into(rows, op, out)
 
 
 _PAIR = {"sum": torch.Tensor.add_, "product": torch.Tensor.mul_,
