@@ -89,16 +89,7 @@ def _aliased_input(node: fx.Node, cls: int | None = None) -> fx.Node | None:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return None
-    args = node.args
-    for i in _alias_positions(target):
-        if i >= len(args):
-            break
-        value = args[i]
-        if isinstance(value, fx.Node):
-            return value
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], fx.Node):
-            return value[0]
-    return None
+    return _first_node_at(node.args, _alias_positions(target))
 
 
 def _written_inputs(node: fx.Node) -> list[fx.Node]:
@@ -254,8 +245,8 @@ def storage_model(graph: fx.Graph) -> Storage:
 
 
 def _first_node_at(args: tuple, positions: tuple[int, ...]) -> fx.Node | None:
-    """The node at the first of ``positions`` in ``args`` (or the first node of a list there),
-    as :func:`_aliased_input` reads schema alias positions."""
+    """The node at the first of ``positions`` in ``args`` (or the first node of a list there):
+    how schema alias positions are read."""
     for i in positions:
         if i >= len(args):
             break
