@@ -67,7 +67,7 @@ def _variants(group: str) -> dict:
     from torch._inductor.fx_passes.bucketing import bucket_all_reduce
 
     from fcoll.passes.registry import run_pipeline
-    from fcoll.runtime.config import FcollConfig
+    from fcoll.passes.config import FcollConfig
 
     out = {"unbucketed": _graph("fcoll", group)}
     for mode in ("concat", "coalesced"):
@@ -93,7 +93,7 @@ def _bench(rank: int, world_size: int, reps: int) -> dict:
     from fcoll.passes.graph import collectives
 
     torch.manual_seed(rank)
-    from fcoll.runtime.executor import GraphExecutor
+    from fcoll.compile.executor import GraphExecutor
 
     graphs = _variants(dist.group.WORLD.group_name)
     variants = {name: _runner(GraphExecutor(gm, name)) for name, gm in graphs.items()}

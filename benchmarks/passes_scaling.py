@@ -220,7 +220,7 @@ def main() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fcoll.passes.registry import registered_passes
-    from fcoll.runtime.config import FcollConfig
+    from fcoll.passes.config import FcollConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[1000, 5000, 10000, 50000, 100000])

@@ -27,5 +27,5 @@ __all__ = [
     "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_coalesced", "wait_tensor",
 ]
 
-from fcoll.runtime.shm import register_backend as _register_shm_backend
+from fcoll.shm import register_backend as _register_shm_backend
 _register_shm_backend()

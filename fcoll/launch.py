@@ -1,10 +1,166 @@
-"""``python -m fcoll.launch --nproc-per-node N script.py ARGS``: see :mod:`fcoll.runtime.launch`."""
+"""Start N local ranks of a script with torchrun's environment; stream and supervise them.
+
+``python -m fcoll.launch --nproc-per-node N script.py ARGS`` (or ``-m module ARGS``) starts N
+processes with the variables torchrun sets for a single node (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK=0, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT
+= a free port, TORCHELASTIC_RUN_ID), so ``dist.init_process_group("fcoll")`` rendezvous through
+the env:// TCPStore. Every line a rank writes to stdout / stderr is re-emitted on the same
+stream with a ``[rank N] `` prefix. When a rank fails, the others get SIGTERM, then SIGKILL
+after ``--grace-s`` seconds; the exit status is the first failing rank's (128 + signal number
+for a rank killed by a signal), or 0.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import signal
+import socket
+import subprocess
 import sys
+import threading
+import time
+import uuid
+from typing import IO, Sequence
 
-from fcoll.runtime.launch import main
+__all__ = ["main", "parse_args", "rank_env", "free_port"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m fcoll.launch",
+        description="Run N local ranks of a training script with torchrun's environment.")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                   help="number of ranks to start on this host (default 1)")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--master-port", "--master_port", type=int, default=0,
+                   help="rendezvous port (default: a free port)")
+    p.add_argument("--grace-s", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", default=None)
+    p.add_argument("-m", "--module", action="store_true",
+                   help="treat the target as a module name (python -m)")
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run the target as an executable, not with the Python interpreter")
+    p.add_argument("target", help="script path, or module name with -m")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    ns = p.parse_args(argv)
+    if ns.nproc_per_node < 1:
+        p.error("--nproc-per-node must be at least 1")
+    return ns
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, addr: str, port: int, run_id: str) -> dict[str, str]:
+    """The variables torchrun sets for local rank ``rank`` of a single-node job."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "default", "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _pump(src: IO[bytes], dst: IO[bytes], prefix: bytes, lock: threading.Lock) -> None:
+    for line in iter(src.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        with lock:
+            dst.write(prefix + line)
+            dst.flush()
+    src.close()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parse_args(argv)
+    world = ns.nproc_per_node
+    port = ns.master_port or free_port(ns.master_addr)
+    run_id = ns.run_id or uuid.uuid4().hex[:12]
+    if ns.no_python:
+        cmd = [ns.target, *ns.args]
+    elif ns.module:
+        cmd = [sys.executable, "-u", "-m", ns.target, *ns.args]
+    else:
+        cmd = [sys.executable, "-u", ns.target, *ns.args]
+    out = sys.stdout.buffer
+    err = sys.stderr.buffer
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for r in range(world):
+        env = dict(os.environ, **rank_env(r, world, ns.master_addr, port, run_id))
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+        procs.append(p)
+        for src, dst in ((p.stdout, out), (p.stderr, err)):
+            t = threading.Thread(target=_pump, args=(src, dst, f"[rank {r}] ".encode(), lock),
+                                 daemon=True)
+            t.start()
+            pumps.append(t)
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop.set()
+        for p in procs:
+            _signal_group(p, signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    first_failure: int | None = None
+    kill_at: float | None = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if first_failure is None:
+                for r, p in enumerate(procs):
+                    code = p.poll()
+                    if code is not None and code != 0:
+                        first_failure = _status(code)
+                        with lock:
+                            err.write(f"[fcoll.launch] rank {r} exited with status "
+                                      f"{first_failure}; stopping the other ranks\n".encode())
+                            err.flush()
+                        for q in procs:
+                            if q.poll() is None:
+                                _signal_group(q, signal.SIGTERM)
+                        kill_at = time.monotonic() + ns.grace_s
+                        break
+            if stop.is_set() and kill_at is None:
+                kill_at = time.monotonic() + ns.grace_s
+            if kill_at is not None and time.monotonic() >= kill_at:
+                for q in procs:
+                    if q.poll() is None:
+                        _signal_group(q, signal.SIGKILL)
+            time.sleep(0.05)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+        for t in pumps:
+            t.join(timeout=2.0)
+    if first_failure is None:
+        first_failure = next((_status(p.returncode) for p in procs if p.returncode), 0)
+    return first_failure
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,7 +29,7 @@ from fcoll.passes.graph import (  # noqa: E402
     is_wait,
 )
 from fcoll.passes.registry import run_pipeline
-from fcoll.runtime.config import FcollConfig
+from fcoll.passes.config import FcollConfig
 from fcoll.testing import run_ranks
 
 fc = torch.ops.fcoll

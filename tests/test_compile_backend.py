@@ -17,11 +17,11 @@ import torch.fx as fx
 
 import fcoll
 from fcoll.passes.graph import collectives, is_collective, is_wait
-from fcoll.runtime.backend import (META_PIPELINE_SECONDS, CompiledGraph, _partition_fn,
+from fcoll.compile.backend import (META_PIPELINE_SECONDS, CompiledGraph, _partition_fn,
                                    fcoll_backend, register_compile_listener)
-from fcoll.runtime.config import FcollConfig
-from fcoll.runtime.executor import GraphExecutor, UnknownOpError
-from fcoll.runtime.inductor_compute import Segment, split_segments
+from fcoll.passes.config import FcollConfig
+from fcoll.compile.executor import GraphExecutor, UnknownOpError
+from fcoll.compile.inductor_compute import Segment, split_segments
 from fcoll.testing import run_ranks
 
 
@@ -151,7 +151,7 @@ def test_executor_unknown_op_fails_at_build_with_its_name():
 
 
 def test_executor_fast_and_traced_paths_agree(fake_pg, tmp_path):
-    from fcoll.runtime.trace import TraceRecorder
+    from fcoll.compile.trace import TraceRecorder
 
     gm = _ar_graph(fake_pg)
     x = torch.randn(4, 4)
@@ -188,7 +188,7 @@ def test_segments_cut_at_every_collective_and_wait_in_graph_order(fake_pg):
 def _ranks(rank: int, n: int, trace_dir: str) -> dict:
     import torch.distributed._functional_collectives as funcol
 
-    from fcoll.runtime.backend import register_compile_listener
+    from fcoll.compile.backend import register_compile_listener
 
     pg = dist.group.WORLD
     graphs = []

@@ -23,7 +23,7 @@ from graphs_bucketing import Builder  # noqa: E402
 from fcoll.passes.consistency import (  # noqa: E402
     CheckRankConsistency, RankMismatchError, RankTimeoutError, fingerprint,
 )
-from fcoll.runtime.config import FcollConfig  # noqa: E402
+from fcoll.passes.config import FcollConfig  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
 fc = torch.ops.fcoll

@@ -214,7 +214,7 @@ def _compute_core_groups(rank, world_size):
     import canonical as c
     from fcoll.passes.bucket_plan import plan_buckets
     from fcoll.passes.cost import moves_data_on_compute_cores
-    from fcoll.runtime.config import FcollConfig
+    from fcoll.passes.config import FcollConfig
 
     gloo = dist.new_group(backend="gloo")
     out = {}

@@ -432,7 +432,7 @@ class TestWithTheRealPredictor(TestCase):
         import xml.etree.ElementTree as ET
 
         from fcoll.passes.registry import run_pipeline
-        from fcoll.runtime.config import FcollConfig
+        from fcoll.passes.config import FcollConfig
 
         before = canonical.ddp_backward(n_layers=3, batch=16, hidden=64)
         after = run_pipeline(copy.deepcopy(before), FcollConfig(check_ranks=False),

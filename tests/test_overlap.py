@@ -30,7 +30,7 @@ from fcoll.passes.overlap import (  # noqa: E402
 )
 from fcoll.passes.registry import get_pass, run_pipeline  # noqa: E402
 from fcoll.passes.schedule import list_schedule  # noqa: E402
-from fcoll.runtime.config import FcollConfig  # noqa: E402
+from fcoll.passes.config import FcollConfig  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
 N_RANDOM = 200

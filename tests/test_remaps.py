@@ -17,7 +17,7 @@ import fcoll  # noqa: F401  installs the remaps
 from fcoll.inspect import format_graph
 from fcoll.ops import remaps
 from fcoll.passes import graph as G
-from fcoll.runtime.backend import register_compile_listener
+from fcoll.compile.backend import register_compile_listener
 from fcoll.testing import run_ranks
 
 RO = dist.ReduceOp

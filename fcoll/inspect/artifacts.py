@@ -1,6 +1,6 @@
 """What the inspection tools produce for one compiled graph: files for the CLI, tlparse artifacts.
 
-A *record* is what ``fcoll.runtime.backend`` hands its compile listeners for every graph it
+A *record* is what ``fcoll.compile.backend`` hands its compile listeners for every graph it
 compiles: ``record.name`` (e.g. ``"graph_0_forward"``), ``record.before`` and ``record.after``
 (GraphModules before and after the passes), ``record.config`` and ``record.rank``.
 """

@@ -80,7 +80,7 @@ def main(argv: list[str]) -> None:
     os.makedirs(rank_dir, exist_ok=True)
     trace_dir = os.environ.setdefault("FCOLL_TRACE_DIR", os.path.join(out, TRACES))
 
-    from fcoll.runtime.backend import register_compile_listener
+    from fcoll.compile.backend import register_compile_listener
 
     cap = _Capture(rank_dir)
     handle = register_compile_listener(cap)

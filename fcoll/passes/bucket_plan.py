@@ -70,7 +70,7 @@ from fcoll.passes.graph import (
     META_HIDING, args_by_name, collective_info, collective_kind, is_collective, tensor_bytes,
     waits_of,
 )
-from fcoll.runtime.config import FcollConfig
+from fcoll.passes.config import FcollConfig
 
 __all__ = ["Bucket", "plan_buckets", "BUCKETABLE_OPS", "MIB"]
 

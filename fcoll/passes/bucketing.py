@@ -68,7 +68,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fcoll.passes.bucket_plan import Bucket, plan_buckets
 from fcoll.passes.graph import META_HIDING, args_by_name, check_topological, waits_of
 from fcoll.passes.registry import FcollPass, register_pass
-from fcoll.runtime.config import FcollConfig
+from fcoll.passes.config import FcollConfig
 
 __all__ = ["BucketCollectives", "apply_buckets", "plan_buckets", "Bucket", "META_BUCKET"]
 

@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fcoll.passes.graph import META_PASSES, check_topological
-from fcoll.runtime.config import FcollConfig
+from fcoll.passes.config import FcollConfig
 
 __all__ = ["FcollPass", "register_pass", "get_pass", "registered_passes", "run_pipeline",
            "PassFailed"]

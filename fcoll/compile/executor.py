@@ -12,7 +12,7 @@ Two paths, one semantics:
   is one call, and intermediate values are freed after their last use by the generated code.
 - *traced* (``trace_dir`` set): a small interpreter over a precomputed plan, which times each
   compute node and records the issue and wait return of each collective in a
-  :class:`fcoll.runtime.trace.RunTrace` (see that module for the format).
+  :class:`fcoll.compile.trace.RunTrace` (see that module for the format).
 
 Every ``call_function`` target is resolved through :class:`OpTable` when the executor is built,
 so a graph with an op the executor does not know fails at compile time, naming the op and node.
@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from fcoll.passes.graph import collective_info, is_collective, is_wait, waits_of
-from fcoll.runtime.trace import RunTrace, TraceRecorder, busbw_factor, now_us
+from fcoll.compile.trace import RunTrace, TraceRecorder, busbw_factor, now_us
 
 __all__ = ["OpTable", "UnknownOpError", "GraphExecutor", "RUNNABLE_NAMESPACES", "comm_bytes"]
 
@@ -113,7 +113,7 @@ def _tensor_bytes(x: Any) -> int:
 
 
 def comm_bytes(kind: str, inputs: Any, outputs: Any) -> int:
-    """Bytes of one collective, nccl-tests convention (see :mod:`fcoll.runtime.trace`)."""
+    """Bytes of one collective, nccl-tests convention (see :mod:`fcoll.compile.trace`)."""
     if kind == "all_to_all":
         return _tensor_bytes(inputs)
     return max(_tensor_bytes(inputs), _tensor_bytes(outputs))

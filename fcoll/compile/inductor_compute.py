@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 
 from fcoll.passes.graph import collective_info, is_collective, is_fcoll_op, is_wait, waits_of
-from fcoll.runtime.executor import OpTable, comm_bytes
-from fcoll.runtime.trace import TraceRecorder, busbw_factor, now_us
+from fcoll.compile.executor import OpTable, comm_bytes
+from fcoll.compile.trace import TraceRecorder, busbw_factor, now_us
 
 __all__ = ["Segment", "split_segments", "InductorExecutor", "is_comm_node"]
 
@@ -130,7 +130,7 @@ class InductorExecutor:
         recorder: trace recorder, or None.
 
     Raises:
-        fcoll.runtime.executor.UnknownOpError: a communication node's op is unknown.
+        fcoll.compile.executor.UnknownOpError: a communication node's op is unknown.
     """
 
     _boxed_call = True

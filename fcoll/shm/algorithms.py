@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 
 from fcoll.ops.library import reduce_rows_into
-from fcoll.runtime.shm import headers as hdr
-from fcoll.runtime.shm.segment import NSLOTS
-from fcoll.runtime.shm.sync import Channel
+from fcoll.shm import headers as hdr
+from fcoll.shm.segment import NSLOTS
+from fcoll.shm.sync import Channel
 
 _BOOL_OP = {"sum": "bor", "max": "bor", "product": "band", "min": "band"}
 _BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}

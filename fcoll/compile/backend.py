@@ -6,8 +6,8 @@ Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), s
     Dynamo graph ──AOTAutograd──> forward + backward graphs (or one inference graph), aten IR
       each graph: deep copy "before" ─> fcoll pass pipeline ─> compile listeners ─> executor
 
-The executor is :class:`fcoll.runtime.executor.GraphExecutor` (``compute="eager"``) or
-:class:`fcoll.runtime.inductor_compute.InductorExecutor` (``compute="inductor"``).
+The executor is :class:`fcoll.compile.executor.GraphExecutor` (``compute="eager"``) or
+:class:`fcoll.compile.inductor_compute.InductorExecutor` (``compute="inductor"``).
 
 Partitioning: collectives are never recomputed in backward. PyTorch's partitioners mark every
 ``_c10d_functional`` node ``CheckpointPolicy.MUST_SAVE`` (``force_save_collectives``); fcoll
@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 from torch.utils.hooks import RemovableHandle
 
-from fcoll.runtime.config import FcollConfig
+from fcoll.passes.config import FcollConfig
 
 __all__ = ["fcoll_backend", "CompiledGraph", "register_compile_listener", "compile_graph",
            "META_PIPELINE_SECONDS"]
@@ -118,11 +118,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
 
     Raises:
         fcoll.passes.registry.PassFailed: a pass raised.
-        fcoll.runtime.executor.UnknownOpError: the graph holds an op the executor cannot run.
+        fcoll.compile.executor.UnknownOpError: the graph holds an op the executor cannot run.
     """
     from fcoll.passes.registry import run_pipeline
-    from fcoll.runtime.executor import GraphExecutor
-    from fcoll.runtime.trace import recorder_for, trace_dir_from
+    from fcoll.compile.executor import GraphExecutor
+    from fcoll.compile.trace import recorder_for, trace_dir_from
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from fcoll.inspect.artifacts import artifacts_enabled, emit_artifacts
@@ -147,7 +147,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
     trace_dir = trace_dir_from(config.trace_dir)
     recorder = recorder_for(trace_dir, rank) if trace_dir else None
     if config.compute == "inductor":
-        from fcoll.runtime.inductor_compute import InductorExecutor
+        from fcoll.compile.inductor_compute import InductorExecutor
 
         return InductorExecutor(gm, example_inputs, name=name, rank=rank, recorder=recorder)
     return GraphExecutor(gm, name=name, rank=rank, recorder=recorder)

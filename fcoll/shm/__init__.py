@@ -19,7 +19,7 @@ BACKEND_NAME = "fcoll"
 
 def create_process_group(common_opts, backend_opts=None):
     """Backend creator for ``Backend.register_backend(..., extended_api=True)``."""
-    from fcoll.runtime.shm.process_group import FcollProcessGroup
+    from fcoll.shm.process_group import FcollProcessGroup
 
     return FcollProcessGroup(
         common_opts.store, common_opts.group_rank, common_opts.group_size, common_opts.timeout,

@@ -17,7 +17,7 @@ import hashlib
 import marshal
 import struct
 
-from fcoll.runtime.shm.segment import HEADER_BYTES
+from fcoll.shm.segment import HEADER_BYTES
 
 
 class CollectiveMismatchError(ValueError):

@@ -3,7 +3,7 @@
 Each method mirrors what ``torch.distributed.distributed_c10d`` (and C++ callers such as DDP's
 reducer, through the ``PyProcessGroup`` trampoline) call on a process group. A method validates
 its arguments on the calling thread, stages inputs (CUDA -> host, non-contiguous -> contiguous),
-queues a :class:`~fcoll.runtime.shm.engine.Job`, and returns a ``Work`` made from the job's
+queues a :class:`~fcoll.shm.engine.Job`, and returns a ``Work`` made from the job's
 future. Invalid arguments still queue a header-only job flagged invalid, so every peer raises the
 same message instead of hanging; the calling rank raises ``ValueError`` at once.
 
@@ -26,14 +26,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fcoll.runtime.shm import algorithms as alg
-from fcoll.runtime.shm import headers as hdr
-from fcoll.runtime.shm.engine import DoneWork, Engine, FcollWork, Job
-from fcoll.runtime.shm.segment import open_segment
-from fcoll.runtime.shm.sync import Channel, PeerError
-from fcoll.runtime.shm.validate import Staging, check_reduce_op, reduce_op_name
+from fcoll.shm import algorithms as alg
+from fcoll.shm import headers as hdr
+from fcoll.shm.engine import DoneWork, Engine, FcollWork, Job
+from fcoll.shm.segment import open_segment
+from fcoll.shm.sync import Channel, PeerError
+from fcoll.shm.validate import Staging, check_reduce_op, reduce_op_name
 
-log = logging.getLogger("fcoll.runtime.shm.engine")
+log = logging.getLogger("fcoll.shm.engine")
 SLOT_BYTES = 1 << 20
 SMALL_ALLREDUCE_BYTES = 64 << 10  # at 3+ ranks, one-phase all_reduce up to this size
 # At 2 ranks, reduce_scatter pieces and all_to_all rows of at least this many bytes skip

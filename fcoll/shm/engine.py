@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-from fcoll.runtime.shm.algorithms import Call
-from fcoll.runtime.shm.headers import CollectiveMismatchError
-from fcoll.runtime.shm.segment import Segment
-from fcoll.runtime.shm.sync import Channel, PeerError
+from fcoll.shm.algorithms import Call
+from fcoll.shm.headers import CollectiveMismatchError
+from fcoll.shm.segment import Segment
+from fcoll.shm.sync import Channel, PeerError
 
 log = logging.getLogger(__name__)
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()

@@ -29,7 +29,7 @@ import ctypes
 import os
 import time
 
-from fcoll.runtime.shm.segment import (MAX_SLEEP_FLAGS, W_ARRIVE, W_PID, W_SLEEP, W_START_HI,
+from fcoll.shm.segment import (MAX_SLEEP_FLAGS, W_ARRIVE, W_PID, W_SLEEP, W_START_HI,
                                        W_START_LO, Segment, proc_alive)
 
 _SYS_FUTEX = 202  # x86-64
