@@ -26,6 +26,7 @@ wait_tensor                     ``[*]``                     ``[*]`` (a completed
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -33,6 +34,8 @@ import torch.distributed as dist
 
 from fcoll.ops import pending
 from fcoll.ops.groups import group_from_name
+from fcoll.ops.reduce import (DIST_REDUCE_OPS, REDUCE_OPS, divide_for_avg, reduce_rows_into,
+                              validate_reduce_op)
 
 __all__ = ["lib", "REDUCE_OPS", "validate_reduce_op"]
 
@@ -96,26 +99,6 @@ for _inplace in ("all_reduce_", "all_reduce_coalesced_", "all_gather_into_tensor
 # ---------------------------------------------------------------------------------------------
 # Validation (before any data moves)
 
-REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
-_BITWISE = ("band", "bor", "bxor")
-
-
-def validate_reduce_op(op: str, reduce_op: str, dtype: torch.dtype) -> None:
-    """Check that ``reduce_op`` is a known reduce op and valid for ``dtype``.
-
-    Raises:
-        ValueError: unknown ``reduce_op``; a bitwise op (band, bor, bxor) on a floating or
-            complex dtype; ``avg`` on bool.
-    """
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"fcoll.{op}: reduce_op {reduce_op!r} is not one of {REDUCE_OPS}")
-    if reduce_op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"fcoll.{op}: reduce_op {reduce_op!r} is only valid for integer and "
-                         f"bool tensors, got dtype {dtype}")
-    if reduce_op == "avg" and dtype == torch.bool:
-        raise ValueError(f"fcoll.{op}: reduce_op 'avg' is not valid for dtype torch.bool")
-
-
 def _where(group_name: str, t: torch.Tensor | None = None) -> str:
     rank = dist.get_rank() if dist.is_initialized() else 0
     shape = f", input shape {list(t.shape)} {t.dtype}" if t is not None else ""
@@ -143,13 +126,6 @@ def _check_splits(op: str, name: str, splits: Sequence[int], total: int, n: int,
 
 # ---------------------------------------------------------------------------------------------
 # Starting a collective on a torch.distributed group
-
-_DIST_OPS = {
-    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
-    "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
-    "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR,
-}
-
 
 def _backend_name(pg: dist.ProcessGroup) -> str:
     try:
@@ -201,27 +177,18 @@ def _wire_output(pg: dist.ProcessGroup, t: torch.Tensor, *, initialised: bool):
     return buf, finish
 
 
-def _avg_divide(t: torch.Tensor, n: int):
-    def finish() -> None:
-        if t.is_floating_point() or t.is_complex():
-            t.div_(n)
-        else:
-            t.div_(n, rounding_mode="trunc")
-    return finish
-
-
 def _reduce_args(reduce_op: str, pg: dist.ProcessGroup, dtype: torch.dtype, buf: torch.Tensor):
     """Map a reduce op string to (dist op, finisher on ``buf``) for this group's backend.
 
     bool reductions are logical: sum/max/bor are OR (MAX), product/min/band are AND (MIN).
     """
     if reduce_op == "avg" and not _native_avg(pg, dtype):
-        return dist.ReduceOp.SUM, _avg_divide(buf, pg.size())
+        return dist.ReduceOp.SUM, functools.partial(divide_for_avg, buf, pg.size())
     if dtype == torch.bool and reduce_op in ("sum", "max", "bor"):
         return dist.ReduceOp.MAX, None
     if dtype == torch.bool and reduce_op in ("product", "min", "band"):
         return dist.ReduceOp.MIN, None
-    return _DIST_OPS[reduce_op], None
+    return DIST_REDUCE_OPS[reduce_op], None
 
 
 def _chain(*finishers):
@@ -448,37 +415,6 @@ def start_reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, input: torch.
     def finish() -> None:
         reduce_rows_into(rows, reduce_op, out, dtype)
     return work, finish
-
-
-def reduce_rows_into(rows: torch.Tensor, reduce_op: str, out: torch.Tensor,
-                     dtype: torch.dtype | None = None) -> None:
-    """``out = reduce_op(rows[0], ..., rows[n-1])`` elementwise; ``rows`` is ``[n, *out.shape]``.
-
-    ``dtype`` is the user's dtype when the rows travel in a wider one (bool as uint8): bool
-    reductions are logical (sum = max = or, product = min = and; band, bor and bxor stay
-    bitwise, which on 0/1 is logical). ``avg`` is the sum divided by ``n`` (integers:
-    truncating division, as C). Sums and products accumulate in ``out``'s dtype, as a backend
-    reducing in place does.
-    """
-    n = rows.shape[0]
-    if (dtype or out.dtype) == torch.bool:
-        reduce_op = {"sum": "max", "product": "min"}.get(reduce_op, reduce_op)
-    if reduce_op in ("sum", "avg"):
-        torch.sum(rows, 0, dtype=out.dtype, out=out)
-        if reduce_op == "avg":
-            _avg_divide(out, n)()
-    elif reduce_op == "product":
-        torch.prod(rows, 0, dtype=out.dtype, out=out)
-    elif reduce_op == "min":
-        torch.amin(rows, 0, out=out)
-    elif reduce_op == "max":
-        torch.amax(rows, 0, out=out)
-    else:
-        fold = {"band": torch.bitwise_and, "bor": torch.bitwise_or,
-                "bxor": torch.bitwise_xor}[reduce_op]
-        fold(rows[0], rows[1], out=out)
-        for i in range(2, n):
-            fold(out, rows[i], out=out)
 
 
 @_impl("reduce_scatter_tensor_coalesced")

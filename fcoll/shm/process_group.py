@@ -31,7 +31,8 @@ from fcoll.shm import headers as hdr
 from fcoll.shm.engine import DoneWork, Engine, FcollWork, Job
 from fcoll.shm.segment import open_segment
 from fcoll.shm.sync import Channel, PeerError
-from fcoll.shm.validate import Staging, check_reduce_op, reduce_op_name
+from fcoll.ops.reduce import check_reduce_op, reduce_op_name
+from fcoll.shm.validate import Staging
 
 log = logging.getLogger("fcoll.shm.engine")
 SLOT_BYTES = 1 << 20

@@ -7,47 +7,7 @@ none waits for a collective that will never come.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-
-_FLOAT_ONLY = {"avg"}
-_INT_ONLY = {"band", "bor", "bxor"}
-_KNOWN = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"}
-
-
-_NAMES: dict = {}
-
-
-def reduce_op_name(op) -> str:
-    """``ReduceOp`` / ``ReduceOp.RedOpType`` -> ``"sum"``, ``"band"``, ..."""
-    kind = getattr(op, "op", op)
-    name = _NAMES.get(kind)
-    if name is None:
-        name = _NAMES[kind] = getattr(kind, "name", str(kind)).lower()
-    return name
-
-
-@functools.lru_cache(maxsize=None)
-def check_reduce_op(op: str, dtype: torch.dtype) -> str | None:
-    """Error message when reduce op ``op`` is not defined for ``dtype``.
-
-    avg needs a floating dtype (it divides); band/bor/bxor need an integer or bool dtype;
-    on bool, sum/max act as or and product/min as and.
-    """
-    name = str(dtype).replace("torch.", "")
-    if op not in _KNOWN:
-        return f"reduce op {op.upper()} is not supported (supported: " \
-               f"{', '.join(sorted(o.upper() for o in _KNOWN))})"
-    if op in _INT_ONLY and (dtype.is_floating_point or dtype.is_complex):
-        return f"reduce op {op.upper()} is not valid for dtype {name} (bitwise ops need an " \
-               "integer or bool tensor)"
-    if op in _FLOAT_ONLY and not dtype.is_floating_point:
-        return f"reduce op {op.upper()} is not valid for dtype {name} (AVG needs a floating " \
-               "dtype)"
-    if op in ("min", "max") and dtype.is_complex:
-        return f"reduce op {op.upper()} is not valid for complex dtype {name}"
-    return None
 
 
 class Staging:
