@@ -8,8 +8,6 @@ per backend for every graph.
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import unittest
 
 import expecttest
@@ -18,7 +16,6 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
 
-sys.path.insert(0, os.path.dirname(__file__))
 import canonical  # noqa: E402
 from graphs_bucketing import Builder, random_graph, reachable, real_inputs  # noqa: E402
 from fcoll.inspect import format_graph  # noqa: E402

@@ -7,9 +7,7 @@ a group of one rank; single-process tests cover the fingerprint and the no-op ca
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import time
 import unittest
 from unittest import mock
@@ -17,7 +15,6 @@ from unittest import mock
 import torch
 import torch.fx as fx
 
-sys.path.insert(0, os.path.dirname(__file__))
 import canonical  # noqa: E402
 from graphs_bucketing import Builder  # noqa: E402
 from fcoll.passes.consistency import (  # noqa: E402

@@ -3,8 +3,6 @@ estimators, and calibration on two real ranks (one batched run)."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
@@ -13,7 +11,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from expecttest import TestCase
 from torch.fx.experimental.proxy_tensor import make_fx
 
-sys.path.insert(0, os.path.dirname(__file__))
 import canonical  # noqa: E402
 
 from fcoll.passes import cost  # noqa: E402

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from expecttest import TestCase
 
-sys.path.insert(0, os.path.dirname(__file__))
 import canonical  # noqa: E402
 
 import fcoll  # noqa: E402

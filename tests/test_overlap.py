@@ -7,7 +7,6 @@ the passes on the fcoll shared-memory backend and compares values.
 
 from __future__ import annotations
 
-import os
 import sys
 import unittest
 
@@ -16,7 +15,6 @@ from expecttest import TestCase
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.testing import FileCheck
 
-sys.path.insert(0, os.path.dirname(__file__))
 import canonical  # noqa: E402
 
 from fcoll.inspect import format_graph  # noqa: E402

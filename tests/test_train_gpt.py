@@ -10,14 +10,11 @@ is tight). The single-process reference runs in the test process.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 
 from fcoll.testing import run_ranks
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import train_gpt as tg  # noqa: E402
 
 B, T, STEPS = 2, 16, 3
