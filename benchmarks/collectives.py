@@ -18,7 +18,9 @@ The JSON holds, per op and size in bytes: ``fcoll_us``, ``gloo_us``, ``fcoll_bus
 ``gloo_busbw_gbps``, ``speedup`` (gloo time / fcoll time), and ``loadavg`` (the 1-minute load
 average before and after the run; on a shared machine ratios are only comparable at similar
 load). ``--repeat K`` runs K times the repetitions per size, for steadier medians on a noisy
-machine; ``--ops`` and ``--sizes`` restrict the run for quick iterations.
+machine; ``--ops`` and ``--sizes`` restrict the run for quick iterations;
+``--background-load N`` keeps N busy processes running during the measurement (each bounded in
+time and ended by the benchmark), to measure an oversubscribed machine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -35,6 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from fcoll.ops.facts import OPS as OPS_FACTS, busbw_factor  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -44,11 +48,38 @@ OPS = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_
 
 
 def bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op == "broadcast":
-        return 1.0
-    return (n - 1) / n
+    """nccl-tests busbw factor of the c10d call ``op`` (named as the fcoll op of its kind)."""
+    return busbw_factor(OPS_FACTS[op].kind, n)
+
+
+class BackgroundLoad:
+    """``n`` busy processes (pure-Python spin loops, one core each) for the duration of a
+    ``with`` block: the oversubscribed machine of a CPU training job with data-loader workers.
+
+    Each process also ends by itself after ``max_s`` seconds, so a benchmark killed mid-run leaves
+    nothing spinning; leaving the block terminates them at once.
+    """
+
+    def __init__(self, n: int, max_s: float = 1800.0) -> None:
+        self.n, self.max_s, self.procs = n, max_s, []
+
+    def __enter__(self) -> "BackgroundLoad":
+        code = ("import time\nend = time.monotonic() + %r\nx = 0\n"
+                "while time.monotonic() < end:\n    for _ in range(10000): x += 1\n" % self.max_s)
+        self.procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(self.n)]
+        if self.n:
+            time.sleep(2.0)  # let the 1-minute load average start to show them
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def _make_call(op: str, size: int, n: int, group):
@@ -129,16 +160,23 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", nargs="*", type=int, default=SIZES, help="bytes")
     p.add_argument("--repeat", type=int, default=1,
                    help="multiply the repetitions per size by this (steadier medians)")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="run N busy processes during the measurement (an oversubscribed machine)")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    if args.background_load < 0:
+        p.error("--background-load must be at least 0")
     n = args.nproc
     load_before = os.getloadavg()[0]
-    per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat), timeout_s=1200)
-    load_after = os.getloadavg()[0]
+    with BackgroundLoad(args.background_load):
+        per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat), timeout_s=1200)
+        load_after = os.getloadavg()[0]
     out: dict = {"nproc": n, "units": {"time": "us", "bw": "GB/s (1e9 B/s)"},
+                 "background_load": args.background_load,
                  "loadavg": {"before": load_before, "after": load_after}, "results": {}}
     print(f"# fcoll shm vs gloo, {n} ranks, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{args.background_load} background busy processes, "
           f"1-min load {load_before:.2f} before, {load_after:.2f} after")
     for op in args.ops:
         print(f"\n# {op}  (busbw factor {bus_factor(op, n):.3g})")
