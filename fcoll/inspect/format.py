@@ -16,9 +16,9 @@ Example (``x`` all-reduced while ``mm`` runs)::
 
 Naming: nodes are renamed ``<base><k>`` where ``k`` counts nodes of the same base in graph order.
 The base is ``arg`` for placeholders, ``attr`` for ``get_attr``, a short code for collectives
-(``ar``, ``ar_co``, ``ag``, ``ag_co``, ``rs``, ``rs_co``, ``a2a``, ``bc``, with a trailing ``_``
-for the in-place forms and ``_out`` for out-forms), ``wait`` for ``wait_tensor``, and the op name
-for everything else (``mm``, ``add``, ``getitem``). Symbolic sizes are printed as sympy
+from :data:`fcoll.ops.facts.OPS` (``ar``, ``ar_co``, ``ag``, ``ag_co``, ``rs``, ``rs_co``, ``a2a``,
+``bc``, with a trailing ``_`` for the in-place forms and ``_out`` for out-forms), ``wait`` for
+``wait_tensor``, and the op name for everything else (``mm``, ``add``, ``getitem``). Symbolic sizes are printed as sympy
 expressions whose free symbols are renamed by first appearance (``s0``, ``s1``, ...; unbacked
 ``u0``, ...), so they do not depend on the symbol numbering of one trace either.
 """
@@ -32,24 +32,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fcoll.ops.facts import OPS
 from fcoll.passes.graph import collective_info, is_collective, is_wait, start_of
 
 __all__ = ["format_graph", "stable_names", "format_value", "dtype_abbr"]
-
-_COLLECTIVE_CODES = {
-    "all_reduce": "ar",
-    "all_reduce_": "ar_",
-    "all_reduce_coalesced": "ar_co",
-    "all_reduce_coalesced_": "ar_co_",
-    "all_gather_into_tensor": "ag",
-    "all_gather_into_tensor_out": "ag_out",
-    "all_gather_into_tensor_coalesced": "ag_co",
-    "reduce_scatter_tensor": "rs",
-    "reduce_scatter_tensor_coalesced": "rs_co",
-    "all_to_all_single": "a2a",
-    "broadcast": "bc",
-    "broadcast_": "bc_",
-}
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -86,7 +72,7 @@ def _base(node: fx.Node) -> str:
         return "wait"
     op = _op_base(node.target)
     if is_collective(node):
-        return _COLLECTIVE_CODES.get(op, op)
+        return OPS[op].code
     return op
 
 

@@ -20,11 +20,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from fcoll.ops.facts import OPS
+
 __all__ = [
     "NAMESPACES", "META_ESTIMATED_US", "META_HIDING", "META_EXPOSED_US", "META_PASSES",
     "CollectiveInfo", "is_collective", "is_wait", "is_fcoll_op", "collective_kind",
-    "collective_info", "waits_of", "wait_of", "start_of", "bucket_key", "size_hint",
-    "tensor_bytes", "node_bytes", "collectives", "args_by_name", "arg_of", "check_topological",
+    "op_kind", "collective_info", "waits_of", "wait_of", "start_of", "bucket_key", "size_hint",
+    "tensor_bytes", "node_bytes", "input_bytes", "collective_bytes", "collectives", "args_by_name", "arg_of", "check_topological",
     "per_op",
 ]
 
@@ -39,21 +41,14 @@ META_EXPOSED_US = "fcoll_exposed_us"
 #: graph_module.meta key: list of ``{"pass": name, "modified": bool, "seconds": float}``.
 META_PASSES = "fcoll_passes"
 
-# op name -> kind, for every collective op of both namespaces (wait_tensor excluded)
-_KINDS = {
-    "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_reduce_coalesced_": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-    "broadcast_": "broadcast",
-}
+#: Op names of :data:`fcoll.ops.facts.OPS` that are not collectives to the passes.
+#: ``_c10d_functional.reduce_scatter_tensor_out`` has no fcoll twin, and PyTorch's tracing
+#: records its wait on ``out`` rather than on the op, so the wait could not be linked to it;
+#: ``lower_c10d_functional`` rewrites it into ``fcoll.reduce_scatter_tensor`` + ``copy_``.
+_NOT_PASS_COLLECTIVES = frozenset({"reduce_scatter_tensor_out"})
+
+# op name -> kind, for every collective op the passes handle (wait_tensor excluded)
+_KINDS = {name: f.kind for name, f in OPS.items() if name not in _NOT_PASS_COLLECTIVES}
 
 
 def _op_name(target: Any) -> tuple[str, str] | None:
@@ -86,11 +81,15 @@ def is_wait(node: fx.Node) -> bool:
 
 
 def collective_kind(node: fx.Node) -> str:
-    """One of "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"."""
-    name = _op_name(node.target)
-    if name is None or name[1] not in _KINDS:
+    """One of "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast".
+
+    Raises:
+        ValueError: ``node``'s target is not a collective op.
+    """
+    kind = op_kind(node.target)
+    if kind is None:
         raise ValueError(f"{node.name} ({node.target}) is not a collective")
-    return _KINDS[name[1]]
+    return kind
 
 
 def per_op(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -111,6 +110,14 @@ def per_op(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return value
 
     return wrapper
+
+
+@per_op
+def op_kind(target: Any) -> str | None:
+    """The collective kind of an op (:func:`collective_kind` of its nodes), or None for an op
+    that is not a collective; memoized per op."""
+    name = _op_name(target)
+    return _KINDS.get(name[1]) if name is not None else None
 
 
 @per_op
@@ -168,8 +175,17 @@ def size_hint(x: Any) -> int:
 
 
 def tensor_bytes(val: Any) -> int:
-    """Bytes of a (fake) tensor, or of every tensor in a list/tuple, sizes evaluated with hints."""
+    """Bytes of a (fake) tensor, or of every tensor in a list/tuple (0 for anything else).
+
+    Static shapes read ``nbytes`` (``numel() * element_size()`` in one call); symbolic sizes
+    are evaluated with their hints (:func:`size_hint`).
+    """
     if isinstance(val, torch.Tensor):
+        if not val._has_symbolic_sizes_strides:
+            try:
+                return val.nbytes
+            except RuntimeError:    # sparse layouts define no nbytes
+                return val.numel() * val.element_size()
         return math.prod(size_hint(s) for s in val.shape) * val.element_size()
     if isinstance(val, (list, tuple)):
         return sum(tensor_bytes(v) for v in val)
@@ -179,6 +195,26 @@ def tensor_bytes(val: Any) -> int:
 def node_bytes(node: fx.Node) -> int:
     """Bytes of the value a node produces (from ``node.meta["val"]``); 0 if unknown."""
     return tensor_bytes(node.meta.get("val"))
+
+
+def input_bytes(node: fx.Node) -> int:
+    """Bytes of the values of ``node``'s input nodes (each input node counted once)."""
+    total = 0
+    for i in node.all_input_nodes:
+        total += tensor_bytes(i.meta.get("val"))
+    return total
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Message size of collective ``node`` on this rank, in bytes: the larger of its input
+    nodes' values and its output, read from ``meta["val"]`` without building
+    :class:`CollectiveInfo`.
+
+    This is nccl-tests' count (:func:`fcoll.ops.facts.comm_bytes`) for every kind except an
+    all_to_all with uneven splits, where it is the larger of input and output rather than the
+    input; the cost model and the scheduler have always used it so.
+    """
+    return max(input_bytes(node), node_bytes(node))
 
 
 @dataclass(frozen=True)

@@ -54,32 +54,28 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 import fcoll.ops  # noqa: F401  defines torch.ops.fcoll
+from fcoll.ops.facts import OPS
 from fcoll.ops.groups import resolve_group_name
+from fcoll.ops.reduce import reduce_op_name
 from fcoll.passes.graph import args_by_name
 from fcoll.passes.registry import FcollPass, register_pass
 
-__all__ = ["LowerC10dFunctional", "RULES", "lower_group_name"]
+__all__ = ["LowerC10dFunctional", "RULES", "lower_group_name", "lower_reduce_op"]
 
 log = logging.getLogger(__name__)
 
 _F = torch.ops.fcoll
 _aten = torch.ops.aten
 
-#: Ops whose schema is the same in ``_c10d_functional`` and ``fcoll``.
-_SAME_SCHEMA = (
-    "all_reduce", "all_reduce_", "all_reduce_coalesced", "all_gather_into_tensor",
-    "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
-    "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast", "broadcast_",
-)
+#: ``_c10d_functional`` ops with a rewrite of their own (below) instead of a same-schema swap.
+_SPECIAL = frozenset({"all_reduce_coalesced_", "reduce_scatter_tensor_out"})
 
-#: Mutable fcoll/_c10d_functional op name -> functional fcoll twin, for auto_functionalized.
-_FUNCTIONAL_TWIN = {
-    "all_reduce_": "all_reduce",
-    "all_reduce_coalesced_": "all_reduce_coalesced",
-    "broadcast_": "broadcast",
-    "all_gather_into_tensor_out": "all_gather_into_tensor",
-    "reduce_scatter_tensor_out": "reduce_scatter_tensor",
-}
+#: Ops whose schema is the same in ``_c10d_functional`` and ``fcoll``: every collective of the
+#: facts table but those with a rewrite of their own.
+_SAME_SCHEMA = tuple(name for name in OPS if name not in _SPECIAL)
+
+#: Mutating op name -> its functional fcoll twin (facts table), for auto_functionalized.
+_FUNCTIONAL_TWIN = {name: f.functional for name, f in OPS.items() if f.mutates}
 
 # A rewrite gets the node and returns True if it rewrote it (in place or by replacement), False
 # if it left it as it is.
@@ -89,6 +85,12 @@ Rewrite = Callable[[fx.Node], bool]
 def lower_group_name(group: Any) -> str:
     """Normalise a ``group_name`` argument (``str``, ``ProcessGroup`` or any group form) to str."""
     return resolve_group_name(group)
+
+
+def lower_reduce_op(op: Any) -> str:
+    """Normalise a reduce op (PyTorch's kernels accept ``"SUM"``; a ``dist.ReduceOp``) to
+    fcoll's lower-case name (:data:`fcoll.ops.reduce.REDUCE_OPS`)."""
+    return reduce_op_name(op).lower()
 
 
 def _op(ns: str, name: str) -> torch._ops.OpOverload | None:
@@ -114,7 +116,7 @@ def _retarget(node: fx.Node, target: Any, args: tuple, kwargs: dict | None = Non
         node.kwargs = kwargs
 
 
-_FIXES = (("group_name", lower_group_name), ("reduce_op", str.lower))
+_FIXES = (("group_name", lower_group_name), ("reduce_op", lower_reduce_op))
 
 
 def _swap(source: torch._ops.OpOverload, target: torch._ops.OpOverload) -> Rewrite:
@@ -183,7 +185,7 @@ def _reduce_scatter_out(node: fx.Node) -> bool:
         waits = later[:1]
     r = node
     _retarget(r, _F.reduce_scatter_tensor.default,
-              (a["input"], a["reduce_op"].lower(), a["group_size"],
+              (a["input"], lower_reduce_op(a["reduce_op"]), a["group_size"],
                lower_group_name(a["group_name"])))
     if not waits:  # the write into ``out`` must still happen: wait right away
         with node.graph.inserting_after(r):
@@ -219,9 +221,9 @@ def _even_splits(node: fx.Node, a: dict) -> tuple[list, list]:
 
 
 _LEGACY_ARGS: dict[str, tuple[str, Callable[[fx.Node, dict], tuple]]] = {
-    "all_reduce": ("all_reduce", lambda n, a: (a["self"], a["reduceOp"].lower(), _legacy_name(a))),
+    "all_reduce": ("all_reduce", lambda n, a: (a["self"], lower_reduce_op(a["reduceOp"]), _legacy_name(a))),
     "all_reduce_coalesced": ("all_reduce_coalesced",
-                             lambda n, a: (a["self"], a["reduceOp"].lower(), _legacy_name(a))),
+                             lambda n, a: (a["self"], lower_reduce_op(a["reduceOp"]), _legacy_name(a))),
     "all_gather_into_tensor": ("all_gather_into_tensor",
                                lambda n, a: (a["shard"], a["group_size"], _legacy_name(a))),
     "all_gather_into_tensor_coalesced": (
@@ -229,10 +231,10 @@ _LEGACY_ARGS: dict[str, tuple[str, Callable[[fx.Node, dict], tuple]]] = {
         lambda n, a: (a["input"], a["group_size"], _legacy_name(a))),
     "reduce_scatter_tensor": (
         "reduce_scatter_tensor",
-        lambda n, a: (a["input"], a["reduceOp"].lower(), a["group_size"], _legacy_name(a))),
+        lambda n, a: (a["input"], lower_reduce_op(a["reduceOp"]), a["group_size"], _legacy_name(a))),
     "reduce_scatter_tensor_coalesced": (
         "reduce_scatter_tensor_coalesced",
-        lambda n, a: (a["inputs"], a["reduceOp"].lower(), a["group_size"], _legacy_name(a))),
+        lambda n, a: (a["inputs"], lower_reduce_op(a["reduceOp"]), a["group_size"], _legacy_name(a))),
     "all_to_all_single": ("all_to_all_single",
                           lambda n, a: (a["input"], *_even_splits(n, a), _legacy_name(a))),
     "broadcast": ("broadcast", lambda n, a: (a["self"], a["src"], _legacy_name(a))),
@@ -303,7 +305,7 @@ def _auto_functionalized(node: fx.Node) -> bool:
         return False
     kw = dict(node.kwargs)
     v2 = node.target is torch.ops.higher_order.auto_functionalized_v2
-    mutable = "inputs" if name == "all_reduce_coalesced_" else "input"
+    mutable = "inputs" if OPS[name].coalesced else "input"
     reason = _af_blocker(node, kw, name, mutable, v2)
     if reason:
         log.debug("lower: keeping %s around %s: %s", node.name, op, reason)
@@ -312,7 +314,7 @@ def _auto_functionalized(node: fx.Node) -> bool:
     schema_args = [a.name for a in target._schema.arguments]
     if v2 and not name.endswith("_out"):
         kw[mutable] = kw["_all_bases"] if mutable == "inputs" else kw["_all_bases"][0]
-    fix = {"group_name": lower_group_name, "reduce_op": str.lower}
+    fix = dict(_FIXES)
     args = tuple(fix[a](kw[a]) if a in fix else kw[a] for a in schema_args)
     if name.endswith("_out"):
         _retarget(node, target, args)
