@@ -1,9 +1,8 @@
 """Tests of the cost model (fcoll.passes.cost): formulas, defaults, symbolic sizes, user
-estimators, and calibration on two real ranks (one batched run)."""
+estimators; and of calibration (fcoll.passes.calibrate) on two real ranks (one batched run).
+How long calibration takes is printed by ``benchmarks/passes_scaling.py --rank-costs``."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import canonical  # noqa: E402
 
-from fcoll.passes import cost  # noqa: E402
+from fcoll.ops.facts import busbw_factor  # noqa: E402
+from fcoll.passes import calibrate, cost  # noqa: E402
 from fcoll.passes.graph import collectives, is_wait  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
@@ -27,17 +27,18 @@ def node(gm, name):
 
 
 class TestFormulas(TestCase):
-    def test_busbw_factors_follow_nccl_tests(self):
-        self.assertEqual(cost.busbw_factor("all_reduce", 4), 1.5)
-        self.assertEqual(cost.busbw_factor("all_gather", 4), 0.75)
-        self.assertEqual(cost.busbw_factor("all_to_all", 2), 0.5)
-        self.assertEqual(cost.busbw_factor("broadcast", 8), 1.0)
+    def test_default_comm_uses_nccl_tests_bus_factor_of_at_least_two_ranks(self):
+        for kind in cost.KINDS:
+            self.assertAlmostEqual(cost.default_comm(kind, 4).beta_us_per_byte,
+                                   busbw_factor(kind, 4) / 1e3)
+            self.assertEqual(cost.default_comm(kind, 1), cost.default_comm(kind, 2))
+        self.assertEqual(cost.default_comm("all_reduce", 4).beta_us_per_byte, 1.5e-3)
 
     def test_fit_recovers_alpha_and_beta(self):
-        p = cost._fit(1000, 50.0 + 1000 * 0.002, 100000, 50.0 + 100000 * 0.002)
+        p = calibrate.fit_alpha_beta(1000, 50.0 + 1000 * 0.002, 100000, 50.0 + 100000 * 0.002)
         self.assertAlmostEqual(p.alpha_us, 50.0)
         self.assertAlmostEqual(p.beta_us_per_byte, 0.002)
-        noisy = cost._fit(1000, 90.0, 100000, 80.0)  # larger message measured faster: noise
+        noisy = calibrate.fit_alpha_beta(1000, 90.0, 100000, 80.0)  # larger measured faster
         self.assertGreater(noisy.beta_us_per_byte, 0)
         self.assertGreaterEqual(noisy.alpha_us, 0)
 
@@ -98,19 +99,26 @@ class TestFormulas(TestCase):
 
 class TestDefaults(TestCase):
     def test_fake_pg_uses_deterministic_defaults_without_calibrating(self):
-        saved = cost.calibrate_group
+        saved = calibrate.calibrate_group
 
         def boom(*a, **k):
             raise AssertionError("calibration must not run on the fake process group")
 
-        cost.calibrate_group = boom
+        calibrate.calibrate_group = boom
         try:
-            model = cost.model_for(canonical.ddp_backward(n_layers=1))
+            model = calibrate.model_for(canonical.ddp_backward(n_layers=1))
         finally:
-            cost.calibrate_group = saved
+            calibrate.calibrate_group = saved
         self.assertEqual(model.source, "default")
         self.assertEqual(model.compute, cost.DEFAULT_COMPUTE)
-        self.assertEqual(model, cost.model_for(canonical.ddp_backward(n_layers=1)))
+        self.assertEqual(model, calibrate.model_for(canonical.ddp_backward(n_layers=1)))
+
+    def test_moved_names_stay_importable_from_cost(self):
+        from fcoll.passes.cost import cached_model, model_for, moves_data_on_compute_cores
+
+        self.assertIs(cached_model, calibrate.cached_model)
+        self.assertIs(model_for, calibrate.model_for)
+        self.assertIs(moves_data_on_compute_cores, calibrate.moves_data_on_compute_cores)
 
 
 def _calibrate_on_two_ranks(rank, world_size):
@@ -118,22 +126,18 @@ def _calibrate_on_two_ranks(rank, world_size):
     import torch.distributed as dist
 
     import canonical as c
-    from fcoll.passes import cost as cm
+    from fcoll.passes import calibrate as cal
     from fcoll.passes.registry import get_pass
 
     gloo = dist.new_group(backend="gloo")
     out = {}
     for label, pg in (("fcoll", dist.group.WORLD), ("gloo", gloo)):
-        t0 = time.perf_counter()
-        rates, comm = cm.calibrate_group(pg)
-        first_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        again = cm.calibrate_group(pg)
-        cached_s = time.perf_counter() - t0
+        rates, comm = cal.calibrate_group(pg)
+        again = cal.calibrate_group(pg)
         gm = c.ddp_backward(n_layers=3, batch=64, hidden=256, group=pg.group_name)
-        model = cm.cached_model(gm)
+        model = cal.cached_model(gm)
         get_pass("reorder_for_overlap")(gm)
-        out[label] = dict(first_s=first_s, cached_s=cached_s, same_again=again == (rates, comm),
+        out[label] = dict(cached=again[0] is rates and again[1] is comm,
                           rates=rates, comm=sorted(comm.items()), source=model.source,
                           order=[n.name for n in gm.graph.nodes],
                           estimates=[n.meta.get("fcoll_estimated_us") for n in gm.graph.nodes])
@@ -141,7 +145,7 @@ def _calibrate_on_two_ranks(rank, world_size):
 
 
 class TestCalibration(TestCase):
-    def test_calibration_is_cheap_cached_and_shared_from_rank_0(self):
+    def test_calibration_is_cached_and_shared_from_rank_0(self):
         r0, r1 = run_ranks(_calibrate_on_two_ranks, 2, backend="fcoll", timeout_s=150)
         for label in ("fcoll", "gloo"):
             a, b = r0[label], r1[label]
@@ -156,10 +160,8 @@ class TestCalibration(TestCase):
                 self.assertGreaterEqual(p.alpha_us, 0)
                 self.assertGreater(p.beta_us_per_byte, 0)
             self.assertGreater(a["rates"].flops_per_us, 0)
-            for r in (a, b):
-                self.assertLess(r["first_s"], 1.0, label)  # target ~0.3 s; slack for CI load
-                self.assertLess(r["cached_s"], 0.01, label)
-                self.assertTrue(r["same_again"])
+            for r in (a, b):   # a second call returns the cache, without measuring again
+                self.assertTrue(r["cached"], label)
 
 
 def _calibrate_gloo_under_python_dispatcher(rank, world_size, rounds):
@@ -168,12 +170,12 @@ def _calibrate_gloo_under_python_dispatcher(rank, world_size, rounds):
     import torch.distributed as dist
     from torch._dispatch.python import enable_python_dispatcher
 
-    from fcoll.passes import cost as cm
+    from fcoll.passes import calibrate as cal
 
     with enable_python_dispatcher():
         for _ in range(rounds):
-            cm._CACHE.groups.clear()
-            _, comm = cm.calibrate_group(dist.group.WORLD)
+            cal._CACHE.groups.clear()
+            _, comm = cal.calibrate_group(dist.group.WORLD)
     return sorted(comm)
 
 
@@ -181,7 +183,7 @@ class TestCalibrationInsideCompile(TestCase):
     def test_gloo_calibration_with_the_python_dispatcher_does_not_deadlock(self):
         """With the Python dispatcher on, a gloo op runs its kernel holding the GIL, and gloo's
         worker needs the GIL under its queue mutex: calibration deadlocked in 1 of 2-3
-        compiles before it turned the dispatcher off (see ``calibrate_group``)."""
+        compiles before it turned the dispatcher off (see ``calibrate._measure_on_rank_0``)."""
         r0, r1 = run_ranks(_calibrate_gloo_under_python_dispatcher, 2, backend="gloo",
                            args=(8,), timeout_s=100)
         self.assertEqual(r0, r1)
@@ -210,7 +212,7 @@ def _compute_core_groups(rank, world_size):
 
     import canonical as c
     from fcoll.passes.bucket_plan import plan_buckets
-    from fcoll.passes.cost import moves_data_on_compute_cores
+    from fcoll.passes.calibrate import moves_data_on_compute_cores
     from fcoll.passes.config import FcollConfig
 
     gloo = dist.new_group(backend="gloo")
