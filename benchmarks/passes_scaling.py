@@ -2,7 +2,7 @@
 100k nodes.
 
 Usage: ``python benchmarks/passes_scaling.py [--nodes 1000 5000 ...] [--reps 3] [--cap-s 60]
-[--passes ...] [--json passes_scaling.json]``
+[--passes ...] [--rank-costs] [--json passes_scaling.json]``
 
 The graph: a training step of an FSDP transformer, in ``_c10d_functional`` ops as Dynamo and
 AOTAutograd emit them (so ``lower_c10d_functional`` has work). Per layer, forward: all_gather of 4
@@ -20,7 +20,13 @@ seconds come from ``gm.meta["fcoll_passes"]``. Each rep runs on a fresh graph af
 ``gc.collect()`` (so a rep does not pay for collecting the previous rep's graph). The table shows
 the best of ``--reps`` runs (``timeit``'s convention: on a shared machine the least disturbed run
 is the most repeatable); the JSON has the medians too. ``check_rank_consistency`` is a no-op on the
-fake process group (its cost at 2 real ranks is measured in ``tests/test_consistency.py``).
+fake process group; ``--rank-costs`` measures what the fake group cannot show.
+
+Rank costs (``--rank-costs``): on 2 real ranks of fcoll's backend (``fcoll.testing.run_ranks``,
+its FileStore), per rank: the first ``calibrate_group`` of the fcoll world group and of a gloo
+subgroup (the cost model's measurements; a collective call), a second, cached call, and the
+median of 20 ``check_rank_consistency`` runs on a graph of 4 layers (56 collectives) of the
+step below: the check's cost per compile. Printed as a table and written under ``"rank_costs"``.
 
 Time cap: a run longer than ``--cap-s`` seconds is interrupted (``SIGALRM``); that size is reported
 as over the cap and larger sizes are skipped (they would only be slower).
@@ -215,6 +221,55 @@ def _table(rows: list[dict], names: list[str]) -> None:
         print(f"target <= 2.3x per doubling: worst {g:.2f}x {'ok' if g <= 2.3 else 'MISSED'}")
 
 
+def _rank_costs_on(rank: int, world_size: int) -> dict:  # noqa: ARG001  run_ranks signature
+    """One rank of ``--rank-costs``: calibration (first and cached call) and the consistency
+    check's median time per compile, in milliseconds."""
+    import torch.distributed as dist
+
+    from fcoll.passes.calibrate import calibrate_group
+    from fcoll.passes.config import FcollConfig
+    from fcoll.passes.consistency import CheckRankConsistency
+
+    out: dict = {}
+    gloo = dist.new_group(backend="gloo")
+    for label, pg in (("fcoll", dist.group.WORLD), ("gloo", gloo)):
+        t0 = time.perf_counter()
+        calibrate_group(pg)
+        t1 = time.perf_counter()
+        calibrate_group(pg)
+        t2 = time.perf_counter()
+        out[f"calibrate_{label}_ms"] = (t1 - t0) * 1e3
+        out[f"calibrate_{label}_cached_ms"] = (t2 - t1) * 1e3
+    from fcoll.passes.graph import collectives
+
+    gm = _LazyGraphModule(torch.nn.Module(), _build(4, dist.group.WORLD.group_name))
+    out["check_collectives"] = len(collectives(gm))
+    check = CheckRankConsistency(FcollConfig())
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        check(gm)
+        times.append(time.perf_counter() - t0)
+    out["check_ms"] = statistics.median(times) * 1e3
+    return out
+
+
+def _rank_costs() -> list[dict]:
+    """``--rank-costs``: run :func:`_rank_costs_on` on 2 ranks and print one row per rank."""
+    from fcoll.testing import run_ranks
+
+    rows = run_ranks(_rank_costs_on, 2, backend="fcoll", timeout_s=300)
+    print(f"\nrank costs (2 ranks, fcoll backend; ms): check_rank_consistency per compile with "
+          f"{rows[0]['check_collectives']} collectives (median of 20); calibrate_group first and "
+          f"cached call")
+    print(f"{'rank':>4} {'check':>7} {'cal fcoll':>10} {'cached':>7} {'cal gloo':>9} {'cached':>7}")
+    for rank, r in enumerate(rows):
+        print(f"{rank:>4} {r['check_ms']:7.2f} {r['calibrate_fcoll_ms']:10.1f} "
+              f"{r['calibrate_fcoll_cached_ms']:7.3f} {r['calibrate_gloo_ms']:9.1f} "
+              f"{r['calibrate_gloo_cached_ms']:7.3f}")
+    return rows
+
+
 def main() -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -231,6 +286,8 @@ def main() -> None:
                    help="time only these passes of the default pipeline (default: all registered)")
     p.add_argument("--eager-recompile", action="store_true",
                    help="plain GraphModules: every pass's recompile() generates code at once")
+    p.add_argument("--rank-costs", action="store_true",
+                   help="also time calibration and check_rank_consistency on 2 real ranks")
     p.add_argument("--json", default="passes_scaling.json", help="write the rows here")
     args = p.parse_args()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)
@@ -252,10 +309,12 @@ def main() -> None:
               "  ".join(f"{k} {v:.3f}" for k, v in r["passes_s"].items()), flush=True)
     print()
     _table(rows, names)
+    result = {"pipeline": names, "reps": args.reps, "cap_s": args.cap_s, "rows": rows}
+    if args.rank_costs:
+        result["rank_costs"] = _rank_costs()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"pipeline": names, "reps": args.reps, "cap_s": args.cap_s,
-                       "rows": rows}, f, indent=2)
+            json.dump(result, f, indent=2)
         print(f"\nwrote {args.json}")
 
 

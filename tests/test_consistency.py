@@ -2,12 +2,12 @@
 
 One ``run_ranks`` call (fcoll backend; the check only uses the default store, the same FileStore
 under gloo) covers agreement, mismatches, a rank that never compiles, and
-a group of one rank; single-process tests cover the fingerprint and the no-op cases.
+a group of one rank; single-process tests cover the fingerprint and the no-op cases. The check's
+cost per compile is printed by ``benchmarks/passes_scaling.py --rank-costs``.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 import unittest
 from unittest import mock
@@ -94,14 +94,9 @@ def _on_ranks(rank: int, world_size: int) -> dict:
 
     g = dist.group.WORLD.group_name
     out: dict = {}
-    # 1. the same graph on both ranks agrees; the cost per compile (50 collectives)
+    # 1. the same graph on both ranks agrees, compile after compile (50 collectives)
     same = _graph(g, n_extra=47)
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        _check(same)
-        times.append(time.perf_counter() - t0)
-    out["ms"] = statistics.median(times) * 1e3
+    out["same"] = [_error(lambda: _check(same)) for _ in range(3)]
     # 2. rank 1 all_reduces float64 where rank 0 has float32 (collective #1)
     dtypes = (torch.float32, torch.float64 if rank else torch.float32, torch.float32)
     out["dtype"] = _error(lambda: _check(_graph(g, dtypes)))
@@ -126,7 +121,7 @@ class TestAcrossRanks(unittest.TestCase):
     def _run(self, backend: str) -> list[dict]:
         r0, r1 = run_ranks(_on_ranks, 2, backend=backend, timeout_s=90)
         for r in (r0, r1):
-            self.assertLess(r["ms"], 50.0, "check costs less than 50 ms per compile at 2 ranks")
+            self.assertEqual(r["same"], ["no error"] * 3)
             self.assertEqual(r["solo"], "no error")
         for r in (r0, r1):                   # both ranks raise the same named difference
             self.assertIn("RankMismatchError", r["dtype"])
@@ -142,9 +137,7 @@ class TestAcrossRanks(unittest.TestCase):
         return [r0, r1]
 
     def test_mismatch_raises_on_every_rank_and_missing_rank_times_out_fcoll(self):
-        results = self._run("fcoll")
-        print(f"check_rank_consistency cost (fcoll/FileStore, 50 collectives): "
-              f"{[round(r['ms'], 2) for r in results]} ms per compile")
+        self._run("fcoll")
 
 
 if __name__ == "__main__":

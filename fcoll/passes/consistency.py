@@ -25,9 +25,8 @@ legitimately differs (MoE routing).
 
 No-op (logged at DEBUG) without an initialised process group, on PyTorch's fake process group, on
 groups of one rank, and on graphs without collectives. Cost: one ``add``, two ``set``, one
-``wait`` per other rank and one ``multi_get`` per group; measured 12-16 ms per compile at 2 ranks
-with a 50-collective graph on the FileStore of ``fcoll.testing.run_ranks`` (2 shared, loaded
-cores; ``tests/test_consistency.py`` asserts < 50 ms).
+``wait`` per other rank and one ``multi_get`` per group (``benchmarks/passes_scaling.py
+--rank-costs`` prints the time per compile).
 """
 
 from __future__ import annotations
