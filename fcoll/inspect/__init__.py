@@ -19,7 +19,7 @@ from fcoll.inspect.artifacts import (
 )
 from fcoll.inspect.format import format_graph, stable_names
 from fcoll.inspect.report import OverlapReport, OverlapTotals, overlap_report, overlap_totals
-from fcoll.inspect.schedule import Event, predicted_events
+from fcoll.inspect.predicted import Event, predicted_events
 from fcoll.inspect.table import CollectiveRow, CollectivesTable, collectives
 from fcoll.inspect.timeline import timeline, timeline_svg
 from fcoll.inspect.trace_compare import CompareRow, TraceComparison, compare, load_trace

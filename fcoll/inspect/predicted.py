@@ -1,4 +1,5 @@
-"""Predicted schedule of a graph: the events that tables, reports and timelines are drawn from.
+"""Predicted events and timings of a graph, for inspection: what tables, reports and timelines
+are drawn from.
 
 The events come from the overlap scheduler's simulator, ``fcoll.passes.overlap.predict(gm)``,
 which replays the graph in its current order with the cost model (so it works on any graph,

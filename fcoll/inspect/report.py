@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch.fx as fx
 
-from fcoll.inspect.schedule import PredictFn, collective_timings, predicted_events
+from fcoll.inspect.predicted import PredictFn, collective_timings, predicted_events
 from fcoll.inspect.text import text_table
 from fcoll.passes.graph import collectives as collective_nodes
 

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import torch.fx as fx
 
 from fcoll.inspect.format import dtype_abbr
-from fcoll.inspect.schedule import (
+from fcoll.inspect.predicted import (
     PredictFn, collective_timings, predicted_events, schedule_positions, wait_positions,
 )
 from fcoll.inspect.text import fmt_bytes, fmt_us, text_table
@@ -98,7 +98,7 @@ def collectives(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
 
     Args:
         gm: a graph holding ``fcoll`` or ``_c10d_functional`` collectives.
-        events: precomputed predicted events for ``gm`` (see :mod:`fcoll.inspect.schedule`).
+        events: precomputed predicted events for ``gm`` (see :mod:`fcoll.inspect.predicted`).
         predict: a simulator ``gm -> events`` to use instead of the default.
 
     Returns:

@@ -17,7 +17,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 import torch.fx as fx
 
-from fcoll.inspect.schedule import Event, PredictFn, collective_timings, predicted_events
+from fcoll.inspect.predicted import Event, PredictFn, collective_timings, predicted_events
 
 __all__ = ["timeline", "timeline_svg", "exposed_of"]
 
@@ -53,36 +53,21 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}".rstrip("0").rstrip(".")
 
 
-def timeline_svg(events: list[Event], title: str = "",
-                 exposed_us: dict[str, float] | None = None) -> str:
-    """The SVG text for ``events`` (see the module docstring for what is drawn).
-
-    Args:
-        events: the schedule.
-        title: a heading.
-        exposed_us: exposed time per node name, overriding the events' own ``exposed_us`` (a
-            simulator may charge a collective's exposure to its wait; :func:`timeline` passes
-            the per-collective figure of :func:`fcoll.inspect.schedule.collective_timings`).
-    """
-    exposed_us = exposed_us or {}
-    lanes = _lanes(events)
-    t0 = min((e.start_us for e in events), default=0.0)
-    t1 = max((e.end_us for e in events), default=1.0)
-    span = max(t1 - t0, 1e-9)
-    scale = _PLOT_W / span
-    height = _TOP + len(lanes) * (_LANE_H + _LANE_GAP) + _AXIS_H + 20
-    width = _LEFT + _PLOT_W + _RIGHT
-    lane_y = {lane: _TOP + i * (_LANE_H + _LANE_GAP) for i, lane in enumerate(lanes)}
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
-           f"<title>{escape(title or 'fcoll predicted schedule')}</title>",
-           f'<text x="{_LEFT}" y="20" font-size="13">{escape(title)}</text>' if title else ""]
+def _lane_labels(lane_y: dict[str, float]) -> list[str]:
+    out = []
     for lane, y in lane_y.items():
         label = lane if lane == "compute" else f"comm group {lane}"
         out.append(f'<text x="{_LEFT - 8}" y="{y + _LANE_H / 2 + 4}" text-anchor="end">'
                    f"{escape(label)}</text>")
         out.append(f'<line x1="{_LEFT}" x2="{_LEFT + _PLOT_W}" y1="{y + _LANE_H}" '
                    f'y2="{y + _LANE_H}" stroke="#ddd"/>')
+    return out
+
+
+def _event_rects(events: list[Event], lane_y: dict[str, float], t0: float, scale: float,
+                 exposed_us: dict[str, float]) -> list[str]:
+    """One rectangle per event (with a tooltip), and its name where it fits."""
+    out = []
     for e in events:
         e_exposed = exposed_us.get(e.node, e.exposed_us)
         exposed = e_exposed > _MIN_EXPOSED_US
@@ -99,9 +84,13 @@ def timeline_svg(events: list[Event], title: str = "",
         if w > 7 * len(e.node):
             out.append(f'<text x="{x + 3:.2f}" y="{y + _LANE_H / 2 + 4}" fill="#fff" '
                        f'pointer-events="none">{escape(e.node)}</text>')
-    axis_y = _TOP + len(lanes) * (_LANE_H + _LANE_GAP)
-    out.append(f'<line x1="{_LEFT}" x2="{_LEFT + _PLOT_W}" y1="{axis_y}" y2="{axis_y}" '
-               f'stroke="#333"/>')
+    return out
+
+
+def _time_axis(axis_y: float, t0: float, span: float, scale: float) -> list[str]:
+    """The time axis: a line, ticks at :func:`_nice_step` intervals, and its label."""
+    out = [f'<line x1="{_LEFT}" x2="{_LEFT + _PLOT_W}" y1="{axis_y}" y2="{axis_y}" '
+           f'stroke="#333"/>']
     step = _nice_step(span)
     k = 0
     while k * step <= span + 1e-9:
@@ -113,13 +102,48 @@ def timeline_svg(events: list[Event], title: str = "",
         k += 1
     out.append(f'<text x="{_LEFT + _PLOT_W / 2}" y="{axis_y + 33}" text-anchor="middle">'
                f"time (us, from {_fmt(t0)})</text>")
+    return out
+
+
+def _legend() -> list[str]:
     legend = [("compute", "compute"), ("collective", "communication (hidden)"),
               ("exposed", "exposed communication / blocking wait"), ("wait", "wait")]
+    out = []
     lx = _LEFT + _PLOT_W
     for key, text in reversed(legend):
         lx -= 7 * len(text) + 24
         out.append(f'<circle cx="{lx}" cy="16" r="5" fill="{_COLORS[key]}"/>'
                    f'<text x="{lx + 8}" y="20">{escape(text)}</text>')
+    return out
+
+
+def timeline_svg(events: list[Event], title: str = "",
+                 exposed_us: dict[str, float] | None = None) -> str:
+    """The SVG text for ``events`` (see the module docstring for what is drawn).
+
+    Args:
+        events: the schedule.
+        title: a heading.
+        exposed_us: exposed time per node name, overriding the events' own ``exposed_us`` (a
+            simulator may charge a collective's exposure to its wait; :func:`timeline` passes
+            the per-collective figure of :func:`fcoll.inspect.predicted.collective_timings`).
+    """
+    lanes = _lanes(events)
+    t0 = min((e.start_us for e in events), default=0.0)
+    t1 = max((e.end_us for e in events), default=1.0)
+    span = max(t1 - t0, 1e-9)
+    scale = _PLOT_W / span
+    height = _TOP + len(lanes) * (_LANE_H + _LANE_GAP) + _AXIS_H + 20
+    width = _LEFT + _PLOT_W + _RIGHT
+    lane_y = {lane: _TOP + i * (_LANE_H + _LANE_GAP) for i, lane in enumerate(lanes)}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+           f"<title>{escape(title or 'fcoll predicted schedule')}</title>",
+           f'<text x="{_LEFT}" y="20" font-size="13">{escape(title)}</text>' if title else ""]
+    out += _lane_labels(lane_y)
+    out += _event_rects(events, lane_y, t0, scale, exposed_us or {})
+    out += _time_axis(_TOP + len(lanes) * (_LANE_H + _LANE_GAP), t0, span, scale)
+    out += _legend()
     out.append("</svg>")
     return "\n".join(line for line in out if line)
 
@@ -138,7 +162,7 @@ def timeline(gm: fx.GraphModule, path: str | os.PathLike, *,
         gm: the graph.
         path: output file; ``.html``/``.htm`` writes a self-contained HTML page around the SVG,
             anything else a plain SVG document.
-        events: precomputed predicted events (see :mod:`fcoll.inspect.schedule`).
+        events: precomputed predicted events (see :mod:`fcoll.inspect.predicted`).
         predict: a simulator ``gm -> events`` to use instead of
             ``fcoll.passes.overlap.predict``.
         title: a heading for the picture.

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import torch.fx as fx
 
-from fcoll.inspect.schedule import PredictFn, collective_timings, predicted_events
+from fcoll.inspect.predicted import PredictFn, collective_timings, predicted_events
 from fcoll.inspect.text import fmt_us, text_table
 from fcoll.passes.graph import collective_info, collectives as collective_nodes
 

@@ -353,9 +353,9 @@ def check_topological(graph: fx.Graph) -> None:
     """Raise unless every node's inputs are nodes of ``graph`` placed before it.
 
     This is the invariant fcoll's passes can break (they move, insert and erase nodes): the part
-    of ``graph.lint()`` that matters after a reorder, at about a tenth of its cost (12 ms against
-    94 ms on a 56k-node graph; ``lint`` also re-checks names, targets and ``check_arg`` for every
-    argument, which fcoll's passes never change).
+    of ``graph.lint()`` that matters after a reorder, at a fraction of its cost: one walk over
+    the nodes and their input sets, where ``lint`` also re-checks names, targets and
+    ``check_arg`` for every argument, which fcoll's passes never change.
 
     Raises:
         RuntimeError: naming the first node that uses an input that is erased, belongs to
