@@ -1,9 +1,13 @@
 """fcoll's shared-memory collective backend (``dist.init_process_group("fcoll")``).
 
-Modules: ``segment`` (the /dev/shm segment and its layout), ``sync`` (arrival counters, futex
-waits, liveness, timeouts), ``headers`` (per-collective headers and cross-rank checks),
-``algorithms`` (data movement per collective), ``engine`` (the per-group worker thread),
-``validate`` (argument checks, staging), ``process_group`` (the ``dist.ProcessGroup``).
+Modules, bottom layer first: ``segment`` (the /dev/shm segment and its layout), ``sync``
+(arrival counters, futex waits, liveness, timeouts), ``headers`` (per-collective headers and
+cross-rank checks), ``phases`` (the slot and phase protocol every algorithm runs on),
+``reductions`` (all_reduce, coalesced all_reduce, reduce_scatter), ``movement`` (all_gather,
+broadcast, all_to_all, barrier), ``one_slot`` (one-phase kernels with cached views), ``engine``
+(the per-group executor and worker thread), ``fast_paths`` (when and how a synchronous small
+collective runs on the caller's thread), ``validate`` (argument checks, staging),
+``process_group`` (the ``dist.ProcessGroup`` that c10d calls).
 """
 
 from __future__ import annotations

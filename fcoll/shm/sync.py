@@ -29,8 +29,8 @@ import ctypes
 import os
 import time
 
-from fcoll.shm.segment import (MAX_SLEEP_FLAGS, W_ARRIVE, W_PID, W_SLEEP, W_START_HI,
-                                       W_START_LO, Segment, proc_alive)
+from fcoll.shm.segment import (MAX_SLEEP_FLAGS, U32_BITS, U32_MASK, W_ARRIVE, W_PID, W_SLEEP,
+                                W_START_HI, W_START_LO, Segment, proc_alive)
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT = 0
@@ -38,6 +38,12 @@ _FUTEX_WAKE = 1
 _INT_MAX = 0x7FFFFFFF
 _TICK_S = 0.1
 _FIRST_TICK_S = 0.002
+# Counters wrap at 2**32: a counter c has reached phase k when (c - k) mod 2**32 is below
+# 2**31 (serial-number arithmetic, RFC 1982), so a wrap in the middle of a run is harmless.
+_HALF_RANGE = 1 << (U32_BITS - 1)
+_SPIN_POLLS = 2000  # default FCOLL_SHM_SPIN
+_ASYNC_SPIN_DIVISOR = 10  # the worker thread spins this many times less than the caller
+_YIELD_EVERY = 8  # polls between sched_yield calls while spinning (a power of 2)
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
@@ -82,7 +88,7 @@ class Channel:
         self.timeout_s = timeout_s
         self.global_ranks = global_ranks
         self.phase = 0  # phases completed by this rank
-        self.use = 0  # data-slot uses (slot = use % 2)
+        self.use = 0  # data-slot uses (slot = use % NSLOTS)
         words = seg.words
         lay = seg.layout
         self._idx = [lay.word(p, W_ARRIVE) for p in range(world)]
@@ -95,20 +101,20 @@ class Channel:
         self._peers = [p for p in range(world) if p != rank]
         self._ident = [
             (words[lay.word(p, W_PID)],
-             words[lay.word(p, W_START_LO)] | (words[lay.word(p, W_START_HI)] << 32))
+             words[lay.word(p, W_START_LO)] | (words[lay.word(p, W_START_HI)] << U32_BITS))
             for p in range(world)
         ]
         if spin_iters is None:
-            spin_iters = int(os.environ.get("FCOLL_SHM_SPIN", "2000"))
+            spin_iters = int(os.environ.get("FCOLL_SHM_SPIN", str(_SPIN_POLLS)))
         # More ranks than cores: block at once. Measured at 4 ranks on 2 cores, 4 KiB
         # all_reduce: 295 us without spinning, 370-435 us polling with a sched_yield each time.
         oversubscribed = world > (os.cpu_count() or 1)
         if oversubscribed:
             spin_iters = int(os.environ.get("FCOLL_SHM_SPIN_OVERSUBSCRIBED", "0"))
-        self._yield_mask = 0 if oversubscribed else 7
+        self._yield_mask = 0 if oversubscribed else _YIELD_EVERY - 1
         self.spin_iters = spin_iters
         self.spin_sync = spin_iters
-        self.spin_async = spin_iters // 10
+        self.spin_async = spin_iters // _ASYNC_SPIN_DIVISOR
         self.spin_yield = os.environ.get("FCOLL_SHM_YIELD", "1") == "1"
         self.words = words
         self.closing = False  # set by the owner to make blocked waits give up at the next tick
@@ -120,7 +126,7 @@ class Channel:
     def arrive(self) -> int:
         """Publish that this rank finished writing the current phase; returns the phase number."""
         self.phase += 1
-        k = self.phase & 0xFFFFFFFF
+        k = self.phase & U32_MASK
         words = self.words
         words[self._idx[self.rank]] = k
         if self._one_flag >= 0:  # 2 ranks: one flag to look at
@@ -131,7 +137,7 @@ class Channel:
         return k
 
     def _arrived(self, p: int, k: int) -> bool:
-        return ((self.words[self._idx[p]] - k) & 0xFFFFFFFF) < 0x80000000
+        return ((self.words[self._idx[p]] - k) & U32_MASK) < _HALF_RANGE
 
     def wait_all(self, what: str, start: float) -> None:
         """Block until every peer arrived at the current phase.
@@ -143,11 +149,13 @@ class Channel:
         Raises:
             PeerError: a peer process died, or ``timeout_s`` passed first.
         """
-        k = self.phase & 0xFFFFFFFF
+        k = self.phase & U32_MASK
         words = self.words
+        # _arrived written out, with its constants as literals: this loop polls up to
+        # _SPIN_POLLS times per wait
         for p in self._peers:
             idx = self._idx[p]
-            if ((words[idx] - k) & 0xFFFFFFFF) < 0x80000000:  # arrived (see _arrived)
+            if ((words[idx] - k) & 0xFFFFFFFF) < 0x80000000:
                 continue
             for i in range(self.spin_iters):
                 if ((words[idx] - k) & 0xFFFFFFFF) < 0x80000000:
@@ -167,7 +175,7 @@ class Channel:
         try:
             while True:
                 cur = words[idx]
-                if ((cur - k) & 0xFFFFFFFF) < 0x80000000:
+                if ((cur - k) & U32_MASK) < _HALF_RANGE:
                     return
                 t0 = time.monotonic()
                 remaining = self.timeout_s - (t0 - start)

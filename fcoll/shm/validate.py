@@ -108,3 +108,24 @@ class Staging:
                                "rows in dim 0"
             res.append([int(s) for s in splits])
         return res[0], res[1], None
+
+
+def check_all_gather(inp: torch.Tensor, out: torch.Tensor, n: int) -> str | None:
+    """all_gather_into_tensor: ``inp [*] -> out`` of ``n * inp.numel()`` elements, one dtype."""
+    err = Staging.check_output(out, "output_tensor") or Staging.check_same_dtype(inp, out)
+    if not err and out.numel() != n * inp.numel():
+        err = (f"output_tensor has {out.numel()} elements but the group size {n} times "
+               f"input_tensor's {inp.numel()} is {n * inp.numel()}")
+    return err
+
+
+def check_reduce_scatter(inp: torch.Tensor, out: torch.Tensor, n: int) -> str | None:
+    """reduce_scatter_tensor: ``inp [n * N, ...] -> out [N, ...]`` (or any ``out`` of
+    ``inp.numel() / n`` elements and another rank), one dtype."""
+    err = Staging.check_output(out, "output") or Staging.check_same_dtype(inp, out)
+    if not err and inp.dim() > 0 and inp.shape[0] % n and out.dim() == inp.dim():
+        err = f"input's first dimension {inp.shape[0]} is not divisible by the group size {n}"
+    if not err and inp.numel() != n * out.numel():
+        err = (f"output has {out.numel()} elements but input's {inp.numel()} elements "
+               f"divided by the group size {n} is {inp.numel() / n:g}")
+    return err
