@@ -18,9 +18,10 @@ Naming: nodes are renamed ``<base><k>`` where ``k`` counts nodes of the same bas
 The base is ``arg`` for placeholders, ``attr`` for ``get_attr``, a short code for collectives
 from :data:`fcoll.ops.facts.OPS` (``ar``, ``ar_co``, ``ag``, ``ag_co``, ``rs``, ``rs_co``, ``a2a``,
 ``bc``, with a trailing ``_`` for the in-place forms and ``_out`` for out-forms), ``wait`` for
-``wait_tensor``, and the op name for everything else (``mm``, ``add``, ``getitem``). Symbolic sizes are printed as sympy
-expressions whose free symbols are renamed by first appearance (``s0``, ``s1``, ...; unbacked
-``u0``, ...), so they do not depend on the symbol numbering of one trace either.
+``wait_tensor``, and the op name for everything else (``mm``, ``add``, ``getitem``). Symbolic
+sizes are printed as sympy expressions whose free symbols are renamed by first appearance
+(``s0``, ``s1``, ...; unbacked ``u0``, ...), so they do not depend on the symbol numbering of one
+trace either.
 """
 
 from __future__ import annotations

@@ -97,8 +97,8 @@ class CostModel:
     source: str = "default"
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
     #: node -> (args, kwargs, val, us): compute estimates shared by the passes of one pipeline
-    #: run (see :func:`assemble_model`); an entry counts only while the node's args, kwargs and value
-    #: are the very objects it was computed from.
+    #: run (see :func:`assemble_model`); an entry counts only while the node's args, kwargs and
+    #: value are the very objects it was computed from.
     by_node: dict | None = field(default=None, compare=False, repr=False)
 
     def __call__(self, node: fx.Node) -> float:

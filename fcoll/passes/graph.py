@@ -26,8 +26,8 @@ __all__ = [
     "NAMESPACES", "META_ESTIMATED_US", "META_HIDING", "META_EXPOSED_US", "META_PASSES",
     "CollectiveInfo", "is_collective", "is_wait", "is_fcoll_op", "collective_kind",
     "op_kind", "collective_info", "waits_of", "wait_of", "start_of", "bucket_key", "size_hint",
-    "tensor_bytes", "node_bytes", "input_bytes", "collective_bytes", "collectives", "args_by_name", "arg_of", "check_topological",
-    "per_op",
+    "tensor_bytes", "node_bytes", "input_bytes", "collective_bytes", "collectives",
+    "args_by_name", "arg_of", "check_topological", "per_op",
 ]
 
 NAMESPACES = ("fcoll", "_c10d_functional")

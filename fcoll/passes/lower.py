@@ -220,10 +220,14 @@ def _even_splits(node: fx.Node, a: dict) -> tuple[list, list]:
     return [val.shape[0] // n] * n, [val.shape[0] // n] * n
 
 
+def _legacy_op(a: dict) -> str:
+    return lower_reduce_op(a["reduceOp"])
+
+
 _LEGACY_ARGS: dict[str, tuple[str, Callable[[fx.Node, dict], tuple]]] = {
-    "all_reduce": ("all_reduce", lambda n, a: (a["self"], lower_reduce_op(a["reduceOp"]), _legacy_name(a))),
+    "all_reduce": ("all_reduce", lambda n, a: (a["self"], _legacy_op(a), _legacy_name(a))),
     "all_reduce_coalesced": ("all_reduce_coalesced",
-                             lambda n, a: (a["self"], lower_reduce_op(a["reduceOp"]), _legacy_name(a))),
+                             lambda n, a: (a["self"], _legacy_op(a), _legacy_name(a))),
     "all_gather_into_tensor": ("all_gather_into_tensor",
                                lambda n, a: (a["shard"], a["group_size"], _legacy_name(a))),
     "all_gather_into_tensor_coalesced": (
@@ -231,10 +235,10 @@ _LEGACY_ARGS: dict[str, tuple[str, Callable[[fx.Node, dict], tuple]]] = {
         lambda n, a: (a["input"], a["group_size"], _legacy_name(a))),
     "reduce_scatter_tensor": (
         "reduce_scatter_tensor",
-        lambda n, a: (a["input"], lower_reduce_op(a["reduceOp"]), a["group_size"], _legacy_name(a))),
+        lambda n, a: (a["input"], _legacy_op(a), a["group_size"], _legacy_name(a))),
     "reduce_scatter_tensor_coalesced": (
         "reduce_scatter_tensor_coalesced",
-        lambda n, a: (a["inputs"], lower_reduce_op(a["reduceOp"]), a["group_size"], _legacy_name(a))),
+        lambda n, a: (a["inputs"], _legacy_op(a), a["group_size"], _legacy_name(a))),
     "all_to_all_single": ("all_to_all_single",
                           lambda n, a: (a["input"], *_even_splits(n, a), _legacy_name(a))),
     "broadcast": ("broadcast", lambda n, a: (a["self"], a["src"], _legacy_name(a))),
