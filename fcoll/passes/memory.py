@@ -18,6 +18,7 @@ collective "later" means after its wait, since the buffer changes until then.
 
 from __future__ import annotations
 
+import enum
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -27,11 +28,19 @@ import torch.fx as fx
 
 from fcoll.passes.graph import is_collective, is_wait, per_op, start_of, tensor_bytes, waits_of
 
-__all__ = ["Storage", "storage_model", "peak_bytes", "MemoryTracker", "mutation_deps",
+__all__ = ["Storage", "storage_model", "LiveBytes", "peak_bytes", "mutation_deps", "OpClass",
            "op_class", "OTHER", "COLLECTIVE", "WAIT", "value_bytes"]
 
 
-OTHER, COLLECTIVE, WAIT = 0, 1, 2
+class OpClass(enum.IntEnum):
+    """What a node is to the schedulers: compute (``OTHER``), a collective, or a wait."""
+
+    OTHER = 0
+    COLLECTIVE = 1
+    WAIT = 2
+
+
+OTHER, COLLECTIVE, WAIT = OpClass.OTHER, OpClass.COLLECTIVE, OpClass.WAIT
 
 
 class _Probe:
@@ -44,12 +53,12 @@ class _Probe:
 
 
 @per_op
-def _target_class(target: torch._ops.OpOverload) -> int:
+def _target_class(target: torch._ops.OpOverload) -> OpClass:
     probe = _Probe(target)
     return COLLECTIVE if is_collective(probe) else WAIT if is_wait(probe) else OTHER
 
 
-def op_class(node: fx.Node) -> int:
+def op_class(node: fx.Node) -> OpClass:
     """:data:`COLLECTIVE`, :data:`WAIT` or :data:`OTHER`: ``is_collective`` / ``is_wait``,
     memoized per op (a 50k-node graph has a few dozen distinct ops; passes ask per node)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -75,7 +84,7 @@ def _write_arguments(target: torch._ops.OpOverload) -> tuple[tuple[int, str], ..
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
-def _aliased_input(node: fx.Node, cls: int | None = None) -> fx.Node | None:
+def _aliased_input(node: fx.Node, cls: OpClass | None = None) -> fx.Node | None:
     """The input ``node``'s output aliases (view, in-place, getitem, wait), or None."""
     if node.op != "call_function":
         return None
@@ -131,7 +140,7 @@ class Storage:
     uses: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     pinned: set[fx.Node] = field(default_factory=set)
     touches: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
-    cls: dict[fx.Node, int] = field(default_factory=dict)
+    cls: dict[fx.Node, OpClass] = field(default_factory=dict)
     start: dict[fx.Node, fx.Node] = field(default_factory=dict)
 
     def alloc(self, node: fx.Node) -> int:
@@ -166,7 +175,7 @@ def value_bytes(val: Any) -> int:
     return tensor_bytes(val)
 
 
-def _uses_of(node: fx.Node, cls: int | None = None) -> list[fx.Node]:
+def _uses_of(node: fx.Node, cls: OpClass | None = None) -> list[fx.Node]:
     inputs = node.all_input_nodes
     if (cls if cls is not None else op_class(node)) == WAIT:
         inputs = list(inputs)
@@ -176,7 +185,7 @@ def _uses_of(node: fx.Node, cls: int | None = None) -> list[fx.Node]:
     return inputs
 
 
-def _node_facts(target: Any) -> tuple[int, tuple[int, ...]]:
+def _node_facts(target: Any) -> tuple[OpClass, tuple[int, ...]]:
     """(:func:`op_class`, alias positions) of a ``call_function`` target."""
     if not isinstance(target, torch._ops.OpOverload):
         return OTHER, ()
@@ -191,7 +200,7 @@ def storage_model(graph: fx.Graph) -> Storage:
     classes, starts = st.cls, st.start
     # id(op) -> _node_facts(op), for this call only (the graph keeps its ops alive meanwhile):
     # one dict lookup per node instead of three memoized schema queries.
-    facts: dict[int, tuple[int, tuple[int, ...]]] = {}
+    facts: dict[int, tuple[OpClass, tuple[int, ...]]] = {}
     nodes = list(graph.nodes)
     for node in nodes:
         c, src = OTHER, None
@@ -258,59 +267,60 @@ def _first_node_at(args: tuple, positions: tuple[int, ...]) -> fx.Node | None:
     return None
 
 
-class MemoryTracker:
-    """Live bytes while nodes are scheduled one by one (the model of :func:`storage_model`)."""
+class LiveBytes:
+    """Live bytes of an order built backwards, from its last node to its first: the one
+    peak-memory model of fcoll (the scheduler plans backwards and counts with it as it places;
+    :func:`peak_bytes` feeds it a finished order reversed).
+
+    Method: a root's storage is live from the node that allocates it (the root) through the last
+    node that touches it (``Storage.touches``). Placing ``n`` backwards, every root ``n`` touches
+    is used at or after ``n``; when the root itself is placed, its storage is allocated there, so
+    it is not live before it. Hence ``live`` before ``n``'s own allocation is exactly the bytes
+    allocated earlier and used at or after ``n``: the live bytes when ``n`` runs forwards. Peaks
+    are counted at allocations only (nothing else raises the live bytes); a value nothing uses
+    counts at its allocation and is freed at once.
+
+    Attributes:
+        live: bytes live (forwards) just before the last placed node runs, its allocation
+            excluded.
+        peak: the largest ``live + allocation`` over the placed nodes, in bytes.
+    """
 
     def __init__(self, storage: Storage) -> None:
-        self.st = storage
-        self.remaining = {r: len(u) for r, u in storage.uses.items()}
+        self.storage = storage
+        self.touched: set[fx.Node] = set()
         self.live = 0
         self.peak = 0
 
-    def would_reach(self, node: fx.Node) -> int:
-        """Live bytes right after ``node`` allocates (before its frees)."""
-        return self.live + self.st.alloc(node)
-
-    def schedule(self, node: fx.Node) -> None:
-        st, remaining = self.st, self.remaining
-        size = st.size
+    def place(self, node: fx.Node) -> None:
+        """Account for ``node``, which runs before every node placed so far."""
+        st, touched = self.storage, self.touched
+        used = st.touches.get(node)
+        live = self.live
+        for r in used if used is not None else st.roots_used(node):
+            if r not in touched:
+                touched.add(r)
+                live += st.size[r]
         if st.root.get(node) is node:
-            self.live += size.get(node, 0)
-            if self.live > self.peak:
-                self.peak = self.live
-            if not remaining.get(node):
-                self.live -= size.get(node, 0)  # dead value: freed at once
-        for r in st.roots_used(node):
-            left = remaining[r] = remaining[r] - 1
-            if left == 0 and r is not node:
-                self.live -= size.get(r, 0)
+            b = st.size[node]
+            if node in touched:
+                live -= b   # running backwards: its storage is allocated here
+            if live + b > self.peak:
+                self.peak = live + b
+        self.live = live
 
 
 def peak_bytes(order: Iterable[fx.Node], storage: Storage | None = None) -> int:
-    """Peak live bytes (excluding pinned storages) of running the nodes in ``order``.
-
-    :meth:`MemoryTracker.schedule` over ``order``, inlined (it runs twice per plan on every
-    node of the graph).
-    """
+    """Peak live bytes (excluding pinned storages) of running the nodes in ``order``: the
+    :class:`LiveBytes` model, fed ``order`` from its last node to its first."""
     order = list(order)
     if storage is None:
         storage = storage_model(order[0].graph) if order else Storage()
-    root, size, touches = storage.root, storage.size, storage.touches
-    remaining = {r: len(u) for r, u in storage.uses.items()}
-    live = peak = 0
-    for node in order:
-        if root.get(node) is node:
-            b = size.get(node, 0)
-            if live + b > peak:
-                peak = live + b
-            if remaining.get(node):
-                live += b   # else a dead value: freed at once
-        used = touches.get(node)
-        for r in used if used is not None else storage.roots_used(node):
-            left = remaining[r] = remaining[r] - 1
-            if left == 0 and r is not node:
-                live -= size.get(r, 0)
-    return peak
+    tracker = LiveBytes(storage)
+    place = tracker.place
+    for node in reversed(order):
+        place(node)
+    return tracker.peak
 
 
 def mutation_deps(order: Sequence[fx.Node], storage: Storage) -> list[tuple[fx.Node, fx.Node]]:

@@ -36,8 +36,8 @@ from fcoll.passes.graph import (
 )
 from fcoll.passes.memory import COLLECTIVE, op_class
 from fcoll.passes.registry import FcollPass, gc_paused, register_pass
-from fcoll.passes.schedule import PredictedEvent, apply_order, dependencies, list_schedule, \
-    simulate
+from fcoll.passes.schedule import KeyScheduler, PredictedEvent, apply_order, dependencies, \
+    list_schedule, ready_counts, simulate
 
 __all__ = ["SinkWaits", "RaiseCollectives", "ReorderForOverlap", "PredictedEvent", "predict",
            "sink_waits_order", "raise_collectives_order"]
@@ -47,72 +47,52 @@ log = logging.getLogger(__name__)
 _MIB = 2 ** 20
 
 
-def _place(order: list[fx.Node], movers: dict[fx.Node, fx.Node], before: bool) -> list[fx.Node]:
-    """``order`` with each mover placed next to its anchor (before or after it).
-
-    Movers sharing an anchor keep their original relative order.
-    """
-    pos = {n: i for i, n in enumerate(order)}
-    attached: dict[fx.Node, list[fx.Node]] = {}
-    for m in sorted(movers, key=pos.__getitem__):
-        attached.setdefault(movers[m], []).append(m)
-    out: list[fx.Node] = []
-    for n in order:
-        if n in movers:
-            continue
-        # Depth-first over the movers attached to n (iterative: chains can be long).
-        stack: list[tuple[fx.Node, bool]] = [(n, False)]
-        while stack:
-            node, expanded = stack.pop()
-            kids = attached.get(node, ())
-            if before:
-                if expanded or not kids:
-                    out.append(node)
-                else:
-                    stack.append((node, True))
-                    stack.extend((k, False) for k in reversed(kids))
-            else:
-                out.append(node)
-                stack.extend((k, False) for k in reversed(kids))
-    return out
-
-
 def sink_waits_order(graph: fx.Graph) -> list[fx.Node]:
     """The order ``sink_waits`` makes: each wait just before the first node that needs it.
 
-    A wait's successors may be waits that move too, so "first" is judged by position in the new
-    order: ``eff`` is (position of the unmoved node a wait ends up in front of, -chain depth).
+    Method: :class:`~fcoll.passes.schedule.KeyScheduler` backwards from the output (which stays
+    last) with the priority key "a ready wait first, the one a placement just unblocked first,
+    then the latest original position; otherwise the latest original position". Why that is
+    sink_waits: backwards, a wait is ready exactly when its first user (in the new order) is
+    placed, and is placed at once, so it lands just before that user; waits unblocked by one
+    placement keep their original relative order, and a wait that another wait needs goes right
+    before it (depth first). Every other node keeps its original relative order: when no wait
+    is ready, the latest unplaced non-wait is ready (all its successors are later non-waits,
+    already placed, or waits, drained first).
     """
     deps = dependencies(graph)
-    eff = {n: (deps.pos[n], 0) for n in deps.order}
-    anchors = {}
-    for n in reversed(deps.order):
-        if is_wait(n):
-            # The output node always exists and never moves; a wait nothing needs sinks to it.
-            anchor = min(deps.succs[n], key=eff.__getitem__, default=deps.order[-1])
-            anchors[n] = anchor
-            eff[n] = (eff[anchor][0], eff[anchor][1] - 1)
-    return _place(deps.order, anchors, before=True)
+    pos = deps.pos
+
+    def key(node: fx.Node, step: int) -> tuple:
+        return (0, -step, -pos[node]) if is_wait(node) else (1, 0, -pos[node])
+
+    nodes = [n for n in deps.order if n.op != "output"]
+    releases, blockers = ready_counts(deps, nodes, backward=True)
+    placed = KeyScheduler(releases, blockers, key).run()
+    return placed[::-1] + [n for n in deps.order if n.op == "output"]
 
 
 def raise_collectives_order(graph: fx.Graph) -> list[fx.Node]:
     """The order ``raise_collectives`` makes: each collective just after the last node it needs.
 
-    The previous collective moves up too, so "last" is judged by position in the new order:
-    ``eff`` is (position of the unmoved node a collective ends up behind, chain depth).
+    Method: :class:`~fcoll.passes.schedule.KeyScheduler` forwards with the priority key "a ready
+    collective first, the one a placement just unblocked first, then the earliest original
+    position; otherwise the earliest original position", every collective also waiting for the
+    last placeholder or attribute. Why that is raise_collectives: forwards, a collective is
+    ready exactly when the last node it needs is placed, and is placed at once, right after it
+    (the next collective, which needs it, right after it in turn); every other node keeps its
+    original relative order (the mirror of :func:`sink_waits_order`'s argument).
     """
     deps = dependencies(graph)
-    eff = {n: (deps.pos[n], 0) for n in deps.order}
+    pos = deps.pos
+
+    def key(node: fx.Node, step: int) -> tuple:
+        return (0, -step, pos[node]) if is_collective(node) else (1, 0, pos[node])
+
     fixed = [n for n in deps.order if n.op in ("placeholder", "get_attr")]
-    anchors = {}
-    for n in deps.order:
-        if is_collective(n):
-            cands = list(deps.preds[n]) + fixed[-1:]
-            if cands:
-                anchor = max(cands, key=eff.__getitem__)
-                anchors[n] = anchor
-                eff[n] = (eff[anchor][0], eff[anchor][1] + 1)
-    return _place(deps.order, anchors, before=False)
+    extra = {fixed[-1]: [n for n in deps.order if is_collective(n)]} if fixed else None
+    releases, blockers = ready_counts(deps, deps.order, backward=False, extra=extra)
+    return KeyScheduler(releases, blockers, key).run()
 
 
 class _ReorderPass(FcollPass):

@@ -1,0 +1,153 @@
+"""The timeline simulator: predicted start, end and exposed time of each node of an order.
+
+Model (the contract of ``predict``): compute runs serially on one lane; each collective runs on
+its group's lane from its issue, serially per group; a wait blocks compute until its collective
+ends; exposed time = the blocked time. Times are estimates in microseconds from the graph's
+start; the estimator is the caller's (the cost model, or a test's).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch.fx as fx
+
+from fcoll.passes.graph import arg_of, start_of
+from fcoll.passes.memory import COLLECTIVE, WAIT, OpClass, op_class
+
+__all__ = ["PredictedEvent", "Timeline", "simulate", "CollectiveRecord", "records"]
+
+
+@dataclass
+class PredictedEvent:
+    """One node on the predicted timeline (times in microseconds from the graph's start).
+
+    Attributes:
+        node: the node's name.
+        kind: "compute", "collective" or "wait".
+        lane: "compute", or the collective's group name.
+        start_us / end_us: when it starts and ends (a collective: on its group's lane; a wait:
+            when compute reaches it and when it unblocks).
+        exposed_us: a wait: time compute is blocked on it; a collective: the sum over its waits.
+    """
+
+    node: str
+    kind: str
+    lane: str
+    start_us: float
+    end_us: float
+    exposed_us: float = 0.0
+
+    @property
+    def dur_us(self) -> float:
+        """``end_us - start_us``, never negative."""
+        return max(0.0, self.end_us - self.start_us)
+
+
+class Timeline:
+    """Simulates nodes in the order they are fed (see the module docstring for the model)."""
+
+    def __init__(self, estimate: Callable[[fx.Node], float],
+                 classes: dict[fx.Node, OpClass] | None = None, *,
+                 starts: dict[fx.Node, fx.Node] | None = None,
+                 groups: dict[fx.Node, str] | None = None) -> None:
+        self.estimate = estimate
+        self.classes = classes if classes is not None else {}
+        self.now_us = 0.0
+        self.lane_free: dict[str, float] = {}
+        self.issued: dict[fx.Node, PredictedEvent] = {}
+        self.events: list[PredictedEvent] = []
+        self.by_node: dict[fx.Node, PredictedEvent] = {}
+        self._starts: dict[fx.Node, fx.Node | None] = dict(starts) if starts else {}
+        self._groups = groups if groups is not None else {}
+
+    def _start(self, wait: fx.Node) -> fx.Node | None:
+        if wait not in self._starts:
+            self._starts[wait] = start_of(wait)
+        return self._starts[wait]
+
+    def blocked_us(self, wait: fx.Node) -> float:
+        """How long ``wait`` would block compute if it ran now."""
+        start = self._start(wait)
+        ev = self.issued.get(start) if start is not None else None
+        return max(0.0, ev.end_us - self.now_us) if ev is not None else 0.0
+
+    def run(self, node: fx.Node) -> PredictedEvent | None:
+        if node.op != "call_function":
+            return None
+        cls = self.classes.get(node)
+        if cls is None:
+            cls = op_class(node)
+        if cls == COLLECTIVE:
+            lane = self._groups.get(node)
+            if lane is None:
+                lane = str(arg_of(node, "group_name"))
+            start = max(self.now_us, self.lane_free.get(lane, 0.0))
+            ev = PredictedEvent(node.name, "collective", lane, start,
+                                start + max(0.0, self.estimate(node)))
+            self.lane_free[lane] = ev.end_us
+            self.issued[node] = ev
+        elif cls == WAIT:
+            blocked = self.blocked_us(node)
+            ev = PredictedEvent(node.name, "wait", "compute", self.now_us,
+                                self.now_us + blocked, blocked)
+            self.now_us += blocked
+            coll = self.issued.get(self._start(node))
+            if coll is not None:
+                coll.exposed_us += blocked
+        else:
+            ev = PredictedEvent(node.name, "compute", "compute", self.now_us,
+                                self.now_us + max(0.0, self.estimate(node)))
+            self.now_us = ev.end_us
+        self.events.append(ev)
+        self.by_node[node] = ev
+        return ev
+
+
+def simulate(nodes: Sequence[fx.Node], estimate: Callable[[fx.Node], float],
+             classes: dict[fx.Node, OpClass] | None = None, *,
+             starts: dict[fx.Node, fx.Node] | None = None,
+             groups: dict[fx.Node, str] | None = None) -> Timeline:
+    """Run ``nodes`` in order through a fresh :class:`Timeline`.
+
+    Known facts of the nodes, each optional (asked of the node when missing): ``classes``,
+    their :func:`~fcoll.passes.memory.op_class` (e.g. ``Storage.cls``); ``starts``, wait ->
+    its collective (``Storage.start``); ``groups``, collective -> its group name.
+    """
+    tl = Timeline(estimate, classes, starts=starts, groups=groups)
+    for n in nodes:
+        tl.run(n)
+    return tl
+
+
+
+@dataclass
+class CollectiveRecord:
+    """What the scheduler predicts for one collective (times in microseconds)."""
+
+    estimated_us: float
+    exposed_us: float
+    hiding: list[str]
+
+
+def records(tl: Timeline) -> dict[fx.Node, CollectiveRecord]:
+    """Per collective: estimate, exposed time and the compute overlapping its lane interval.
+
+    Compute events are serial (each starts where the previous ended), so their start times are
+    sorted and the overlapping ones are found by bisection: O(C log N + overlaps).
+    """
+    compute = [e for e in tl.events if e.kind == "compute"]
+    starts = [e.start_us for e in compute]
+    out = {}
+    for node, ev in tl.issued.items():
+        i = max(bisect.bisect_right(starts, ev.start_us) - 1, 0)
+        hiding = []
+        while i < len(compute) and compute[i].start_us < ev.end_us:
+            c = compute[i]
+            if min(c.end_us, ev.end_us) - max(c.start_us, ev.start_us) > 0:
+                hiding.append(c.node)
+            i += 1
+        out[node] = CollectiveRecord(ev.end_us - ev.start_us, ev.exposed_us, hiding)
+    return out
