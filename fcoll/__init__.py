@@ -1,7 +1,10 @@
 """fcoll: functional collectives for torch.compile graphs.
 
 ``import fcoll as funcol`` is a drop-in for ``torch.distributed._functional_collectives``; importing
-fcoll also registers the ``"fcoll"`` shared-memory process-group backend.
+fcoll also registers the ``"fcoll"`` shared-memory process-group backend, and imports
+``fcoll.inspect``, which subscribes to the compile backend (tlparse artifacts under
+``TORCH_TRACE``). The ``torch.compile`` entry point imports ``fcoll.compile.backend``, so all of
+this happens without an ``import fcoll`` too.
 """
 
 from fcoll.ops import (  # noqa: E402
@@ -29,3 +32,5 @@ __all__ = [
 
 from fcoll.shm import register_backend as _register_shm_backend
 _register_shm_backend()
+
+import fcoll.inspect  # noqa: E402,F401  subscribes fcoll.inspect to the compile backend's listeners

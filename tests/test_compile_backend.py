@@ -16,12 +16,13 @@ import torch.distributed as dist
 import torch.fx as fx
 
 import fcoll
-from fcoll.passes.graph import collectives, is_collective, is_wait
 from fcoll.compile.backend import (META_PIPELINE_SECONDS, CompiledGraph, _partition_fn,
                                    fcoll_backend, register_compile_listener)
+from fcoll.compile.executor import GraphExecutor, OpTable, StepKind, UnknownOpError, plan_steps
+from fcoll.compile.inductor_compute import ComputeSegment, split_segments
+from fcoll.compile.trace import TraceRecorder
 from fcoll.passes.config import FcollConfig
-from fcoll.compile.executor import GraphExecutor, UnknownOpError
-from fcoll.compile.inductor_compute import Segment, split_segments
+from fcoll.passes.graph import collectives, is_collective, is_wait
 from fcoll.testing import run_ranks
 
 
@@ -134,6 +135,52 @@ def test_listener_gets_forward_and_backward_before_and_after_passes(fake_pg):
     assert len(records) == 2
 
 
+def test_disabled_listener_is_skipped_and_the_graph_is_not_copied(fake_pg):
+    records: list[CompiledGraph] = []
+    off = register_compile_listener(lambda r: pytest.fail("disabled listener ran"),
+                                    enabled=lambda: False)
+    try:
+        torch.compile(lambda x: x * 3, backend="fcoll")(torch.ones(2))
+        on = register_compile_listener(records.append, enabled=lambda: True)
+        try:
+            torch._dynamo.reset()
+            torch.compile(lambda x: x * 3, backend="fcoll")(torch.ones(2))
+        finally:
+            on.remove()
+    finally:
+        off.remove()
+    assert len(records) == 1 and records[0].before is not None
+
+
+def test_tlparse_artifacts_come_from_the_inspect_listener(fake_pg):
+    """With structured tracing on (``TORCH_TRACE``), every compiled graph reaches the trace log
+    as fcoll artifacts; the backend emits nothing itself, ``fcoll.inspect`` subscribes."""
+    import logging
+
+    from torch._logging._internal import trace_log
+
+    names = []
+
+    class Capture(logging.Handler):
+        def emit(self, rec):
+            if "artifact" in rec.metadata:
+                names.append(rec.metadata["artifact"]["name"])
+
+    old_handlers, old_level = list(trace_log.handlers), trace_log.level
+    trace_log.handlers[:] = [Capture(level=logging.DEBUG)]
+    trace_log.setLevel(logging.DEBUG)
+    try:
+        def f(a):
+            return fcoll.all_reduce(a @ a, "sum", fake_pg) + 1
+        torch.compile(f, backend="fcoll", options={"check_ranks": False})(torch.randn(4, 4))
+    finally:
+        trace_log.handlers[:] = old_handlers
+        trace_log.setLevel(old_level)
+    fcoll_names = [n for n in names if n.startswith("fcoll_")]
+    assert [n.rsplit("_inference_", 1)[1] for n in fcoll_names] == [
+        "graph_before", "graph_after", "collectives", "overlap_report"]
+
+
 # -- executor ----------------------------------------------------------------------------------
 
 _lib = torch.library.Library("fcolltest", "DEF")  # noqa: TOR901
@@ -151,8 +198,6 @@ def test_executor_unknown_op_fails_at_build_with_its_name():
 
 
 def test_executor_fast_and_traced_paths_agree(fake_pg, tmp_path):
-    from fcoll.compile.trace import TraceRecorder
-
     gm = _ar_graph(fake_pg)
     x = torch.randn(4, 4)
     fast = GraphExecutor(gm, "g")([x])
@@ -164,6 +209,28 @@ def test_executor_fast_and_traced_paths_agree(fake_pg, tmp_path):
     assert {e["name"] for e in events if e["cat"] == "compute"} >= {"mm", "relu", "add"}
 
 
+def test_plan_has_one_typed_step_per_node_and_frees_after_last_read(fake_pg):
+    """``mm -> all_reduce -> relu -> wait -> add``: five steps; the wait ends the all_reduce's
+    trace event; ``mm`` is dropped after relu (its last reader), the graph output never."""
+    gm = _ar_graph(fake_pg)
+    items = [n for n in gm.graph.nodes if n.op == "call_function"]
+    steps = plan_steps(gm, items, OpTable(), "g")
+    assert [s.kind for s in steps] == [StepKind.COMPUTE, StepKind.COLLECTIVE, StepKind.COMPUTE,
+                                       StepKind.WAIT, StepKind.COMPUTE]
+    assert steps[1].comm.kind == "all_reduce" and steps[1].comm.busbw_factor == 1.0
+    assert steps[3].ends == steps[1].node.name
+    assert [n.name for n in steps[2].free] == ["mm"] and steps[4].free != ()
+    assert not any(n.name == "add" for s in steps for n in s.free)
+
+
+def test_executor_node_of_unsupported_kind_fails_with_its_name():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_method("relu", (x,)))
+    with pytest.raises(UnknownOpError, match="'call_method' at node relu of graph g3"):
+        GraphExecutor(fx.GraphModule(torch.nn.Module(), g), "g3")
+
+
 # -- inductor segments -------------------------------------------------------------------------
 
 def test_segments_cut_at_every_collective_and_wait_in_graph_order(fake_pg):
@@ -171,10 +238,10 @@ def test_segments_cut_at_every_collective_and_wait_in_graph_order(fake_pg):
     ``[segment_0: mm] all_reduce [segment_1: relu] wait [segment_2: add]``."""
     gm = _ar_graph(fake_pg)
     items = split_segments(gm)
-    kinds = ["seg" if isinstance(i, Segment) else
+    kinds = ["seg" if isinstance(i, ComputeSegment) else
              "ar" if is_collective(i) else "wait" if is_wait(i) else i.name for i in items]
     assert kinds == ["seg", "ar", "seg", "wait", "seg"]
-    seg0, seg1, seg2 = (i for i in items if isinstance(i, Segment))
+    seg0, seg1, seg2 = (i for i in items if isinstance(i, ComputeSegment))
     assert [n.name for n in seg0.nodes] == ["mm"] and seg0.outputs == seg0.nodes
     assert [n.name for n in seg1.nodes] == ["relu"]
     assert [n.name for n in seg2.inputs] == ["wait_tensor", "relu"]
@@ -187,8 +254,6 @@ def test_segments_cut_at_every_collective_and_wait_in_graph_order(fake_pg):
 
 def _ranks(rank: int, n: int, trace_dir: str) -> dict:
     import torch.distributed._functional_collectives as funcol
-
-    from fcoll.compile.backend import register_compile_listener
 
     pg = dist.group.WORLD
     graphs = []

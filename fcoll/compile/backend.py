@@ -22,12 +22,20 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
+import torch.distributed as dist
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.hooks import RemovableHandle
 
+from fcoll.compile.executor import GraphExecutor
+from fcoll.compile.inductor_compute import InductorExecutor
+from fcoll.compile.trace import recorder_for, trace_dir_from
 from fcoll.passes.config import FcollConfig
+from fcoll.passes.graph import is_fcoll_op
+from fcoll.passes.registry import run_pipeline
 
 __all__ = ["fcoll_backend", "CompiledGraph", "register_compile_listener", "compile_graph",
            "META_PIPELINE_SECONDS"]
@@ -58,33 +66,47 @@ class CompiledGraph:
     rank: int
 
 
-_listeners: "OrderedDict[int, Callable[[CompiledGraph], None]]" = OrderedDict()
+class _Listener(NamedTuple):
+    fn: Callable[[CompiledGraph], None]
+    enabled: Callable[[], bool] | None
+
+
+_listeners: "OrderedDict[int, _Listener]" = OrderedDict()
 _graph_ids = itertools.count()
 
 
-def register_compile_listener(fn: Callable[[CompiledGraph], None]) -> RemovableHandle:
+def register_compile_listener(fn: Callable[[CompiledGraph], None], *,
+                              enabled: Callable[[], bool] | None = None) -> RemovableHandle:
     """Call ``fn(record)`` for every graph fcoll compiles from now on, in this process.
+
+    This is how layers above compile hear of graphs: ``fcoll.inspect`` registers its tlparse
+    artifacts here when it is imported (``import fcoll`` imports it).
+
+    Args:
+        fn: the listener; listeners run in registration order.
+        enabled: asked once per graph, before the passes; when it returns False, ``fn`` is
+            skipped for that graph. The graph is deep-copied into ``record.before`` only when
+            some listener is enabled, so a listener that is usually off (tlparse artifacts
+            without ``TORCH_TRACE``) costs nothing. None: always enabled.
 
     Returns:
         A handle; ``handle.remove()`` unregisters ``fn``.
     """
     handle = RemovableHandle(_listeners)
-    _listeners[handle.id] = fn
+    _listeners[handle.id] = _Listener(fn, enabled)
     return handle
 
 
-def _rank() -> int:
-    import torch.distributed as dist
+def _enabled_listeners() -> list[Callable[[CompiledGraph], None]]:
+    return [li.fn for li in list(_listeners.values()) if li.enabled is None or li.enabled()]
 
+
+def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _save_collectives(joint: fx.GraphModule) -> None:
     """Mark every fcoll node MUST_SAVE, as PyTorch does for ``_c10d_functional`` nodes."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from fcoll.passes.graph import is_fcoll_op
-
     for node in joint.graph.nodes:
         if is_fcoll_op(node) and node.meta.get("recompute") not in (
                 CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
@@ -120,16 +142,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
         fcoll.passes.registry.PassFailed: a pass raised.
         fcoll.compile.executor.UnknownOpError: the graph holds an op the executor cannot run.
     """
-    from fcoll.passes.registry import run_pipeline
-    from fcoll.compile.executor import GraphExecutor
-    from fcoll.compile.trace import recorder_for, trace_dir_from
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from fcoll.inspect.artifacts import artifacts_enabled, emit_artifacts
-
     rank = _rank()
-    tlparse = artifacts_enabled()
-    before = copy.deepcopy(gm) if _listeners or tlparse else None
+    listeners = _enabled_listeners()
+    before = copy.deepcopy(gm) if listeners else None
     t0 = time.perf_counter()
     # AOTAutograd calls its compilers inside its FakeTensorMode. Passes read fake values from
     # node.meta and enter their mode themselves; the cost model's calibration times real
@@ -140,15 +155,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
     log.debug("%s: pipeline %s in %.1f ms", name, [r["pass"] for r in gm.meta.get(
         "fcoll_passes", [])], gm.meta[META_PIPELINE_SECONDS] * 1e3)
     record = CompiledGraph(name=name, before=before, after=gm, config=config, rank=rank)
-    for fn in list(_listeners.values()):
+    for fn in listeners:
         fn(record)
-    if tlparse:
-        emit_artifacts(record)  # tlparse shows fcoll's graphs and reports (TORCH_TRACE=dir)
     trace_dir = trace_dir_from(config.trace_dir)
     recorder = recorder_for(trace_dir, rank) if trace_dir else None
     if config.compute == "inductor":
-        from fcoll.compile.inductor_compute import InductorExecutor
-
         return InductorExecutor(gm, example_inputs, name=name, rank=rank, recorder=recorder)
     return GraphExecutor(gm, name=name, rank=rank, recorder=recorder)
 
@@ -166,7 +177,8 @@ def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     Raises:
         ValueError: an unknown option, a bad option value, or an unsupported ``mode``.
     """
-    import fcoll  # noqa: F401  registers torch.ops.fcoll and the "fcoll" process-group backend
+    # torch.ops.fcoll and the "fcoll" process-group backend are registered: importing this
+    # module (the entry point) ran fcoll/__init__.py first.
     from torch._functorch.aot_autograd import aot_module_simplified
 
     if mode not in (None, "default"):

@@ -6,34 +6,39 @@ nodes. The executor runs the nodes in graph order, so each collective starts (as
 its group's backend) exactly where the passes placed it, and each ``wait_tensor`` blocks exactly
 where the passes placed it: the op kernels do that, the executor adds no waits of its own.
 
-Two paths, one semantics:
+One plan, one loop: :func:`plan_steps` turns the graph into a list of :class:`Step` records in
+graph order, and :meth:`GraphExecutor.run_steps` interprets them. Compute is either one aten node
+per step (``compute="eager"``, this module) or one Inductor-compiled segment per maximal run of
+compute nodes (``compute="inductor"``, :mod:`fcoll.compile.inductor_compute`); that is the only
+difference between the two executors. With a trace recorder, the loop times each compute step and
+records the issue and wait return of each collective in a :class:`fcoll.compile.trace.RunTrace`.
 
-- *fast* (no tracing): the graph module's own generated ``forward`` runs. Python overhead per node
-  is one call, and intermediate values are freed after their last use by the generated code.
-- *traced* (``trace_dir`` set): a small interpreter over a precomputed plan, which times each
-  compute node and records the issue and wait return of each collective in a
-  :class:`fcoll.compile.trace.RunTrace` (see that module for the format).
+Without a recorder, the eager executor skips the loop: the graph module's own generated
+``forward`` runs (one Python call per node; intermediate values are freed after their last use by
+the generated code).
 
-Every ``call_function`` target is resolved through :class:`OpTable` when the executor is built,
-so a graph with an op the executor does not know fails at compile time, naming the op and node.
+Every ``call_function`` target the executor runs is resolved through :class:`OpTable` when the
+executor is built, so a graph with an op the executor does not know fails at compile time, naming
+the op and node.
 """
 
 from __future__ import annotations
 
-import logging
+import enum
 import math
 import operator
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
 
-from fcoll.passes.graph import collective_info, is_collective, is_wait, waits_of
-from fcoll.compile.trace import RunTrace, TraceRecorder, busbw_factor, now_us
+from fcoll.compile.trace import RunTrace, TraceRecorder, now_us
+from fcoll.ops import pending
+from fcoll.ops.facts import busbw_factor, comm_bytes
+from fcoll.passes.graph import collective_info, is_collective, is_wait, tensor_bytes, waits_of
 
-__all__ = ["OpTable", "UnknownOpError", "GraphExecutor", "RUNNABLE_NAMESPACES", "comm_bytes"]
-
-log = logging.getLogger(__name__)
+__all__ = ["OpTable", "UnknownOpError", "GraphExecutor", "RUNNABLE_NAMESPACES", "StepKind", "Step",
+           "CommFacts", "plan_steps"]
 
 #: Operator namespaces whose ops are their own implementation (dispatcher kernels exist).
 RUNNABLE_NAMESPACES = frozenset({"aten", "prims", "fcoll", "_c10d_functional", "higher_order"})
@@ -99,28 +104,132 @@ def _default_overrides() -> dict[Any, Callable[..., Any]]:
     collective's own buffer. The op's kernel returns a copy (a custom op may not alias its input);
     the executor can skip it because it runs no buffer reuse of its own: a value lives as long as
     a later node reads it."""
-    from fcoll.ops import pending
-
     return {torch.ops.fcoll.wait_tensor.default: pending.wait}
 
 
-def _tensor_bytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_tensor_bytes(t) for t in x)
-    return 0
 
 
-def comm_bytes(kind: str, inputs: Any, outputs: Any) -> int:
-    """Bytes of one collective, nccl-tests convention (see :mod:`fcoll.compile.trace`)."""
-    if kind == "all_to_all":
-        return _tensor_bytes(inputs)
-    return max(_tensor_bytes(inputs), _tensor_bytes(outputs))
+class StepKind(enum.IntEnum):
+    """What one :class:`Step` runs, and what the trace records for it."""
+
+    COMPUTE = 0      #: one compute node; traced as a compute event
+    SEGMENT = 1      #: a compiled run of compute nodes (Inductor); traced as one compute event
+    COLLECTIVE = 2   #: issues a collective; traced as the begin of an async comm event
+    WAIT = 3         #: a wait_tensor; the last wait of a collective ends its comm event
+    PLUMBING = 4     #: getitem of a coalesced collective's list; not traced
 
 
-# Plan steps: (kind, node, impl, extra)
-_PLACEHOLDER, _GET_ATTR, _COMPUTE, _COLLECTIVE, _WAIT, _PLUMBING, _OUTPUT = range(7)
+# The loop compares kinds by identity against these (a global load, no enum attribute lookup).
+_COMPUTE, _SEGMENT, _COLLECTIVE, _WAIT, _PLUMBING = StepKind
+
+
+class CommFacts(NamedTuple):
+    """What the trace records of one collective step (computed once, at plan time).
+
+    Attributes:
+        kind: collective kind (:data:`fcoll.ops.facts.KINDS`).
+        op: op name without namespace.
+        group: process group name.
+        busbw_factor: nccl-tests bus-bandwidth factor for the group size.
+    """
+
+    kind: str
+    op: str
+    group: str
+    busbw_factor: float
+
+
+class Step(NamedTuple):
+    """One step of the executor's plan.
+
+    Attributes:
+        kind: what it runs.
+        node: the FX node, or for ``SEGMENT`` the segment (with ``name``, ``inputs``,
+            ``outputs`` lists of nodes).
+        impl: node steps: ``impl(*args, **kwargs)``; ``SEGMENT``: ``impl(list_of_inputs)`` returns
+            the outputs in ``node.outputs`` order.
+        target: ``COMPUTE`` / ``SEGMENT``: the trace event's ``target`` text; else None.
+        comm: ``COLLECTIVE``: its :class:`CommFacts`; else None.
+        ends: ``WAIT``: name of the collective whose last wait this is, else None.
+        free: values whose last read is this step (dropped from the environment after it).
+    """
+
+    kind: StepKind
+    node: Any
+    impl: Callable[..., Any]
+    target: str | None = None
+    comm: CommFacts | None = None
+    ends: str | None = None
+    free: tuple[fx.Node, ...] = ()
+
+
+def _node_step(node: fx.Node, impl: Callable[..., Any], last_wait: Mapping[fx.Node, str]) -> Step:
+    """The step of one node the executor runs itself (not part of a compiled segment)."""
+    if is_collective(node):
+        info = collective_info(node)
+        facts = CommFacts(info.kind, info.op, info.group_name,
+                          busbw_factor(info.kind, info.group_size or 0))
+        return Step(_COLLECTIVE, node, impl, comm=facts)
+    if is_wait(node):
+        return Step(_WAIT, node, impl, ends=last_wait.get(node))
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
+            is_collective(node.args[0]):
+        return Step(_PLUMBING, node, impl)
+    return Step(_COMPUTE, node, impl, target=str(node.target))
+
+
+def _reads(step: Step) -> Sequence[fx.Node]:
+    return step.node.inputs if step.kind is _SEGMENT else step.node.all_input_nodes
+
+
+def plan_steps(gm: fx.GraphModule, items: Sequence[fx.Node | Step], table: OpTable,
+               name: str) -> list[Step]:
+    """The executor's plan of ``gm``, in graph order.
+
+    Args:
+        gm: the lowered graph.
+        items: graph order without placeholders, ``get_attr`` and the output node: each an FX node
+            (resolved through ``table``; its kind follows from the graph queries) or a ready
+            ``SEGMENT`` step.
+        table: op implementations.
+        name: the graph's name, for errors.
+
+    Returns:
+        The steps, each with ``free`` set: the values it reads last, except the graph's outputs.
+
+    Raises:
+        UnknownOpError: a node that is not a ``call_function``, or whose op ``table`` lacks.
+    """
+    last_wait = {}
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            waits = waits_of(node)
+            if waits:
+                last_wait[waits[-1]] = node.name
+    steps = []
+    for item in items:
+        if isinstance(item, Step):
+            steps.append(item)
+        elif item.op != "call_function":
+            raise UnknownOpError(f"fcoll executor: unsupported node kind {item.op!r} at node "
+                                 f"{item.name} of graph {name}")
+        else:
+            steps.append(_node_step(item, table.resolve(item.target, item.name, name), last_wait))
+    last_read: dict[fx.Node, int] = {}
+    for i, step in enumerate(steps):
+        for n in _reads(step):
+            last_read[n] = i
+    keep: set[fx.Node] = set()
+    fx.node.map_arg(_output_of(gm), keep.add)
+    frees: list[list[fx.Node]] = [[] for _ in steps]
+    for n, i in last_read.items():
+        if n not in keep:
+            frees[i].append(n)
+    return [s._replace(free=tuple(f)) if f else s for s, f in zip(steps, frees)]
+
+
+def _output_of(gm: fx.GraphModule) -> Any:
+    return gm.graph.output_node().args[0]
 
 
 class GraphExecutor:
@@ -141,122 +250,76 @@ class GraphExecutor:
 
     def __init__(self, gm: fx.GraphModule, name: str, rank: int = 0,
                  recorder: TraceRecorder | None = None, table: OpTable | None = None) -> None:
-        self.gm = gm
-        self.name = name
-        self.rank = rank
-        self.recorder = recorder
+        self.gm, self.name, self.rank, self.recorder = gm, name, rank, recorder
         table = table or OpTable()
-        impls = {}
-        for node in gm.graph.nodes:
-            if node.op == "call_function":
-                impls[node] = table.resolve(node.target, node.name, name)
-        self._forward = gm.forward
-        if any(impl is not n.target for n, impl in impls.items()):
-            self._forward = self._bound_module(impls).forward
-        self._plan = self._make_plan(impls) if recorder is not None else None
+        nodes = list(gm.graph.nodes)
+        self._placeholders = [n for n in nodes if n.op == "placeholder"]
+        self._attrs = [(n, getattr(gm, n.target)) for n in nodes if n.op == "get_attr"]
+        self._output = _output_of(gm)
+        self._steps = plan_steps(gm, self._items(), table, name)
+        # The loop unpacks plain tuples: CPython's UNPACK_SEQUENCE has a fast path for exact
+        # tuples only, and a NamedTuple subclass costs about 10 % more per step.
+        self._loop = [tuple(s) for s in self._steps]
+        self._forward = self._fast_forward() if recorder is None else None
+
+    def _items(self) -> list[fx.Node | Step]:
+        """What :func:`plan_steps` plans: here every node but placeholders, ``get_attr`` and the
+        output, so compute runs one node at a time (subclasses compile segments instead)."""
+        return [n for n in self.gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+
+    def _fast_forward(self) -> Callable[..., Any] | None:
+        """The generated ``forward`` of the graph, with call targets replaced by the table's
+        implementations where they differ."""
+        impls = {s.node: s.impl for s in self._steps}
+        if all(impl is n.target for n, impl in impls.items()):
+            return self.gm.forward
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        g.output(g.graph_copy(self.gm.graph, env))
+        for old, new in env.items():
+            if old in impls:
+                new.target = impls[old]
+        return fx.GraphModule(self.gm, g, self.name).forward
 
     def __call__(self, args: list[Any]) -> Any:
-        if self._plan is None:
+        if self._forward is not None:
             inputs = list(args)
             args.clear()
             return self._forward(*inputs)
         run = self.recorder.start_run() if self.recorder is not None else None
         try:
-            return self._interpret(args, run)
+            return self.run_steps(args, run)
         finally:
             if run is not None:
                 run.finish()
 
-    def _bound_module(self, impls: dict[fx.Node, Callable[..., Any]]) -> fx.GraphModule:
-        """A copy of the graph whose call targets are the table's implementations."""
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        out = g.graph_copy(self.gm.graph, env)
-        g.output(out)
-        for old, new in env.items():
-            if old in impls:
-                new.target = impls[old]
-        return fx.GraphModule(self.gm, g, self.name)
+    def run_steps(self, args: list[Any], run: RunTrace | None) -> Any:
+        """Interpret the plan once: bind inputs, run every step, return the graph's outputs.
 
-    # -- traced path -------------------------------------------------------------
-
-    def _make_plan(self, impls: dict[fx.Node, Callable[..., Any]]) -> list[tuple]:
-        nodes = list(self.gm.graph.nodes)
-        last_use: dict[fx.Node, fx.Node] = {}
-        for node in reversed(nodes):
-            for inp in node.all_input_nodes:
-                last_use.setdefault(inp, node)
-        free_after: dict[fx.Node, list[fx.Node]] = {}
-        for value, user in last_use.items():
-            free_after.setdefault(user, []).append(value)
-        last_wait = {}
-        for node in nodes:
-            if is_collective(node):
-                waits = waits_of(node)
-                if waits:
-                    last_wait[waits[-1]] = node
-        plan = []
-        for node in nodes:
-            free = tuple(free_after.get(node, ()))
-            if node.op == "placeholder":
-                plan.append((_PLACEHOLDER, node, None, None, free))
-            elif node.op == "get_attr":
-                plan.append((_GET_ATTR, node, None, None, free))
-            elif node.op == "output":
-                plan.append((_OUTPUT, node, None, None, free))
-            elif node.op != "call_function":
-                raise UnknownOpError(f"fcoll executor: unsupported node kind {node.op!r} at "
-                                     f"node {node.name} of graph {self.name}")
-            elif is_collective(node):
-                info = collective_info(node)
-                extra = (info.kind, info.op, info.group_name,
-                         busbw_factor(info.kind, info.group_size or 0))
-                plan.append((_COLLECTIVE, node, impls[node], extra, free))
-            elif is_wait(node):
-                start = last_wait.get(node)
-                plan.append((_WAIT, node, impls[node], start.name if start is not None else None,
-                             free))
-            elif node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
-                    is_collective(node.args[0]):
-                plan.append((_PLUMBING, node, impls[node], None, free))
-            else:
-                plan.append((_COMPUTE, node, impls[node], str(node.target), free))
-        return plan
-
-    def _interpret(self, args: Sequence[Any], run: RunTrace | None) -> Any:
-        env: dict[fx.Node, Any] = {}
-        inputs = iter(list(args))
+        ``args`` is cleared (boxed convention: the caller gives up its references). With ``run``,
+        compute steps are timed and collectives recorded (see :mod:`fcoll.compile.trace`).
+        """
+        env: dict[fx.Node, Any] = dict(zip(self._placeholders, args))
         if isinstance(args, list):
             args.clear()
+        env.update(self._attrs)
         load = env.__getitem__
-        for kind, node, impl, extra, free in self._plan:
-            if kind == _PLACEHOLDER:
-                env[node] = next(inputs)
-                continue
-            if kind == _OUTPUT:
-                return fx.node.map_arg(node.args[0], load)
-            if kind == _GET_ATTR:
-                env[node] = getattr(self.gm, node.target)
-                continue
-            a = fx.node.map_arg(node.args, load)
-            kw = fx.node.map_arg(node.kwargs, load)
-            if run is None:
-                env[node] = impl(*a, **kw)
-            elif kind == _COMPUTE:
-                t0 = now_us()
-                env[node] = impl(*a, **kw)
-                run.compute(node.name, extra, t0, now_us())
-            elif kind == _COLLECTIVE:
-                t0 = now_us()
-                out = env[node] = impl(*a, **kw)
-                op_kind, op, group, factor = extra
-                run.comm_begin(node.name, op, group, comm_bytes(op_kind, a[0], out), factor, t0)
-            elif kind == _WAIT:
-                env[node] = impl(*a, **kw)
-                if extra is not None:
-                    run.comm_end(extra, node.name, now_us())
+        map_arg = fx.node.map_arg
+        for kind, node, impl, target, comm, ends, free in self._loop:
+            t0 = now_us() if run is not None else 0.0
+            if kind is _SEGMENT:
+                env.update(zip(node.outputs, impl([load(n) for n in node.inputs])))
             else:
-                env[node] = impl(*a, **kw)
-            for value in free:
-                env.pop(value, None)
-        raise RuntimeError(f"fcoll executor: graph {self.name} has no output node")
+                a = map_arg(node.args, load)
+                out = env[node] = impl(*a, **map_arg(node.kwargs, load))
+            if run is not None:
+                if target is not None:
+                    run.compute(node.name, target, t0, now_us())
+                elif comm is not None:
+                    nbytes = comm_bytes(comm.kind, tensor_bytes(a[0]), tensor_bytes(out))
+                    run.comm_begin(node.name, comm.op, comm.group, nbytes, comm.busbw_factor, t0)
+                elif ends is not None:
+                    run.comm_end(ends, node.name, now_us())
+            for n in free:
+                env.pop(n, None)
+        return map_arg(self._output, load)

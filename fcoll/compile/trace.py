@@ -17,13 +17,14 @@ runs: forward and backward). The format, which ``fcoll.inspect.compare(trace, gm
   "wait_node"}``. A collective whose wait never ran in the same graph run ends at the end of
   the run with ``"wait_node": None``.
 
-``bytes`` follows the nccl-tests convention for the size of one collective: the larger of the
-input and output buffers on this rank (the full tensor for all_reduce and broadcast, the gathered
-output for all_gather, the unscattered input for reduce_scatter), the input for all_to_all.
-``busbw_gbps = bytes / time * factor / 1e9`` with the nccl-tests bus-bandwidth factors
-(all_reduce ``2(n-1)/n``; all_gather, reduce_scatter, all_to_all ``(n-1)/n``; broadcast 1), where
-``time`` is issue to wait return (so it includes time the wait was not yet asked for; it is a
-lower bound of the bandwidth).
+``bytes`` follows the nccl-tests convention for the size of one collective
+(:func:`fcoll.ops.facts.comm_bytes`): the larger of the input and output buffers on this rank
+(the full tensor for all_reduce and broadcast, the gathered output for all_gather, the
+unscattered input for reduce_scatter), the input for all_to_all.
+``busbw_gbps = bytes / time * factor / 1e9`` with the nccl-tests bus-bandwidth factor of
+:func:`fcoll.ops.facts.busbw_factor` (all_reduce ``2(n-1)/n``; all_gather, reduce_scatter,
+all_to_all ``(n-1)/n``; broadcast 1; 0 on one rank), where ``time`` is issue to wait return (so
+it includes time the wait was not yet asked for; it is a lower bound of the bandwidth).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["TraceRecorder", "RunTrace", "recorder_for", "trace_dir_from", "busbw_factor",
-           "KEEP_RUNS", "now_us"]
+__all__ = ["TraceRecorder", "RunTrace", "recorder_for", "trace_dir_from", "KEEP_RUNS", "now_us"]
 
 #: Graph runs kept in each rank's trace file (the oldest are dropped first).
 KEEP_RUNS = 16
@@ -46,17 +46,6 @@ KEEP_RUNS = 16
 def now_us() -> float:
     """The host's monotonic clock, in microseconds."""
     return time.perf_counter_ns() / 1e3
-
-
-def busbw_factor(kind: str, n: int) -> float:
-    """nccl-tests bus-bandwidth factor of collective ``kind`` on ``n`` ranks."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
 
 
 def trace_dir_from(option: str | None) -> str | None:

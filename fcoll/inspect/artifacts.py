@@ -3,6 +3,10 @@
 A *record* is what ``fcoll.compile.backend`` hands its compile listeners for every graph it
 compiles: ``record.name`` (e.g. ``"graph_0_forward"``), ``record.before`` and ``record.after``
 (GraphModules before and after the passes), ``record.config`` and ``record.rank``.
+
+Importing this module subscribes :func:`emit_artifacts` to the backend's compile listener,
+enabled while :func:`artifacts_enabled` (``TORCH_TRACE`` is set), so tlparse shows fcoll's graphs
+and reports for every graph the backend compiles. ``import fcoll`` imports it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from torch._logging import trace_structured
+
+from fcoll.compile.backend import register_compile_listener
 from fcoll.inspect.format import format_graph
 from fcoll.inspect.report import overlap_report
 from fcoll.inspect.schedule import PredictFn, predicted_events
@@ -124,8 +131,6 @@ def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
     (``TORCH_TRACE=dir``), so the call is free otherwise; a failure to build them becomes the
     payload text (and a warning) instead of an exception.
     """
-    from torch._logging import trace_structured
-
     if not artifacts_enabled():  # the check trace_structured makes: tracing is off
         return
     name = _safe(record.name)
@@ -147,3 +152,6 @@ def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
             metadata_fn=lambda s=suffix: {"name": f"fcoll_{name}_{s}", "encoding": "string"},
             payload_fn=lambda f=fname: files[f], expect_trace_id=False,
         )
+
+
+_TLPARSE_LISTENER = register_compile_listener(emit_artifacts, enabled=artifacts_enabled)

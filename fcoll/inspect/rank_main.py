@@ -24,6 +24,11 @@ import runpy  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
+from fcoll.compile.backend import register_compile_listener  # noqa: E402
+from fcoll.inspect.artifacts import write_record  # noqa: E402
+from fcoll.inspect.report import overlap_report  # noqa: E402
+from fcoll.inspect.trace_compare import compare  # noqa: E402
+
 log = logging.getLogger("fcoll.inspect.rank_main")
 
 SUMMARY = "summary.json"
@@ -39,8 +44,6 @@ class _Capture:
         self.errors: list[str] = []
 
     def __call__(self, record: Any) -> None:
-        from fcoll.inspect.artifacts import write_record
-
         try:
             write_record(record, self.out_dir)
             self.records.append(record)
@@ -51,9 +54,6 @@ class _Capture:
 
 
 def _summarize(cap: _Capture, trace_path: str) -> list[dict[str, Any]]:
-    from fcoll.inspect.report import overlap_report
-    from fcoll.inspect.trace_compare import compare
-
     rows = []
     have_trace = os.path.exists(trace_path)
     for rec in cap.records:
@@ -79,9 +79,6 @@ def main(argv: list[str]) -> None:
     rank_dir = os.path.join(out, f"rank{rank}")
     os.makedirs(rank_dir, exist_ok=True)
     trace_dir = os.environ.setdefault("FCOLL_TRACE_DIR", os.path.join(out, TRACES))
-
-    from fcoll.compile.backend import register_compile_listener
-
     cap = _Capture(rank_dir)
     handle = register_compile_listener(cap)
     sys.argv = [script, *args]
