@@ -160,6 +160,28 @@ def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int,
     return times[1:]
 
 
+def _time_variant(T, cfg, comm, backend: str, options, parallel: str, shapes, batch, barrier,
+                  a: dict) -> float | str:
+    """Median step time of one variant, or "failed: ..." (a failing baseline is reported)."""
+    import torch
+
+    torch._dynamo.reset()
+    step = T.make_train_step(cfg, comm, parallel, shapes=shapes)
+    try:
+        if backend == "inductor":
+            import torch._inductor.config as icfg
+
+            with icfg.patch(reorder_for_compute_comm_overlap=True):
+                run = T.compile_step(step, "inductor")
+                times = _time_steps(run, batch, a["warmup"], a["steps"], barrier)
+        else:
+            run = T.compile_step(step, backend, options)
+            times = _time_steps(run, batch, a["warmup"], a["steps"], barrier)
+        return statistics.median(times)
+    except Exception as e:  # noqa: BLE001  a baseline that fails is reported, not fatal
+        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
 def _rank(rank: int, world: int, a: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -192,23 +214,9 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         }
         if not a["no_inductor"]:
             variants["inductor"] = (T.TorchComm(group), "inductor", None)
-        res: dict = {}
-        for name, (comm, backend, options) in variants.items():
-            torch._dynamo.reset()
-            step = T.make_train_step(cfg, comm, parallel, shapes=shapes)
-            try:
-                if backend == "inductor":
-                    import torch._inductor.config as icfg
-
-                    with icfg.patch(reorder_for_compute_comm_overlap=True):
-                        run = T.compile_step(step, "inductor")
-                        times = _time_steps(run, batch, a["warmup"], a["steps"], barrier)
-                else:
-                    run = T.compile_step(step, backend, options)
-                    times = _time_steps(run, batch, a["warmup"], a["steps"], barrier)
-                res[name] = statistics.median(times)
-            except Exception as e:  # noqa: BLE001  a baseline that fails is reported, not fatal
-                res[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        res: dict = {name: _time_variant(T, cfg, comm, backend, options, parallel, shapes, batch,
+                                         barrier, a)
+                     for name, (comm, backend, options) in variants.items()}
         res["comm"] = statistics.median(_comm_only(params, parallel, world, 25 * 2 ** 20, group,
                                                    a["steps"]))
         # The forward's compute alone (the loss of full parameters, no collective): DDP's

@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fcoll  # registers torch.ops.fcoll and the "fcoll" process-group backend
+
 __all__ = ["GPTConfig", "load_text", "init_params", "gpt_loss", "FcollComm", "TorchComm",
            "shard_params", "unshard_params", "init_adamw", "make_train_step", "get_batch",
            "compile_step", "main"]
@@ -186,14 +188,10 @@ class FcollComm:
         self.n, self.group, self.group_name = group.size(), group, group.group_name
 
     def all_reduce_avg(self, t: torch.Tensor) -> torch.Tensor:
-        import fcoll
-
         return fcoll.all_reduce(t, "avg", self.group)
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """``[k] -> [n * k]``, differentiable (backward: reduce_scatter sum)."""
-        import fcoll
-
         # The raw op with a Python-int group size: fcoll.all_gather_tensor looks the size up by
         # group name, which Dynamo cannot trace (a graph break).
         return fcoll.wait_tensor(torch.ops.fcoll.all_gather_into_tensor(shard, self.n,
@@ -354,8 +352,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _init_dist(args: argparse.Namespace) -> None:
-    import fcoll  # noqa: F401  registers the "fcoll" process-group backend
-
     backend = "gloo" if args.backend_baseline else args.dist_backend
     if backend == "fcoll" and "FCOLL" not in dist.Backend._plugins:
         print("fcoll process-group backend is not registered on this platform; using gloo",

@@ -275,7 +275,14 @@ def _program(x, ints, sub, rank, eager):
     out["reduce_to_1"] = r
     dist.barrier()
     dist.barrier(sub)
-    # async_op=True: start everything, compute, then wait.
+    out.update(_async_program(x, sub))
+    return out
+
+
+def _async_program(x, sub):
+    """async_op=True: start everything, compute, then wait."""
+    ws = 2
+    out = {}
     a, g, bc, rs = x.clone(), x.new_empty(ws * 4, 3), x.clone(), x.new_empty(2, 3)
     a2a, red, lst = torch.empty_like(x), x.clone(), [torch.empty_like(x) for _ in range(ws)]
     works = [dist.all_reduce(a, group=sub, async_op=True),
