@@ -65,7 +65,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fcoll.passes.bucket_plan import Bucket, plan_buckets
+from fcoll.passes.bucket_plan import Bucket, model_costs, plan_buckets
 from fcoll.passes.graph import META_HIDING, args_by_name, check_topological, waits_of
 from fcoll.passes.registry import FcollPass, register_pass
 from fcoll.passes.config import FcollConfig
@@ -445,7 +445,8 @@ class BucketCollectives(FcollPass):
         """Nothing more: :func:`apply_buckets` already ended with :func:`check_topological`."""
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
-        buckets = plan_buckets(graph_module, self.config, self.estimates, include_moves=True)
+        costs = model_costs(graph_module, self.config, self.estimates)
+        buckets = plan_buckets(graph_module, self.config, costs, include_moves=True)
         merged = [b for b in buckets if len(b.members) > 1]
         if merged:
             log.debug("bucket_collectives: %d buckets from %d collectives", len(merged),
