@@ -9,7 +9,9 @@ runs the queue up to that job on the waiting thread itself, instead of waking th
 sleeping until it is done (two thread hand-offs, tens of microseconds, more on a loaded
 machine). Order is kept because only one thread executes jobs at a time (``_running``) and
 always the oldest job first. A ``wait()`` on a job already running blocks on the job's lock,
-which costs no CPU.
+which costs no CPU. A synchronous call runs on the caller's thread at once when the executor is
+idle: a queued ``Job`` through :meth:`Engine.run_inline`, a fast path's one-slot kernel through
+:meth:`Engine.run_fast` (no ``Job`` at all).
 
 Failure model: a header mismatch or invalid input raises on every rank at the same phase, so the
 group stays usable. A dead peer, a timeout or an unexpected error leaves the ranks at different
@@ -84,7 +86,14 @@ def _settle(fut: torch.futures.Future, job: Job) -> None:
 
 
 class Engine:
-    """Owns the channel (segment + counters) of one group, its job queue and worker thread."""
+    """Owns the channel (segment + counters) of one group, its job queue and worker thread.
+
+    Attributes:
+        seg, ch: the group's segment and channel.
+        seq: the sequence number of the next collective issued on this group; whoever issues
+            one (the process group, or :meth:`run_fast`) takes it and increments it.
+        broken: the error that made the group unusable, or None.
+    """
 
     def __init__(self, seg: Segment, ch: Channel, label: str):
         self.seg = seg
@@ -95,7 +104,7 @@ class Engine:
         self._running = False
         self._wake = threading.Semaphore(0)
         self._closed = False
-        self.seq = 0  # the sequence number of the next collective issued on this group
+        self.seq = 0
         self._thread = threading.Thread(target=self._loop, name=f"fcoll-{label}", daemon=True)
         self._thread.start()
         _engines.add(self)

@@ -29,6 +29,7 @@ NO_ROOT = -1  # ``root`` of a collective that has none
 NO_SEQ = -1  # ``seq`` of a later part of a collective whose first header carried the number
 ALL_TO_ALL = "all_to_all_single"  # the one op whose shapes and ``extra`` may differ by rank
 DIGEST_BYTES = 16
+MAX_ERROR_CHARS = HEADER_BYTES // 4  # an error message too long for the header is cut to this
 _ALL_TO_ALL_BYTES = ALL_TO_ALL.encode()
 
 
@@ -83,7 +84,7 @@ class Header(NamedTuple):
                                      digest_size=DIGEST_BYTES).hexdigest()
             payload = marshal.dumps(tuple(self._replace(shape=(), extra=("digest", digest))))
         if len(payload) > MAX_PAYLOAD_BYTES:
-            error = (self.error or "header too large")[:HEADER_BYTES // 4]
+            error = (self.error or "header too large")[:MAX_ERROR_CHARS]
             payload = marshal.dumps(tuple(self._replace(shape=(), extra=None, error=error)))
         return payload
 

@@ -35,6 +35,8 @@ from fcoll.shm.segment import default_slot_bytes, open_segment
 from fcoll.shm.sync import Channel
 from fcoll.shm.validate import Staging, check_all_gather, check_reduce_scatter
 
+ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
+
 class FcollProcessGroup(dist.ProcessGroup):
     """Shared-memory process group of the ranks of one host (CPU tensors; CUDA staged).
 
@@ -94,7 +96,7 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         self._fast.clear()
-        self._engine.close(timeout_s=0.5)
+        self._engine.close(timeout_s=ABORT_TIMEOUT_S)
 
     # ---- submission -----------------------------------------------------------------------
     def _submit(self, name: str, shape_of: torch.Tensor | None, *, reduce_op: str = "",

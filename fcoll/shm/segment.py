@@ -38,6 +38,7 @@ import torch
 
 SHM_DIR = "/dev/shm"
 PREFIX = "fcoll-"
+NAME_RANDOM_BYTES = 16  # 32 hex digits in every segment name
 CONTROL_BYTES = 64  # one cache line per rank, so counters of different ranks never share a line
 HEADER_BYTES = 2048
 NSLOTS = 3  # data slots per rank, used round robin (see phases.py for why 3)
@@ -50,7 +51,8 @@ W_PID = 1
 W_START_LO = 2
 W_START_HI = 3
 W_SLEEP = 4  # W_SLEEP + q: rank q is (about to be) blocked in FUTEX_WAIT on this counter
-MAX_SLEEP_FLAGS = CONTROL_BYTES // 4 - W_SLEEP
+WORD_BYTES = 4  # control words are u32
+MAX_SLEEP_FLAGS = CONTROL_BYTES // WORD_BYTES - W_SLEEP
 U32_BITS = 32
 U32_MASK = (1 << U32_BITS) - 1
 
@@ -144,7 +146,7 @@ class Layout:
 
     def word(self, rank: int, index: int) -> int:
         """Index of a u32 control word in the segment viewed as u32."""
-        return (rank * CONTROL_BYTES) // 4 + index
+        return (rank * CONTROL_BYTES) // WORD_BYTES + index
 
 
 class Segment:
@@ -190,7 +192,7 @@ class Segment:
         return v
 
     def word_addr(self, rank: int, index: int) -> int:
-        return self.base + self.layout.word(rank, index) * 4
+        return self.base + self.layout.word(rank, index) * WORD_BYTES
 
     def close(self) -> None:
         """Drop every view and unmap; a view still held elsewhere leaves the mapping to the GC."""
@@ -211,7 +213,7 @@ class Segment:
 
 def _create(size: int) -> tuple[str, int]:
     for _ in range(8):
-        path = os.path.join(SHM_DIR, PREFIX + secrets.token_hex(16))
+        path = os.path.join(SHM_DIR, PREFIX + secrets.token_hex(NAME_RANDOM_BYTES))
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except FileExistsError:
