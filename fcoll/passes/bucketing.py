@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -65,6 +65,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fcoll.ops.facts import OPS
 from fcoll.passes.bucket_plan import Bucket, model_costs, plan_buckets
 from fcoll.passes.graph import META_HIDING, args_by_name, check_topological, waits_of
 from fcoll.passes.registry import FcollPass, register_pass
@@ -79,18 +80,14 @@ META_BUCKET = "fcoll_bucket_members"
 
 aten = torch.ops.aten
 _WAITS = (torch.ops.fcoll.wait_tensor.default, torch.ops._c10d_functional.wait_tensor.default)
-#: fcoll collective -> first output dim from (input rows, args), as fcoll/ops/library.py's fake
-#: kernels give it (contiguous, the input's dtype); the rewrite emits these on 1-D buffers.
-_COLLECTIVE_SHAPES: dict[Any, Callable[[int, tuple], list[int]]] = {
-    torch.ops.fcoll.all_reduce.default: lambda rows, a: [rows],
-    torch.ops.fcoll.all_reduce_.default: lambda rows, a: [rows],
-    torch.ops.fcoll.all_gather_into_tensor.default: lambda rows, a: [rows * a[1]],
-    torch.ops.fcoll.reduce_scatter_tensor.default: lambda rows, a: [rows // a[2]],
-    torch.ops.fcoll.all_to_all_single.default: lambda rows, a: [sum(a[1])],
-}
-_COALESCED = {"all_reduce": "all_reduce_coalesced",
-              "all_gather": "all_gather_into_tensor_coalesced",
-              "reduce_scatter": "reduce_scatter_tensor_coalesced"}
+#: fcoll collective -> first output dim from (input rows, args): the op-facts table's
+#: ``output_rows`` (contiguous, the input's dtype); the rewrite emits these on 1-D buffers.
+_OUTPUT_ROWS: dict[Any, Callable[[int, tuple], int]] = {
+    getattr(torch.ops.fcoll, f.name).default: f.output_rows
+    for f in OPS.values() if f.output_rows is not None}
+#: kind -> its functional coalesced op (the op-facts table's coalesced twins).
+_COALESCED = {f.kind: f.name for f in OPS.values()
+              if f.coalesced and not f.mutates and f.functional == f.name}
 
 
 def _infer(shape: list[int], numel: int) -> list[int]:
@@ -110,11 +107,14 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
 
 
 class _Vals:
-    """Fake values of the few aten ops the rewrite emits, computed from shapes alone.
+    """Fake values of the few ops the rewrite emits, computed from shapes alone.
 
-    A table of (op -> output shape rule), like a rewrite table: FakeTensorMode dispatch costs
-    0.1-0.5 ms per op on the CI machine, which a 100k-node graph cannot afford; these rules cost a
-    few microseconds. Any other op falls back to running it under the graph's fake mode.
+    A table of (op -> output shape rule), like a rewrite table: the rules are the ops' own
+    (aten's view, reshape, cat, split semantics; collectives through the op-facts table's
+    ``output_rows``, the shapes of fcoll's fake kernels), evaluated without dispatching, since
+    the rewrite emits several nodes per member and a FakeTensorMode dispatch per node would
+    dominate the pass. ``tests/test_bucketing.py`` checks the merged collectives' values against
+    the fake kernels. Any other op falls back to running it under the graph's fake mode.
     """
 
     def __init__(self, fake_mode: FakeTensorMode):
@@ -154,9 +154,9 @@ class _Vals:
             x, sizes, dim = args[0], args[1], (args[2] if len(args) > 2 else 0)
             return [self.like(x, [*x.shape[:dim], s, *x.shape[dim + 1:]], strides=list(x.stride()))
                     for s in sizes]
-        if target in _COLLECTIVE_SHAPES and args[0].dim():   # as fcoll's own fake kernels
+        if target in _OUTPUT_ROWS and args[0].dim():   # as fcoll's own fake kernels
             x = args[0]
-            return self.like(x, [*_COLLECTIVE_SHAPES[target](x.shape[0], args), *x.shape[1:]])
+            return self.like(x, [_OUTPUT_ROWS[target](x.shape[0], args), *x.shape[1:]])
         with self.fake_mode:
             return target(*args, **kwargs)
 
@@ -214,6 +214,37 @@ def _ns(node: fx.Node):
     return getattr(torch.ops, node.target.namespace)
 
 
+class _Coalesced(NamedTuple):
+    """Issued: one coalesced collective; ``items`` are its per-member ``getitem`` nodes."""
+
+    items: list[fx.Node]
+
+
+class _Reduction(NamedTuple):
+    """Issued: one concatenated all_reduce or reduce_scatter ``coll`` of the members at
+    positions ``sel`` (one dtype), over ``n`` ranks (reduce_scatter; 1 for all_reduce)."""
+
+    coll: fx.Node
+    sel: list[int]
+    n: int
+
+
+class _Gathered(NamedTuple):
+    """Issued: one all_gather ``coll`` of the concatenated members, ``sizes`` elements (or
+    bytes) of each member per rank."""
+
+    coll: fx.Node
+    sizes: list[int]
+
+
+class _Exchanged(NamedTuple):
+    """Issued: one all_to_all ``coll``; ``pieces[r][i]`` = bytes of member ``i`` received from
+    rank ``r``."""
+
+    coll: fx.Node
+    pieces: list[list[int]]
+
+
 class _Rewrite:
     """State of one bucket's rewrite: its issue group emits the collective(s), its wait group the
     wait(s) and the nodes that replace each member's wait."""
@@ -225,7 +256,8 @@ class _Rewrite:
         self.mode = mode if bucket.kind != "all_to_all" else "concat"
         # byte-movers with members of several dtypes move uint8; one dtype moves that dtype
         self.as_bytes = bucket.kind == "all_to_all" or len(set(bucket.dtypes)) > 1
-        self.pending: list[tuple[Any, ...]] = []   # what the wait group needs from the issue
+        # what the wait group needs from the issue group, one record per issued collective
+        self.pending: list[_Coalesced | _Reduction | _Gathered | _Exchanged] = []
         self.replacements: list[fx.Node] = []      # one per member, in member order
 
     # -- issue ---------------------------------------------------------------------------------
@@ -235,7 +267,7 @@ class _Rewrite:
         if self.mode == "coalesced":
             op = getattr(ns, _COALESCED[self.bucket.kind]).default
             coll = emit(op, inputs, *extra)
-            self.pending.append(("coalesced", emit.getitems(coll, len(inputs))))
+            self.pending.append(_Coalesced(emit.getitems(coll, len(inputs))))
             self._tag(coll)
         elif self.bucket.kind in ("all_reduce", "reduce_scatter"):
             for dtype in dict.fromkeys(self.bucket.dtypes):   # per-dtype sub-buckets, in order
@@ -260,9 +292,8 @@ class _Rewrite:
             buf = flats[0] if len(flats) == 1 else emit(aten.cat.default, flats)
             if len(flats) > 1:
                 # The concat buffer is the bucket's own, read by nothing else: reduce it in
-                # place. No output buffer to allocate and first write (measured on fcoll's
-                # backend, 13.9 MiB in 200 gradients: 3.5 ms in place against 5.5 ms into a
-                # fresh output), as DDP reduces its bucket buffers in place.
+                # place, so no output buffer is allocated and first written, as DDP reduces
+                # its bucket buffers in place.
                 op = ns.all_reduce_.default
         else:
             rows = [emit(aten.reshape.default, inputs[i], [n, -1]) for i in sel]
@@ -270,7 +301,7 @@ class _Rewrite:
             buf = emit(aten.reshape.default, cat, [-1])
         coll = emit(op, buf, *extra)
         self._tag(coll)
-        self.pending.append(("reduction", coll, sel, n))
+        self.pending.append(_Reduction(coll, sel, n))
 
     def _issue_all_gather(self, emit, ns, extra, inputs) -> None:
         if self.as_bytes:
@@ -281,7 +312,7 @@ class _Rewrite:
         buf = emit(aten.cat.default, flats)
         coll = emit(self.members[0].target, buf, *extra)
         self._tag(coll)
-        self.pending.append(("all_gather", coll, [f.meta["val"].numel() for f in flats]))
+        self.pending.append(_Gathered(coll, [f.meta["val"].numel() for f in flats]))
 
     def _issue_all_to_all(self, emit, ns, inputs) -> None:
         args = [args_by_name(m) for m in self.members]
@@ -303,45 +334,47 @@ class _Rewrite:
         self._tag(coll)
         pieces = [[a["output_split_sizes"][r] * rb for a, rb in zip(args, row_bytes)]
                   for r in range(n)]
-        self.pending.append(("all_to_all", coll, pieces))
+        self.pending.append(_Exchanged(coll, pieces))
 
     # -- wait ----------------------------------------------------------------------------------
     def wait(self, emit: _Emit) -> None:
-        ns = _ns(self.members[0])
-        out = [None] * len(self.members)
+        """Emit the wait(s) and one replacement per member (``self.replacements``)."""
+        wait = _ns(self.members[0]).wait_tensor.default
+        out: list[fx.Node | None] = [None] * len(self.members)
         for item in self.pending:
-            kind = item[0]
-            if kind == "coalesced":
-                for i, g in enumerate(item[1]):
-                    out[i] = emit(ns.wait_tensor.default, g)
-                continue
-            w = emit(ns.wait_tensor.default, item[1])
-            if kind == "reduction":
-                _, _, sel, n = item
-                sizes = [self.members[i].meta["val"].numel() for i in sel]
-                parts = self._split(emit, w, sizes, 0)
-                for i, p in zip(sel, parts):
-                    out[i] = _view_as(emit, p, self.members[i].meta["val"].shape)
-            elif kind == "all_gather":
-                sizes, n = item[2], self.bucket.key[2]
-                grid = emit(aten.view.default, w, [n, sum(sizes)])
-                for i, p in enumerate(self._split(emit, grid, sizes, 1)):
-                    shape = list(self.members[i].meta["val"].shape)
-                    if not self.as_bytes:           # one copy: [n, numel_i] slice -> shape
-                        out[i] = emit(aten.reshape.default, p, shape)
-                        continue
-                    out[i] = self._as_member(emit, emit(aten.clone.default, p,
-                                             memory_format=torch.contiguous_format), i)
+            if isinstance(item, _Coalesced):
+                for i, g in enumerate(item.items):
+                    out[i] = emit(wait, g)
+            elif isinstance(item, _Reduction):
+                self._wait_reduction(emit, emit(wait, item.coll), item, out)
+            elif isinstance(item, _Gathered):
+                self._wait_all_gather(emit, emit(wait, item.coll), item, out)
             else:
-                pieces = item[2]
-                flat = [s for row in pieces for s in row]
-                parts = self._split(emit, w, flat, 0)
-                m = len(self.members)
-                for i in range(m):
-                    mine = [parts[r * m + i] for r in range(len(pieces))]
-                    cat = mine[0] if len(mine) == 1 else emit(aten.cat.default, mine)
-                    out[i] = self._as_member(emit, cat, i)
+                self._wait_all_to_all(emit, emit(wait, item.coll), item, out)
         self.replacements = out
+
+    def _wait_reduction(self, emit: _Emit, w: fx.Node, item: _Reduction, out: list) -> None:
+        sizes = [self.members[i].meta["val"].numel() for i in item.sel]
+        for i, p in zip(item.sel, self._split(emit, w, sizes, 0)):
+            out[i] = _view_as(emit, p, self.members[i].meta["val"].shape)
+
+    def _wait_all_gather(self, emit: _Emit, w: fx.Node, item: _Gathered, out: list) -> None:
+        sizes, n = item.sizes, self.bucket.key[2]
+        grid = emit(aten.view.default, w, [n, sum(sizes)])
+        for i, p in enumerate(self._split(emit, grid, sizes, 1)):
+            if not self.as_bytes:           # one copy: [n, numel_i] slice -> shape
+                out[i] = emit(aten.reshape.default, p, list(self.members[i].meta["val"].shape))
+                continue
+            out[i] = self._as_member(emit, emit(aten.clone.default, p,
+                                                memory_format=torch.contiguous_format), i)
+
+    def _wait_all_to_all(self, emit: _Emit, w: fx.Node, item: _Exchanged, out: list) -> None:
+        parts = self._split(emit, w, [s for row in item.pieces for s in row], 0)
+        m = len(self.members)
+        for i in range(m):
+            mine = [parts[r * m + i] for r in range(len(item.pieces))]
+            cat = mine[0] if len(mine) == 1 else emit(aten.cat.default, mine)
+            out[i] = self._as_member(emit, cat, i)
 
     @staticmethod
     def _split(emit: _Emit, node: fx.Node, sizes: list[int], dim: int) -> list[fx.Node]:
@@ -385,6 +418,25 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
     moves = {b.seq: by_name[b.members[0]] for b in buckets if len(b.members) == 1}
     rewrites = {b.seq: _Rewrite(b, [by_name[m] for m in b.members], config.bucket_mode)
                 for b in buckets if b.seq not in moves}
+    _insert_groups(g, nodes, buckets, moves, rewrites, fake_vals)
+    for rw in rewrites.values():
+        for member, wait, new in zip(rw.members, rw.waits, rw.replacements):
+            wait.replace_all_uses_with(new)
+            g.erase_node(wait)
+            g.erase_node(member)
+        if rw.mode != config.bucket_mode:
+            log.debug("bucket %d (%s): no coalesced op for %s, used concat", rw.bucket.seq,
+                      list(rw.bucket.members), rw.bucket.kind)
+    check_topological(g)
+    gm.recompile()
+    return gm
+
+
+def _insert_groups(g: fx.Graph, nodes: list[fx.Node], buckets: list[Bucket],
+                   moves: dict[int, fx.Node], rewrites: dict[int, _Rewrite],
+                   fake_vals: _Vals) -> None:
+    """Insert every bucket's issue and wait group (and move one-member buckets) in sort-key
+    order; groups at one anchor follow each other in that order."""
     replaced: dict[fx.Node, fx.Node] = {}
     groups = sorted([(b.issue_key, b.seq, "issue") for b in buckets]
                     + [(b.wait_key, b.seq, "wait") for b in buckets if b.seq not in moves])
@@ -417,17 +469,6 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
                 rw.wait(emit)
                 replaced.update(zip(rw.waits, rw.replacements))
         cursor = nxt.prev
-    for rw in rewrites.values():
-        for member, wait, new in zip(rw.members, rw.waits, rw.replacements):
-            wait.replace_all_uses_with(new)
-            g.erase_node(wait)
-            g.erase_node(member)
-        if rw.mode != config.bucket_mode:
-            log.debug("bucket %d (%s): no coalesced op for %s, used concat", rw.bucket.seq,
-                      list(rw.bucket.members), rw.bucket.kind)
-    check_topological(g)
-    gm.recompile()
-    return gm
 
 
 @register_pass
