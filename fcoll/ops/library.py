@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from fcoll import compat
 from fcoll.ops import pending
 from fcoll.ops.groups import group_from_name
 from fcoll.ops.reduce import (DIST_REDUCE_OPS, REDUCE_OPS, divide_for_avg, reduce_rows_into,
@@ -74,14 +75,18 @@ SCHEMAS = {
 
 _EXTRA_TAGS = {
     # Tagging in-place and out= variants lets AOTAutograd functionalize them
-    # (auto_functionalized_v2) instead of rejecting their aliased returns.
-    "all_reduce_": (torch.Tag.inplace,),
-    "broadcast_": (torch.Tag.inplace,),
-    "all_gather_into_tensor_out": (torch.Tag.out,),
+    # (auto_functionalized_v2) instead of rejecting their aliased returns. torch 2.11 has neither
+    # tag nor that support; there functionalize_as_twins stands in (a no-op on 2.13).
+    "all_reduce_": compat.INPLACE_TAGS,
+    "broadcast_": compat.INPLACE_TAGS,
+    "all_gather_into_tensor_out": compat.OUT_TAGS,
 }
 
 for _name, _schema in SCHEMAS.items():
     lib.define(_schema, tags=_PT2 + _EXTRA_TAGS.get(_name, ()))
+
+compat.functionalize_as_twins(lib, {"all_reduce_": "all_reduce", "broadcast_": "broadcast",
+                                     "all_gather_into_tensor_out": "all_gather_into_tensor"})
 
 torch.fx.node.has_side_effect(torch.ops.fcoll.wait_tensor.default)
 
@@ -331,7 +336,7 @@ def _gather_into(op: str, input: torch.Tensor, out: torch.Tensor, group_size: in
         out.copy_(input.reshape(out.shape))
         return
     buf, copy_back = _wire_output(pg, out, initialised=False)
-    work = dist.all_gather_single(buf, _wire_input(pg, input), group=pg, async_op=True)
+    work = compat.all_gather_single(buf, _wire_input(pg, input), group=pg, async_op=True)
     pending.register(out, work, copy_back)
 
 
@@ -408,7 +413,7 @@ def start_reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, input: torch.
     n = pg.size()
     if not _reduces_scatter_by_all_to_all(pg):
         op, fin = _reduce_args(reduce_op, pg, dtype, out)
-        return dist.reduce_scatter_single(out, input, op=op, group=pg, async_op=True), fin
+        return compat.reduce_scatter_single(out, input, op=op, group=pg, async_op=True), fin
     rows = torch.empty((n, *out.shape), dtype=input.dtype, device=input.device)
     work = dist.all_to_all_single(rows.view(input.shape), input, group=pg, async_op=True)
 

@@ -9,11 +9,11 @@ call (group: None, WORLD, a group)  graph
 ``all_reduce(t, op)``               ``t.copy_(wait(all_reduce(t, op)))``
 ``all_gather_into_tensor(o, i)``,   ``o.copy_(wait(all_gather_into_tensor(i)).reshape(o))``
 ``_all_gather_base``,               (``o`` may be ``[n * N, *]`` or ``[n, N, *]``, as in torch)
-``all_gather_single``
+``all_gather_single`` (2.13 on)
 ``all_gather(ts, i)``               one all_gather; ``ts[r].copy_(chunk r)``
 ``reduce_scatter_tensor(o, i, op)``,  ``o.copy_(wait(reduce_scatter_tensor(i.reshape(n*N, *))))``
 ``_reduce_scatter_base``,
-``reduce_scatter_single``
+``reduce_scatter_single`` (2.13 on)
 ``all_to_all_single(o, i, os, is)``  ``o.copy_(wait(all_to_all_single(i, os, is)))``; a None
                                     split list is an even split of that tensor's dim 0
 ``broadcast(t, src)``               ``t.copy_(wait(broadcast(t, group rank of src)))``
@@ -65,6 +65,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fcoll import compat
+from fcoll.ops.groups import group_from_name, group_rank, group_size
+
 __all__ = ["install", "installed", "REMAPPED", "reduce_op_name"]
 
 log = logging.getLogger(__name__)
@@ -104,17 +107,25 @@ def reduce_op_name(op: Any, call: str = "all_reduce") -> str:
     return _REDUCE_NAMES[key]
 
 
+# The trace-time helpers below take the group's name, not the group: Dynamo 2.11 wraps a
+# ProcessGroup subclass (fcoll's backend) as a plain object, which it cannot pass to them.
 @torch.compiler.assume_constant_result
-def _group_rank(group: Any, global_rank: int) -> int:
-    """Rank inside ``group`` of the global rank ``global_rank`` (run once, at trace time)."""
-    return dist.get_group_rank(group, global_rank)
+def _group_rank(group_name: str, global_rank: int) -> int:
+    """Rank inside the group of the global rank ``global_rank`` (run once, at trace time)."""
+    return dist.get_group_rank(group_from_name(group_name), global_rank)
 
 
 @torch.compiler.assume_constant_result
-def _barrier_device(group: Any) -> str:
+def _rank_in(group_name: str) -> int:
+    """This process's rank inside the group (run once, at trace time)."""
+    return group_rank(group_name)
+
+
+@torch.compiler.assume_constant_result
+def _barrier_device(group_name: str) -> str:
     """"cuda" for an nccl group (it has no CPU tensors), else "cpu" (run once, at trace time)."""
     try:
-        return "cuda" if group._get_backend_name() == "nccl" else "cpu"
+        return "cuda" if group_from_name(group_name)._get_backend_name() == "nccl" else "cpu"
     except (AttributeError, RuntimeError):
         return "cpu"
 
@@ -125,7 +136,7 @@ def _root(group: Any, global_rank: Any, group_rank: Any, call: str, arg: str) ->
         return group_rank
     if global_rank is None:
         raise ValueError(f"fcoll: dist.{call} needs {arg} or group_{arg}")
-    return _group_rank(group, global_rank)
+    return _group_rank(group.group_name, global_rank)
 
 
 class TracedWork:
@@ -188,7 +199,8 @@ def all_reduce(tensor, op=_RO.SUM, group=None, async_op=False):
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     """``dist.all_gather_into_tensor``: ``input [N, *]`` -> ``output [n * N, *]`` or ``[n, N, *]``."""
     group = _world(group)
-    r = _F.all_gather_into_tensor.default(input_tensor, group.size(), group.group_name)
+    name = group.group_name
+    r = _F.all_gather_into_tensor.default(input_tensor, group_size(name), name)
     return _complete(r, [(output_tensor, None, None)], async_op)
 
 
@@ -208,7 +220,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     Every entry of ``tensor_list`` must have ``tensor``'s shape (as gloo and nccl require).
     """
     group = _world(group)
-    n = group.size()
+    n = group_size(group.group_name)
     rows = tensor.shape[0] if tensor.dim() > 0 else 1
     r = _F.all_gather_into_tensor.default(tensor, n, group.group_name)
     return _complete(r, [(t, i * rows, (i + 1) * rows) for i, t in enumerate(tensor_list)],
@@ -218,7 +230,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 def reduce_scatter_tensor(output, input, op=_RO.SUM, group=None, async_op=False):
     """``dist.reduce_scatter_tensor``: ``input [n * N, *]`` or ``[n, N, *]`` -> ``output [N, *]``."""
     group = _world(group)
-    n = group.size()
+    n = group_size(group.group_name)
     flat = input.reshape(n * output.shape[0], *output.shape[1:]) if output.dim() > 0 else input
     r = _F.reduce_scatter_tensor.default(flat, reduce_op_name(op, "reduce_scatter_tensor"), n,
                                          group.group_name)
@@ -242,7 +254,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     A None split list splits that tensor's dim 0 evenly over the group, as PyTorch does.
     """
     group = _world(group)
-    n = group.size()
+    n = group_size(group.group_name)
     out_splits = (list(output_split_sizes) if output_split_sizes is not None
                   else [output.shape[0] // n] * n)
     in_splits = (list(input_split_sizes) if input_split_sizes is not None
@@ -268,33 +280,34 @@ def reduce(tensor, dst=None, op=_RO.SUM, group=None, async_op=False, group_dst=N
     group = _world(group)
     root = _root(group, dst, group_dst, "reduce", "dst")
     r = _F.all_reduce.default(tensor, reduce_op_name(op, "reduce"), group.group_name)
-    copies = [(tensor, None, None)] if group.rank() == root else []
+    copies = [(tensor, None, None)] if _rank_in(group.group_name) == root else []
     return _complete(r, copies, async_op)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     """``dist.barrier``: a one-element all_reduce and its wait (every rank must arrive)."""
     group = _world(group)
-    r = _F.all_reduce.default(torch.zeros(1, device=_barrier_device(group)), "sum",
+    r = _F.all_reduce.default(torch.zeros(1, device=_barrier_device(group.group_name)), "sum",
                               group.group_name)
     return _complete(r, [], async_op)
 
 
-#: torch.distributed function -> fcoll polyfill.
-REMAPPED: dict[Any, Any] = {
-    dist.all_reduce: all_reduce,
-    dist.all_gather_into_tensor: all_gather_into_tensor,
-    dist._all_gather_base: _all_gather_base,
-    dist.all_gather_single: all_gather_single,
-    dist.all_gather: all_gather,
-    dist.reduce_scatter_tensor: reduce_scatter_tensor,
-    dist._reduce_scatter_base: _reduce_scatter_base,
-    dist.reduce_scatter_single: reduce_scatter_single,
-    dist.all_to_all_single: all_to_all_single,
-    dist.broadcast: broadcast,
-    dist.reduce: reduce,
-    dist.barrier: barrier,
-}
+#: torch.distributed function -> fcoll polyfill (``all_gather_single`` and
+#: ``reduce_scatter_single`` only on a torch that has them, 2.13 on).
+REMAPPED: dict[Any, Any] = compat.dist_polyfills({
+    "all_reduce": all_reduce,
+    "all_gather_into_tensor": all_gather_into_tensor,
+    "_all_gather_base": _all_gather_base,
+    "all_gather_single": all_gather_single,
+    "all_gather": all_gather,
+    "reduce_scatter_tensor": reduce_scatter_tensor,
+    "_reduce_scatter_base": _reduce_scatter_base,
+    "reduce_scatter_single": reduce_scatter_single,
+    "all_to_all_single": all_to_all_single,
+    "broadcast": broadcast,
+    "reduce": reduce,
+    "barrier": barrier,
+})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +352,7 @@ def install() -> None:
         TypeError: a torch.distributed signature changed (from ``substitute_in_graph``).
     """
     substitute_in_graph, builder, polyfilled = _hooks()
+    compat.let_dynamo_trace_reduce_ops()
     handlers = polyfilled._get_polyfill_handlers()
     for fn, poly in REMAPPED.items():
         existing = handlers.get(fn)

@@ -1,0 +1,155 @@
+"""What fcoll uses from torch that not every supported torch has (2.11 to 2.13).
+
+Each name here is feature-detected once, at import; the rest of fcoll imports it from this module
+and has no version checks of its own. What torch 2.11 lacks, and the stand-in used there:
+
+=====================================  ============================================================
+torch 2.13                             torch 2.11
+=====================================  ============================================================
+``torch.Tag.inplace``, ``Tag.out``     no tag (the empty tuple)
+AOTAutograd functionalizes in-place    it rejects them ("a custom (non-ATen) operator whose output
+and out= custom ops (they return an    has alias annotations"): :func:`functionalize_as_twins`
+alias of a mutated argument) with      gives each such op a Functionalize kernel that calls its
+``auto_functionalized_v2``             functional twin
+``dist.all_gather_single``             ``dist.all_gather_into_tensor`` (same signature and
+                                       behaviour; 2.13 renamed it and deprecates the old name)
+``dist.reduce_scatter_single``         ``dist.reduce_scatter_tensor`` (likewise)
+``dist.barrier(..., timeout)``         no ``timeout`` parameter (see :func:`dist_polyfills`)
+Dynamo traces pybind11 enum members    "SourcelessBuilder.create does not know how to wrap
+(``dist.ReduceOp.SUM``) as constants   RedOpType": :func:`let_dynamo_trace_reduce_ops`
+=====================================  ============================================================
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+__all__ = ["INPLACE_TAGS", "OUT_TAGS", "functionalize_as_twins", "all_gather_single",
+           "reduce_scatter_single", "dist_polyfills", "let_dynamo_trace_reduce_ops"]
+
+
+def _tags(name: str) -> tuple[torch.Tag, ...]:
+    tag = getattr(torch.Tag, name, None)
+    return () if tag is None else (tag,)
+
+
+#: Tags for an in-place op (``op_(Tensor(a!) self, ...) -> Tensor(a!)``): ``(torch.Tag.inplace,)``,
+#: or ``()`` on a torch without that tag.
+INPLACE_TAGS = _tags("inplace")
+
+#: Tags for an out= op (``op(..., *, Tensor(a!) out) -> Tensor(a!)``): ``(torch.Tag.out,)``,
+#: or ``()``.
+OUT_TAGS = _tags("out")
+
+# The tags came with AOTAutograd's support for them (torch._library.utils.is_inplace / is_out in
+# can_auto_functionalize, torch 2.13).
+_AUTO_FUNCTIONALIZES_ALIASED_RETURNS = bool(INPLACE_TAGS and OUT_TAGS)
+
+
+def functionalize_as_twins(lib: torch.library.Library, twins: Mapping[str, str]) -> None:
+    """Let AOTAutograd functionalize ``lib``'s in-place and out= ops on a torch that cannot.
+
+    ``twins`` maps each op (``all_reduce_``, returning ``Tensor(a!)``) to its functional twin in the
+    same namespace (``all_reduce``), which takes the same arguments less a keyword-only ``out``;
+    the namespace has a ``wait_tensor(Tensor) -> Tensor``.
+    Where torch auto-functionalizes such ops (2.13: ``auto_functionalized_v2``, given the
+    ``inplace`` / ``out`` tags) this does nothing. Elsewhere each op gets a ``Functionalize``
+    kernel that calls the twin on the unwrapped arguments and makes its result the new value of the
+    mutated argument, as PyTorch's ``CppFunctionalizeAPI`` does for higher-order ops: the traced
+    graph holds ``r = all_reduce(x)`` where 2.13's holds ``auto_functionalized_v2(all_reduce_, x)``
+    (the same graph once ``lower_c10d_functional`` has rewritten that), and a mutated graph input
+    is copied back at the end. A mutated *view* (``all_reduce_(y[1:])``) is written back into its
+    base by a copy that would read the collective's buffer before it is filled, so there the kernel
+    waits first (``wait_tensor`` of the twin's result): the values are right, the collective is
+    not overlapped (2.13 keeps it asynchronous as ``auto_functionalized_v2``).
+    """
+    if _AUTO_FUNCTIONALIZES_ALIASED_RETURNS:
+        return
+    ns = getattr(torch.ops, lib.ns)
+    for name, twin in twins.items():
+        lib.impl(name, _twin_kernel(getattr(ns, name).default, getattr(ns, twin).default,
+                                    ns.wait_tensor.default), "Functionalize")
+
+
+def _twin_kernel(op: torch._ops.OpOverload, twin: torch._ops.OpOverload,
+                 wait: torch._ops.OpOverload) -> Callable[..., Any]:
+    mutated = next(i for i, a in enumerate(op._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write)
+    arg = op._schema.arguments[mutated]
+
+    def unwrap(t: torch.Tensor) -> torch.Tensor:
+        torch._functionalize_sync(t)
+        return torch._from_functional_tensor(t)
+
+    def kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
+        target = kwargs.pop(arg.name) if arg.kwarg_only else args[mutated]
+        args, kwargs = pytree.tree_map_only(torch.Tensor, unwrap, (args, kwargs))
+        with torch._C._ExcludeDispatchKeyGuard(
+                torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
+            result = twin(*args, **kwargs)
+            if torch._C._functionalization.get_view_meta_sequence(target):
+                result = wait(result)
+        torch._functionalize_replace(target, result)
+        torch._functionalize_commit_update(target)
+        torch._functionalize_sync(target)
+        return target
+    return kernel
+
+
+#: ``dist.all_gather_single(output [n * N, *], input [N, *], group, async_op)``; before torch 2.13
+#: the same function is ``dist.all_gather_into_tensor``.
+all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single",
+                                                dist.all_gather_into_tensor)
+
+#: ``dist.reduce_scatter_single(output [N, *], input [n * N, *], op, group, async_op)``; before
+#: torch 2.13 the same function is ``dist.reduce_scatter_tensor``.
+reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single",
+                                                    dist.reduce_scatter_tensor)
+
+
+def dist_polyfills(by_name: Mapping[str, Callable[..., Any]]) -> dict[Callable[..., Any], Any]:
+    """Key polyfills (``torch.distributed`` function name -> polyfill) by the function itself.
+
+    Names this torch lacks are left out (``all_gather_single`` and ``reduce_scatter_single``
+    before 2.13). A polyfill written for 2.13 may take optional parameters an older function lacks
+    (``barrier``'s ``timeout``); its ``__signature__`` then drops them, since Dynamo's
+    ``substitute_in_graph`` requires the same parameter names and defaults. Any other difference is
+    left for ``substitute_in_graph`` to reject (``TypeError``).
+    """
+    out = {}
+    for name, poly in by_name.items():
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            out[fn] = _trim_signature(poly, fn)
+    return out
+
+
+def _trim_signature(poly: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+    theirs = inspect.signature(fn).parameters
+    sig = inspect.signature(poly)
+    kept = [p for p in sig.parameters.values()
+            if p.name in theirs or p.default is inspect.Parameter.empty]
+    if len(kept) < len(sig.parameters):
+        poly.__signature__ = sig.replace(parameters=kept)
+    return poly
+
+
+def let_dynamo_trace_reduce_ops() -> None:
+    """Let Dynamo treat reduce ops (``ReduceOp.SUM``, a ``ReduceOp`` object) as constants.
+
+    Dynamo 2.13 wraps any pybind11 enum member as a constant
+    (``torch._dynamo.utils.is_pybind11_enum_member``); 2.11 raises "Unexpected type in sourceless
+    builder" on one, such as the ``op=ReduceOp.SUM`` default of the remap polyfills, and cannot
+    pass a ``ReduceOp`` object (``dist._make_nccl_premul_sum(2.0)``) to ``reduce_op_name``. There
+    both types join ``torch._dynamo.utils.common_constant_types``, as PyTorch lists its own
+    pybind11 enums (``SDPBackend``); values are guarded by equality. Idempotent; a no-op on 2.13.
+    """
+    import torch._dynamo.utils as dynamo_utils
+
+    if not hasattr(dynamo_utils, "is_pybind11_enum_member"):
+        dynamo_utils.common_constant_types.update((dist.ReduceOp.RedOpType, dist.ReduceOp))
