@@ -84,23 +84,6 @@ def _write_arguments(target: torch._ops.OpOverload) -> tuple[tuple[int, str], ..
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
-def _aliased_input(node: fx.Node, cls: OpClass | None = None) -> fx.Node | None:
-    """The input ``node``'s output aliases (view, in-place, getitem, wait), or None."""
-    if node.op != "call_function":
-        return None
-    if (cls if cls is not None else op_class(node)) == WAIT:
-        src = node.args[0]
-        return src if isinstance(src, fx.Node) else None
-    if node.target is operator.getitem:
-        src = node.args[0]
-        # getitem of a multi-output op picks a distinct tensor: it aliases only itself.
-        return src if isinstance(src, fx.Node) and _aliased_input(src) is not None else None
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    return _first_node_at(node.args, _alias_positions(target))
-
-
 def _written_inputs(node: fx.Node) -> list[fx.Node]:
     """Input nodes whose storage ``node`` writes (``Tensor(a!)`` schema arguments)."""
     target = node.target
