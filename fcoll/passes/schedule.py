@@ -25,7 +25,7 @@ import heapq
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
