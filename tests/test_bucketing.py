@@ -21,8 +21,9 @@ from graphs_bucketing import Builder, random_graph, reachable, real_inputs  # no
 from fcoll.inspect import format_graph  # noqa: E402
 from fcoll.passes.bucket_plan import MIB, plan_buckets
 from fcoll.passes.bucketing import BucketCollectives, apply_buckets
+from fcoll.passes.bucket_key import bucket_key
 from fcoll.passes.graph import (  # noqa: E402
-    META_HIDING, bucket_key, check_topological, collective_info, collectives, is_collective,
+    META_HIDING, check_topological, collective_info, collectives, is_collective,
     is_wait,
 )
 from fcoll.passes.registry import run_pipeline

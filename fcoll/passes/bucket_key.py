@@ -6,9 +6,7 @@ inputs' ``meta["val"]``, never from rank-local state, so every rank computes the
 the group size of an op that does not carry one is the registered group's
 (:func:`~fcoll.passes.graph.collective_info`), the same on every rank of the group.
 
-This is the one implementation (``fcoll.passes.graph.bucket_key`` computes the same tuple
-through :func:`~fcoll.passes.graph.collective_info`, a candidate to delegate here):
-:class:`BucketKeys` reads schema positions once per op and registered group sizes once per
+This is the one implementation: :class:`BucketKeys` reads schema positions once per op and registered group sizes once per
 group name, so a key costs a few argument reads (planning asks one per collective).
 """
 

@@ -27,7 +27,7 @@ bucket is issued only when its last member is ready and waited when its first re
 So members must become ready, and be first used, within their own estimated communication time
 (as separate collectives) of each other, in estimated compute time. The estimates come from
 the pass as :class:`BucketCosts` (:func:`model_costs`: the cost model's
-:func:`~fcoll.passes.cost.cached_model`, which never communicates; the user's estimator first);
+:func:`~fcoll.passes.calibrate.cached_model`, which never communicates; the user's estimator first);
 the planner itself reads no cost model.
 When compute between members is larger, the earlier members go out alone and that compute hides
 them; when communication dominates (the lane is busy anyway), members merge up to the cap. A DDP
@@ -42,7 +42,7 @@ first layer's all_gather, issued at the start of the graph), and still merges th
 ready at the very end of a backward, which are exposed whether merged or not. all_to_all has
 no timing rule: its bytes differ between ranks. Nor do groups of fcoll's shared-memory
 backend, whose collectives run on the compute's own cores
-(:func:`~fcoll.passes.cost.moves_data_on_compute_cores`, a group fact in :class:`BucketCosts`):
+(:func:`~fcoll.passes.calibrate.moves_data_on_compute_cores`, a group fact in :class:`BucketCosts`):
 there few large buckets win.
 
 Invariant (why ranks agree): every decision reads only the graph (order, shapes, dtypes, groups,
@@ -138,11 +138,11 @@ class BucketCosts:
 
 def model_costs(gm: fx.GraphModule, config: FcollConfig,
                 estimates: dict | None = None) -> BucketCosts:
-    """:class:`BucketCosts` from fcoll's cost model: :func:`~fcoll.passes.cost.cached_model`
+    """:class:`BucketCosts` from fcoll's cost model: :func:`~fcoll.passes.calibrate.cached_model`
     (never communicates; ``config.estimator`` first, ``estimates`` shared by a pipeline run),
     asked for only once some member is timed, and
-    :func:`~fcoll.passes.cost.moves_data_on_compute_cores` once per group name."""
-    from fcoll.passes.cost import cached_model, moves_data_on_compute_cores
+    :func:`~fcoll.passes.calibrate.moves_data_on_compute_cores` once per group name."""
+    from fcoll.passes.calibrate import cached_model, moves_data_on_compute_cores
 
     model = functools.cache(lambda: cached_model(gm, config.estimator, estimates))
     on_compute_cores = functools.cache(moves_data_on_compute_cores)

@@ -252,17 +252,3 @@ def assemble_model(compute: ComputeRates | None, comm: Mapping[tuple[str, str, i
     return CostModel(compute=compute, comm=dict(comm), group_backends=dict(group_backends),
                      estimator=estimator, source="calibrated" if group_backends else "default",
                      by_node=estimates.setdefault(compute, {}) if estimates is not None else None)
-
-
-#: Names that moved to :mod:`fcoll.passes.calibrate` (they measure or look up real groups);
-#: still importable from here, loaded on first use (calibrate imports this module).
-_MOVED_TO_CALIBRATE = ("cached_model", "model_for", "moves_data_on_compute_cores",
-                       "calibrate_group", "measure_compute_rates")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_CALIBRATE:
-        from fcoll.passes import calibrate
-
-        return getattr(calibrate, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,7 @@ from fcoll.ops.facts import OPS
 __all__ = [
     "NAMESPACES", "META_ESTIMATED_US", "META_HIDING", "META_EXPOSED_US", "META_PASSES",
     "CollectiveInfo", "is_collective", "is_wait", "is_fcoll_op", "collective_kind",
-    "op_kind", "collective_info", "waits_of", "wait_of", "start_of", "bucket_key", "size_hint",
+    "op_kind", "collective_info", "waits_of", "wait_of", "start_of", "size_hint",
     "tensor_bytes", "node_bytes", "input_bytes", "collective_bytes", "collectives",
     "args_by_name", "arg_of", "check_topological", "per_op",
 ]
@@ -334,19 +334,6 @@ def start_of(wait: fx.Node) -> fx.Node | None:
     if isinstance(src, fx.Node) and is_collective(src):
         return src
     return None
-
-
-def bucket_key(node: fx.Node, *, multi_dtype: bool = False) -> tuple:
-    """Collectives with equal keys may share a bucket.
-
-    The key is (kind, group name, group size, reduce op, root) and, unless ``multi_dtype``, the
-    dtype. all_to_all is keyed like the others; its splits are merged by the bucketing pass.
-    """
-    info = collective_info(node)
-    key: tuple = (info.kind, info.group_name, info.group_size, info.reduce_op, info.src)
-    if not multi_dtype:
-        key += (info.dtypes,)
-    return key
 
 
 def check_topological(graph: fx.Graph) -> None:

@@ -30,7 +30,8 @@ from typing import Callable
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fcoll.passes.cost import CostModel, cached_model, model_for
+from fcoll.passes.calibrate import cached_model, model_for
+from fcoll.passes.cost import CostModel
 from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, is_collective, is_wait,
 )
