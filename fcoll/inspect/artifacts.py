@@ -23,7 +23,7 @@ from torch._logging import trace_structured
 from fcoll.compile.backend import register_compile_listener
 from fcoll.inspect.format import format_graph
 from fcoll.inspect.report import overlap_report
-from fcoll.inspect.schedule import PredictFn, predicted_events
+from fcoll.inspect.predicted import PredictFn, predicted_events
 from fcoll.inspect.table import collectives
 from fcoll.inspect.timeline import exposed_of, timeline_svg
 
