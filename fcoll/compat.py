@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-__all__ = ["INPLACE_TAGS", "OUT_TAGS", "functionalize_as_twins", "all_gather_single",
-           "reduce_scatter_single", "dist_polyfills", "let_dynamo_trace_reduce_ops"]
+__all__ = ["INPLACE_TAGS", "OUT_TAGS", "AUTO_FUNCTIONALIZES_ALIASED_RETURNS",
+           "functionalize_as_twins", "all_gather_single", "reduce_scatter_single",
+           "dist_polyfills", "let_dynamo_trace_reduce_ops"]
 
 
 def _tags(name: str) -> tuple[torch.Tag, ...]:
@@ -46,9 +47,9 @@ INPLACE_TAGS = _tags("inplace")
 #: or ``()``.
 OUT_TAGS = _tags("out")
 
-# The tags came with AOTAutograd's support for them (torch._library.utils.is_inplace / is_out in
-# can_auto_functionalize, torch 2.13).
-_AUTO_FUNCTIONALIZES_ALIASED_RETURNS = bool(INPLACE_TAGS and OUT_TAGS)
+#: Whether AOTAutograd wraps in-place / out= custom ops in ``auto_functionalized_v2`` (2.13); the
+#: tags came with that support (``is_inplace`` / ``is_out`` in ``can_auto_functionalize``).
+AUTO_FUNCTIONALIZES_ALIASED_RETURNS = bool(INPLACE_TAGS and OUT_TAGS)
 
 
 def functionalize_as_twins(lib: torch.library.Library, twins: Mapping[str, str]) -> None:
@@ -68,7 +69,7 @@ def functionalize_as_twins(lib: torch.library.Library, twins: Mapping[str, str])
     waits first (``wait_tensor`` of the twin's result): the values are right, the collective is
     not overlapped (2.13 keeps it asynchronous as ``auto_functionalized_v2``).
     """
-    if _AUTO_FUNCTIONALIZES_ALIASED_RETURNS:
+    if AUTO_FUNCTIONALIZES_ALIASED_RETURNS:
         return
     ns = getattr(torch.ops, lib.ns)
     for name, twin in twins.items():
