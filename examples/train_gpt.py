@@ -164,7 +164,8 @@ def gpt_loss(params: Callable[[str], torch.Tensor], idx: torch.Tensor, targets: 
         on_layer: called with each group name of :func:`param_groups` before the group is used
             (FSDP gathers the group's parameters there).
     """
-    on_layer = on_layer or (lambda name: None)
+    if on_layer is None:  # not ``on_layer or ...``: Dynamo 2.11 cannot branch on a closure
+        on_layer = lambda name: None  # noqa: E731
     T = idx.shape[1]
     on_layer("embed")
     wte = params("wte")
@@ -289,8 +290,10 @@ def make_train_step(cfg: GPTConfig, comm, parallel: str = "ddp", opt: AdamW = Ad
     if parallel == "fsdp" and (comm is None or shapes is None):
         raise ValueError("parallel='fsdp' needs comm and shapes")
 
-    def step(params, opt_state, x, y):
-        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    def grad_step(leaves, opt_state, x, y):
+        # ``leaves``: ``params`` as leaves that require grad, made by ``step`` (or
+        # :func:`compile_step`'s wrapper) outside any compiled code: Dynamo before torch 2.13
+        # cannot trace ``requires_grad_()``.
         if parallel == "ddp":
             loss = gpt_loss(leaves.__getitem__, x, y, cfg)
         else:
@@ -313,14 +316,31 @@ def make_train_step(cfg: GPTConfig, comm, parallel: str = "ddp", opt: AdamW = Ad
             plain = {k: v.detach() for k, v in leaves.items()}
             new_params, new_state = _adamw(opt, plain, synced, opt_state)
         return loss.detach(), synced, new_params, new_state
+
+    def step(params, opt_state, x, y):
+        return grad_step(_grad_leaves(params), opt_state, x, y)
+    step.grad_step = grad_step
     return step
 
 
+def _grad_leaves(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` detached into fresh leaves that require grad."""
+    return {k: v.detach().requires_grad_(True) for k, v in params.items()}
+
+
 def compile_step(step, backend: str = "fcoll", options: dict[str, Any] | None = None):
-    """``torch.compile`` the step; Dynamo traces ``torch.autograd.grad`` only inside its calls."""
-    compiled = torch.compile(step, backend=backend, options=options, fullgraph=True)
+    """``torch.compile`` the step; Dynamo traces ``torch.autograd.grad`` only inside its calls.
+
+    For a step of :func:`make_train_step`, its ``grad_step`` is compiled and the leaves that
+    require grad are made here, before each call, outside the compiled code.
+    """
+    grad_step = getattr(step, "grad_step", None)
+    compiled = torch.compile(step if grad_step is None else grad_step, backend=backend,
+                             options=options, fullgraph=True)
 
     def run(*args):
+        if grad_step is not None:
+            args = (_grad_leaves(args[0]), *args[1:])
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             return compiled(*args)
     run.compiled = compiled

@@ -41,9 +41,6 @@ CALLS = {
     "all_gather_into_tensor": lambda x, i, g: dist.all_gather_into_tensor(
         x.new_empty(8, 3), x, g),
     "_all_gather_base": lambda x, i, g: dist._all_gather_base(x.new_empty(2, 4, 3), x),
-    "all_gather_single": lambda x, i, g: dist.all_gather_single(x.new_empty(8, 3), x, g, True
-                                                                ).wait(),
-    "reduce_scatter_single": lambda x, i, g: dist.reduce_scatter_single(x.new_empty(2, 3), x),
     "all_gather": lambda x, i, g: dist.all_gather([x.new_empty(4, 3), x.new_empty(4, 3)], x),
     "reduce_scatter_tensor": lambda x, i, g: dist.reduce_scatter_tensor(
         x.new_empty(2, 3), x, op=RO.MIN, group=None),
@@ -57,6 +54,12 @@ CALLS = {
     "barrier": lambda x, i, g: dist.barrier(),
     "all_reduce_async": lambda x, i, g: dist.all_reduce(x, async_op=True).wait(),
 }
+# Names torch 2.13 added (2.11 has only all_gather_into_tensor / reduce_scatter_tensor).
+CALLS.update({name: fn for name, fn in {
+    "all_gather_single": lambda x, i, g: dist.all_gather_single(x.new_empty(8, 3), x, g, True
+                                                                ).wait(),
+    "reduce_scatter_single": lambda x, i, g: dist.reduce_scatter_single(x.new_empty(2, 3), x),
+}.items() if hasattr(dist, name)})
 
 # Collective kinds each program must compile to (wait_tensor counted separately).
 KINDS = {
