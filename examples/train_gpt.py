@@ -5,6 +5,7 @@ Run on 2 local ranks (``torchrun`` works the same way)::
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --steps 60
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel fsdp
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --backend-baseline
+    python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --device cuda --compute inductor
 
 The whole step (forward, backward, gradient synchronisation with fcoll's functional collectives,
 AdamW update) is one function compiled with ``torch.compile(backend="fcoll")``, with no graph
@@ -18,6 +19,11 @@ optimizer is a functional AdamW (new tensors out, no in-place state).
   of n). The forward all-gathers each layer's parameters just before the layer; autograd turns
   each all_gather into a reduce_scatter of the gradient (fcoll's op autograd), so every rank gets
   the gradient of its own shard, and updates only that shard.
+
+``--device cuda``: parameters, optimizer state and batches live on ``cuda:{LOCAL_RANK %
+device_count}``. On fcoll's group (and on gloo) several ranks may share one GPU; ``--dist-backend
+nccl`` needs one GPU per rank and refuses to start otherwise, naming the ranks that would share
+one (see ``docs/cuda.md``). The step time is measured between two ``torch.cuda.synchronize()``.
 
 Data: the English text of ``pydoc_data.topics`` (shipped with CPython, about 465,000 characters).
 The last 10 % is held out for the validation loss; the rest is split into one contiguous shard
@@ -248,10 +254,12 @@ class AdamW:
 
 
 def init_adamw(params: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Zero moments and a step counter (a tensor, so the compiled step does not recompile)."""
+    """Zero moments and a step counter (a tensor, so the compiled step does not recompile), on
+    the parameters' device."""
+    device = next(iter(params.values())).device if params else torch.device("cpu")
     return {"m": {k: torch.zeros_like(v) for k, v in params.items()},
             "v": {k: torch.zeros_like(v) for k, v in params.items()},
-            "t": torch.zeros((), dtype=torch.float32)}
+            "t": torch.zeros((), dtype=torch.float32, device=device)}
 
 
 def _adamw(opt: AdamW, params, grads, state):
@@ -367,12 +375,79 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace-dir", default=None, help="write fcoll run traces here")
     p.add_argument("--backend-baseline", action="store_true",
                    help="compile with backend='inductor' on gloo, sync with torch funcol")
-    p.add_argument("--dist-backend", choices=("fcoll", "gloo"), default="fcoll")
-    return p.parse_args(argv)
+    p.add_argument("--dist-backend", choices=("fcoll", "gloo", "nccl"), default="fcoll",
+                   help="process group (nccl: --device cuda and one GPU per rank)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: rank r uses cuda:{LOCAL_RANK %% device_count}")
+    args = p.parse_args(argv)
+    if args.dist_backend == "nccl" and args.device != "cuda":
+        p.error("--dist-backend nccl needs --device cuda (nccl has no CPU collectives)")
+    return args
 
 
-def _init_dist(args: argparse.Namespace) -> None:
-    backend = "gloo" if args.backend_baseline else args.dist_backend
+def nccl_device_conflict(local_world: int, device_count: int) -> str | None:
+    """Why nccl cannot run ``local_world`` ranks on ``device_count`` GPUs (None: it can).
+
+    Local rank ``r`` uses ``cuda:{r % device_count}``; NCCL refuses two ranks of one
+    communicator on one GPU, so every GPU shared by two or more ranks is named.
+    """
+    if device_count < 1:
+        return "--dist-backend nccl needs a GPU, and torch sees none"
+    if local_world <= device_count:
+        return None
+    shared = {d: [r for r in range(local_world) if r % device_count == d]
+              for d in range(device_count)}
+    which = "; ".join(f"ranks {', '.join(map(str, rs))} on cuda:{d}"
+                      for d, rs in shared.items() if len(rs) > 1)
+    return (f"--dist-backend nccl needs one GPU per rank, but {local_world} local ranks would "
+            f"share {device_count} GPU(s): {which}. NCCL refuses two ranks on one GPU; use "
+            f"--dist-backend fcoll (ranks may share a GPU) or gloo, or at most {device_count} "
+            "rank(s) per node")
+
+
+def _setup_device(args: argparse.Namespace) -> torch.device:
+    """The rank's device; for CUDA, ``cuda:{LOCAL_RANK % device_count}``, made current.
+
+    Raises:
+        SystemExit: CUDA asked for but unavailable, or nccl with ranks sharing a GPU (raised
+            on every rank, before any process group exists).
+    """
+    if args.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("train_gpt: --device cuda, but torch.cuda.is_available() is False "
+                         f"(torch {torch.__version__})")
+    count = torch.cuda.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.dist_backend == "nccl":
+        why = nccl_device_conflict(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), count)
+        if why is not None:
+            raise SystemExit(f"train_gpt (rank {os.environ.get('RANK', 0)}): {why}")
+    device = torch.device("cuda", local_rank % count)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (step timing); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cuda_path_of(group) -> str:
+    """fcoll's CUDA path of ``group`` ("ipc" / "staged"), or "?" where fcoll cannot say."""
+    try:
+        import fcoll.shm as shm
+
+        return getattr(shm, "cuda_path")(group) or "?"
+    except Exception:  # noqa: BLE001  not landed yet, or not an fcoll group
+        return "?"
+
+
+def _init_dist(args: argparse.Namespace, device: torch.device) -> None:
+    backend = args.dist_backend
+    if args.backend_baseline and backend != "nccl":
+        backend = "gloo"
     if backend == "fcoll" and "FCOLL" not in dist.Backend._plugins:
         print("fcoll process-group backend is not registered on this platform; using gloo",
               file=sys.stderr)
@@ -380,11 +455,16 @@ def _init_dist(args: argparse.Namespace) -> None:
     if "RANK" not in os.environ:  # plain `python examples/train_gpt.py`: one rank
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    dist.init_process_group(backend)
+    if backend == "nccl":
+        # fcoll's cost model calibrates each group with CPU tensors, which nccl cannot run:
+        # those go to gloo, the CUDA tensors of the step to nccl.
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    else:
+        dist.init_process_group(backend)
     args.dist_backend = backend
 
 
-def _eval(cfg, params, corpus, args, comm, shapes) -> float:
+def _eval(cfg, params, corpus, args, comm, shapes, device=torch.device("cpu")) -> float:
     """Validation loss (nats) over fixed held-out batches, the same on every rank."""
     losses = []
     with torch.no_grad():
@@ -395,20 +475,31 @@ def _eval(cfg, params, corpus, args, comm, shapes) -> float:
         for i in range(args.eval_batches):
             x, y = get_batch(corpus.val, args.batch_size, args.seq_len, seed=args.seed + 1,
                              step=i, rank=0, world_size=1)
+            x, y = x.to(device), y.to(device)
             losses.append(float(gpt_loss(full.__getitem__, x, y, cfg)))
     return sum(losses) / len(losses)
+
+
+def _describe_device(device: torch.device) -> str:
+    """``cpu``, or ``cuda:0 (NVIDIA H100 80GB HBM3) of 1 GPU(s)`` (the GPUs this host's ranks
+    use: local rank r is on ``cuda:{r % device_count}``)."""
+    if device.type != "cuda":
+        return "cpu"
+    gpus = min(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
+    return f"{device} ({torch.cuda.get_device_name(device)}) of {gpus} GPU(s)"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
-    _init_dist(args)
+    device = _setup_device(args)
+    _init_dist(args, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus = Corpus(load_text())
     cfg = GPTConfig(vocab_size=corpus.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
                     n_head=args.n_head, d_model=args.d_model)
     comm = (TorchComm if args.backend_baseline else FcollComm)(dist.group.WORLD)
-    params = init_params(cfg, args.seed)
+    params = {k: v.to(device) for k, v in init_params(cfg, args.seed).items()}
     shapes = None
     if args.parallel == "fsdp":
         shapes = {k: v.shape for k, v in params.items()}
@@ -423,22 +514,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             options["trace_dir"] = args.trace_dir
         run = compile_step(step, "fcoll", options)
     say = print if rank == 0 else (lambda *a, **k: None)
-    name = "inductor on gloo (baseline)" if args.backend_baseline else \
+    name = f"inductor on {args.dist_backend} (baseline)" if args.backend_baseline else \
         f"fcoll (compute={args.compute}) on {args.dist_backend}"
-    say(f"{args.parallel} on {world} rank(s), {name}; {sum(v.numel() for v in params.values())}"
-        f" parameters per rank; vocab {cfg.vocab_size}; {len(corpus.train)} train characters")
-    first_val = _eval(cfg, params, corpus, args, comm, shapes)
+    where = _describe_device(device)
+    say(f"{args.parallel} on {world} rank(s), {where}, {name}; "
+        f"{sum(v.numel() for v in params.values())} parameters per rank; vocab "
+        f"{cfg.vocab_size}; {len(corpus.train)} train characters")
+    first_val = _eval(cfg, params, corpus, args, comm, shapes, device)
     say(f"step    0 | val loss {first_val:.4f}")
     times, val, loss = [], first_val, float("nan")
     for i in range(1, args.steps + 1):
         x, y = get_batch(corpus.train, args.batch_size, args.seq_len, seed=args.seed, step=i,
                          rank=rank, world_size=world)
+        x, y = x.to(device), y.to(device)
+        _sync(device)
         t0 = time.perf_counter()
         loss_t, _, params, state = run(params, state, x, y)
-        loss = float(loss_t)
+        _sync(device)  # CUDA: run() returns once the work is queued
         times.append(time.perf_counter() - t0)
+        loss = float(loss_t)
         if i % args.log_every == 0 or i == args.steps:
-            val = _eval(cfg, params, corpus, args, comm, shapes)
+            val = _eval(cfg, params, corpus, args, comm, shapes, device)
             ms = statistics.median(times[1:] or times) * 1e3
             tok = world * args.batch_size * args.seq_len / (ms / 1e3)
             say(f"step {i:4d} | train loss {loss:.4f} | val loss {val:.4f} | "
@@ -449,8 +545,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ms = statistics.median(times[1:] or times) * 1e3
     summary = {"first_val_loss": first_val, "final_val_loss": val, "final_train_loss": loss,
                "step_ms": ms, "tokens_per_s": world * args.batch_size * args.seq_len / ms * 1e3,
-               "compile_s": times[0], "graph_breaks": breaks}
-    say(f"summary: {args.parallel}, {name}, {world} ranks, {args.steps} steps: val loss "
+               "compile_s": times[0], "graph_breaks": breaks, "device": str(device),
+               "dist_backend": args.dist_backend}
+    if device.type == "cuda" and args.dist_backend == "fcoll":
+        summary["cuda_path"] = _cuda_path_of(dist.group.WORLD)
+        where += f", fcoll CUDA path {summary['cuda_path']}"
+    say(f"summary: {args.parallel}, {name}, {world} ranks, {where}, {args.steps} steps: val loss "
         f"{first_val:.4f} -> {val:.4f} ({100 * (1 - val / first_val):.1f} % lower); "
         f"median step {ms:.1f} ms, {summary['tokens_per_s']:.0f} tok/s; first step (compile) "
         f"{times[0]:.1f} s; graph breaks {breaks}")
