@@ -1,6 +1,8 @@
 """fcoll's shared-memory backend against gloo, side by side in one run (nccl-tests style).
 
-Usage: ``python benchmarks/collectives.py --nproc 2 --json out.json``
+Usage: ``python benchmarks/collectives.py --nproc 2 --json out.json``; with CUDA tensors
+(fcoll's IPC and staged paths and gloo, plus the GPU's copy bandwidth as the ceiling):
+``python benchmarks/collectives.py --device cuda --nproc 2`` (:mod:`collectives_cuda`).
 
 Conventions (nccl-tests, ``doc/PERFORMANCE.md``):
 
@@ -18,7 +20,8 @@ The JSON holds, per op and size in bytes: ``fcoll_us``, ``gloo_us``, ``fcoll_bus
 ``gloo_busbw_gbps``, ``speedup`` (gloo time / fcoll time), and ``loadavg`` (the 1-minute load
 average before and after the run; on a shared machine ratios are only comparable at similar
 load). ``--repeat K`` runs K times the repetitions per size, for steadier medians on a noisy
-machine; ``--ops`` and ``--sizes`` restrict the run for quick iterations;
+machine; ``--ops`` and ``--sizes`` (bytes, or with a K / M suffix: ``4K 128M``) restrict the
+run for quick iterations, and ``--quick`` runs fewer sizes (and, on CUDA, repetitions);
 ``--background-load N`` keeps N busy processes running during the measurement (each bounded in
 time and ended by the benchmark), to measure an oversubscribed machine.
 """
@@ -37,12 +40,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # collectives_cuda
 
 from fcoll.ops.facts import OPS as OPS_FACTS, busbw_factor  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 128 * MiB]
+QUICK_SIZES = [4 * KiB, 1 * MiB, 16 * MiB]
 OPS = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
        "broadcast"]
 
@@ -152,12 +157,31 @@ def fmt_size(b: int) -> str:
     return f"{b // MiB} MiB" if b >= MiB else f"{b // KiB} KiB"
 
 
-def main(argv=None) -> int:
+def parse_size(text: str) -> int:
+    """Bytes from ``4096``, ``4K``, ``4KiB``, ``128M`` or ``1G`` (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": KiB, "M": MiB, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; ``sizes`` and ``reps`` filled in from ``--device`` and ``--quick``."""
+    import collectives_cuda as cc
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: fcoll's IPC and staged paths and gloo on CUDA tensors")
     p.add_argument("--json", default=None, help="write results to this file")
     p.add_argument("--ops", nargs="*", default=OPS, choices=OPS)
-    p.add_argument("--sizes", nargs="*", type=int, default=SIZES, help="bytes")
+    p.add_argument("--sizes", nargs="*", type=parse_size, default=None,
+                   help="bytes (4096, 4K, 128M); default depends on --device and --quick")
+    p.add_argument("--quick", action="store_true", help="fewer sizes (and repetitions on cuda)")
+    p.add_argument("--configs", nargs="*", default=list(cc.CONFIGS), choices=cc.CONFIGS,
+                   help="cuda: which of fcoll-ipc, fcoll-staged, gloo to run")
     p.add_argument("--repeat", type=int, default=1,
                    help="multiply the repetitions per size by this (steadier medians)")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
@@ -167,17 +191,18 @@ def main(argv=None) -> int:
         p.error("--repeat must be at least 1")
     if args.background_load < 0:
         p.error("--background-load must be at least 0")
-    n = args.nproc
-    load_before = os.getloadavg()[0]
-    with BackgroundLoad(args.background_load):
-        per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat), timeout_s=1200)
-        load_after = os.getloadavg()[0]
-    out: dict = {"nproc": n, "units": {"time": "us", "bw": "GB/s (1e9 B/s)"},
-                 "background_load": args.background_load,
-                 "loadavg": {"before": load_before, "after": load_after}, "results": {}}
-    print(f"# fcoll shm vs gloo, {n} ranks, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{args.background_load} background busy processes, "
-          f"1-min load {load_before:.2f} before, {load_after:.2f} after")
+    if args.nproc < 1:
+        p.error("--nproc must be at least 1")
+    if args.sizes is None:
+        cuda = args.device == "cuda"
+        args.sizes = (cc.QUICK_SIZES if cuda else QUICK_SIZES) if args.quick else \
+            (cc.SIZES if cuda else SIZES)
+    args.reps = (3 if args.quick else 7) * args.repeat  # cuda repetitions per size
+    return args
+
+
+def _report_cpu(args, per_rank) -> dict:
+    n, out = args.nproc, {"results": {}}
     for op in args.ops:
         print(f"\n# {op}  (busbw factor {bus_factor(op, n):.3g})")
         print(f"{'size':>9} | {'fcoll us':>10} {'algbw':>7} {'busbw':>7} | "
@@ -195,6 +220,37 @@ def main(argv=None) -> int:
                 "fcoll_algbw_gbps": alg["fcoll"], "gloo_algbw_gbps": alg["gloo"],
                 "speedup": t["gloo"] / t["fcoll"],
             }
+    return out
+
+
+def main(argv=None) -> int:
+    import collectives_cuda as cc
+
+    args = parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print(f"--device cuda: torch.cuda.is_available() is False (torch {torch.__version__})",
+              file=sys.stderr)
+        return 2
+    n = args.nproc
+    load_before = os.getloadavg()[0]
+    with BackgroundLoad(args.background_load):
+        if cuda:
+            per_rank = cc.run(n, args.ops, args.sizes, args.reps, args.configs)
+        else:
+            per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat),
+                                 timeout_s=1200)
+        load_after = os.getloadavg()[0]
+    out: dict = {"nproc": n, "device": args.device,
+                 "units": {"time": "us", "bw": "GB/s (1e9 B/s)"},
+                 "background_load": args.background_load,
+                 "loadavg": {"before": load_before, "after": load_after}}
+    print(f"# {'CUDA tensors: fcoll ipc / staged' if cuda else 'fcoll shm'} vs gloo, {n} ranks, "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{args.background_load} background busy processes, "
+          f"1-min load {load_before:.2f} before, {load_after:.2f} after")
+    out.update(cc.report(per_rank, args.ops, args.sizes, n) if cuda else
+               _report_cpu(args, per_rank))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -1,0 +1,111 @@
+"""benchmarks/collectives.py: the command line, the CUDA report's arithmetic and targets, and the
+CUDA benchmark's code path run end to end on CPU tensors (the same ranks, groups, checks and
+report; only the device differs). The real ``--device cuda`` run is skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+
+import collectives as bench  # noqa: E402
+import collectives_cuda as cc  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_sizes_accept_bytes_and_binary_suffixes():
+    args = bench.parse_args(["--sizes", "4096", "4K", "4KiB", "128M", "1G"])
+    assert args.sizes == [4096, 4 * KiB, 4 * KiB, 128 * MiB, 1 << 30]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sizes", "lots"])
+
+
+def test_default_sizes_follow_device_and_quick():
+    assert bench.parse_args([]).sizes == bench.SIZES
+    cuda = bench.parse_args(["--device", "cuda"])
+    assert cuda.sizes == cc.SIZES and cuda.sizes[0] == 4 * KiB and cuda.sizes[-1] == 256 * MiB
+    assert cuda.configs == ["ipc", "staged", "gloo"] and cuda.reps == 7
+    quick = bench.parse_args(["--device", "cuda", "--quick", "--repeat", "2"])
+    assert quick.sizes == cc.QUICK_SIZES and 128 * MiB in quick.sizes and quick.reps == 6
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "tpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_cuda_run_without_cuda_exits_2():
+    assert bench.main(["--device", "cuda", "--ops", "all_reduce", "--sizes", "4K"]) == 2
+
+
+def test_pct_of_ceiling_counts_every_rank_reading_input_and_writing_output():
+    # 2 ranks x 128 MiB in + out = 512 MiB through memory in 1 ms against 1000 GB/s
+    assert cc.pct_of_ceiling(128 * MiB, 2, 1000.0, 1000.0) == pytest.approx(
+        100 * 4 * 128 * MiB / 1e-3 / 1e12)
+
+
+def _rank_result(us: dict[str, float], lat: bool) -> dict:
+    return {"results": {("all_reduce", s): {c: {"us": t, "k": 1, **({"lat_us": t} if lat else {})}
+                                            for c, t in us.items()}
+                        for s in (4 * KiB, 128 * MiB)},
+            "paths": {"ipc": "ipc", "staged": "staged", "gloo": "gloo"}, "errors": {},
+            "ceiling": {"device": 0, "name": "gpu", "copy_gbps": 3000.0, "bytes": 256 * MiB},
+            "torch_cuda": "13.0", "device_type": "cuda"}
+
+
+def test_summary_takes_slowest_rank_and_targets_read_it():
+    fast = _rank_result({"ipc": 20.0, "staged": 100.0, "gloo": 10000.0}, lat=True)
+    slow = _rank_result({"ipc": 25.0, "staged": 200.0, "gloo": 10000.0}, lat=True)
+    table = cc.summarize([fast, slow], ["all_reduce"], [4 * KiB, 128 * MiB], 2,
+                         cc.ceiling_gbps([fast, slow]))
+    row = table["all_reduce"][4 * KiB]
+    assert row["ipc_us"] == 25.0 and row["ipc_vs_gloo"] == pytest.approx(400.0)
+    assert row["ipc_busbw_gbps"] == pytest.approx(4 * KiB / 25e-6 / 1e9)  # factor 2(n-1)/n = 1
+    verdicts = {name.split(":")[1].strip(): ok for name, _, ok in cc.targets(table)}
+    assert verdicts == {"fcoll-ipc busbw >= 100x gloo": True,
+                        "fcoll-ipc >= 40 % of ceiling": True,  # 512 MiB / 25 us >> 3000 GB/s
+                        "fcoll-ipc time <= 30 us": True,
+                        "fcoll-staged busbw >= 3x gloo": True}
+    slow["results"][("all_reduce", 4 * KiB)]["ipc"]["us"] = 31.0
+    del slow["results"][("all_reduce", 128 * MiB)]["staged"]
+    table = cc.summarize([fast, slow], ["all_reduce"], [4 * KiB, 128 * MiB], 2, 3000.0)
+    verdicts = {name.split(":")[1].strip(): ok for name, _, ok in cc.targets(table)}
+    assert verdicts["fcoll-ipc time <= 30 us"] is False
+    assert verdicts["fcoll-staged busbw >= 3x gloo"] is None  # not run: SKIP, not FAIL
+
+
+def test_cuda_benchmark_code_path_on_cpu_tensors(capsys):
+    """The CUDA benchmark's ranks (three groups, result checks, interleaved timing, latency,
+    copy ceiling) on CPU tensors: every configuration reports, nothing fails."""
+    ops, sizes = ["all_reduce", "all_gather_into_tensor"], [4 * KiB]
+    per_rank = cc.run(2, ops, sizes, 2, list(cc.CONFIGS), device_type="cpu",
+                      ceiling_bytes=1 * MiB)
+    out = cc.report(per_rank, ops, sizes, 2)
+    assert out["errors"] == {}
+    for op in ops:
+        row = out["results"][op][str(4 * KiB)]
+        for cfg in cc.CONFIGS:
+            assert row[f"{cfg}_us"] > 0 and row[f"{cfg}_lat_us"] > 0
+    assert out["ceiling"]["copy_gbps"] > 0
+    json.dumps(out)
+    text = capsys.readouterr().out
+    assert "SKIP: all_reduce 128 MiB" in text and "all_reduce 4 KiB: fcoll-ipc time" in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_benchmark_runs_every_configuration(tmp_path):
+    path = tmp_path / "cuda.json"
+    assert bench.main(["--device", "cuda", "--nproc", "2", "--sizes", "4K", "1M", "--quick",
+                       "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    assert out["errors"] == {}, out["errors"]
+    assert out["ceiling"]["copy_gbps"] > 0
+    for op in bench.OPS:
+        for cfg in cc.CONFIGS:
+            assert out["results"][op][str(4 * KiB)][f"{cfg}_us"] > 0, (op, cfg)
