@@ -7,28 +7,10 @@ fcoll also registers the ``"fcoll"`` shared-memory process-group backend, and im
 this happens without an ``import fcoll`` too.
 """
 
-from fcoll.ops import (  # noqa: E402
-    AsyncCollectiveTensor,
-    all_gather_into_tensor_coalesced,
-    all_gather_tensor,
-    all_gather_tensor_autograd,
-    all_reduce,
-    all_reduce_coalesced,
-    all_to_all_single,
-    all_to_all_single_autograd,
-    broadcast,
-    reduce_scatter_tensor,
-    reduce_scatter_tensor_autograd,
-    reduce_scatter_tensor_coalesced,
-    wait_tensor,
-)
+from fcoll.ops import *  # noqa: F401,F403  the funcol API (fcoll.ops.API)
+from fcoll.ops import API as _API
 
-__all__ = [
-    "AsyncCollectiveTensor", "all_gather_into_tensor_coalesced", "all_gather_tensor",
-    "all_gather_tensor_autograd", "all_reduce", "all_reduce_coalesced", "all_to_all_single",
-    "all_to_all_single_autograd", "broadcast", "reduce_scatter_tensor",
-    "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_coalesced", "wait_tensor",
-]
+__all__ = list(_API)
 
 from fcoll.shm import register_backend as _register_shm_backend
 _register_shm_backend()

@@ -15,6 +15,8 @@ alias of a mutated argument) with      gives each such op a Functionalize kernel
                                        behaviour; 2.13 renamed it and deprecates the old name)
 ``dist.reduce_scatter_single``         ``dist.reduce_scatter_tensor`` (likewise)
 ``dist.barrier(..., timeout)``         no ``timeout`` parameter (see :func:`dist_polyfills`)
+``_c10d_functional`` ops take ``Any``   ``str group_name`` only: :data:`GROUP_NAME_TYPE`
+``group_name`` (a name or a group)
 Dynamo traces pybind11 enum members    "SourcelessBuilder.create does not know how to wrap
 (``dist.ReduceOp.SUM``) as constants   RedOpType": :func:`let_dynamo_trace_reduce_ops`
 =====================================  ============================================================
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-__all__ = ["INPLACE_TAGS", "OUT_TAGS", "AUTO_FUNCTIONALIZES_ALIASED_RETURNS",
+__all__ = ["INPLACE_TAGS", "OUT_TAGS", "GROUP_NAME_TYPE", "AUTO_FUNCTIONALIZES_ALIASED_RETURNS",
            "functionalize_as_twins", "all_gather_single", "reduce_scatter_single",
            "dist_polyfills", "let_dynamo_trace_reduce_ops"]
 
@@ -52,7 +54,8 @@ OUT_TAGS = _tags("out")
 AUTO_FUNCTIONALIZES_ALIASED_RETURNS = bool(INPLACE_TAGS and OUT_TAGS)
 
 
-def functionalize_as_twins(lib: torch.library.Library, twins: Mapping[str, str]) -> None:
+def functionalize_as_twins(lib: torch.library.Library, twins: Mapping[str, str], *,
+                           always: bool = False) -> None:
     """Let AOTAutograd functionalize ``lib``'s in-place and out= ops on a torch that cannot.
 
     ``twins`` maps each op (``all_reduce_``, returning ``Tensor(a!)``) to its functional twin in the
@@ -67,9 +70,13 @@ def functionalize_as_twins(lib: torch.library.Library, twins: Mapping[str, str])
     is copied back at the end. A mutated *view* (``all_reduce_(y[1:])``) is written back into its
     base by a copy that would read the collective's buffer before it is filled, so there the kernel
     waits first (``wait_tensor`` of the twin's result): the values are right, the collective is
-    not overlapped (2.13 keeps it asynchronous as ``auto_functionalized_v2``).
+    not overlapped (2.13 keeps it asynchronous as ``auto_functionalized_v2``). A mutated
+    ``Tensor(a!)[]`` argument (returned as ``Tensor(a!)[]``) is handled element by element.
+
+    ``always``: install the kernels on every torch, for ops no torch auto-functionalizes
+    (aliased list returns).
     """
-    if AUTO_FUNCTIONALIZES_ALIASED_RETURNS:
+    if AUTO_FUNCTIONALIZES_ALIASED_RETURNS and not always:
         return
     ns = getattr(torch.ops, lib.ns)
     for name, twin in twins.items():
@@ -87,19 +94,34 @@ def _twin_kernel(op: torch._ops.OpOverload, twin: torch._ops.OpOverload,
         torch._functionalize_sync(t)
         return torch._from_functional_tensor(t)
 
-    def kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         target = kwargs.pop(arg.name) if arg.kwarg_only else args[mutated]
+        targets = list(target) if isinstance(target, (list, tuple)) else [target]
         args, kwargs = pytree.tree_map_only(torch.Tensor, unwrap, (args, kwargs))
         with torch._C._ExcludeDispatchKeyGuard(
                 torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
             result = twin(*args, **kwargs)
-            if torch._C._functionalization.get_view_meta_sequence(target):
-                result = wait(result)
-        torch._functionalize_replace(target, result)
-        torch._functionalize_commit_update(target)
-        torch._functionalize_sync(target)
+            results = list(result) if isinstance(result, (list, tuple)) else [result]
+            results = [wait(r) if torch._C._functionalization.get_view_meta_sequence(t) else r
+                       for t, r in zip(targets, results)]
+        for t, r in zip(targets, results):
+            torch._functionalize_replace(t, r)
+            torch._functionalize_commit_update(t)
+            torch._functionalize_sync(t)
         return target
     return kernel
+
+
+def _group_name_type() -> str:
+    import torch.distributed._functional_collectives  # noqa: F401  defines _c10d_functional ops
+
+    arg = torch.ops._c10d_functional.all_reduce.default._schema.arguments[-1]
+    return "Any" if isinstance(arg.type, torch.AnyType) else "str"
+
+
+#: Schema type of ``group_name`` in torch's own ``_c10d_functional`` collectives: ``"Any"`` on
+#: 2.13 (a group name or a ``ProcessGroup``), ``"str"`` before. fcoll's ops declare the same.
+GROUP_NAME_TYPE = _group_name_type()
 
 
 #: ``dist.all_gather_single(output [n * N, *], input [N, *], group, async_op)``; before torch 2.13

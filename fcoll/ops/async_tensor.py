@@ -9,6 +9,7 @@ included, first calls ``fcoll.wait_tensor`` on every wrapped input. ``tolist()``
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -44,9 +45,23 @@ def complete(tensor: torch.Tensor) -> torch.Tensor:
     return pending.wait(tensor)
 
 
+@functools.lru_cache(maxsize=None)
 def _is_view_op(func) -> bool:
-    schema = func._schema
-    return any(a.alias_info is not None and not a.alias_info.is_write for a in schema.arguments)
+    """Whether ``func`` may run on the un-waited buffer: its first argument is a non-mutable
+    alias (a view op), and it has no ``CompositeImplicitAutograd`` kernel.
+
+    The second condition is PyTorch's fix for pytorch#133421: a composite op such as
+    ``aten.to.dtype`` declares ``Tensor(a)`` on its input (it *may* return it), yet decomposes
+    into ``_to_copy``, which reads the data. Under ``inference_mode`` the decomposition happens
+    below this subclass, so treating it as a view read the buffer before the collective was done.
+    """
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(),
+                                                      torch.DispatchKey.CompositeImplicitAutograd):
+        return False
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and not args[0].alias_info.is_write
 
 
 class AsyncCollectiveTensor(torch.Tensor):

@@ -11,6 +11,8 @@ Shapes are per rank; ``n`` is the group size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fcoll.ops import autograd as _autograd  # noqa: F401  registers backward formulas
@@ -18,10 +20,12 @@ from fcoll.ops.async_tensor import AsyncCollectiveTensor, complete, is_tracing, 
 from fcoll.ops.groups import GroupLike, group_size, resolve_group_name
 
 __all__ = [
-    "all_reduce", "all_reduce_coalesced", "all_gather_tensor", "all_gather_tensor_autograd",
-    "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
-    "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_coalesced", "all_to_all_single",
-    "all_to_all_single_autograd", "broadcast", "wait_tensor",
+    "all_reduce", "all_reduce_coalesced", "all_gather_single", "all_gather_single_autograd",
+    "all_gather_single_coalesced", "all_gather_tensor", "all_gather_tensor_autograd",
+    "all_gather_into_tensor_coalesced", "reduce_scatter_single", "reduce_scatter_single_autograd",
+    "reduce_scatter_single_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd",
+    "reduce_scatter_tensor_coalesced", "all_to_all_single", "all_to_all_single_autograd",
+    "broadcast", "wait_tensor",
 ]
 
 _ops = torch.ops.fcoll
@@ -73,36 +77,70 @@ def all_reduce_coalesced(self: list[torch.Tensor], reduceOp: str, group: GroupLi
     return [_finish(o) for o in outs]
 
 
-def all_gather_tensor(self: torch.Tensor, gather_dim: int, group: GroupLike,
+def _chunks_to_gather_dim(out: torch.Tensor, n: int, gather_dim: int) -> torch.Tensor:
+    """``cat(chunk(out, n, 0), gather_dim)`` of a gathered ``out [n * N, *]``.
+
+    A view (so an ``AsyncCollectiveTensor`` stays in flight) when every dim the chunks move
+    across has size 1, i.e. ``N == 1`` and dims ``1 .. gather_dim - 1`` are 1, which is
+    PyTorch's rule (``torch._utils._maybe_view_chunk_cat``); otherwise the data must move, so
+    an async ``out`` is waited for first, as PyTorch does.
+    """
+    if gather_dim == 0 or out.dim() == 0:
+        return out
+    shape = list(out.shape)
+    if shape[0] == n and math.prod(shape[1:gather_dim]) == 1:
+        return out.view(*shape[1:gather_dim], n * shape[gather_dim], *shape[gather_dim + 1:])
+    if isinstance(out, AsyncCollectiveTensor):
+        out = out.wait()
+    return torch.cat(torch.chunk(out, n, dim=0), dim=gather_dim)
+
+
+def all_gather_single(self: torch.Tensor, gather_dim: int, group: GroupLike,
                       tag: str = "") -> torch.Tensor:
     """Concatenate every rank's ``self`` along ``gather_dim``, in rank order.
 
-    Shapes: ``self [*, N, *]`` -> ``[*, n * N, *]`` with ``N`` at ``gather_dim``.
+    Shapes: ``self [*, N, *]`` -> ``[*, n * N, *]`` with ``N`` at ``gather_dim``; a 0-dim
+    ``self`` gives ``[n]``. Same dtype. With ``gather_dim != 0`` the result is still an
+    ``AsyncCollectiveTensor`` when the rearrangement is a view (see ``_chunks_to_gather_dim``).
     """
     name = resolve_group_name(group, tag)
     n = group_size(name)
-    out = _ops.all_gather_into_tensor(_plain(self).contiguous(), n, name)
-    out = _finish(out)
-    if gather_dim != 0 and self.dim() > 0:
-        if isinstance(out, AsyncCollectiveTensor):
-            out = out.wait()
-        out = torch.cat(torch.chunk(out, n, dim=0), dim=gather_dim)
-    return out
+    out = _finish(_ops.all_gather_into_tensor(_plain(self).contiguous(), n, name))
+    return _chunks_to_gather_dim(out, n, gather_dim)
+
+
+def all_gather_single_autograd(self: torch.Tensor, gather_dim: int, group: GroupLike,
+                               tag: str = "") -> torch.Tensor:
+    """Same as :func:`all_gather_single` (which already supports autograd)."""
+    return all_gather_single(self, gather_dim, group, tag)
+
+
+def all_gather_tensor(self: torch.Tensor, gather_dim: int, group: GroupLike,
+                      tag: str = "") -> torch.Tensor:
+    """:func:`all_gather_single` under its pre-2.13 name (kept, without 2.13's warning)."""
+    return all_gather_single(self, gather_dim, group, tag)
 
 
 def all_gather_tensor_autograd(self: torch.Tensor, gather_dim: int, group: GroupLike,
                                tag: str = "") -> torch.Tensor:
-    """Same as :func:`all_gather_tensor` (which already supports autograd)."""
-    return all_gather_tensor(self, gather_dim, group, tag)
+    """Same as :func:`all_gather_single` (which already supports autograd)."""
+    return all_gather_single(self, gather_dim, group, tag)
 
 
-def all_gather_into_tensor_coalesced(self: list[torch.Tensor], group: GroupLike,
-                                     tag: str = "") -> list[torch.Tensor]:
-    """``all_gather_tensor(t, 0, group)`` for each ``t`` of ``self``, as one collective."""
+def all_gather_single_coalesced(self: list[torch.Tensor], group: GroupLike,
+                                tag: str = "") -> list[torch.Tensor]:
+    """``all_gather_single(t, 0, group)`` for each ``t`` of ``self``, as one collective:
+    ``[N_i, *] -> [n * N_i, *]``."""
     name = resolve_group_name(group, tag)
     outs = _ops.all_gather_into_tensor_coalesced([_plain(t) for t in self], group_size(name),
                                                  name)
     return [_finish(o) for o in outs]
+
+
+def all_gather_into_tensor_coalesced(self: list[torch.Tensor], group: GroupLike,
+                                     tag: str = "") -> list[torch.Tensor]:
+    """:func:`all_gather_single_coalesced` under its pre-2.13 name."""
+    return all_gather_single_coalesced(self, group, tag)
 
 
 def _scatter_dim_first(t: torch.Tensor, scatter_dim: int, n: int, op: str) -> torch.Tensor:
@@ -115,7 +153,7 @@ def _scatter_dim_first(t: torch.Tensor, scatter_dim: int, n: int, op: str) -> to
     return t
 
 
-def reduce_scatter_tensor(self: torch.Tensor, reduceOp: str, scatter_dim: int,
+def reduce_scatter_single(self: torch.Tensor, reduceOp: str, scatter_dim: int,
                           group: GroupLike, tag: str = "") -> torch.Tensor:
     """Reduce ``self`` across the group and give rank ``r`` the ``r``-th chunk along ``scatter_dim``.
 
@@ -132,13 +170,32 @@ def reduce_scatter_tensor(self: torch.Tensor, reduceOp: str, scatter_dim: int,
     return _finish(_ops.reduce_scatter_tensor(t, reduceOp.lower(), n, name))
 
 
+def reduce_scatter_single_autograd(self: torch.Tensor, reduceOp: str, scatter_dim: int,
+                                   group: GroupLike, tag: str = "") -> torch.Tensor:
+    """Same as :func:`reduce_scatter_single` (which already supports autograd)."""
+    return reduce_scatter_single(self, reduceOp, scatter_dim, group, tag)
+
+
+def reduce_scatter_tensor(self: torch.Tensor, reduceOp: str, scatter_dim: int,
+                          group: GroupLike, tag: str = "") -> torch.Tensor:
+    """:func:`reduce_scatter_single` under its pre-2.13 name (kept, without 2.13's warning)."""
+    return reduce_scatter_single(self, reduceOp, scatter_dim, group, tag)
+
+
 def reduce_scatter_tensor_autograd(self: torch.Tensor, reduceOp: str, scatter_dim: int,
                                    group: GroupLike, tag: str = "") -> torch.Tensor:
-    """Same as :func:`reduce_scatter_tensor` (which already supports autograd)."""
-    return reduce_scatter_tensor(self, reduceOp, scatter_dim, group, tag)
+    """Same as :func:`reduce_scatter_single` (which already supports autograd)."""
+    return reduce_scatter_single(self, reduceOp, scatter_dim, group, tag)
 
 
 def reduce_scatter_tensor_coalesced(inputs: list[torch.Tensor], reduceOp: str,
+                                    scatter_dim: list[int], group: GroupLike,
+                                    tag: str = "") -> list[torch.Tensor]:
+    """:func:`reduce_scatter_single_coalesced` under its pre-2.13 name."""
+    return reduce_scatter_single_coalesced(inputs, reduceOp, scatter_dim, group, tag)
+
+
+def reduce_scatter_single_coalesced(inputs: list[torch.Tensor], reduceOp: str,
                                     scatter_dim: list[int], group: GroupLike,
                                     tag: str = "") -> list[torch.Tensor]:
     """``reduce_scatter_tensor`` of each input along its ``scatter_dim``, as one collective."""

@@ -45,12 +45,15 @@ def resolve_group_name(group: GroupLike, tag: str = "") -> str:
         raise ValueError(f"group: cannot resolve {group!r} to a process group: {e}") from e
 
 
-def group_from_name(group_name: str) -> "dist.ProcessGroup":
-    """Return the ``ProcessGroup`` registered under ``group_name``.
+def group_from_name(group_name: "str | dist.ProcessGroup") -> "dist.ProcessGroup":
+    """Return the ``ProcessGroup`` registered under ``group_name`` (a ``ProcessGroup`` is
+    returned as it is: torch 2.13's ops take either, in an ``Any group_name`` argument).
 
     Raises:
         ValueError: no process group of that name exists in this process.
     """
+    if isinstance(group_name, dist.ProcessGroup):
+        return group_name
     try:
         return c10d._resolve_process_group(group_name)
     except (ValueError, RuntimeError, KeyError) as e:

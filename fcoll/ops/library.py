@@ -44,33 +44,47 @@ lib = torch.library.Library("fcoll", "DEF")  # noqa: TOR901  (ops defined once, 
 
 _PT2 = (torch.Tag.pt2_compliant_tag,)
 
+_G = compat.GROUP_NAME_TYPE   # "Any" where torch's own ops take a group object too (2.13)
+
 SCHEMAS = {
-    "all_reduce": "all_reduce(Tensor input, str reduce_op, str group_name) -> Tensor",
-    "all_reduce_": "all_reduce_(Tensor(a!) input, str reduce_op, str group_name) -> Tensor(a!)",
+    "all_reduce": f"all_reduce(Tensor input, str reduce_op, {_G} group_name) -> Tensor",
+    "all_reduce_":
+        f"all_reduce_(Tensor(a!) input, str reduce_op, {_G} group_name) -> Tensor(a!)",
     "all_reduce_coalesced":
-        "all_reduce_coalesced(Tensor[] inputs, str reduce_op, str group_name) -> Tensor[]",
+        f"all_reduce_coalesced(Tensor[] inputs, str reduce_op, {_G} group_name) -> Tensor[]",
     "all_reduce_coalesced_":
-        "all_reduce_coalesced_(Tensor(a!)[] inputs, str reduce_op, str group_name) -> ()",
+        f"all_reduce_coalesced_(Tensor(a!)[] inputs, str reduce_op, {_G} group_name) "
+        f"-> Tensor(a!)[]",
     "all_gather_into_tensor":
-        "all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor",
+        f"all_gather_into_tensor(Tensor input, int group_size, {_G} group_name) -> Tensor",
     "all_gather_into_tensor_out":
-        "all_gather_into_tensor_out(Tensor input, int group_size, str group_name, *, "
-        "Tensor(a!) out) -> Tensor(a!)",
+        f"all_gather_into_tensor_out(Tensor input, int group_size, {_G} group_name, *, "
+        f"Tensor(a!) out) -> Tensor(a!)",
     "all_gather_into_tensor_coalesced":
-        "all_gather_into_tensor_coalesced(Tensor[] inputs, int group_size, str group_name) "
-        "-> Tensor[]",
+        f"all_gather_into_tensor_coalesced(Tensor[] inputs, int group_size, {_G} group_name) "
+        f"-> Tensor[]",
     "reduce_scatter_tensor":
-        "reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, str group_name) "
-        "-> Tensor",
+        f"reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, {_G} group_name) "
+        f"-> Tensor",
+    "reduce_scatter_tensor_out":
+        f"reduce_scatter_tensor_out(Tensor input, str reduce_op, int group_size, "
+        f"{_G} group_name, *, Tensor(a!) out) -> Tensor(a!)",
     "reduce_scatter_tensor_coalesced":
-        "reduce_scatter_tensor_coalesced(Tensor[] inputs, str reduce_op, int group_size, "
-        "str group_name) -> Tensor[]",
+        f"reduce_scatter_tensor_coalesced(Tensor[] inputs, str reduce_op, int group_size, "
+        f"{_G} group_name) -> Tensor[]",
     "all_to_all_single":
-        "all_to_all_single(Tensor input, SymInt[] output_split_sizes, "
-        "SymInt[] input_split_sizes, str group_name) -> Tensor",
-    "broadcast": "broadcast(Tensor input, int src, str group_name) -> Tensor",
-    "broadcast_": "broadcast_(Tensor(a!) input, int src, str group_name) -> Tensor(a!)",
+        f"all_to_all_single(Tensor input, SymInt[] output_split_sizes, "
+        f"SymInt[] input_split_sizes, {_G} group_name) -> Tensor",
+    "broadcast": f"broadcast(Tensor input, int src, {_G} group_name) -> Tensor",
+    "broadcast_": f"broadcast_(Tensor(a!) input, int src, {_G} group_name) -> Tensor(a!)",
     "wait_tensor": "wait_tensor(Tensor tensor) -> Tensor",
+    # Point-to-point, as torch 2.13's _c10d_functional has them (a str group name there too);
+    # ``dst`` / ``src`` / ``peer_list`` are global ranks.
+    "isend": "isend(Tensor tensor, int dst, int tag, str group_name) -> Tensor",
+    "irecv": "irecv(Tensor tensor, int src, int tag, str group_name) -> Tensor",
+    "batch_p2p_ops":
+        "batch_p2p_ops(str[] op_list, int[] peer_list, int[] tag_list, Tensor[] tensors, "
+        "str group_name) -> Tensor[]",
 }
 
 _EXTRA_TAGS = {
@@ -80,13 +94,19 @@ _EXTRA_TAGS = {
     "all_reduce_": compat.INPLACE_TAGS,
     "broadcast_": compat.INPLACE_TAGS,
     "all_gather_into_tensor_out": compat.OUT_TAGS,
+    "reduce_scatter_tensor_out": compat.OUT_TAGS,
 }
 
 for _name, _schema in SCHEMAS.items():
     lib.define(_schema, tags=_PT2 + _EXTRA_TAGS.get(_name, ()))
 
 compat.functionalize_as_twins(lib, {"all_reduce_": "all_reduce", "broadcast_": "broadcast",
-                                     "all_gather_into_tensor_out": "all_gather_into_tensor"})
+                                     "all_gather_into_tensor_out": "all_gather_into_tensor",
+                                     "reduce_scatter_tensor_out": "reduce_scatter_tensor"})
+# A list of aliased returns (``Tensor(a!)[]``, as torch's own op returns) is auto-functionalized
+# by no torch version, and Tag.inplace needs a single first tensor: the twin kernel on every one.
+compat.functionalize_as_twins(lib, {"all_reduce_coalesced_": "all_reduce_coalesced"},
+                              always=True)
 
 torch.fx.node.has_side_effect(torch.ops.fcoll.wait_tensor.default)
 
@@ -98,7 +118,7 @@ torch.fx.node.has_side_effect(torch.ops.fcoll.wait_tensor.default)
 # the collective's buffer while the wait's output is alive. The copy-free paths are fcoll's own:
 # the backend's executor and AsyncCollectiveTensor call fcoll.ops.pending.wait directly.
 for _inplace in ("all_reduce_", "all_reduce_coalesced_", "all_gather_into_tensor_out",
-                 "broadcast_"):
+                 "reduce_scatter_tensor_out", "broadcast_", "isend", "irecv", "batch_p2p_ops"):
     torch.fx.node.has_side_effect(getattr(torch.ops.fcoll, _inplace).default)
 
 # ---------------------------------------------------------------------------------------------
@@ -320,8 +340,10 @@ def _all_reduce_coalesced(inputs: list[torch.Tensor], reduce_op: str,
 
 
 @_impl("all_reduce_coalesced_")
-def _all_reduce_coalesced_(inputs: list[torch.Tensor], reduce_op: str, group_name: str) -> None:
+def _all_reduce_coalesced_(inputs: list[torch.Tensor], reduce_op: str,
+                           group_name: str) -> list[torch.Tensor]:
     _all_reduce_many_into("all_reduce_coalesced_", list(inputs), reduce_op, group_name)
+    return list(inputs)
 
 
 def _gather_into(op: str, input: torch.Tensor, out: torch.Tensor, group_size: int,
@@ -422,6 +444,24 @@ def start_reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, input: torch.
     return work, finish
 
 
+@_impl("reduce_scatter_tensor_out")
+def _reduce_scatter_tensor_out(input: torch.Tensor, reduce_op: str, group_size: int,
+                               group_name: str, *, out: torch.Tensor) -> torch.Tensor:
+    pg = _validate_reduce_scatter("reduce_scatter_tensor_out", input, reduce_op, group_size,
+                                  group_name)
+    expected = [input.size(0) // group_size, *input.shape[1:]]
+    if list(out.shape) != expected or out.dtype != input.dtype:
+        raise ValueError(f"fcoll.reduce_scatter_tensor_out: out has shape {list(out.shape)} "
+                         f"{out.dtype}, expected {expected} {input.dtype} "
+                         f"{_where(group_name, input)}")
+    if group_size == 1:
+        return out.copy_(input)
+    buf, copy_back = _wire_output(pg, out, initialised=False)
+    work, fin = start_reduce_scatter(pg, buf, _wire_input(pg, input), reduce_op, input.dtype)
+    pending.register(out, work, _chain(fin, copy_back))
+    return out
+
+
 @_impl("reduce_scatter_tensor_coalesced")
 def _reduce_scatter_tensor_coalesced(inputs: list[torch.Tensor], reduce_op: str,
                                      group_size: int, group_name: str) -> list[torch.Tensor]:
@@ -483,6 +523,69 @@ def _broadcast_(input: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
     return input
 
 
+# ---------------------------------------------------------------------------------------------
+# Point-to-point (peers are global ranks, as in torch.distributed.isend / irecv)
+
+def _p2p_output(op: str, t: torch.Tensor) -> torch.Tensor:
+    if op == "isend":
+        return t.new_empty(0)
+    if op == "irecv":
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+    raise ValueError(f"fcoll.batch_p2p_ops: op {op!r} is not 'isend' or 'irecv'")
+
+
+def _start_p2p(op: str, t: torch.Tensor, peer: int, tag: int, group_name: str) -> torch.Tensor:
+    """Start one send or receive of ``t`` with global rank ``peer``; return the op's output:
+    ``[0]`` for a send (a handle to wait on), a fresh ``t``-shaped tensor for a receive."""
+    pg = group_from_name(group_name)
+    out = _p2p_output(op, t)
+    if op == "isend":
+        work = dist.isend(_wire_input(pg, t), peer, group=pg, tag=tag)
+        pending.register(out, work)
+    else:
+        buf, copy_back = _wire_output(pg, out, initialised=False)
+        work = dist.irecv(buf, peer, group=pg, tag=tag)
+        pending.register(out, work, copy_back)
+    return out
+
+
+@_impl("isend")
+def _isend(tensor: torch.Tensor, dst: int, tag: int, group_name: str) -> torch.Tensor:
+    return _start_p2p("isend", tensor, dst, tag, group_name)
+
+
+@_impl("irecv")
+def _irecv(tensor: torch.Tensor, src: int, tag: int, group_name: str) -> torch.Tensor:
+    return _start_p2p("irecv", tensor, src, tag, group_name)
+
+
+@_impl("batch_p2p_ops")
+def _batch_p2p_ops(op_list: list[str], peer_list: list[int], tag_list: list[int],
+                   tensors: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    if not len(op_list) == len(peer_list) == len(tag_list) == len(tensors):
+        raise ValueError(f"fcoll.batch_p2p_ops: op_list, peer_list, tag_list and tensors have "
+                         f"{len(op_list)}, {len(peer_list)}, {len(tag_list)} and "
+                         f"{len(tensors)} entries {_where(group_name)}")
+    pg = group_from_name(group_name)
+    outs = [_p2p_output(op, t) for op, t in zip(op_list, tensors)]
+    p2p, finishers = [], []
+    for op, peer, tag, t, out in zip(op_list, peer_list, tag_list, tensors, outs):
+        if op == "isend":
+            p2p.append(dist.P2POp(dist.isend, _wire_input(pg, t), peer, pg, tag))
+            finishers.append(None)
+        else:
+            buf, copy_back = _wire_output(pg, out, initialised=False)
+            p2p.append(dist.P2POp(dist.irecv, buf, peer, pg, tag))
+            finishers.append(copy_back)
+    works = dist.batch_isend_irecv(p2p) if p2p else []
+    # backends return one work for the batch (coalesced) or one per op
+    for i, (out, fin) in enumerate(zip(outs, finishers)):
+        for work in (works if len(works) != len(outs) else [works[i]]):
+            pending.register(out, work)
+        pending.register(out, None, fin)
+    return outs
+
+
 @_impl("wait_tensor")
 def _wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return pending.wait(tensor).clone()
@@ -512,7 +615,7 @@ def _(inputs, reduce_op, group_name):
 
 @_fake("all_reduce_coalesced_")
 def _(inputs, reduce_op, group_name):
-    return None
+    return list(inputs)
 
 
 @_fake("all_gather_into_tensor")
@@ -533,6 +636,11 @@ def _(inputs, group_size, group_name):
 @_fake("reduce_scatter_tensor")
 def _(input, reduce_op, group_size, group_name):
     return input.new_empty([input.size(0) // group_size, *input.shape[1:]])
+
+
+@_fake("reduce_scatter_tensor_out")
+def _(input, reduce_op, group_size, group_name, *, out):
+    return out
 
 
 @_fake("reduce_scatter_tensor_coalesced")
@@ -559,3 +667,18 @@ def _(input, src, group_name):
 def _(tensor):
     # A fresh tensor, like the eager kernel's copy (and PyTorch's _c10d_functional meta kernel).
     return torch.empty_like(tensor)
+
+
+@_fake("isend")
+def _(tensor, dst, tag, group_name):
+    return tensor.new_empty(0)
+
+
+@_fake("irecv")
+def _(tensor, src, tag, group_name):
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+@_fake("batch_p2p_ops")
+def _(op_list, peer_list, tag_list, tensors, group_name):
+    return [_p2p_output(op, t) for op, t in zip(op_list, tensors)]

@@ -53,22 +53,31 @@ def register(tensor: torch.Tensor, work, finisher: Callable[[], None] | None = N
 def wait(tensor: torch.Tensor) -> torch.Tensor:
     """Block until every collective writing into ``tensor``'s storage is done; return ``tensor``.
 
-    A tensor with nothing in flight is returned as it is.
+    A tensor with nothing in flight in fcoll's registry is waited for in c10d's (a collective
+    started with ``async_op=True`` under ``allow_inflight_collective_as_graph_input_ctx``, or a
+    ``_c10d_functional`` op's output), which returns it as it is when nothing is in flight there.
 
     Raises:
         Whatever the backend's ``Work.wait()`` raises (a peer died, a timeout, a mismatch).
     """
-    if not _pending or tensor.device.type == "meta":
+    if tensor.device.type == "meta":
         return tensor
+    if not _pending:
+        return _c10d_wait(tensor)
     key = StorageWeakRef(tensor.untyped_storage()).cdata
     with _lock:
         entry = _pending.pop(key, None)
     if entry is None:
-        return tensor
+        return _c10d_wait(tensor)
     for work in entry.works:
         work.wait()
     for finish in entry.finishers:
         finish()
+    return tensor
+
+
+def _c10d_wait(tensor: torch.Tensor) -> torch.Tensor:
+    torch.ops._c10d_functional.wait_tensor.default(tensor)
     return tensor
 
 
