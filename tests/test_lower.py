@@ -217,9 +217,10 @@ def _aot_forward(fn, *inputs) -> fx.GraphModule:
 def test_auto_functionalized_inplace_collectives_become_functional():
     """AOT wraps fcoll's in-place ops in ``auto_functionalized_v2``; they become functional.
 
-    Torch 2.11 auto-functionalizes only ops without aliased returns (``all_reduce_coalesced_``,
-    which returns ``()``); the others get fcoll's Functionalize kernels
+    Torch 2.11 auto-functionalizes none of them: they get fcoll's Functionalize kernels
     (``compat.functionalize_as_twins``) and are traced as their functional twins directly.
+    ``all_reduce_coalesced_`` returns its list (``Tensor(a!)[]``, as torch's), which no torch
+    auto-functionalizes: it is traced as ``all_reduce_coalesced`` on every version.
     """
     g = dist.group.WORLD.group_name
 
@@ -239,12 +240,12 @@ def test_auto_functionalized_inplace_collectives_become_functional():
     hops = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.auto_functionalized_v2]
     if AUTO_FUNCTIONALIZES_ALIASED_RETURNS:
         assert [h.args[0] for h in hops] == [_F.all_reduce_.default, _F.broadcast_.default,
-                                             _F.all_gather_into_tensor_out.default,
-                                             _F.all_reduce_coalesced_.default]
+                                             _F.all_gather_into_tensor_out.default]
     else:
-        assert [h.args[0] for h in hops] == [_F.all_reduce_coalesced_.default]
+        assert hops == []
         assert [n.target for n in G.collectives(gm)] == [
-            _F.all_reduce.default, _F.broadcast.default, _F.all_gather_into_tensor.default]
+            _F.all_reduce.default, _F.broadcast.default, _F.all_gather_into_tensor.default,
+            _F.all_reduce_coalesced.default]
     gm = _lower(gm).graph_module
     assert not any(n.target is torch.ops.higher_order.auto_functionalized_v2
                    for n in gm.graph.nodes)

@@ -1,7 +1,11 @@
-"""Dynamo remaps: legacy in-place ``torch.distributed`` calls compile to fcoll ops, no graph break.
+"""Dynamo remaps: legacy in-place ``torch.distributed`` calls compile with no graph break.
 
-Inside ``torch.compile`` these calls become functional ``torch.ops.fcoll`` collectives plus a
-``copy_`` into the caller's tensor:
+Inside ``torch.compile`` these calls become PyTorch's own functional collectives
+(``torch.ops._c10d_functional``, the ops PyTorch's remaps emit, so every backend, Inductor's comm
+passes included, sees what it would see without fcoll) plus a ``copy_`` into the caller's
+tensor; fcoll's backend lowers them to ``torch.ops.fcoll`` (``fcoll.passes.lower``). ``import
+fcoll`` thus changes other backends' graphs only where PyTorch would graph-break (broadcast,
+reduce, barrier, ``async_op=True``, which PyTorch does not remap):
 
 =================================  ==========================================================
 call (group: None, WORLD, a group)  graph
@@ -31,7 +35,7 @@ never waited on leaves its tensor unchanged (eager PyTorch leaves it unspecified
 ``reduce``: PyTorch leaves the tensor on non-``dst`` ranks unspecified (gloo, measured with 2 and
 3 ranks, leaves partial sums in it). fcoll reduces with an all_reduce and copies the result on
 ``dst`` only, so non-``dst`` tensors are left unchanged: a deterministic choice inside what
-PyTorch allows. It costs an all_reduce instead of a reduce; a reduce has no fcoll op.
+PyTorch allows. It costs an all_reduce instead of a reduce; a reduce has no functional op.
 
 Reduce ops: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR map to "sum", "avg", "product", "min",
 "max", "band", "bor", "bxor". Any other op (PREMUL_SUM, a ``_make_nccl_premul_sum`` op) raises
@@ -72,7 +76,8 @@ __all__ = ["install", "installed", "REMAPPED", "reduce_op_name"]
 
 log = logging.getLogger(__name__)
 
-_F = torch.ops.fcoll
+# PyTorch's namespace, not fcoll's: the graphs stay what PyTorch's own remaps would make.
+_F = torch.ops._c10d_functional
 _RO = dist.ReduceOp
 
 _REDUCE_NAMES = {
