@@ -10,7 +10,11 @@ is tight). The single-process reference runs in the test process.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from fcoll.testing import run_ranks
@@ -119,3 +123,53 @@ def test_batches_are_disjoint_rank_shards():
     x1, _ = tg.get_batch(data, 8, 16, seed=0, step=0, rank=1, world_size=2)
     assert bool((x0 < 5_000).all()) and bool((x1 >= 5_000).all())
     torch.testing.assert_close(y0[:, :-1], x0[:, 1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# --device cuda and --dist-backend nccl
+
+def test_nccl_refuses_ranks_sharing_a_gpu_and_names_them():
+    assert tg.nccl_device_conflict(2, 2) is None and tg.nccl_device_conflict(1, 8) is None
+    why = tg.nccl_device_conflict(3, 2)
+    assert "ranks 0, 2 on cuda:0" in why and "cuda:1" not in why and "fcoll" in why
+    assert "ranks 0, 1 on cuda:0" in tg.nccl_device_conflict(2, 1)
+    assert "needs a GPU" in tg.nccl_device_conflict(2, 0)
+
+
+def test_device_and_backend_arguments():
+    args = tg._parse([])
+    assert (args.device, args.dist_backend) == ("cpu", "fcoll")
+    args = tg._parse(["--device", "cuda", "--dist-backend", "nccl", "--parallel", "fsdp"])
+    assert (args.device, args.dist_backend, args.parallel) == ("cuda", "nccl", "fsdp")
+    with pytest.raises(SystemExit):
+        tg._parse(["--dist-backend", "nccl"])  # nccl has no CPU collectives
+    assert tg._setup_device(tg._parse([])) == torch.device("cpu")
+
+
+def test_adamw_step_counter_lives_on_the_parameters_device():
+    params = tg.init_params(_cfg(11), seed=0)
+    assert tg.init_adamw(params)["t"].device == torch.device("cpu")
+    if torch.cuda.is_available():
+        on_gpu = {k: v.cuda() for k, v in params.items()}
+        assert tg.init_adamw(on_gpu)["t"].device.type == "cuda"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("parallel,dist_backend,compute", [
+    ("ddp", "fcoll", "inductor"), ("fsdp", "fcoll", "inductor"), ("ddp", "gloo", "eager")])
+def test_train_gpt_on_cuda_learns(parallel, dist_backend, compute):
+    """2 ranks (sharing GPU 0 when there is one): exit 0, no graph break, loss goes down."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "fcoll.launch", "--nproc-per-node", "2",
+           "examples/train_gpt.py", "--device", "cuda", "--parallel", parallel,
+           "--dist-backend", dist_backend, "--compute", compute, "--steps", "20",
+           "--log-every", "20", "--n-layer", "2", "--d-model", "128"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=540)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    summary = [line for line in p.stdout.splitlines() if "summary:" in line]
+    assert len(summary) == 1 and "graph breaks 0" in summary[0], p.stdout[-4000:]
+    assert "cuda:0" in summary[0] and " ms, " in summary[0]
+    first, last = (float(v) for v in summary[0].split("val loss ")[1].split(" (")[0].split(" -> "))
+    assert last < 0.9 * first, summary[0]
