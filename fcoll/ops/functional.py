@@ -89,7 +89,8 @@ def _chunks_to_gather_dim(out: torch.Tensor, n: int, gather_dim: int) -> torch.T
         return out
     shape = list(out.shape)
     if shape[0] == n and math.prod(shape[1:gather_dim]) == 1:
-        return out.view(*shape[1:gather_dim], n * shape[gather_dim], *shape[gather_dim + 1:])
+        return out.view(1, *shape[1:gather_dim], n * shape[gather_dim],
+                        *shape[gather_dim + 1:])
     if isinstance(out, AsyncCollectiveTensor):
         out = out.wait()
     return torch.cat(torch.chunk(out, n, dim=0), dim=gather_dim)
