@@ -71,7 +71,7 @@ def functionalize_as_twins(lib: torch.library.Library, twins: Mapping[str, str],
     base by a copy that would read the collective's buffer before it is filled, so there the kernel
     waits first (``wait_tensor`` of the twin's result): the values are right, the collective is
     not overlapped (2.13 keeps it asynchronous as ``auto_functionalized_v2``). A mutated
-    ``Tensor(a!)[]`` argument (returned as ``Tensor(a!)[]``) is handled element by element.
+    ``Tensor[](a!)`` argument (returned as ``Tensor[](a!)``) is handled element by element.
 
     ``always``: install the kernels on every torch, for ops no torch auto-functionalizes
     (aliased list returns).

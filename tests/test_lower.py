@@ -219,7 +219,7 @@ def test_auto_functionalized_inplace_collectives_become_functional():
 
     Torch 2.11 auto-functionalizes none of them: they get fcoll's Functionalize kernels
     (``compat.functionalize_as_twins``) and are traced as their functional twins directly.
-    ``all_reduce_coalesced_`` returns its list (``Tensor(a!)[]``, as torch's), which no torch
+    ``all_reduce_coalesced_`` returns its list (``Tensor[](a!)``, as torch's), which no torch
     auto-functionalizes: it is traced as ``all_reduce_coalesced`` on every version.
     """
     g = dist.group.WORLD.group_name

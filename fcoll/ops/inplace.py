@@ -211,7 +211,7 @@ def irecv_inplace(tensor: torch.Tensor, src: int, tag: int = 0, group=None,
 
 
 def batch_p2p_ops_inplace(op_list: list[str], peer_list: list[int], tag_list: list[int],
-                          tensors: list[torch.Tensor], group_name=None) -> list[torch.Tensor]:
+                          tensors: list[torch.Tensor], group_name) -> list[torch.Tensor]:
     """Start every send and receive of the batch together (``dist.batch_isend_irecv``).
 
     ``op_list[i]`` is ``"isend"`` or ``"irecv"`` with global rank ``peer_list[i]``; received

@@ -53,8 +53,8 @@ SCHEMAS = {
     "all_reduce_coalesced":
         f"all_reduce_coalesced(Tensor[] inputs, str reduce_op, {_G} group_name) -> Tensor[]",
     "all_reduce_coalesced_":
-        f"all_reduce_coalesced_(Tensor(a!)[] inputs, str reduce_op, {_G} group_name) "
-        f"-> Tensor(a!)[]",
+        f"all_reduce_coalesced_(Tensor[](a!) inputs, str reduce_op, {_G} group_name) "
+        f"-> Tensor[](a!)",
     "all_gather_into_tensor":
         f"all_gather_into_tensor(Tensor input, int group_size, {_G} group_name) -> Tensor",
     "all_gather_into_tensor_out":
@@ -103,7 +103,7 @@ for _name, _schema in SCHEMAS.items():
 compat.functionalize_as_twins(lib, {"all_reduce_": "all_reduce", "broadcast_": "broadcast",
                                      "all_gather_into_tensor_out": "all_gather_into_tensor",
                                      "reduce_scatter_tensor_out": "reduce_scatter_tensor"})
-# A list of aliased returns (``Tensor(a!)[]``, as torch's own op returns) is auto-functionalized
+# A list of aliased returns (``Tensor[](a!)``, as torch's own op returns) is auto-functionalized
 # by no torch version, and Tag.inplace needs a single first tensor: the twin kernel on every one.
 compat.functionalize_as_twins(lib, {"all_reduce_coalesced_": "all_reduce_coalesced"},
                               always=True)
