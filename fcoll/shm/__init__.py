@@ -7,7 +7,8 @@ cross-rank checks), ``phases`` (the slot and phase protocol every algorithm runs
 broadcast, all_to_all, barrier), ``one_slot`` (one-phase kernels with cached views), ``engine``
 (the per-group executor and worker thread), ``fast_paths`` (when and how a synchronous small
 collective runs on the caller's thread), ``validate`` (argument checks, staging),
-``process_group`` (the ``dist.ProcessGroup`` that c10d calls).
+``cuda`` (CUDA tensors: the staged and IPC paths, stream-ordered), ``process_group`` (the
+``dist.ProcessGroup`` that c10d calls).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import platform
 
 import torch.distributed as dist
 
-__all__ = ["register_backend", "create_process_group", "BACKEND_NAME"]
+__all__ = ["register_backend", "create_process_group", "cuda_path", "BACKEND_NAME"]
 
 BACKEND_NAME = "fcoll"
 
@@ -43,3 +44,14 @@ def register_backend() -> None:
         return
     dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True,
                                   devices=["cpu", "cuda"])
+
+
+def cuda_path(group=None) -> str | None:
+    """The CUDA path of an fcoll group: ``"ipc"`` or ``"staged"`` (see :mod:`fcoll.shm.cuda`),
+    None before its first CUDA collective or for a group of another backend.
+
+    Args:
+        group: a process group (default: the default group).
+    """
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return getattr(pg, "cuda_path", None)

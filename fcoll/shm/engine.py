@@ -44,10 +44,12 @@ _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 class Job:
     """A queued collective: ``run(call)`` moves the data, then ``finish()`` writes back staged
     outputs. Its result is ``result`` (the output tensors, as PyTorch backends return them) or
-    ``error``; ``done_lock`` is held until it completes. The torch future is made on demand."""
+    ``error``; ``done_lock`` is held until it completes. The torch future is made on demand.
+    A CUDA collective sets ``cuda_event`` (recorded on the group's side stream after its
+    kernels or copies): its results are ready for a stream that waited on it."""
 
     __slots__ = ("name", "seq", "payload", "run", "finish", "result", "error", "done",
-                 "done_lock", "_fut", "_fut_lock")
+                 "done_lock", "_fut", "_fut_lock", "cuda_event")
 
     def __init__(self, name: str, seq: int, payload: bytes, run: Callable[[Call], None],
                  finish: Callable[[], None] | None, result: Any):
@@ -55,6 +57,7 @@ class Job:
         self.run, self.finish, self.result = run, finish, result
         self.error: BaseException | None = None
         self.done = False
+        self.cuda_event = None
         self.done_lock = threading.Lock()
         self.done_lock.acquire()
         self._fut: torch.futures.Future | None = None
@@ -304,7 +307,9 @@ class FcollWork(torch.distributed.Work):
     """The ``Work`` of queued collectives (one, or several for coalescing).
 
     ``wait()`` re-raises the collective's error (``_create_work_from_future``'s ``wait`` drops
-    it), honours a ``timeout``, and never spins.
+    it), honours a ``timeout``, and never spins. For CUDA collectives it returns once the
+    host part is done and the caller's current stream waits on the collective's event: the
+    host does not wait for the GPU (as ``ProcessGroupNCCL``'s ``Work.wait``).
     """
 
     def __init__(self, engine: Engine, jobs: list[Job], name: str):
@@ -318,6 +323,8 @@ class FcollWork(torch.distributed.Work):
         secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
         for job in self._jobs:
             self._engine.wait(job, secs or None)
+            if job.cuda_event is not None:
+                job.cuda_event.wait()  # the caller's current stream waits; the host does not
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -331,7 +338,8 @@ class FcollWork(torch.distributed.Work):
         return self._fut
 
     def is_completed(self) -> bool:
-        return all(j.done for j in self._jobs)
+        return all(j.done and (j.cuda_event is None or j.cuda_event.query())
+                   for j in self._jobs)
 
     def is_success(self) -> bool:
         return self.is_completed() and self.exception() is None

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from fcoll.ops.reduce import check_reduce_op, reduce_op_name
 from fcoll.shm import movement, reductions
+from fcoll.shm.cuda import CudaGroup, CudaStaging, IpcBuffers, device_error, header_dtype
 from fcoll.shm.engine import Engine, FcollWork, Job
 from fcoll.shm.fast_paths import FastPaths, plain
 from fcoll.shm.headers import NO_ROOT, Header, dtype_name
@@ -61,6 +62,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         self._engine = Engine(seg, ch, f"g{self._global_ranks[0]}x{size}r{rank}")
         self._fast = FastPaths(self._engine)
         self._coalescing: list[Any] | None = None
+        self._cuda = CudaGroup(rank, size)
 
     # ---- identity -------------------------------------------------------------------------
     def size(self) -> int:
@@ -93,19 +95,31 @@ class FcollProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         self._fast.clear()  # the fast paths' views of the mapping, so close() can unmap it
         self._engine.close()
+        self._cuda.close()
 
     def abort(self) -> None:
         self._fast.clear()
         self._engine.close(timeout_s=ABORT_TIMEOUT_S)
+        self._cuda.close()
+
+    @property
+    def cuda_path(self) -> str | None:
+        """``"ipc"`` or ``"staged"``: the path of this group's CUDA collectives (see
+        :mod:`fcoll.shm.cuda`), None before its first CUDA collective."""
+        return self._cuda.path
 
     # ---- submission -----------------------------------------------------------------------
     def _submit(self, name: str, shape_of: torch.Tensor | None, *, reduce_op: str = "",
                 root: int = NO_ROOT, extra: Any = None, error: str | None = None,
                 run: Callable[[Call], None] | None = None, st: Staging | None = None,
                 result: Any = None, post: Callable[[], None] | None = None,
-                opts: Any = None) -> dist.Work:
+                opts: Any = None, cuda_run: Callable[[Call], Any] | None = None) -> dist.Work:
         """Queue collective ``name`` (its header from ``shape_of``'s dtype and shape and the
         other arguments) to run ``run``, then ``st.finish()`` and ``post()``; return its Work.
+
+        ``cuda_run`` (the IPC path) is run instead of ``run`` and returns the CUDA event that
+        the ``Work``'s ``wait()`` makes the caller's stream wait on; a :class:`CudaStaging`
+        ``st`` (the staged path) supplies that event from its copies back.
 
         Raises:
             ValueError: ``error`` (this rank's arguments are invalid), after queueing a
@@ -116,7 +130,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         eng.seq = seq + 1
         if error is not None:
             error = f"fcoll {name}: {eng.ch.describe(self._rank)}: {error}"
-        dtype = dtype_name(shape_of.dtype) if shape_of is not None else ""
+        dtype = header_dtype(dtype_name(shape_of.dtype), shape_of) if shape_of is not None else ""
         shape = tuple(shape_of.shape) if shape_of is not None else ()
         payload = Header(seq, name, dtype, shape, reduce_op, root, extra, error).encode()
         if error is not None:
@@ -130,12 +144,103 @@ class FcollProcessGroup(dist.ProcessGroup):
         wake = (getattr(opts, "asyncOp", True) if opts is not None else True) or (
             self._coalescing is not None)
         job = Job(name, seq, payload, run, finish, result)
+        if cuda_run is not None:
+            def run_ipc(c: Call) -> None:
+                job.cuda_event = cuda_run(c)
+
+            job.run = run_ipc
+        elif isinstance(st, CudaStaging):
+            st.seal()
+
+            def run_staged(c: Call) -> None:
+                st.wait_inputs()
+                run(c)
+
+            def finish_staged() -> None:
+                if finish is not None:
+                    finish()
+                job.cuda_event = st.event
+
+            job.run, job.finish = run_staged, finish_staged
         if not wake and eng.run_inline(job):
             return FcollWork(eng, [job], name)
         eng.submit(job, wake=wake)
         if self._coalescing is not None:
             self._coalescing.append(job)
         return FcollWork(eng, [job], name)
+
+    # ---- CUDA: device checks, path setup, IPC submission (see fcoll.shm.cuda) ---------------
+    def _device_error(self, tensors: list[tuple[str, torch.Tensor]]) -> str | None:
+        """Mixed CPU/CUDA tensors, or a CUDA tensor off this rank's device (None if fine)."""
+        if all(t.is_cpu for _, t in tensors):
+            return None
+        return device_error(tensors, self._cuda.device)
+
+    def _cuda_setup(self, name: str, t: torch.Tensor | None, **header: Any) -> str:
+        """The group's CUDA path; at its first CUDA collective, choose it with the peers.
+
+        The setup runs as a collective of its own, synchronously, with the header of the
+        collective it precedes: a rank that calls the same collective on CPU tensors fails
+        its header check (dtype ``float32 on cuda`` vs ``float32``) on every rank instead
+        of hanging.
+
+        Raises:
+            CollectiveMismatchError: the peers called something else.
+            RuntimeError: ``FCOLL_CUDA_PATH=ipc`` but the ranks cannot map each other's GPUs.
+        """
+        cg = self._cuda
+        if cg.path is None:
+            cg.bind()
+            self._submit(name, t, run=cg.setup, **header).wait()
+        return cg.path
+
+    def _staging(self, t: torch.Tensor) -> Staging:
+        return CudaStaging(self._cuda) if t.is_cuda else Staging()
+
+    def _submit_ipc(self, name: str, shape_of: torch.Tensor,
+                    body: Callable[[Call, IpcBuffers], None], keep: list[torch.Tensor],
+                    result: Any, opts: Any = None, **header: Any) -> dist.Work:
+        """Queue an IPC-path collective: ``body`` runs on the side stream after an event
+        recorded now on the caller's current stream. ``keep`` (the user's tensors and
+        temporaries) are marked used on the side stream; the job holds them until its
+        kernels are enqueued (allocator safety, see :mod:`fcoll.shm.cuda`)."""
+        cg = self._cuda
+        issued = torch.cuda.Event()
+        issued.record(torch.cuda.current_stream(cg.device))
+        for x in keep:
+            x.record_stream(cg.stream)
+        return self._submit(name, shape_of, result=result, opts=opts,
+                            cuda_run=lambda c, k=keep: cg.run_ipc(issued, body, c), **header)
+
+    @staticmethod
+    def _dense(t: torch.Tensor) -> torch.Tensor:
+        """``t`` detached, or a contiguous copy of it (made on the caller's stream)."""
+        t = t.detach()
+        return t if t.is_contiguous() else t.contiguous()
+
+    def _ipc_all_reduce(self, name: str, x: torch.Tensor, y: torch.Tensor | None, op: str,
+                        result: Any, opts: Any, root: int = NO_ROOT) -> dist.Work:
+        """all_reduce / reduce on the IPC path: ``x`` into ``y`` (``y`` None: in place; a
+        reduce's non-root ranks compute into scratch)."""
+        cg = self._cuda
+        src = self._dense(x)
+        target = x if y is None else y
+        writes = root == NO_ROOT or root == self._rank
+        if not writes:
+            dst = torch.empty_like(src, memory_format=torch.contiguous_format)
+        elif y is None:
+            dst = src
+        else:
+            dst = y.detach() if y.is_contiguous() else torch.empty_like(
+                src, memory_format=torch.contiguous_format)
+
+        def body(c: Call, ipc: IpcBuffers) -> None:
+            cg.all_reduce(c, ipc, src, dst, op)
+            if writes and dst.data_ptr() != target.data_ptr():
+                target.detach().copy_(dst.view(target.shape))
+
+        return self._submit_ipc(name, x, body, [x, target, src, dst], result, opts,
+                                reduce_op=op, root=root)
 
     # ---- all_reduce / reduce ----------------------------------------------------------------
     def allreduce(self, tensors, opts=None) -> dist.Work:
@@ -152,13 +257,16 @@ class FcollProcessGroup(dist.ProcessGroup):
         if len(tensors) != 1:
             return self._submit(name, None, error=f"expects 1 tensor, got {len(tensors)}")
         t = tensors[0]
-        err = check_reduce_op(op, t.dtype) or Staging.check_output(t, "tensor")
+        err = (check_reduce_op(op, t.dtype) or Staging.check_output(t, "tensor")
+               or self._device_error([("tensor", t)]))
         if root is not None and not 0 <= root < self._size:
             err = err or f"root {root} is out of range for a group of size {self._size}"
+        hroot = NO_ROOT if root is None else root
         if err:
-            return self._submit(name, t, reduce_op=op, root=NO_ROOT if root is None else root,
-                                error=err)
-        st = Staging()
+            return self._submit(name, t, reduce_op=op, root=hroot, error=err)
+        if t.is_cuda and self._cuda_setup(name, t, reduce_op=op, root=hroot) == "ipc":
+            return self._ipc_all_reduce(name, t, None, op, [t], opts, root=hroot)
+        st = self._staging(t)
         flat = st.inout(t).view(-1)
         writes = root is None or root == self._rank
 
@@ -186,10 +294,14 @@ class FcollProcessGroup(dist.ProcessGroup):
                              f"{output.dtype} does not match input {tuple(input.shape)} "
                              f"{input.dtype}")
         name, red = "all_reduce", reduce_op_name(op)
-        err = check_reduce_op(red, input.dtype) or Staging.check_output(output, "output")
+        err = (check_reduce_op(red, input.dtype) or Staging.check_output(output, "output")
+               or self._device_error([("input", input), ("output", output)]))
         if err:
             return self._submit(name, input, reduce_op=red, error=err)
-        st = Staging()
+        if input.is_cuda and self._cuda_setup(name, input, reduce_op=red) == "ipc":
+            return self._ipc_all_reduce(name, input, output, red, [output],
+                                        dist.AllreduceOptions())
+        st = self._staging(input)
         src, dst = st.input(input).view(-1), st.output(output).view(-1)
 
         return self._submit(name, input, reduce_op=red,
@@ -248,13 +360,20 @@ class FcollProcessGroup(dist.ProcessGroup):
         the collective writes it."""
         op = reduce_op_name(rop)
         name = "all_reduce_coalesced"
-        st = Staging()
+        on_cuda = any(x.is_cuda for x in inputs) or (
+            outputs is not None and any(y.is_cuda for y in outputs))
+        err = None
+        if on_cuda:
+            named = [(f"tensors[{i}]", x) for i, x in enumerate(inputs)]
+            if outputs is not None:
+                named += [(f"outputs[{i}]", y) for i, y in enumerate(outputs)]
+            err = self._device_error(named)
+        st = CudaStaging(self._cuda) if on_cuda and err is None else Staging()
         groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         sig = []
-        err = None
         for i, x in enumerate(inputs):
             dt = x.dtype
-            sig.append((dtype_name(dt), tuple(x.shape)))
+            sig.append((header_dtype(dtype_name(dt), x), tuple(x.shape)))
             if err is not None:
                 continue  # the whole signature still goes into the header
             o = x if outputs is None else outputs[i]
@@ -272,6 +391,8 @@ class FcollProcessGroup(dist.ProcessGroup):
         sig = tuple(sig)
         if err:
             return self._submit(name, None, reduce_op=op, extra=sig, error=err)
+        if on_cuda and self._cuda_setup(name, None, reduce_op=op, extra=sig) == "ipc":
+            return self._ipc_coalesced(inputs, outputs, op, sig, opts)
 
         def run(c: Call) -> None:
             with torch.no_grad():
@@ -281,6 +402,32 @@ class FcollProcessGroup(dist.ProcessGroup):
                             result=list(inputs if outputs is None else outputs),
                             opts=opts if opts is not None else dist.AllreduceCoalescedOptions())
 
+    def _ipc_coalesced(self, inputs, outputs, op: str, sig: tuple, opts) -> dist.Work:
+        """``_coalesced`` on the IPC path (validated; see :meth:`CudaGroup.all_reduce_coalesced`)."""
+        cg = self._cuda
+        pairs, back, keep = [], [], []
+        for i, x in enumerate(inputs):
+            y = x if outputs is None else outputs[i]
+            src = self._dense(x).view(-1)
+            dst = src if outputs is None else (
+                y.detach().view(-1) if y.is_contiguous() else torch.empty(
+                    y.numel(), dtype=y.dtype, device=y.device))
+            pairs.append((src, dst))
+            keep += [x, y, src, dst]
+            if dst.data_ptr() != y.data_ptr() or not y.is_contiguous():
+                back.append((y, dst))
+
+        def body(c: Call, ipc: IpcBuffers) -> None:
+            with torch.no_grad():
+                cg.all_reduce_coalesced(c, ipc, pairs, op)
+                for y, dst in back:
+                    y.detach().copy_(dst.view(y.shape))
+
+        return self._submit_ipc("all_reduce_coalesced", None, body, keep,
+                                list(inputs if outputs is None else outputs),
+                                opts if opts is not None else dist.AllreduceCoalescedOptions(),
+                                reduce_op=op, extra=sig)
+
     # ---- all_gather ---------------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
         if opts is not None and not opts.asyncOp and self._coalescing is None:
@@ -289,10 +436,24 @@ class FcollProcessGroup(dist.ProcessGroup):
                 return work
         name = "all_gather_into_tensor"
         n = self._size
-        err = check_all_gather(input, output, n)
+        err = check_all_gather(input, output, n) or self._device_error(
+            [("input_tensor", input), ("output_tensor", output)])
         if err:
             return self._submit(name, input, error=err)
-        st = Staging()
+        if input.is_cuda and self._cuda_setup(name, input) == "ipc":
+            cg = self._cuda
+            src = self._dense(input).view(-1).view(torch.uint8)
+            dst = output.detach() if output.is_contiguous() else torch.empty_like(
+                output, memory_format=torch.contiguous_format)
+
+            def body(c: Call, ipc: IpcBuffers) -> None:
+                cg.all_gather(c, ipc, src, dst.view(-1).view(torch.uint8))
+                if dst.data_ptr() != output.data_ptr() or not output.is_contiguous():
+                    output.detach().copy_(dst)
+
+            return self._submit_ipc(name, input, body, [input, output, src, dst], [output],
+                                    opts)
+        st = self._staging(input)
         src = st.input(input).view(-1).view(torch.uint8)
         dst = st.output(output).view(-1).view(torch.uint8).view(n, -1)
         return self._submit(name, input, run=lambda c: movement.all_gather(c, src, dst), st=st,
@@ -347,10 +508,24 @@ class FcollProcessGroup(dist.ProcessGroup):
         name = "reduce_scatter_tensor"
         op = reduce_op_name(opts.reduceOp)
         n = self._size
-        err = check_reduce_op(op, input.dtype) or check_reduce_scatter(input, output, n)
+        err = (check_reduce_op(op, input.dtype) or check_reduce_scatter(input, output, n)
+               or self._device_error([("input", input), ("output", output)]))
         if err:
             return self._submit(name, input, reduce_op=op, error=err)
-        st = Staging()
+        if input.is_cuda and self._cuda_setup(name, input, reduce_op=op) == "ipc":
+            cg = self._cuda
+            src = self._dense(input).view(-1)
+            dst = output.detach() if output.is_contiguous() else torch.empty_like(
+                output, memory_format=torch.contiguous_format)
+
+            def body(c: Call, ipc: IpcBuffers) -> None:
+                cg.reduce_scatter(c, ipc, src, dst.view(-1), op)
+                if dst.data_ptr() != output.data_ptr() or not output.is_contiguous():
+                    output.detach().copy_(dst)
+
+            return self._submit_ipc(name, input, body, [input, output, src, dst], [output],
+                                    opts, reduce_op=op)
+        st = self._staging(input)
         src = st.input(input).view(n, -1)
         dst = st.output(output).view(-1)
         return self._submit(name, input, reduce_op=op,
@@ -391,11 +566,26 @@ class FcollProcessGroup(dist.ProcessGroup):
         in_s, out_s, err = Staging.check_splits(input, output, list(input_split_sizes or []),
                                                 list(output_split_sizes or []), n)
         err = err or Staging.check_output(output, "output") or Staging.check_same_dtype(
-            input, output)
+            input, output) or self._device_error([("input", input), ("output", output)])
         if err:
             return self._submit(name, input, extra=None, error=err)
         row = math.prod(input.shape[1:]) * input.element_size()  # also with 0 rows
-        st = Staging()
+        if input.is_cuda and self._cuda_setup(name, input, extra=(in_s, out_s)) == "ipc":
+            cg = self._cuda
+            src = self._dense(input).view(-1).view(torch.uint8)
+            dst = output.detach() if output.is_contiguous() else torch.empty_like(
+                output, memory_format=torch.contiguous_format)
+
+            def body(c: Call, ipc: IpcBuffers) -> None:
+                cg.all_to_all(c, ipc, src, dst.view(-1).view(torch.uint8), row)
+                if dst.data_ptr() != output.data_ptr() or not output.is_contiguous():
+                    output.detach().copy_(dst)
+                if _post is not None:
+                    _post()
+
+            return self._submit_ipc(name, input, body, [input, output, src, dst],
+                                    _result or [output], opts, extra=(in_s, out_s))
+        st = self._staging(input)
         src = st.input(input).view(-1).view(torch.uint8)
         dst = st.output(output).view(-1).view(torch.uint8)
         send = _offsets(in_s, row)
@@ -444,9 +634,22 @@ class FcollProcessGroup(dist.ProcessGroup):
         else:
             err = Staging.check_output(tensors[0], "tensor")
         t = tensors[0] if tensors else None
+        err = err or (self._device_error([("tensor", t)]) if t is not None else None)
         if err:
             return self._submit(name, t, root=root, error=err)
-        st = Staging()
+        if t.is_cuda and self._cuda_setup(name, t, root=root) == "ipc":
+            cg = self._cuda
+            buf = self._dense(t)
+
+            def body(c: Call, ipc: IpcBuffers) -> None:
+                cg.broadcast(c, ipc, buf.view(-1).view(torch.uint8), root)
+                if buf.data_ptr() != t.data_ptr() or not t.is_contiguous():
+                    t.detach().copy_(buf)
+                if post is not None:
+                    post()
+
+            return self._submit_ipc(name, t, body, [t, buf], result or [t], opts, root=root)
+        st = self._staging(t)
         buf = st.inout(t, read=root == self._rank).view(-1).view(torch.uint8)
         return self._submit(name, t, root=root, run=lambda c: movement.broadcast(c, buf, root),
                             st=st, result=result or [t], post=post, opts=opts)

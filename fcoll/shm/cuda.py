@@ -1,0 +1,569 @@
+"""CUDA tensors on fcoll's backend: a staged path and an IPC path, both stream-ordered.
+
+Every CUDA collective of a group runs on the group's *side stream* (one per group, on the
+rank's device). At issue, the calling thread records an event on its current stream and the
+side stream waits on it, so the collective reads its inputs after the caller's earlier work.
+When the collective's kernels are enqueued, an event is recorded on the side stream; the
+``Work``'s ``wait()`` makes the caller's current stream wait on that event and does not block
+the host on the GPU (the design of ProcessGroupNCCL's and ProcessGroupGloo's CUDA works).
+
+**Path choice.** At a group's first CUDA collective (on every rank: it is a collective) the
+ranks exchange their GPUs' UUIDs and the UUIDs each can map (its own; peers it has peer
+access to). If every rank can map every other rank's GPU, the group takes the IPC path, else
+the staged path. ``FCOLL_CUDA_PATH`` = ``auto`` (default), ``ipc`` (an error when the ranks
+cannot map each other) or ``staged`` overrides it. Every rank decides from the same exchanged
+data, so all take the same path.
+
+**Staged path** (any placement): :class:`CudaStaging`. The device-to-host copies of the inputs
+run on the side stream into pinned host buffers (torch's caching host allocator reuses them,
+and keeps each one until the copies that used it completed), the shared-memory algorithm of
+the CPU path runs on them on the group's worker thread after the copies' event, and the
+host-to-device copies of the outputs run on the side stream.
+
+**IPC path** (ranks on one GPU, or GPUs with peer access): :class:`IpcBuffers`. Each rank owns
+one device buffer (grown on demand to the largest collective input, in bytes) and three
+interprocess events (``ready``, ``done``, ``mid``); it shares their handles through torch's own
+CUDA IPC (``UntypedStorage._share_cuda_``, ``Event.ipc_handle``), and maps the peers'. A
+collective ``k`` on rank ``r`` (all on the side stream):
+
+1. first phase (header check, over shared memory): every peer has enqueued collective
+   ``k - 1`` entirely, so its ``done`` event's latest record is ``done[k-1]``; wait on it
+   (the peers finished reading this rank's buffer), copy the input into the buffer, record
+   ``ready``.
+2. second phase: every peer recorded ``ready[k]`` and cannot record ``ready[k+1]`` before this
+   rank arrives at ``k + 1``; wait on the peers' ``ready``, then run device kernels that read
+   the peers' buffers straight into the output; record ``done``.
+
+A host-side phase only says that a peer's event has been *recorded*; the stream waits are what
+order the GPU work, so the host never waits for the GPU. all_reduce is one-shot (every rank
+reduces all n buffers in rank order) or, for 3 ranks or more and large messages, a
+reduce-scatter (rank p reduces chunk p into its own buffer) then, after a third phase on
+``mid``, an all-gather of the reduced chunks. Reductions fold the operands in rank order with
+the reducers of :mod:`fcoll.ops.reduce`, so every rank computes the same bits.
+
+Allocator safety: every user tensor used on the side stream is ``record_stream``-ed at issue,
+and the job holds a reference to it until its kernels are enqueued, so freeing it right after
+the call never lets the caching allocator hand its memory out too early.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any, Callable
+
+import torch
+
+from fcoll.ops.reduce import divide_for_avg, logical_op
+from fcoll.shm import movement
+from fcoll.shm.phases import Call, slice_of
+from fcoll.shm.validate import Staging
+
+PATH_ENV = "FCOLL_CUDA_PATH"  #: ``auto`` | ``ipc`` | ``staged``
+TWO_SHOT_ENV = "FCOLL_CUDA_TWO_SHOT_BYTES"  #: all_reduce size from which 3+ ranks go two-shot
+TWO_SHOT_BYTES = 1 << 20
+MIN_IPC_BYTES = 1 << 20  # the smallest IPC buffer; it grows to powers of two
+RECORD_BYTES = 2048  # one rank's record in the setup and growth exchanges
+UUID_BYTES = 40  # a GPU UUID as text ("GPU-..." or "xxxxxxxx-xxxx-..."), NUL-padded
+MAX_MAPPABLE = 16  # GPUs a rank lists as mappable
+PATHS = ("auto", "ipc", "staged")
+_MAGIC = b"FCUD"
+
+
+# ---- device checks ----------------------------------------------------------------------------
+def device_error(tensors: list[tuple[str, torch.Tensor]], device: int | None) -> str | None:
+    """Why the tensors of one call cannot run on this rank, or None.
+
+    Args:
+        tensors: ``(argument name, tensor)`` of every tensor of the call.
+        device: this rank's CUDA device index (the group's, once fixed), or None (then
+            ``torch.cuda.current_device()`` is the rank's device).
+
+    Returns a message for: CPU and CUDA tensors mixed in one call; a CUDA tensor on another
+    device than the rank's.
+    """
+    types = {t.device.type for _, t in tensors}
+    if len(types) > 1:
+        where = ", ".join(f"{a} on {t.device}" for a, t in tensors)
+        return (f"mixes devices in one call ({where}); pass every tensor of a collective on "
+                "one device")
+    if "cuda" not in types:
+        return None
+    own = torch.cuda.current_device() if device is None else device
+    for a, t in tensors:
+        if t.device.index != own:
+            return (f"{a} is on {t.device} but this rank's device is cuda:{own} (the current "
+                    "device at the group's first CUDA collective; call torch.cuda.set_device "
+                    "before it)")
+    return None
+
+
+def header_dtype(dtype_name: str, t: torch.Tensor | None) -> str:
+    """The header's dtype field: the dtype, plus `` on cuda`` for a CUDA tensor, so ranks
+    that pass tensors of different devices to one collective fail the header check."""
+    return f"{dtype_name} on cuda" if t is not None and t.is_cuda else dtype_name
+
+
+# ---- reductions on the device -----------------------------------------------------------------
+_BINARY = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
+           "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+
+def fold(views: list[torch.Tensor], op: str, out: torch.Tensor) -> None:
+    """``out = op(views[0], ..., views[n-1])`` elementwise, folded in rank order.
+
+    ``out`` may not alias any view but ``views[0]``. Semantics of :mod:`fcoll.ops.reduce`:
+    bool sum/max are or, product/min and; ``avg`` sums then divides (integers truncate).
+    """
+    n = len(views)
+    if n == 1:
+        out.copy_(views[0])
+        return
+    op = logical_op(op, out.dtype)
+    f = _BINARY["sum" if op == "avg" else op]
+    f(views[0], views[1], out=out)
+    for v in views[2:]:
+        f(out, v, out=out)
+    if op == "avg":
+        divide_for_avg(out, n)
+
+
+# ---- bounded records for the exchanges (no pickle, no marshal) --------------------------------
+def _encode(fields: list[Any]) -> bytes:
+    """ints, bools, bytes and None as tagged fields: ``i`` + i64, ``b`` + u16 length + bytes,
+    ``n``. Raises ValueError when the record would not fit ``RECORD_BYTES``."""
+    out = [_MAGIC, struct.pack("<H", len(fields))]
+    for f in fields:
+        if f is None:
+            out.append(b"n")
+        elif isinstance(f, (bool, int)):
+            out.append(b"i" + struct.pack("<q", int(f)))
+        else:
+            f = bytes(f)
+            out.append(b"b" + struct.pack("<H", len(f)) + f)
+    rec = b"".join(out)
+    if len(rec) > RECORD_BYTES:
+        raise ValueError(f"fcoll cuda: a setup record of {len(rec)} bytes exceeds "
+                         f"{RECORD_BYTES}")
+    return rec
+
+
+def _decode(rec: bytes) -> list[Any]:
+    """The fields of a record made by :func:`_encode`. Raises ValueError on a malformed one."""
+    if rec[:4] != _MAGIC:
+        raise ValueError("fcoll cuda: malformed setup record (bad magic)")
+    (count,) = struct.unpack_from("<H", rec, 4)
+    pos, fields = 6, []
+    for _ in range(count):
+        tag = rec[pos:pos + 1]
+        pos += 1
+        if tag == b"n":
+            fields.append(None)
+        elif tag == b"i":
+            fields.append(struct.unpack_from("<q", rec, pos)[0])
+            pos += 8
+        elif tag == b"b":
+            (ln,) = struct.unpack_from("<H", rec, pos)
+            pos += 2
+            if pos + ln > len(rec):
+                raise ValueError("fcoll cuda: malformed setup record (truncated field)")
+            fields.append(bytes(rec[pos:pos + ln]))
+            pos += ln
+        else:
+            raise ValueError(f"fcoll cuda: malformed setup record (tag {tag!r})")
+    return fields
+
+
+def _exchange(c: Call, fields: list[Any], n: int) -> list[list[Any]]:
+    """All-gather one record per rank through the shared-memory slots (one phase, which
+    also checks the collective's header)."""
+    rec = _encode(fields)
+    src = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    src[:len(rec)] = torch.frombuffer(bytearray(rec), dtype=torch.uint8)
+    dst = torch.empty((n, RECORD_BYTES), dtype=torch.uint8)
+    movement.all_gather(c, src, dst)
+    return [_decode(dst[p].numpy().tobytes()) for p in range(n)]
+
+
+def _uuid(device: int) -> bytes:
+    return str(torch.cuda.get_device_properties(device).uuid).encode()[:UUID_BYTES]
+
+
+def _mappable(device: int) -> list[bytes]:
+    """UUIDs of the GPUs whose memory a kernel on ``device`` can read: its own and those it
+    has peer access to (among the GPUs this process sees)."""
+    out = [_uuid(device)]
+    for j in range(torch.cuda.device_count()):
+        if j != device and torch.cuda.can_device_access_peer(device, j):
+            out.append(_uuid(j))
+    return out[:MAX_MAPPABLE]
+
+
+# ---- the staged path --------------------------------------------------------------------------
+class CudaStaging(Staging):
+    """Staging of CUDA tensors through pinned host memory, ordered on the group's side stream.
+
+    ``input``/``inout`` enqueue the device-to-host copy on the side stream at issue (after
+    the caller's current stream, through an event); :meth:`seal` records when they are done;
+    the worker calls :meth:`wait_inputs` before the shared-memory algorithm reads the host
+    buffers, and :meth:`finish` enqueues the host-to-device copies of the outputs and records
+    :attr:`event`, on which the ``Work``'s ``wait()`` makes the caller's stream wait. CPU
+    tensors in the same call (never mixed by validated calls) behave as in :class:`Staging`.
+    """
+
+    def __init__(self, group: "CudaGroup"):
+        super().__init__()
+        self._g = group
+        self._started = False
+        self._ready: torch.cuda.Event | None = None
+        self.event: torch.cuda.Event | None = None
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._g.stream.wait_stream(torch.cuda.current_stream(self._g.device))
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+    def input(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if not t.is_cuda:
+            return super().input(t)
+        self._start()
+        host = self._pinned(t)
+        s = self._g.stream
+        with torch.cuda.stream(s):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(s)
+        return host
+
+    def output(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if not t.is_cuda:
+            return super().output(t)
+        self._start()  # the write-back must also follow the caller's earlier work on t
+        host = self._pinned(t)
+        t.record_stream(self._g.stream)
+        self._back.append((t, host))
+        return host
+
+    def inout(self, t: torch.Tensor, read: bool = True) -> torch.Tensor:
+        t = t.detach()
+        if not t.is_cuda:
+            return super().inout(t, read)
+        host = self.input(t) if read else self.output(t)
+        if read:
+            self._back.append((t, host))
+        return host
+
+    def scatter_into(self, o: torch.Tensor, row: torch.Tensor) -> None:  # type: ignore[override]
+        """Copy the uint8 host ``row`` (``o``'s bytes) into ``o``, on the side stream."""
+        if not o.is_cuda:
+            return Staging.scatter_into(o, row)
+        host = torch.empty(row.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(row)
+        self._back.append((o.detach(), host.view(o.dtype).view(o.shape)))
+
+    def seal(self) -> None:
+        """Record the end of the device-to-host copies (call once every input is staged)."""
+        if self._started:
+            self._ready = torch.cuda.Event()
+            self._ready.record(self._g.stream)
+
+    def wait_inputs(self) -> None:
+        """Block this (worker) thread until the input copies are done."""
+        if self._ready is not None:
+            self._ready.synchronize()
+
+    def needed(self) -> bool:
+        return self._started or bool(self._back)
+
+    def finish(self) -> None:
+        s = self._g.stream
+        with torch.cuda.device(self._g.device), torch.cuda.stream(s):
+            for t, host in self._back:
+                t.copy_(host, non_blocking=t.is_cuda)
+            ev = torch.cuda.Event()
+            ev.record(s)
+        self.event = ev
+
+
+# ---- the IPC path -----------------------------------------------------------------------------
+class IpcBuffers:
+    """This rank's shared device buffer and interprocess events, and the peers' mappings.
+
+    Attributes:
+        bufs: ``bufs[p]`` is rank p's buffer as a uint8 CUDA tensor of ``capacity`` bytes
+            (this rank's own at ``bufs[rank]``).
+        ready, done, mid: ``[p]`` is rank p's interprocess event (see the module docstring).
+        capacity: bytes of every rank's buffer (equal on all ranks).
+    """
+
+    def __init__(self, group: "CudaGroup"):
+        self._g = group
+        self.capacity = 0
+        self.bufs: list[torch.Tensor] = []
+        n = group.size
+        mine = [torch.cuda.Event(interprocess=True) for _ in range(3)]
+        self._event_handles = [e.ipc_handle() for e in mine]
+        # own events at every index until open_events() puts the peers' in their places
+        self.ready: list[torch.cuda.Event] = [mine[0]] * n
+        self.done: list[torch.cuda.Event] = [mine[1]] * n
+        self.mid: list[torch.cuda.Event] = [mine[2]] * n
+
+    def open_events(self, records: list[list[Any]]) -> None:
+        """Map every peer's events from their records (fields 0-2 are the handles)."""
+        g = self._g
+        for p, rec in enumerate(records):
+            if p == g.rank:
+                continue
+            self.ready[p], self.done[p], self.mid[p] = (
+                torch.cuda.Event.from_ipc_handle(torch.device("cuda", g.device), h)
+                for h in rec[:3])
+
+    def event_fields(self) -> list[bytes]:
+        return list(self._event_handles)
+
+    def grow(self, c: Call, needed: int) -> None:
+        """Make every rank's buffer at least ``needed`` bytes (a power of two, at least
+        ``MIN_IPC_BYTES``): allocate, exchange the handles (one phase), map the peers'.
+
+        Every rank calls it with the same ``needed`` at the same point of the same collective.
+        The old buffers are released after the side stream waited on the peers' ``done``
+        events, so no peer still reads them when the allocator reuses them.
+        """
+        g = self._g
+        cap = max(MIN_IPC_BYTES, 1 << (max(needed, 1) - 1).bit_length())
+        s = g.stream
+        for p in range(g.size):
+            if p != g.rank:
+                s.wait_event(self.done[p])
+        with torch.cuda.stream(s):
+            own = torch.empty(cap, dtype=torch.uint8, device=g.device)
+        share = own.untyped_storage()._share_cuda_()
+        recs = _exchange(c, list(share), g.size)
+        bufs = []
+        for p, rec in enumerate(recs):
+            if p == g.rank:
+                bufs.append(own)
+                continue
+            dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = rec
+            storage = torch.UntypedStorage._new_shared_cuda(
+                g.device, handle, size, offset, rc_handle, rc_offset, ev_handle, bool(ev_sync))
+            peer = torch.empty(0, dtype=torch.uint8, device=g.device)
+            peer.set_(storage, 0, (size,), (1,))
+            bufs.append(peer[:cap])
+        self.bufs = bufs
+        self.capacity = cap
+
+    def close(self) -> None:
+        self.bufs = []
+        self.ready = self.done = self.mid = []
+
+
+class CudaGroup:
+    """The CUDA state of one fcoll process group: device, side stream, path, IPC buffers.
+
+    Args:
+        rank, size: this rank and the group size.
+    """
+
+    def __init__(self, rank: int, size: int):
+        self.rank = rank
+        self.size = size
+        self.device: int | None = None
+        self.stream: torch.cuda.Stream | None = None
+        self.path: str | None = None  # "ipc" | "staged" once the first CUDA collective ran
+        self.ipc: IpcBuffers | None = None
+        self.two_shot_bytes = int(os.environ.get(TWO_SHOT_ENV, str(TWO_SHOT_BYTES)))
+
+    # -- setup (the run of the group's first CUDA collective's setup job) --------------------
+    def bind(self) -> None:
+        """Fix this rank's device (the current device) and create the side stream."""
+        if self.device is None:
+            self.device = torch.cuda.current_device()
+            self.stream = torch.cuda.Stream(self.device)
+
+    def setup(self, c: Call) -> None:
+        """Choose the path with the peers (one or two phases); on IPC, share the events.
+
+        Raises:
+            RuntimeError: ``FCOLL_CUDA_PATH=ipc`` but some rank cannot map another's GPU.
+        """
+        self.bind()
+        path = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+        if path not in PATHS:
+            raise ValueError(f"fcoll: {PATH_ENV}={path!r}: expected one of {', '.join(PATHS)}")
+        with torch.cuda.device(self.device):
+            mine = [_uuid(self.device), os.getpid(), *_mappable(self.device)]
+            recs = _exchange(c, mine, self.size)
+            uuids = [r[0] for r in recs]
+            can_map = all(u in set(r[2:]) for r in recs for u in uuids)
+            if path == "auto":
+                path = "ipc" if can_map else "staged"
+            if path == "ipc" and not can_map:
+                raise RuntimeError(
+                    f"fcoll: {PATH_ENV}=ipc but not every pair of ranks can map each other's "
+                    f"GPU memory (GPUs by rank: {[u.decode() for u in uuids]}); use "
+                    f"{PATH_ENV}=staged or auto")
+            if path == "ipc":
+                ipc = IpcBuffers(self)
+                recs = _exchange(c, ipc.event_fields(), self.size)
+                ipc.open_events(recs)
+                self.ipc = ipc
+            self.path = path
+
+    # -- the IPC path's collectives (run by the engine, on any thread) -----------------------
+    def run_ipc(self, issued: torch.cuda.Event, body: Callable[[Call, IpcBuffers], None],
+                c: Call) -> torch.cuda.Event:
+        """Run ``body(c, ipc)`` on the side stream after the caller's ``issued`` event;
+        return the event recorded when its kernels are enqueued."""
+        s = self.stream
+        with torch.cuda.device(self.device), torch.cuda.stream(s):
+            s.wait_event(issued)
+            body(c, self.ipc)
+            ev = torch.cuda.Event()
+            ev.record(s)
+        return ev
+
+    def _phase1(self, c: Call, ipc: IpcBuffers, needed: int | None,
+                row_bytes: int = 0) -> list:
+        """Header phase; grow every buffer to ``needed`` bytes (None: the largest input of
+        an all_to_all of ``row_bytes`` rows, from the headers' split sizes); wait for the
+        peers' ``done``. Returns the headers (decoded for all_to_all, else maybe ``[]``)."""
+        heads = c.first_sync(c.slot())
+        if needed is None:
+            needed = max(sum(h.extra[0]) for h in heads) * row_bytes
+        if needed > ipc.capacity:
+            ipc.grow(c, needed)
+        s = self.stream
+        for p in range(self.size):
+            if p != self.rank:
+                s.wait_event(ipc.done[p])
+        return heads
+
+    def _phase2(self, c: Call, ipc: IpcBuffers) -> None:
+        """Publish ``ready``; after every peer did, wait on theirs."""
+        s = self.stream
+        ipc.ready[self.rank].record(s)
+        c.sync()
+        for p in range(self.size):
+            if p != self.rank:
+                s.wait_event(ipc.ready[p])
+
+    def _done(self, ipc: IpcBuffers) -> None:
+        ipc.done[self.rank].record(self.stream)
+
+    def all_reduce(self, c: Call, ipc: IpcBuffers, inp: torch.Tensor, out: torch.Tensor,
+                   op: str) -> None:
+        """``out = op over ranks of inp``; both contiguous, same dtype and numel (may alias)."""
+        nbytes = inp.numel() * inp.element_size()
+        self._phase1(c, ipc, nbytes)
+        n, r = self.size, self.rank
+        dt, N = inp.dtype, inp.numel()
+        ipc.bufs[r][:nbytes].view(dt).copy_(inp.view(-1))
+        self._phase2(c, ipc)
+        views = [b[:nbytes].view(dt) for b in ipc.bufs]
+        flat = out.view(-1)
+        if n < 3 or nbytes < self.two_shot_bytes:
+            fold(views, op, flat)
+            self._done(ipc)
+            return
+        # reduce-scatter: chunk r of every buffer, reduced into out, then into own buffer
+        a, b = slice_of(N, n, r)
+        fold([v[a:b] for v in views], op, flat[a:b])
+        views[r][a:b].copy_(flat[a:b])
+        s = self.stream
+        ipc.mid[r].record(s)
+        c.sync()
+        for p in range(n):
+            if p != r:
+                s.wait_event(ipc.mid[p])
+        for p in range(n):  # all-gather the other chunks
+            if p != r:
+                pa, pb = slice_of(N, n, p)
+                flat[pa:pb].copy_(views[p][pa:pb])
+        self._done(ipc)
+
+    def all_reduce_coalesced(self, c: Call, ipc: IpcBuffers,
+                             pairs: list[tuple[torch.Tensor, torch.Tensor]], op: str) -> None:
+        """``outs[i] = op over ranks of inputs[i]`` for every ``(input, output)`` pair (flat,
+        contiguous); the inputs are packed into the buffer by dtype, one fold per dtype."""
+        layout, off = [], 0
+        for x, _ in pairs:
+            off = -(-off // 256) * 256
+            layout.append(off)
+            off += x.numel() * x.element_size()
+        self._phase1(c, ipc, off)
+        own = ipc.bufs[self.rank]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (x, _) in enumerate(pairs):
+            by_dtype.setdefault(x.dtype, []).append(i)
+            o = layout[i]
+            own[o:o + x.numel() * x.element_size()].view(x.dtype).copy_(x)
+        self._phase2(c, ipc)
+        for dt, idx in by_dtype.items():
+            for i in idx:
+                x, y = pairs[i]
+                o, ln = layout[i], x.numel() * x.element_size()
+                fold([b[o:o + ln].view(dt) for b in ipc.bufs], op, y)
+        self._done(ipc)
+
+    def all_gather(self, c: Call, ipc: IpcBuffers, src: torch.Tensor,
+                   dst: torch.Tensor) -> None:
+        """Bytes: ``src [B]`` uint8 -> ``dst [n * B]`` uint8 (contiguous), rank order."""
+        B = src.numel()
+        self._phase1(c, ipc, B)
+        ipc.bufs[self.rank][:B].copy_(src)
+        self._phase2(c, ipc)
+        torch.cat([b[:B] for b in ipc.bufs], out=dst)
+        self._done(ipc)
+
+    def reduce_scatter(self, c: Call, ipc: IpcBuffers, inp: torch.Tensor, out: torch.Tensor,
+                       op: str) -> None:
+        """``inp [n * M]`` -> ``out [M]`` (flat, contiguous): chunk ``rank`` reduced."""
+        nbytes = inp.numel() * inp.element_size()
+        self._phase1(c, ipc, nbytes)
+        dt, M, r = inp.dtype, out.numel(), self.rank
+        ipc.bufs[r][:nbytes].view(dt).copy_(inp)
+        self._phase2(c, ipc)
+        fold([b[:nbytes].view(dt)[r * M:(r + 1) * M] for b in ipc.bufs], op, out)
+        self._done(ipc)
+
+    def broadcast(self, c: Call, ipc: IpcBuffers, buf: torch.Tensor, root: int) -> None:
+        """Bytes: the root's ``buf [B]`` (uint8, contiguous) into every rank's."""
+        B = buf.numel()
+        self._phase1(c, ipc, B)
+        if self.rank == root:
+            ipc.bufs[root][:B].copy_(buf)
+        self._phase2(c, ipc)
+        if self.rank != root:
+            buf.copy_(ipc.bufs[root][:B])
+        self._done(ipc)
+
+    def all_to_all(self, c: Call, ipc: IpcBuffers, src: torch.Tensor, dst: torch.Tensor,
+                   row_bytes: int) -> None:
+        """Bytes: rank p's rows for this rank land in ``dst`` in rank order; the split sizes
+        come from every rank's header (``extra = (input_split_sizes, output_split_sizes)``)."""
+        heads = self._phase1(c, ipc, None, row_bytes)
+        ipc.bufs[self.rank][:src.numel()].copy_(src)
+        self._phase2(c, ipc)
+        r, parts = self.rank, []
+        for p, h in enumerate(heads):
+            splits = h.extra[0]
+            a = sum(splits[:r]) * row_bytes
+            parts.append(ipc.bufs[p][a:a + splits[r] * row_bytes])
+        torch.cat(parts, out=dst)
+        self._done(ipc)
+
+    def close(self) -> None:
+        """Drop the peers' mappings and this rank's buffer (after the side stream drained)."""
+        if self.stream is not None:
+            try:
+                self.stream.synchronize()
+            except Exception:  # noqa: BLE001  the context may be gone at interpreter exit
+                pass
+        if self.ipc is not None:
+            self.ipc.close()
+            self.ipc = None
