@@ -100,11 +100,12 @@ class OpTable:
 
 
 def _default_overrides() -> dict[Any, Callable[..., Any]]:
-    """``fcoll.wait_tensor`` runs :func:`fcoll.ops.pending.wait` directly and returns the
-    collective's own buffer. The op's kernel returns a copy (a custom op may not alias its input);
-    the executor can skip it because it runs no buffer reuse of its own: a value lives as long as
-    a later node reads it."""
-    return {torch.ops.fcoll.wait_tensor.default: pending.wait}
+    """``fcoll.wait_tensor`` runs :func:`fcoll.ops.pending.wait_in_profile` directly and returns
+    the collective's own buffer. The op's kernel returns a copy (a custom op may not alias its
+    input); the executor can skip it because it runs no buffer reuse of its own: a value lives as
+    long as a later node reads it. The wait is a ``fcoll::wait_tensor`` range in
+    ``torch.profiler``, as the op would be (collectives are ops, so the profiler shows them)."""
+    return {torch.ops.fcoll.wait_tensor.default: pending.wait_in_profile}
 
 
 
