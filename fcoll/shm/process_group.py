@@ -207,8 +207,11 @@ class FcollProcessGroup(dist.ProcessGroup):
         cg = self._cuda
         issued = torch.cuda.Event()
         issued.record(torch.cuda.current_stream(cg.device))
+        seen = set()
         for x in keep:
-            x.record_stream(cg.stream)
+            if id(x) not in seen:
+                seen.add(id(x))
+                x.record_stream(cg.stream)
         return self._submit(name, shape_of, result=result, opts=opts,
                             cuda_run=lambda c, k=keep: cg.run_ipc(issued, body, c), **header)
 
