@@ -6,6 +6,8 @@ checks real results, PyTorch's ``_c10d_functional`` ops, and the trace files.
 
 from __future__ import annotations
 
+import operator
+
 import json
 import subprocess
 import sys
@@ -248,6 +250,28 @@ def test_segments_cut_at_every_collective_and_wait_in_graph_order(fake_pg):
     for seg in (seg0, seg1, seg2):
         assert not any(n.target.namespace == "fcoll" for n in seg.graph_module(gm).graph.nodes
                        if n.op == "call_function")
+
+
+def test_split_segments_keeps_getitems_with_their_multi_output_producer(fake_pg):
+    """A collective scheduled between a multi-output op and its getitems must not end the
+    producer's segment with a tuple output (Inductor rejects those)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8)
+    vm = g.call_function(torch.ops.aten.var_mean.correction, (x, [1]), {"keepdim": True})
+    ar = g.call_function(torch.ops.fcoll.all_reduce.default, (x, "sum", fake_pg.group_name))
+    w = g.call_function(torch.ops.fcoll.wait_tensor.default, (ar,))
+    var = g.call_function(operator.getitem, (vm, 0))
+    mean = g.call_function(operator.getitem, (vm, 1))
+    out = g.call_function(torch.ops.aten.add.Tensor, (w, var))
+    g.output((out, mean))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    items = split_segments(gm)
+    seg0 = items[0]
+    assert isinstance(seg0, ComputeSegment)
+    assert seg0.nodes == [vm, var, mean]
+    assert vm not in seg0.outputs and set(seg0.outputs) == {var, mean}
+    assert gm(torch.ones(4, 8))[0].shape == (4, 8)  # the reordered graph still runs
 
 
 # -- 2 ranks: real results, _c10d_functional graphs, traces ------------------------------------

@@ -100,11 +100,36 @@ def _runs(gm: fx.GraphModule) -> list[list[fx.Node] | fx.Node]:
     return items
 
 
+def _getitems_next_to_producers(gm: fx.GraphModule) -> None:
+    """Move every ``getitem`` of a multi-output compute op right after that op (a pure
+    projection, so the program is unchanged). Otherwise a collective the scheduler placed
+    between them would end the producer's segment with a tuple output, which Inductor
+    rejects (seen with CUDA's multi-output attention kernel)."""
+    last: dict[fx.Node, fx.Node] = {}
+    moved = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not operator.getitem:
+            continue
+        src = node.args[0]
+        if (not isinstance(src, fx.Node) or src.op != "call_function" or is_comm_node(src)
+                or is_comm_node(node)):
+            continue
+        anchor = last.get(src, src)
+        if anchor.next is not node:
+            anchor.append(node)
+            moved = True
+        last[src] = node
+    if moved:
+        gm.recompile()
+
+
 def split_segments(gm: fx.GraphModule) -> list[ComputeSegment | fx.Node]:
     """Graph order as a list of :class:`ComputeSegment`\\ s and communication nodes.
 
     Placeholders, ``get_attr`` and the output node are not listed (the executor binds them).
+    ``getitem``\\ s of multi-output compute ops first move next to their producers.
     """
+    _getitems_next_to_producers(gm)
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     out: list[ComputeSegment | fx.Node] = []
     count = 0
