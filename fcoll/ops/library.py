@@ -406,6 +406,13 @@ def _reduce_scatter_tensor(input: torch.Tensor, reduce_op: str, group_size: int,
     pg = _validate_reduce_scatter("reduce_scatter_tensor", input, reduce_op, group_size,
                                   group_name)
     out = input.new_empty([input.size(0) // group_size, *input.shape[1:]])
+    return _reduce_scatter_into(pg, input, out, reduce_op, group_size)
+
+
+def _reduce_scatter_into(pg: dist.ProcessGroup, input: torch.Tensor, out: torch.Tensor,
+                         reduce_op: str, group_size: int) -> torch.Tensor:
+    """Start the reduce_scatter of a validated ``input`` (``[n * N, *]``) into ``out``
+    (``[N, *]``), registered as pending on ``out``; return ``out``."""
     if group_size == 1:
         return out.copy_(input)
     buf, copy_back = _wire_output(pg, out, initialised=False)
@@ -454,12 +461,7 @@ def _reduce_scatter_tensor_out(input: torch.Tensor, reduce_op: str, group_size: 
         raise ValueError(f"fcoll.reduce_scatter_tensor_out: out has shape {list(out.shape)} "
                          f"{out.dtype}, expected {expected} {input.dtype} "
                          f"{_where(group_name, input)}")
-    if group_size == 1:
-        return out.copy_(input)
-    buf, copy_back = _wire_output(pg, out, initialised=False)
-    work, fin = start_reduce_scatter(pg, buf, _wire_input(pg, input), reduce_op, input.dtype)
-    pending.register(out, work, _chain(fin, copy_back))
-    return out
+    return _reduce_scatter_into(pg, input, out, reduce_op, group_size)
 
 
 @_impl("reduce_scatter_tensor_coalesced")

@@ -221,6 +221,21 @@ class FcollProcessGroup(dist.ProcessGroup):
         t = t.detach()
         return t if t.is_contiguous() else t.contiguous()
 
+    @staticmethod
+    def _dense_out(t: torch.Tensor) -> torch.Tensor:
+        """Where an IPC kernel writes ``t``'s result: ``t`` itself when contiguous, else a
+        contiguous scratch tensor that :meth:`_write_back` copies into ``t``."""
+        t = t.detach()
+        return t if t.is_contiguous() else torch.empty_like(
+            t, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def _write_back(t: torch.Tensor, dense: torch.Tensor) -> None:
+        """Copy ``dense`` (from :meth:`_dense` / :meth:`_dense_out`) into ``t`` unless it
+        already is ``t`` (runs on the side stream, in the collective's body)."""
+        if dense.data_ptr() != t.data_ptr() or not t.is_contiguous():
+            t.detach().copy_(dense.view(t.shape))
+
     def _ipc_all_reduce(self, name: str, x: torch.Tensor, y: torch.Tensor | None, op: str,
                         result: Any, opts: Any, root: int = NO_ROOT) -> dist.Work:
         """all_reduce / reduce on the IPC path: ``x`` into ``y`` (``y`` None: in place; a
@@ -234,13 +249,12 @@ class FcollProcessGroup(dist.ProcessGroup):
         elif y is None:
             dst = src
         else:
-            dst = y.detach() if y.is_contiguous() else torch.empty_like(
-                src, memory_format=torch.contiguous_format)
+            dst = self._dense_out(y)
 
         def body(c: Call, ipc: IpcBuffers) -> None:
             cg.all_reduce(c, ipc, src, dst, op)
-            if writes and dst.data_ptr() != target.data_ptr():
-                target.detach().copy_(dst.view(target.shape))
+            if writes:
+                self._write_back(target, dst)
 
         return self._submit_ipc(name, x, body, [x, target, src, dst], result, opts,
                                 reduce_op=op, root=root)
@@ -411,20 +425,17 @@ class FcollProcessGroup(dist.ProcessGroup):
         pairs, back, keep = [], [], []
         for i, x in enumerate(inputs):
             y = x if outputs is None else outputs[i]
-            src = self._dense(x).view(-1)
-            dst = src if outputs is None else (
-                y.detach().view(-1) if y.is_contiguous() else torch.empty(
-                    y.numel(), dtype=y.dtype, device=y.device))
-            pairs.append((src, dst))
+            src = self._dense(x)
+            dst = src if outputs is None else self._dense_out(y)
+            pairs.append((src.view(-1), dst.view(-1)))
             keep += [x, y, src, dst]
-            if dst.data_ptr() != y.data_ptr() or not y.is_contiguous():
-                back.append((y, dst))
+            back.append((y, dst))
 
         def body(c: Call, ipc: IpcBuffers) -> None:
             with torch.no_grad():
                 cg.all_reduce_coalesced(c, ipc, pairs, op)
                 for y, dst in back:
-                    y.detach().copy_(dst.view(y.shape))
+                    self._write_back(y, dst)
 
         return self._submit_ipc("all_reduce_coalesced", None, body, keep,
                                 list(inputs if outputs is None else outputs),
@@ -446,13 +457,11 @@ class FcollProcessGroup(dist.ProcessGroup):
         if input.is_cuda and self._cuda_setup(name, input) == "ipc":
             cg = self._cuda
             src = self._dense(input).view(-1).view(torch.uint8)
-            dst = output.detach() if output.is_contiguous() else torch.empty_like(
-                output, memory_format=torch.contiguous_format)
+            dst = self._dense_out(output)
 
             def body(c: Call, ipc: IpcBuffers) -> None:
                 cg.all_gather(c, ipc, src, dst.view(-1).view(torch.uint8))
-                if dst.data_ptr() != output.data_ptr() or not output.is_contiguous():
-                    output.detach().copy_(dst)
+                self._write_back(output, dst)
 
             return self._submit_ipc(name, input, body, [input, output, src, dst], [output],
                                     opts)
@@ -518,13 +527,11 @@ class FcollProcessGroup(dist.ProcessGroup):
         if input.is_cuda and self._cuda_setup(name, input, reduce_op=op) == "ipc":
             cg = self._cuda
             src = self._dense(input).view(-1)
-            dst = output.detach() if output.is_contiguous() else torch.empty_like(
-                output, memory_format=torch.contiguous_format)
+            dst = self._dense_out(output)
 
             def body(c: Call, ipc: IpcBuffers) -> None:
                 cg.reduce_scatter(c, ipc, src, dst.view(-1), op)
-                if dst.data_ptr() != output.data_ptr() or not output.is_contiguous():
-                    output.detach().copy_(dst)
+                self._write_back(output, dst)
 
             return self._submit_ipc(name, input, body, [input, output, src, dst], [output],
                                     opts, reduce_op=op)
@@ -576,13 +583,11 @@ class FcollProcessGroup(dist.ProcessGroup):
         if input.is_cuda and self._cuda_setup(name, input, extra=(in_s, out_s)) == "ipc":
             cg = self._cuda
             src = self._dense(input).view(-1).view(torch.uint8)
-            dst = output.detach() if output.is_contiguous() else torch.empty_like(
-                output, memory_format=torch.contiguous_format)
+            dst = self._dense_out(output)
 
             def body(c: Call, ipc: IpcBuffers) -> None:
                 cg.all_to_all(c, ipc, src, dst.view(-1).view(torch.uint8), row)
-                if dst.data_ptr() != output.data_ptr() or not output.is_contiguous():
-                    output.detach().copy_(dst)
+                self._write_back(output, dst)
                 if _post is not None:
                     _post()
 
@@ -646,8 +651,7 @@ class FcollProcessGroup(dist.ProcessGroup):
 
             def body(c: Call, ipc: IpcBuffers) -> None:
                 cg.broadcast(c, ipc, buf.view(-1).view(torch.uint8), root)
-                if buf.data_ptr() != t.data_ptr() or not t.is_contiguous():
-                    t.detach().copy_(buf)
+                self._write_back(t, buf)
                 if post is not None:
                     post()
 
