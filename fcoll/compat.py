@@ -176,3 +176,24 @@ def let_dynamo_trace_reduce_ops() -> None:
 
     if not hasattr(dynamo_utils, "is_pybind11_enum_member"):
         dynamo_utils.common_constant_types.update((dist.ReduceOp.RedOpType, dist.ReduceOp))
+
+
+def run_eagerly_under_dynamo(cls: type, *, keep: tuple[str, ...] = ("size", "rank")) -> type:
+    """Class decorator: every method ``cls`` defines runs eagerly when compiled code calls it.
+
+    A Python ``dist.ProcessGroup`` (or ``dist.Work``) subclass looks to Dynamo like the C++ class
+    it derives from, but its methods are Python code, which Dynamo would inline. Inlining a
+    collective is wrong (it has side effects on other ranks) and, on torch 2.13, fails at the first
+    private attribute, since ``ProcessGroup`` is an opaque reference type whose only traceable
+    members are ``size``, ``rank``, ``group_name`` and ``group_desc``
+    (``torch.distributed.device_mesh``'s ``register_opaque_type``). Wrapping each method in
+    ``torch._dynamo.disable`` makes a call graph-break and run eagerly, as a call to gloo's C++
+    methods does. ``keep`` names the methods left alone (read at trace time for real; wrapping
+    them would only add ~0.4 us to every eager call). Dunder methods are left alone.
+    """
+    for name, value in list(vars(cls).items()):
+        if name.startswith("__") or name in keep or not inspect.isfunction(value):
+            continue
+        setattr(cls, name, torch._dynamo.disable(value, reason=f"fcoll: {cls.__name__}.{name} "
+                                                 "is a collective's eager entry point"))
+    return cls

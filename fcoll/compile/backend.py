@@ -51,8 +51,10 @@ class CompiledGraph:
     """What a compile listener receives for every graph fcoll compiles.
 
     Attributes:
-        name: "graph_{i}_forward", "graph_{i}_backward" or "graph_{i}_inference", where ``i``
-            counts the Dynamo graphs this process compiled with fcoll.
+        name: "graph_{i}_forward", "graph_{i}_backward" or "graph_{i}_inference", or
+            "graph_{i}_compiled_autograd" for the backward graph that compiled autograd
+            (``torch._dynamo.compiled_autograd``) hands to the backend, where ``i`` counts the
+            Dynamo graphs this process compiled with fcoll.
         before: a deep copy of the AOTAutograd graph, before fcoll's passes.
         after: the graph fcoll executes (after the passes); do not modify it.
         config: the options.
@@ -164,6 +166,15 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
     return GraphExecutor(gm, name=name, rank=rank, recorder=recorder)
 
 
+def _in_compiled_autograd() -> bool:
+    """True while compiled autograd runs (and compiles) its backward graph."""
+    try:
+        from torch._dynamo import compiled_autograd
+    except ImportError:  # pragma: no cover  (every supported torch has it)
+        return False
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+
+
 def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
                   options: dict[str, Any] | None = None, mode: str | None = None):
     """The ``"fcoll"`` Dynamo backend: AOTAutograd, fcoll passes, fcoll executor.
@@ -179,16 +190,34 @@ def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     """
     # torch.ops.fcoll and the "fcoll" process-group backend are registered: importing this
     # module (the entry point) ran fcoll/__init__.py first.
-    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._dynamo.backends.common import aot_autograd
 
     if mode not in (None, "default"):
         raise ValueError(f"fcoll backend: mode {mode!r} is not supported; use options=...")
     config = FcollConfig.from_options(options)
     graph_id = next(_graph_ids)
 
+    if _in_compiled_autograd():
+        # Compiled autograd hands its backward graph to torch.compile's backend; AOTAutograd
+        # sees a graph that needs no gradient and would call it an inference graph.
+        kinds = dict(forward="compiled_autograd", backward="compiled_autograd_backward",
+                     inference="compiled_autograd")
+    else:
+        kinds = dict(forward="forward", backward="backward", inference="inference")
+
     def compiler(kind: str):
+        kind = kinds[kind]
+
         def compile_one(g: fx.GraphModule, inputs: Sequence[Any]):
-            return compile_graph(g, inputs, config, f"graph_{graph_id}_{kind}")
+            executor = compile_graph(g, inputs, config, f"graph_{graph_id}_{kind}")
+
+            def run(args: list[Any]) -> Any:
+                return executor(args)
+            # A function attribute, not the executor's class attribute: torch._dynamo.disable's
+            # wrapper (around the backward) copies a function's __dict__, so the backward stays
+            # boxed, as make_boxed_func's functions do.
+            run._boxed_call = True
+            return run
         return compile_one
 
     decompositions = None
@@ -196,11 +225,15 @@ def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         from torch._inductor.decomposition import select_decomp_table
 
         decompositions = select_decomp_table()
-    return aot_module_simplified(
-        gm, example_inputs,
+    # PyTorch's own AOTAutograd backend wrapper (what aot_eager is made of): it flattens list
+    # inputs (compiled autograd's backward graphs take their inputs as one list), keeps Dynamo
+    # out of the backward compiler and the backward it returns, and defaults the inference
+    # compiler. fcoll only supplies the compilers and the partitioner.
+    backend = aot_autograd(
         fw_compiler=compiler("forward"),
         bw_compiler=compiler("backward"),
         inference_compiler=compiler("inference"),
         partition_fn=_partition_fn(config),
         decompositions=decompositions,
     )
+    return backend(gm, example_inputs)

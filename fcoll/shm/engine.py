@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.phases import Call
 from fcoll.shm.headers import CollectiveMismatchError
 from fcoll.shm.segment import Segment
@@ -303,6 +304,7 @@ def _close_all() -> None:
         eng.close(timeout_s=1.0)
 
 
+@run_eagerly_under_dynamo
 class FcollWork(torch.distributed.Work):
     """The ``Work`` of queued collectives (one, or several for coalescing).
 
@@ -355,6 +357,7 @@ class FcollWork(torch.distributed.Work):
         self.wait()
 
 
+@run_eagerly_under_dynamo
 class DoneWork(torch.distributed.Work):
     """The ``Work`` of a collective already executed on the caller's thread."""
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.ops.reduce import check_reduce_op, reduce_op_name
 from fcoll.shm import movement, reductions
 from fcoll.shm.cuda import CudaGroup, CudaStaging, IpcBuffers, device_error, header_dtype
@@ -38,6 +39,7 @@ from fcoll.shm.validate import Staging, check_all_gather, check_reduce_scatter
 
 ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
 
+@run_eagerly_under_dynamo
 class FcollProcessGroup(dist.ProcessGroup):
     """Shared-memory process group of the ranks of one host (CPU tensors; CUDA staged).
 

@@ -1,0 +1,137 @@
+"""The steps people compile reach fcoll: PyTorch's DDP and FSDP2 modules, compiled autograd, and
+fcoll's process group inside Dynamo (issue #12). Every case runs on 2 ranks, on fcoll's process
+group and on gloo, and compares with the same module run eagerly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fcoll.testing import fcoll_segments, run_ranks
+
+BACKENDS = ["fcoll", "gloo"]
+
+
+def _collectives_by_graph() -> tuple[dict[str, int], object]:
+    """Count the collectives (any namespace) in every graph fcoll compiles from now on, and
+    whether they were lowered to ``torch.ops.fcoll``."""
+    from fcoll.compile.backend import register_compile_listener
+    from fcoll.passes.graph import is_collective
+
+    counts: dict[str, int] = {}
+
+    def listen(record) -> None:
+        nodes = [n for n in record.after.graph.nodes if is_collective(n)]
+        counts[record.name] = len(nodes)
+        counts[record.name + ":fcoll"] = sum(n.target.namespace == "fcoll" for n in nodes)
+    return counts, register_compile_listener(listen)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+# ---- the process group inside Dynamo ----------------------------------------------------------
+
+def _scatter_and_group_attributes(rank: int, world: int) -> list[float]:
+    group = dist.group.WORLD
+
+    @torch.compile(backend="fcoll", fullgraph=False)
+    def f(x):
+        out = torch.empty(2)
+        # fcoll does not remap scatter: Dynamo must graph-break and run it eagerly
+        dist.scatter(out, [torch.full((2,), 10.0 * i) for i in range(world)] if rank == 0
+                     else None, src=0)
+        # read at trace time, like gloo's group
+        return out + x * group.size() + group.rank() + len(group.group_name)
+
+    return f(torch.ones(2)).tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unremapped_collective_graph_breaks_and_group_attributes_trace(backend):
+    results = run_ranks(_scatter_and_group_attributes, 2, backend=backend, timeout_s=180)
+    # group name "0" (one character) on both backends
+    assert results == [[0.0 + 2 + 0 + 1] * 2, [10.0 + 2 + 1 + 1] * 2]
+    assert fcoll_segments() == []
+
+
+# ---- compiled autograd and PyTorch DDP ---------------------------------------------------------
+
+def _compiled_autograd_and_ddp(rank: int, world: int) -> dict:
+    from torch._dynamo import compiled_autograd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    out: dict = {}
+
+    # compiled autograd's backward graph with backend="fcoll" (no collectives)
+    model = _mlp()
+    model(x).pow(2).sum().backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+    counts, handle = _collectives_by_graph()
+    loss = torch.compile(model, backend="fcoll")(x).pow(2).sum()
+    with compiled_autograd._enable(torch.compile(backend="fcoll")):
+        loss.backward()
+    handle.remove()
+    out["compiled_autograd_equal"] = all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(expected, _grads(model)))
+    out["compiled_autograd_graphs"] = sorted(k for k in counts if "compiled_autograd" in k)
+
+    # the reference: eager DDP
+    ref = DDP(_mlp())
+    ref(x).pow(2).sum().backward()
+    expected = _grads(ref)
+
+    # DDP compiled with the default optimize_ddp (graph split per bucket)
+    ddp = DDP(_mlp())
+    compiled = torch.compile(ddp, backend="fcoll")
+    for _ in range(2):
+        ddp.zero_grad(set_to_none=True)
+        compiled(x).pow(2).sum().backward()
+    out["ddp_default_equal"] = all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(expected, _grads(ddp)))
+
+    # DDP with the python reducer and compiled autograd: the gradient all_reduces are in the
+    # backward graph. The mode is read when DDP is constructed.
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    ddp = DDP(_mlp())
+    compiled = torch.compile(ddp, backend="fcoll")
+    counts, handle = _collectives_by_graph()
+    for _ in range(2):
+        ddp.zero_grad(set_to_none=True)
+        loss = compiled(x).pow(2).sum()
+        with compiled_autograd._enable(torch.compile(backend="fcoll")):
+            loss.backward()
+    handle.remove()
+    out["ddp_python_reducer_equal"] = all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(expected, _grads(ddp)))
+    out["ddp_python_reducer_counts"] = counts
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_autograd_and_ddp_reach_the_passes(backend):
+    for res in run_ranks(_compiled_autograd_and_ddp, 2, backend=backend, timeout_s=300):
+        assert res["compiled_autograd_equal"]
+        assert res["compiled_autograd_graphs"], "compiled autograd's graph did not reach fcoll"
+        assert res["ddp_default_equal"]
+        assert res["ddp_python_reducer_equal"]
+        counts = res["ddp_python_reducer_counts"]
+        backward = {k: v for k, v in counts.items()
+                    if "compiled_autograd" in k and not k.endswith(":fcoll")}
+        assert backward and sum(backward.values()) > 0, counts
+        # lowered from _c10d_functional to fcoll's ops by the passes
+        assert sum(counts[k + ":fcoll"] for k in backward) == sum(backward.values()), counts
+    assert fcoll_segments() == []
