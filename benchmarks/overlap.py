@@ -17,6 +17,13 @@ Measures, in one run, per parallel mode (median step time over ``--steps`` steps
 - ``inductor``: PyTorch's best available setting on the same step (``backend="inductor"``,
   ``torch._inductor.config.reorder_for_compute_comm_overlap=True``, PyTorch's funcol).
 
+``--parallel torch-ddp torch-fsdp2``: the same GPT as ``nn.Module``s in PyTorch's own
+``DistributedDataParallel`` / ``fully_shard`` (``examples/train_gpt.py``'s
+:class:`TorchModuleStep`: DDP with the python reducer and compiled autograd; FSDP2 per block),
+timed with ``backend="fcoll"`` (``fcoll``) and with PyTorch's own compiled module
+(``backend="inductor"``, ``pytorch``), beside the hand-written step of the same kind when it ran
+in the same invocation; ``pytorch/fcoll`` is the speed-up (target >= 1.3).
+
 The ranks talk over gloo inside a network namespace whose loopback is rate-limited with
 ``tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 100ms`` (0.125 GB/s; NOTES.md).
 Without root, ``ip`` or ``tc`` it falls back to plain loopback, and says so in the table and
@@ -43,7 +50,8 @@ TBF = ["tbf", "rate", "1gbit", "burst", "256kb", "latency", "100ms"]
 
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parallel", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
+    p.add_argument("--parallel", nargs="+", default=["ddp", "fsdp", "torch-ddp", "torch-fsdp2"],
+                   choices=["ddp", "fsdp", "torch-ddp", "torch-fsdp2"])
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
@@ -182,6 +190,35 @@ def _time_variant(T, cfg, comm, backend: str, options, parallel: str, shapes, ba
         return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
+def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int, barrier,
+                           a: dict) -> dict:
+    """Median step time of PyTorch's DDP / FSDP2 module compiled with fcoll and with Inductor."""
+    import torch
+
+    def batch(i):
+        return T.get_batch(corpus.train, a["batch_size"], a["seq_len"], seed=0, step=i,
+                           rank=rank, world_size=world)
+
+    res: dict = {}
+    backends = {"fcoll": ("fcoll", {"compute": "inductor"})}
+    if not a["no_inductor"]:
+        backends["pytorch"] = ("inductor", None)
+    for name, (backend, options) in backends.items():
+        torch._dynamo.reset()
+        counts, stop = T.count_compiled_collectives()
+        try:
+            step = T.TorchModuleStep(cfg, T.init_params(cfg, 0), parallel, T.AdamW(),
+                                     torch.device("cpu"), backend, options)
+            res[name] = statistics.median(_time_steps(step, batch, a["warmup"], a["steps"],
+                                                      barrier))
+        except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
+            res[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        stop()
+        if backend == "fcoll":
+            res["fcoll_collectives"] = sum(counts.values())
+    return res
+
+
 def _rank(rank: int, world: int, a: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -197,6 +234,10 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     results: dict = {}
     barrier = lambda: dist.barrier(group)  # noqa: E731
     for parallel in a["parallel"]:
+        if parallel.startswith("torch-"):
+            results[parallel] = _torch_module_variants(T, cfg, corpus, parallel, rank, world,
+                                                       barrier, a)
+            continue
         full = T.init_params(cfg, 0)
         shapes = {k: v.shape for k, v in full.items()} if parallel == "fsdp" else None
         params = T.shard_params(full, rank, world) if parallel == "fsdp" else full
@@ -246,7 +287,11 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
              f"{'exp_off':>9} {'exp_on':>9} {'exp_on/comm':>11} {'on/max':>7} {'floor':>7} "
              f"{'on/floor':>8}  targets"]
     summary = {}
+    module_lines = []
     for mode, r in results.items():
+        if mode.startswith("torch-"):
+            module_lines.append(_module_row(mode, r, results.get(mode[len("torch-"):]), summary))
+            continue
         ms = {k: (v * 1e3 if isinstance(v, float) else None) for k, v in r.items()}
         comp, comm, off, on = ms["compute"], ms["comm"], ms["off"], ms["on"]
         s = {"compute_ms": comp, "comm_ms": comm, "step_off_ms": off, "step_on_ms": on,
@@ -283,7 +328,30 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
         else:
             lines.append(f"{mode:6} failed: {r}")
         summary[mode] = s
+    if module_lines:
+        lines += ["", "PyTorch's own modules, median step ms: fcoll = backend='fcoll' (compute='inductor'), pytorch = "
+                  "backend='inductor' (PyTorch's compiled module), hand = the hand-written step "
+                  "with fcoll",
+                  f"{'mode':12} {'fcoll':>9} {'pytorch':>9} {'hand':>9} {'pytorch/fcoll':>13} "
+                  f"{'collectives in graphs':>22}  target pytorch/fcoll >= 1.3"] + module_lines
     return "\n".join(lines), summary
+
+
+def _module_row(mode: str, r: dict, hand: dict | None, summary: dict) -> str:
+    ms = {k: (v * 1e3 if isinstance(v, float) else None) for k, v in r.items()
+          if k in ("fcoll", "pytorch")}
+    hand_ms = hand["on"] * 1e3 if hand and isinstance(hand.get("on"), float) else None
+    fc, pt = ms.get("fcoll"), ms.get("pytorch")
+    ratio = pt / fc if fc and pt else None
+    summary[mode] = {"fcoll_ms": fc, "pytorch_ms": pt, "hand_ms": hand_ms,
+                     "pytorch_over_fcoll": ratio, "fcoll_collectives": r.get("fcoll_collectives"),
+                     "errors": {k: v for k, v in r.items() if isinstance(v, str)},
+                     "target_met": ratio is not None and ratio >= 1.3}
+    cell = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9}"  # noqa: E731
+    return (f"{mode:12} {cell(fc)} {cell(pt)} {cell(hand_ms)} "
+            f"{(f'{ratio:13.2f}' if ratio else f'{chr(45):>13}')} "
+            f"{str(r.get('fcoll_collectives', '-')):>22}  {summary[mode]['target_met']}"
+            + "".join(f"; {k} {v}" for k, v in summary[mode]["errors"].items()))
 
 
 def main(argv=None) -> int:

@@ -45,13 +45,15 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 import fcoll  # registers torch.ops.fcoll and the "fcoll" process-group backend
 
-__all__ = ["GPTConfig", "load_text", "init_params", "gpt_loss", "FcollComm", "TorchComm",
+__all__ = ["GPTConfig", "load_text", "init_params", "gpt_loss", "GPTModule", "GPTBlock",
+           "torch_adamw", "TorchModuleStep", "FcollComm", "TorchComm",
            "shard_params", "unshard_params", "init_adamw", "make_train_step", "get_batch",
-           "compile_step", "main"]
+           "compile_step", "count_compiled_collectives", "main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +185,58 @@ def gpt_loss(params: Callable[[str], torch.Tensor], idx: torch.Tensor, targets: 
     x = F.layer_norm(x, (cfg.d_model,), params("lnf_w"), params("lnf_b"))
     logits = F.linear(x, wte)  # tied head
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The same model as nn.Modules, for PyTorch's own DistributedDataParallel and fully_shard
+
+class GPTBlock(nn.Module):
+    """Layer ``i`` of :func:`gpt_loss` (its parameters named as in :func:`init_params`, without
+    the ``h{i}.`` prefix); ``x [B, T, d] -> [B, T, d]``."""
+
+    def __init__(self, cfg: GPTConfig, i: int, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.cfg, self.i = cfg, i
+        self.p = nn.ParameterDict({k: nn.Parameter(params[f"h{i}.{k}"].clone())
+                                   for k in _layer_shapes(cfg)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prefix = len(f"h{self.i}.")
+        return _block(lambda name: self.p[name[prefix:]], self.i, x, self.cfg)
+
+
+class GPTModule(nn.Module):
+    """:func:`gpt_loss` as a module: ``forward(idx [B, T], targets [B, T])`` -> mean loss (nats).
+
+    One :class:`GPTBlock` per layer, so ``fully_shard`` can shard (and all-gather) per block.
+    Initialised from :func:`init_params`, so it starts from the functional model's parameters.
+    """
+
+    def __init__(self, cfg: GPTConfig, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.p = nn.ParameterDict({k: nn.Parameter(params[k].clone())
+                                   for k in ("wte", "wpe", "lnf_w", "lnf_b")})
+        self.blocks = nn.ModuleList(GPTBlock(cfg, i, params) for i in range(cfg.n_layer))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        wte = self.p["wte"]
+        x = F.embedding(idx, wte) + self.p["wpe"][:T]
+        for block in self.blocks:
+            x = block(x)
+        x = F.layer_norm(x, (self.cfg.d_model,), self.p["lnf_w"], self.p["lnf_b"])
+        logits = F.linear(x, wte)  # tied head
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def torch_adamw(module: nn.Module, opt: AdamW) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` with :func:`_adamw`'s rule for weight decay (matrices only)."""
+    decay = [p for p in module.parameters() if p.dim() == 2]
+    rest = [p for p in module.parameters() if p.dim() != 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=opt.lr, betas=opt.betas, eps=opt.eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +409,104 @@ def compile_step(step, backend: str = "fcoll", options: dict[str, Any] | None = 
     return run
 
 
+class TorchModuleStep:
+    """A training step of :class:`GPTModule` wrapped in PyTorch's own data-parallel module.
+
+    - ``"torch-ddp"``: ``DistributedDataParallel`` with ``optimize_ddp = "python_reducer"`` and
+      compiled autograd, as PyTorch documents for compiled DDP: the forward is compiled by
+      ``torch.compile(ddp, backend=...)``, and the backward by compiled autograd with the same
+      backend, so DDP's gradient all_reduces are functional collectives in the backward graph,
+      which fcoll lowers, buckets and schedules (its buckets replace DDP's reducer buckets).
+    - ``"torch-fsdp2"``: ``fully_shard`` on every block and on the root, the root compiled. On a
+      torch that can trace FSDP2's hooks (``torch._dynamo.config.skip_fsdp_hooks`` exists: 2.11
+      and 2.12) and on CUDA (those hooks use streams, which Dynamo traces only on CUDA), the
+      backward runs under compiled autograd with PyTorch's traceable-FSDP2 settings, and the
+      all_gathers and reduce_scatters are in the graphs. torch 2.13 removed traceable FSDP2 (its
+      hooks are always ``torch._dynamo.disable``-d, and compiled autograd with FSDP2 gives wrong
+      gradients even with ``aot_eager``): there FSDP2 communicates eagerly in its hooks and the
+      compiled graphs hold only compute. :attr:`traced_comms` says which.
+
+    ``step(x, y)`` runs forward, backward and ``torch.optim.AdamW`` (decay as :func:`_adamw`)
+    and returns the loss (a detached float32 scalar); ``eval_loss(x, y)`` runs the model eagerly.
+    """
+
+    def __init__(self, cfg: GPTConfig, params: dict[str, torch.Tensor], parallel: str,
+                 opt: AdamW, device: torch.device, backend: str = "fcoll",
+                 options: dict[str, Any] | None = None) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if parallel not in ("torch-ddp", "torch-fsdp2"):
+            raise ValueError(f"parallel: expected 'torch-ddp' or 'torch-fsdp2', got {parallel!r}")
+        self.parallel = parallel
+        module = GPTModule(cfg, params).to(device)
+        self._patches: dict[str, Any] = {}
+        if parallel == "torch-ddp":
+            torch._dynamo.config.optimize_ddp = "python_reducer"  # read by DDP's constructor
+            wrapped = DDP(module, device_ids=[device] if device.type == "cuda" else None)
+            self.traced_comms = True
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            for block in module.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+            wrapped = module
+            self.traced_comms = (device.type == "cuda"
+                                 and "skip_fsdp_hooks" in torch._dynamo.config._config)
+            if self.traced_comms:
+                self._patches = {"skip_fsdp_hooks": False, "inline_inbuilt_nn_modules": True,
+                                 "compiled_autograd_kwargs_override": {"fullgraph": True}}
+        self.module, self.wrapped = module, wrapped
+        self.optimizer = torch_adamw(module, opt)
+        self.forward = torch.compile(wrapped, backend=backend, options=options)
+        self.backward_compiler = torch.compile(backend=backend, options=options)
+        self.steps = 0
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch._dynamo import compiled_autograd
+
+        with torch._dynamo.config.patch(**self._patches):
+            if self.parallel == "torch-fsdp2" and self.traced_comms and self.steps == 0:
+                # FSDP2's lazy initialisation runs eagerly, as PyTorch's traceable-FSDP2 tests do
+                with torch.compiler.set_stance("force_eager"):
+                    loss = self.wrapped(x, y)
+                    loss.backward()
+            else:
+                loss = self.forward(x, y)
+                if self.traced_comms:
+                    with compiled_autograd._enable(self.backward_compiler):
+                        loss.backward()
+                else:
+                    loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return loss.detach()
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(self.module(x, y))
+
+
+def count_compiled_collectives() -> tuple[dict[str, int], Callable[[], None]]:
+    """Count the collectives in every graph that ``backend="fcoll"`` compiles from now on.
+
+    Returns:
+        ``counts`` (graph name -> collectives after fcoll's passes, filled as graphs compile)
+        and a function that stops counting.
+    """
+    from fcoll.compile.backend import register_compile_listener
+    from fcoll.passes.graph import is_collective
+
+    counts: dict[str, int] = {}
+
+    def listen(record) -> None:
+        counts[record.name] = sum(1 for n in record.after.graph.nodes if is_collective(n))
+    return counts, register_compile_listener(listen).remove
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 
@@ -367,7 +519,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--parallel", choices=("ddp", "fsdp", "torch-ddp", "torch-fsdp2"),
+                   default="ddp", help="ddp/fsdp: the functional step; torch-ddp/torch-fsdp2: "
+                   "the GPT as nn.Modules in PyTorch's DistributedDataParallel / fully_shard")
     p.add_argument("--compute", choices=("eager", "inductor"), default="eager")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
@@ -489,6 +643,69 @@ def _describe_device(device: torch.device) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)}) of {gpus} GPU(s)"
 
 
+def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.device, rank: int,
+                       world: int) -> dict[str, Any]:
+    """``main`` for ``--parallel torch-ddp`` / ``torch-fsdp2`` (see :class:`TorchModuleStep`)."""
+    params = init_params(cfg, args.seed)
+    backend = "inductor" if args.backend_baseline else "fcoll"
+    options = None
+    if not args.backend_baseline:
+        options = {"compute": args.compute}
+        if args.trace_dir:
+            options["trace_dir"] = args.trace_dir
+    counts, stop_counting = count_compiled_collectives()
+    step = TorchModuleStep(cfg, params, args.parallel, AdamW(lr=args.lr), device, backend, options)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    name = f"PyTorch {args.parallel[len('torch-'):].upper()}, backend={backend}" + (
+        f" (compute={args.compute})" if options else "") + f" on {args.dist_backend}"
+
+    def evaluate() -> float:
+        losses = []
+        for i in range(args.eval_batches):
+            x, y = get_batch(corpus.val, args.batch_size, args.seq_len, seed=args.seed + 1,
+                             step=i, rank=0, world_size=1)
+            losses.append(step.eval_loss(x.to(device), y.to(device)))
+        return sum(losses) / len(losses)
+
+    say(f"{args.parallel} on {world} rank(s), {_describe_device(device)}, {name}; "
+        f"{sum(v.numel() for v in params.values())} parameters; vocab {cfg.vocab_size}; "
+        f"communication {'in the compiled graphs' if step.traced_comms else 'in eager hooks'}")
+    first_val = val = evaluate()
+    say(f"step    0 | val loss {first_val:.4f}")
+    times, loss = [], float("nan")
+    for i in range(1, args.steps + 1):
+        x, y = get_batch(corpus.train, args.batch_size, args.seq_len, seed=args.seed, step=i,
+                         rank=rank, world_size=world)
+        x, y = x.to(device), y.to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = float(step(x, y))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        if i % args.log_every == 0 or i == args.steps:
+            val = evaluate()
+            ms = statistics.median(times[1:] or times) * 1e3
+            say(f"step {i:4d} | train loss {loss:.4f} | val loss {val:.4f} | {ms:7.1f} ms/step | "
+                f"{world * args.batch_size * args.seq_len / (ms / 1e3):8.0f} tok/s")
+    stop_counting()
+    from torch._dynamo.utils import counters
+
+    ms = statistics.median(times[1:] or times) * 1e3
+    collectives = sum(counts.values())
+    summary = {"first_val_loss": first_val, "final_val_loss": val, "final_train_loss": loss,
+               "step_ms": ms, "tokens_per_s": world * args.batch_size * args.seq_len / ms * 1e3,
+               "compile_s": times[0], "graph_breaks": sum(counters["graph_break"].values()),
+               "device": str(device), "dist_backend": args.dist_backend,
+               "compiled_collectives": collectives, "graphs": dict(counts)}
+    per_graph = ", ".join(f"{k} {v}" for k, v in counts.items() if v) or "none"
+    say(f"summary: {args.parallel}, {name}, {world} ranks, {args.steps} steps: val loss "
+        f"{first_val:.4f} -> {val:.4f} ({100 * (1 - val / first_val):.1f} % lower); median step "
+        f"{ms:.1f} ms; first step (compile) {times[0]:.1f} s; collectives in the compiled graphs: "
+        f"{collectives if options else 'n/a (not fcoll)'} ({per_graph})")
+    dist.destroy_process_group()
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
@@ -498,6 +715,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     corpus = Corpus(load_text())
     cfg = GPTConfig(vocab_size=corpus.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
                     n_head=args.n_head, d_model=args.d_model)
+    if args.parallel.startswith("torch-"):
+        return _main_torch_module(args, cfg, corpus, device, rank, world)
     comm = (TorchComm if args.backend_baseline else FcollComm)(dist.group.WORLD)
     params = {k: v.to(device) for k, v in init_params(cfg, args.seed).items()}
     shapes = None

@@ -173,3 +173,39 @@ def test_train_gpt_on_cuda_learns(parallel, dist_backend, compute):
     assert "cuda:0" in summary[0] and " ms, " in summary[0]
     first, last = (float(v) for v in summary[0].split("val loss ")[1].split(" (")[0].split(" -> "))
     assert last < 0.9 * first, summary[0]
+
+
+def _torch_modules(rank: int, n: int) -> dict:
+    """``--parallel torch-ddp`` / ``torch-fsdp2``: 3 steps compiled with backend="fcoll" against
+    the same wrapped module run eagerly; the collectives that reach fcoll's graphs."""
+    corpus = tg.Corpus(tg.load_text())
+    cfg = _cfg(corpus.vocab_size)
+    batches = [tg.get_batch(corpus.train, B, T, seed=1, step=i, rank=rank, world_size=n)
+               for i in range(STEPS)]
+    out: dict = {}
+    for parallel in ("torch-ddp", "torch-fsdp2"):
+        torch._dynamo.reset()
+        counts, stop = tg.count_compiled_collectives()
+        step = tg.TorchModuleStep(cfg, tg.init_params(cfg, 0), parallel, tg.AdamW(),
+                                  torch.device("cpu"), "fcoll", {})
+        compiled = [float(step(x, y)) for x, y in batches]
+        stop()
+        torch._dynamo.reset()
+        ref = tg.TorchModuleStep(cfg, tg.init_params(cfg, 0), parallel, tg.AdamW(),
+                                 torch.device("cpu"), "eager", None)
+        ref.forward = ref.wrapped   # not compiled at all
+        ref.traced_comms = False
+        eager = [float(ref(x, y)) for x, y in batches]
+        out[parallel] = {"compiled": compiled, "eager": eager, "collectives": sum(counts.values()),
+                         "traced": step.traced_comms}
+    return out
+
+
+@pytest.mark.parametrize("backend", ["fcoll", "gloo"])
+def test_pytorch_ddp_and_fsdp2_modules_compile_with_fcoll(backend):
+    for res in run_ranks(_torch_modules, 2, backend=backend, timeout_s=400):
+        for parallel, r in res.items():
+            assert r["compiled"] == pytest.approx(r["eager"], rel=1e-4, abs=1e-5), parallel
+            if r["traced"]:  # DDP always; FSDP2 where torch can trace its hooks (CUDA, < 2.13)
+                assert r["collectives"] > 0, parallel
+        assert res["torch-ddp"]["traced"]
