@@ -79,7 +79,14 @@ def _static_shape(val: Any) -> bool:
 
 
 def rejection(node: fx.Node, spec: OpArgs, waits: list[fx.Node]) -> str | None:
-    """Why ``node`` cannot join any bucket, or None."""
+    """Why ``node`` cannot join any bucket, or None.
+
+    Symbolic sizes, data-dependent (unbacked) ones included, are never bucketed: a collective
+    joins only with static input and output shapes and, for all_to_all, constant split sizes.
+    A merged buffer's offsets and the byte cap would need those sizes' values, and comparing
+    an unbacked size would guard on it (``GuardOnDataDependentSymNode``); such a collective
+    simply stays as it is (logged at DEBUG with this reason).
+    """
     if len(waits) != 1 or len(node.users) != 1:
         return f"{len(waits)} waits and {len(node.users)} users (need exactly one wait)"
     if node.kwargs or len(node.args) != spec.nargs:

@@ -23,6 +23,17 @@ The fingerprint entry of a collective is ``op(dtype[shape], ..., reduce_op=, src
 all_to_all inputs keep only their trailing dims: the first dim follows each rank's splits and
 legitimately differs (MoE routing).
 
+Data-dependent sizes (unbacked ``SymInt``: split sizes from ``counts.tolist()``, a dim that
+follows them) have no value at compile time, so the check cannot compare them and never guards
+on them (``int()`` of one raises ``GuardOnDataDependentSymNode``). In the entry such a dim is
+``?``: ranks must agree that it is data-dependent, not on its value. Each collective with
+data-dependent sizes gets a note in :attr:`Fingerprint.data_dependent` naming them (``output
+[u2 + u3, 4], output_split_sizes [u2, u3]``); the pass logs the notes at DEBUG and keeps the
+report of every group in ``gm.meta[META_RANK_CHECK]`` (:class:`RankCheck`, its ``format()`` is
+the table). Those sizes are compared at run time by fcoll's backend: the first phase of every
+collective exchanges each rank's header (shape, split sizes) and raises the same error on every
+rank if they disagree (``fcoll/shm/headers.py``); other backends (gloo) do not compare them.
+
 No-op (logged at DEBUG) without an initialised process group, on PyTorch's fake process group, on
 groups of one rank, and on graphs without collectives. Cost: one ``add``, two ``set``, one
 ``wait`` per other rank and one ``multi_get`` per group (``benchmarks/passes_scaling.py
@@ -40,15 +51,20 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fcoll.passes.graph import collective_info, is_collective
+from fcoll.passes.graph import arg_of, is_collective, op_kind, size_hint
 from fcoll.passes.registry import FcollPass, register_pass
 
 __all__ = ["CheckRankConsistency", "Fingerprint", "fingerprint", "RankMismatchError",
-           "RankTimeoutError", "compare_across_ranks"]
+           "RankTimeoutError", "compare_across_ranks", "RankCheck", "META_RANK_CHECK"]
+
+#: graph_module.meta key: group name -> :class:`RankCheck`, written by the pass.
+META_RANK_CHECK = "fcoll_rank_check"
 
 log = logging.getLogger(__name__)
 
@@ -69,24 +85,105 @@ class Fingerprint:
 
     Attributes:
         group_name: the process group's name.
-        entries: one readable string per collective, in graph order.
+        entries: one readable string per collective, in graph order (data-dependent dims
+            are ``?``).
         digest: sha256 hex digest of the entries.
+        data_dependent: ``(index, note)`` per collective with data-dependent sizes, the note
+            naming them (``output [u2 + u3, 4], output_split_sizes [u2, u3]``); not part of the
+            digest: their values are unknown until run time.
     """
 
     group_name: str
     entries: tuple[str, ...]
     digest: str
+    data_dependent: tuple[tuple[int, str], ...] = ()
 
 
-def _entry(node: fx.Node) -> str:
-    info = collective_info(node)
-    tensors = []
-    for dtype, shape in zip(info.dtypes, info.shapes):
-        dims = ("*", *shape[1:]) if info.kind == "all_to_all" and shape else shape
-        tensors.append(f"{str(dtype).removeprefix('torch.')}[{','.join(map(str, dims))}]")
-    extra = [f"reduce_op={info.reduce_op}"] if info.reduce_op is not None else []
-    extra += [f"src={info.src}"] if info.src is not None else []
-    return f"{info.op}({', '.join(tensors + extra)})"
+@dataclass(frozen=True)
+class RankCheck:
+    """What the check did for one group of one graph (``gm.meta[META_RANK_CHECK][group]``).
+
+    Attributes:
+        fingerprint: the group's :class:`Fingerprint` on this rank.
+        outcome: "agreed on N ranks", or "skipped: <reason>" (fake process group, ...).
+    """
+
+    fingerprint: Fingerprint
+    outcome: str
+
+    def format(self) -> str:
+        """The report as a table: one row per collective, data-dependent sizes marked."""
+        fp = self.fingerprint
+        notes = dict(fp.data_dependent)
+        lines = [f"group {fp.group_name!r}: {len(fp.entries)} collectives, {self.outcome}"]
+        for i, entry in enumerate(fp.entries):
+            row = f"  #{i:<3} {entry}"
+            if i in notes:
+                row += (f"  [data-dependent, not compared at compile time: {notes[i]}]")
+            lines.append(row)
+        return "\n".join(lines)
+
+
+def _dim(s: Any, unbacked: list[str]) -> str:
+    """One size as the entry shows it: an int, or ``?`` for a data-dependent size (whose
+    expression is appended to ``unbacked``); a backed symbolic size is evaluated with its hint
+    (ranks that traced different sizes differ)."""
+    if isinstance(s, int):
+        return str(s)
+    if isinstance(s, torch.SymInt) and free_unbacked_symbols(s):
+        unbacked.append(str(s))
+        return "?"
+    return str(size_hint(s))
+
+
+def _sizes_text(sizes: Any) -> tuple[str, bool]:
+    """``[a, b]`` of a shape or split list (symbols as their expressions) and whether any
+    element is data-dependent."""
+    vals = [v.meta.get("val") if isinstance(v, fx.Node) else v for v in sizes]
+    dd = any(isinstance(v, torch.SymInt) and free_unbacked_symbols(v) for v in vals)
+    return f"[{', '.join(map(str, vals))}]", dd
+
+
+def _inputs(node: fx.Node) -> list[Any]:
+    first = arg_of(node, "input", None)
+    if first is None:
+        first = arg_of(node, "inputs", None)
+    items = first if isinstance(first, (list, tuple)) else [first]
+    return [i.meta.get("val") if isinstance(i, fx.Node) else i for i in items]
+
+
+def _entry(node: fx.Node) -> tuple[str, str | None]:
+    """The fingerprint entry of collective ``node`` and its data-dependent note (or None).
+
+    Sizes are read from ``meta["val"]`` without evaluating a data-dependent one.
+    """
+    kind = op_kind(node.target)
+    op = node.target._schema.name.split("::", 1)[-1]
+    tensors, notes = [], []
+    for t in (v for v in _inputs(node) if isinstance(v, torch.Tensor)):
+        unbacked: list[str] = []
+        dims = [_dim(s, unbacked) for s in t.shape]
+        if kind == "all_to_all" and dims:
+            dims[0] = "*"
+        tensors.append(f"{str(t.dtype).removeprefix('torch.')}[{','.join(dims)}]")
+        if unbacked:
+            notes.append(f"input {_sizes_text(t.shape)[0]}")
+    out = node.meta.get("val")
+    for t in out if isinstance(out, (list, tuple)) else [out]:
+        if isinstance(t, torch.Tensor):
+            text, dd = _sizes_text(t.shape)
+            if dd:
+                notes.append(f"output {text}")
+    for name in ("output_split_sizes", "input_split_sizes"):
+        splits = arg_of(node, name, None)
+        if isinstance(splits, (list, tuple)):
+            text, dd = _sizes_text(splits)
+            if dd:
+                notes.append(f"{name} {text}")
+    reduce_op, src = arg_of(node, "reduce_op", None), arg_of(node, "src", None)
+    extra = [f"reduce_op={reduce_op}"] if reduce_op is not None else []
+    extra += [f"src={src}"] if src is not None else []
+    return f"{op}({', '.join(tensors + extra)})", ", ".join(notes) or None
 
 
 def fingerprint(gm: fx.GraphModule) -> dict[str, Fingerprint]:
@@ -95,8 +192,11 @@ def fingerprint(gm: fx.GraphModule) -> dict[str, Fingerprint]:
 
 
 def _fingerprint(group_name: str, nodes: list[fx.Node]) -> Fingerprint:
-    entries = tuple(_entry(n) for n in nodes)
-    return Fingerprint(group_name, entries, hashlib.sha256("\n".join(entries).encode()).hexdigest())
+    made = [_entry(n) for n in nodes]
+    entries = tuple(e for e, _ in made)
+    notes = tuple((i, note) for i, (_, note) in enumerate(made) if note is not None)
+    return Fingerprint(group_name, entries,
+                       hashlib.sha256("\n".join(entries).encode()).hexdigest(), notes)
 
 
 def _collectives_by_group(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
@@ -123,7 +223,7 @@ def _collectives_by_group(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
         if i is not None and not node.kwargs and i < len(node.args):
             g = str(node.args[i])
         else:
-            g = collective_info(node).group_name
+            g = str(arg_of(node, "group_name"))
         groups.setdefault(g, []).append(node)
     return dict(sorted(groups.items()))
 
@@ -233,15 +333,21 @@ class CheckRankConsistency(FcollPass):
         groups = _collectives_by_group(graph_module)
         if not groups:
             log.debug("check_rank_consistency: no collectives, nothing to check")
+        report: dict[str, RankCheck] = {}
         for g, nodes in groups.items():
             reason, pg = _skip_reason(g)   # before fingerprinting: skipped groups cost nothing
             if reason is not None:
                 log.debug("check_rank_consistency: skipped for group %r: %s", g, reason)
                 continue
             fp = _fingerprint(g, nodes)
+            for i, note in fp.data_dependent:
+                log.debug("check_rank_consistency: group %r collective #%d %s: data-dependent "
+                          "sizes, not compared at compile time: %s", g, i, nodes[i].name, note)
             t0 = time.perf_counter()
             k = compare_across_ranks(fp, pg, self.config.check_timeout_s)
             log.debug("check_rank_consistency: group %r compile #%d: %d collectives agree on %d "
                       "ranks (%.1f ms)", g, k, len(fp.entries), pg.size(),
                       (time.perf_counter() - t0) * 1e3)
+            report[g] = RankCheck(fp, f"agreed on {pg.size()} ranks")
+        graph_module.meta[META_RANK_CHECK] = report
         return PassResult(graph_module, False)

@@ -12,9 +12,29 @@ formulas and bytes = inputs read + output written (view ops cost nothing).
 
 Without measured parameters (the fake process group, no initialised process group, a group not
 calibrated yet) deterministic defaults are used (:data:`DEFAULT_COMPUTE`, :func:`default_comm`),
-so snapshot tests are stable. Symbolic sizes are evaluated with their hints
-(``graph.size_hint``). A user's ``config.estimator(node) -> float | None`` takes precedence for
-every node it answers.
+so snapshot tests are stable. A user's ``config.estimator(node) -> float | None`` takes
+precedence for every node it answers.
+
+Symbolic sizes (:func:`value_size`, :func:`collective_size`, :func:`estimate_int`): a backed
+size (``s0``) uses its hint. A *data-dependent* (unbacked, ``u0``) size, e.g. an all_to_all's
+``output_split_sizes = counts.tolist()``, has no hint; it is never guarded on (``int()`` of it
+would raise ``GuardOnDataDependentSymNode``) and is estimated instead, by this fallback, first
+rule that applies:
+
+1. a collective of kind all_to_all whose input or output has only known sizes is sized by that
+   side (rule ``"other side"``): over the group, the bytes sent equal the bytes received, so the
+   known side is what a rank moves under balanced routing;
+2. otherwise each data-dependent expression is evaluated by PyTorch's
+   ``torch.fx.experimental.symbolic_shapes.optimization_hint`` with ``fallback =
+   UNBACKED_SIZE_FALLBACK`` (rule ``"fallback"``): a user hint of the symbol if one was given,
+   else equalities the shape environment knows, else :data:`UNBACKED_SIZE_FALLBACK` for each
+   unbacked symbol, clamped to the symbol's value range (so ``torch._check(u0 <= cap)`` makes
+   the estimate at most ``cap``).
+
+Every estimate made so is marked: :class:`SizeEstimate` ``.estimated`` and ``.symbols``, which the
+scheduler copies into ``node.meta[META_SIZE_ESTIMATE]`` and the predicted timeline into
+``PredictedEvent.size_estimated``. A data-dependent estimate is a guess for planning only: the
+executed graph moves the real sizes.
 """
 
 from __future__ import annotations
@@ -25,19 +45,137 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, optimization_hint
 
 from fcoll.ops.facts import KINDS, busbw_factor
 from fcoll.passes.graph import (
-    arg_of, collective_bytes, collective_info, input_bytes, node_bytes, op_kind, per_op, size_hint,
+    arg_of, collective_bytes, input_bytes, node_bytes, op_kind, per_op, size_hint,
 )
 from fcoll.passes.memory import COLLECTIVE, WAIT, op_class
 
 __all__ = [
     "CommParams", "ComputeRates", "CostModel", "DEFAULT_COMPUTE", "KINDS", "default_comm",
     "assemble_model", "node_flops", "node_io_bytes", "is_free_op", "collective_bytes",
+    "UNBACKED_SIZE_FALLBACK", "META_SIZE_ESTIMATE", "SizeEstimate", "estimate_int",
+    "value_size", "collective_size",
 ]
 
 log = logging.getLogger(__name__)
+
+#: Value assumed for one data-dependent (unbacked) symbol that has neither a user hint nor a
+#: tighter value range, in the symbol's own unit (rows, for split sizes). 8192 is Inductor's
+#: default ``torch._inductor.config.unbacked_symint_fallback``, so fcoll's plans and
+#: Inductor's kernels assume the same sizes; it is passed explicitly (no global config is read).
+UNBACKED_SIZE_FALLBACK = 8192
+
+#: node.meta key on a collective whose size the scheduler estimated (data-dependent sizes): a
+#: dict ``{"bytes": int, "rule": "other side" | "fallback", "symbols": [str, ...]}``.
+META_SIZE_ESTIMATE = "fcoll_size_estimate"
+
+
+@dataclass(frozen=True)
+class SizeEstimate:
+    """Bytes of a value (or of a collective's message), and how they were obtained.
+
+    Attributes:
+        nbytes: bytes on this rank; an estimate when ``symbols`` is not empty.
+        symbols: names of the data-dependent (unbacked) symbols the size depends on, sorted;
+            empty when every size is known (static, or backed and evaluated with its hint).
+        rule: "exact" (no data-dependent size), "other side" or "fallback" (the module
+            docstring's rules 1 and 2).
+    """
+
+    nbytes: int
+    symbols: tuple[str, ...] = ()
+    rule: str = "exact"
+
+    @property
+    def estimated(self) -> bool:
+        """True when ``nbytes`` assumes data-dependent sizes (see the module docstring)."""
+        return bool(self.symbols)
+
+
+def estimate_int(x: Any, fallback: int = UNBACKED_SIZE_FALLBACK) -> int:
+    """An int for an int, a ``SymInt`` or a sympy expression, never guarding: backed symbols
+    use their hints, data-dependent ones the module docstring's rule 2 (``fallback`` per
+    unbacked symbol, clamped to its value range)."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        if not free_unbacked_symbols(x):
+            return size_hint(x)
+        return optimization_hint(x, fallback=fallback)
+    return size_hint(x)
+
+
+def _unbacked_names(x: Any) -> set[str]:
+    return {str(s) for s in free_unbacked_symbols(x)} if isinstance(x, torch.SymInt) else set()
+
+
+def value_size(val: Any, fallback: int = UNBACKED_SIZE_FALLBACK) -> SizeEstimate:
+    """Bytes of a (fake) tensor, or of every tensor in a list/tuple (0 for anything else).
+
+    Static shapes are exact; backed symbolic sizes use their hints; data-dependent sizes are
+    estimated by :func:`estimate_int` (rule "fallback") and named in ``symbols``.
+    """
+    if isinstance(val, torch.Tensor):
+        if not val._has_symbolic_sizes_strides:
+            return SizeEstimate(val.numel() * val.element_size())
+        names: set[str] = set()
+        numel = 1
+        for s in val.shape:
+            names |= _unbacked_names(s)
+            numel *= estimate_int(s, fallback)
+        syms = tuple(sorted(names))
+        return SizeEstimate(numel * val.element_size(), syms, "fallback" if syms else "exact")
+    if isinstance(val, (list, tuple)):
+        parts = [value_size(v, fallback) for v in val]
+        syms = tuple(sorted({s for p in parts for s in p.symbols}))
+        return SizeEstimate(sum(p.nbytes for p in parts), syms, "fallback" if syms else "exact")
+    return SizeEstimate(0)
+
+
+def _sum_sizes(parts: list[SizeEstimate]) -> SizeEstimate:
+    syms = tuple(sorted({s for p in parts for s in p.symbols}))
+    return SizeEstimate(sum(p.nbytes for p in parts), syms, "fallback" if syms else "exact")
+
+
+def _inputs_size(node: fx.Node, fallback: int) -> SizeEstimate:
+    """Bytes of the values of ``node``'s input nodes, each counted once (SymInt-valued nodes,
+    such as split sizes, count 0)."""
+    return _sum_sizes([value_size(i.meta.get("val"), fallback) for i in node.all_input_nodes])
+
+
+def collective_size(node: fx.Node, fallback: int = UNBACKED_SIZE_FALLBACK) -> SizeEstimate:
+    """Message size of collective ``node`` on this rank: the larger of its inputs' and its
+    output's bytes (:func:`fcoll.passes.graph.collective_bytes`), with data-dependent sizes
+    estimated by the module docstring's rules (an all_to_all with one known side: that side).
+
+    Shapes: all_to_all_single ``input [sum(input_split_sizes), *] -> output
+    [sum(output_split_sizes), *]``, either sum possibly data-dependent.
+    """
+    if not _has_symbolic(node):
+        return SizeEstimate(collective_bytes(node))
+    inp = _inputs_size(node, fallback)
+    out = value_size(node.meta.get("val"), fallback)
+    if not inp.estimated and not out.estimated:
+        return SizeEstimate(max(inp.nbytes, out.nbytes))
+    syms = tuple(sorted({*inp.symbols, *out.symbols}))
+    if op_kind(node.target) == "all_to_all" and inp.estimated != out.estimated:
+        known = out if inp.estimated else inp
+        return SizeEstimate(known.nbytes, syms, "other side")
+    return SizeEstimate(max(inp.nbytes, out.nbytes), syms, "fallback")
+
+
+def _has_symbolic(node: fx.Node) -> bool:
+    """Whether ``node``'s value or any input's value has a symbolic size (the slow path)."""
+    def symbolic(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return v._has_symbolic_sizes_strides
+        return isinstance(v, (list, tuple)) and any(symbolic(x) for x in v)
+
+    return symbolic(node.meta.get("val")) or \
+        any(symbolic(i.meta.get("val")) for i in node.all_input_nodes)
 
 
 @dataclass(frozen=True)
@@ -120,13 +258,19 @@ class CostModel:
         return self.compute_us(node)
 
     def collective_us(self, node: fx.Node) -> float:
-        return self.comm_params(node).time_us(collective_bytes(node))
+        """``alpha_us + beta_us_per_byte * bytes`` of collective ``node``, bytes from
+        :func:`collective_size` (data-dependent sizes estimated: module docstring)."""
+        size = collective_size(node)
+        if size.estimated:
+            log.debug("%s: data-dependent size (%s): costed as %d bytes (rule %r)", node.name,
+                      ", ".join(size.symbols), size.nbytes, size.rule)
+        return self.comm_params(node).time_us(size.nbytes)
 
     def comm_params(self, node: fx.Node) -> CommParams:
         """The alpha-beta parameters of collective ``node`` (its kind, group and group size)."""
         name, n = str(arg_of(node, "group_name")), arg_of(node, "group_size", None)
         if n is None:  # ops without a group_size argument: the registered group's size
-            n = collective_info(node).group_size
+            n = _registered_group_size(name)
         n = n or 2
         kind = op_kind(node.target)
         backend = self.group_backends.get(name, "default")
@@ -158,6 +302,18 @@ class CostModel:
         r = self.compute
         return r.op_overhead_us + max(node_flops(node) / r.flops_per_us,
                                       node_io_bytes(node) / r.bytes_per_us)
+
+
+def _registered_group_size(group_name: str) -> int | None:
+    """Ranks in the group registered as ``group_name``, None if none is (not initialised, an
+    unknown name). Read without :func:`~fcoll.passes.graph.collective_info`, which also
+    evaluates every size of the node."""
+    try:
+        from fcoll.ops.groups import group_size
+
+        return group_size(group_name)
+    except Exception:  # noqa: BLE001  not initialised, unknown name: the size is unknown
+        return None
 
 
 def _signature(x: Any) -> Any:
@@ -220,16 +376,20 @@ def node_flops(node: fx.Node) -> int:
     if formula is None:
         return 0
     try:
-        return size_hint(formula(*_vals(node.args), **_vals(node.kwargs),
-                                 out_val=node.meta.get("val")))
+        return estimate_int(formula(*_vals(node.args), **_vals(node.kwargs),
+                                    out_val=node.meta.get("val")))
     except Exception as e:  # noqa: BLE001  a formula that cannot handle these args: count 0
         log.debug("no FLOP count for %s (%s): %s", node.name, node.target, e)
         return 0
 
 
 def node_io_bytes(node: fx.Node) -> int:
-    """Bytes read (tensor inputs) plus written (output) by ``node``, sizes evaluated with hints."""
-    return node_bytes(node) + input_bytes(node)
+    """Bytes read (tensor inputs) plus written (output) by ``node``: backed sizes evaluated
+    with their hints, data-dependent ones by the module docstring's rule 2."""
+    if not _has_symbolic(node):
+        return node_bytes(node) + input_bytes(node)
+    return value_size(node.meta.get("val")).nbytes + \
+        _inputs_size(node, UNBACKED_SIZE_FALLBACK).nbytes
 
 
 def assemble_model(compute: ComputeRates | None, comm: Mapping[tuple[str, str, int], CommParams],

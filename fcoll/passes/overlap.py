@@ -14,6 +14,15 @@
   ``META_HIDING`` (names of the compute nodes predicted to run while it is in flight) and
   ``META_EXPOSED_US`` in ``node.meta``.
 
+Data-dependent sizes (an all_to_all whose splits come from ``tensor.tolist()``): the scheduler
+never guards on them; the cost model sizes such a collective by its documented fallback
+(:mod:`fcoll.passes.cost`: the known side of an all_to_all, else PyTorch's
+``optimization_hint`` with :data:`~fcoll.passes.cost.UNBACKED_SIZE_FALLBACK` per unbacked
+symbol), and ``reorder_for_overlap`` records that estimate in
+``node.meta[META_SIZE_ESTIMATE]`` (bytes, rule, symbols); :func:`predict` marks the
+collective's event ``size_estimated``. Only the plan depends on the guess: the relative order of
+collectives is fixed, so every rank issues the same sequence whatever sizes the data gives.
+
 All three keep the relative order of collectives (a different order on different ranks hangs),
 are deterministic (ties broken by original position), keep ``node.meta`` (nodes are moved with
 ``Node.append``, never copied) and are checked by ``FcollPass.ensures``. Sources: Inductor's
@@ -31,7 +40,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fcoll.passes.calibrate import cached_model, model_for
-from fcoll.passes.cost import CostModel
+from fcoll.passes.cost import META_SIZE_ESTIMATE, CostModel, collective_size
 from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, is_collective, is_wait,
 )
@@ -155,6 +164,12 @@ class ReorderForOverlap(FcollPass):
             for node, ev in plan.timeline.by_node.items():
                 node.meta[META_ESTIMATED_US] = \
                     ev.end_us - ev.start_us if ev.kind != "wait" else 0.0
+            for node, size in plan.size_estimates.items():
+                node.meta[META_SIZE_ESTIMATE] = {"bytes": size.nbytes, "rule": size.rule,
+                                                 "symbols": list(size.symbols)}
+                log.debug("reorder_for_overlap: %s has data-dependent sizes (%s): planned "
+                          "as %d bytes (rule %r, fcoll.passes.cost)", node.name,
+                          ", ".join(size.symbols), size.nbytes, size.rule)
             for node, rec in plan.records.items():
                 node.meta[META_ESTIMATED_US] = rec.estimated_us
                 node.meta[META_HIDING] = list(rec.hiding)
@@ -177,6 +192,9 @@ def predict(gm: fx.GraphModule, estimator=None) -> list[PredictedEvent]:
     Model: compute serial on one lane; each collective on its group's lane from its issue,
     serially per group; a wait blocks compute until its collective ends (exposed = blocked time).
 
+    A collective whose size is data-dependent (``META_SIZE_ESTIMATE`` set by the scheduler, or
+    unbacked sizes in its ``meta["val"]``) has its event marked ``size_estimated``.
+
     Args:
         gm: any graph with fcoll (or ``_c10d_functional``) collectives.
         estimator: ``node -> float`` in microseconds, or ``node -> None`` to fall back. Default:
@@ -184,6 +202,8 @@ def predict(gm: fx.GraphModule, estimator=None) -> list[PredictedEvent]:
             calibration already cached in this process (defaults otherwise). Never communicates.
     """
     model: CostModel = cached_model(gm)
+    estimated_sizes = {n for n in gm.graph.nodes if op_class(n) == COLLECTIVE and
+                       (META_SIZE_ESTIMATE in n.meta or collective_size(n).estimated)}
 
     def estimate(node: fx.Node) -> float:
         if estimator is not None:
@@ -193,4 +213,5 @@ def predict(gm: fx.GraphModule, estimator=None) -> list[PredictedEvent]:
         v = node.meta.get(META_ESTIMATED_US)
         return float(v) if v is not None else model(node)
 
-    return list(simulate(list(gm.graph.nodes), estimate).events)
+    return list(simulate(list(gm.graph.nodes), estimate,
+                         size_estimated=estimated_sizes).events)

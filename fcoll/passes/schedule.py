@@ -17,6 +17,12 @@ that every order it makes keeps these constraints by construction; a reorder dif
 priority: a static key (:class:`KeyScheduler`: ``sink_waits``, ``raise_collectives``) or the
 cost-model rule of :class:`OverlapScheduler` (``reorder_for_overlap``). Predictions come from
 the simulator of :mod:`fcoll.passes.timeline`.
+
+Data-dependent (unbacked) sizes are never compared or converted with ``int()`` here: a
+collective's bytes come from :func:`fcoll.passes.cost.collective_size`, which estimates them by
+the cost model's documented fallback; the estimate guides the plan (its time, the in-flight
+cap) and is reported in :attr:`Plan.size_estimates`, never needed for correctness, since the
+constraints above do not depend on sizes.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from fcoll.passes.cost import collective_bytes
+from fcoll.passes.cost import SizeEstimate, collective_size
 from fcoll.passes.graph import arg_of
 from fcoll.passes.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
     _written_inputs, mutation_deps, peak_bytes, per_op, storage_model
@@ -251,6 +257,8 @@ class Plan:
     baseline_peak_bytes: int = 0
     peak_bytes: int = 0
     makespan_us: float = 0.0
+    #: collectives whose bytes are data-dependent: the cost model's estimate of them
+    size_estimates: dict[fx.Node, SizeEstimate] = field(default_factory=dict)
 
 
 @dataclass
@@ -265,13 +273,14 @@ class _Facts:
     colls: list[fx.Node]            # collectives in (fixed) order
     start: dict[fx.Node, fx.Node]   # wait -> its collective (Storage.start)
     nbytes: dict[fx.Node, int]      # collective -> max(in, out) bytes on this rank
+    sizes: dict[fx.Node, SizeEstimate]   # collectives whose bytes are data-dependent estimates
     group: dict[fx.Node, str]       # collective -> group name (its lane)
     n_succ: dict[fx.Node, int]      # movable successors (the output is always last)
 
 
 def _facts(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float]) -> _Facts:
     movable = [n for n in deps.order if n.op not in _FIXED]
-    est, dep, nbytes, group = {}, {}, {}, {}
+    est, dep, nbytes, group, sizes = {}, {}, {}, {}, {}
     colls: list[fx.Node] = []
     index: dict[fx.Node, int] = {}
     preds, kind, start = deps.preds, storage.cls, storage.start
@@ -284,7 +293,10 @@ def _facts(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float]) -
         if k == COLLECTIVE:
             index[n] = len(colls)
             colls.append(n)
-            nbytes[n], group[n] = collective_bytes(n), str(arg_of(n, "group_name"))
+            size = collective_size(n)   # data-dependent sizes: cost.py's fallback, marked
+            if size.estimated:
+                sizes[n] = size
+            nbytes[n], group[n] = size.nbytes, str(arg_of(n, "group_name"))
             est[n] = max(0.0, float(estimate(n)))
         elif k == WAIT:
             c = start.get(n)
@@ -300,7 +312,7 @@ def _facts(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float]) -
     for p in {p for out in outputs for p in preds[out]}:
         if p in n_succ:
             n_succ[p] -= 1
-    return _Facts(deps, movable, kind, est, dep, colls, start, nbytes, group, n_succ)
+    return _Facts(deps, movable, kind, est, dep, colls, start, nbytes, sizes, group, n_succ)
 
 
 class OverlapScheduler(ListScheduler):
@@ -474,6 +486,6 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
         log.debug("reorder_for_overlap: no plan within the memory budget; keeping the order")
         order, peak = deps.order, baseline
     tl = simulate(order, facts.est.__getitem__, storage.cls, starts=storage.start,
-                  groups=facts.group)
+                  groups=facts.group, size_estimated=facts.sizes)
     return Plan(order=order, records=records(tl), timeline=tl, baseline_peak_bytes=baseline,
-                peak_bytes=peak, makespan_us=tl.now_us)
+                peak_bytes=peak, makespan_us=tl.now_us, size_estimates=facts.sizes)

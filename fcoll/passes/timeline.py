@@ -4,13 +4,17 @@ Model (the contract of ``predict``): compute runs serially on one lane; each col
 its group's lane from its issue, serially per group; a wait blocks compute until its collective
 ends; exposed time = the blocked time. Times are estimates in microseconds from the graph's
 start; the estimator is the caller's (the cost model, or a test's).
+
+A collective whose size is data-dependent (unbacked split sizes, e.g. MoE routing) is costed
+with the cost model's documented fallback (:mod:`fcoll.passes.cost`); its event and record
+carry ``size_estimated = True`` so that a report can say the prediction assumed a size.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch.fx as fx
 
@@ -31,6 +35,8 @@ class PredictedEvent:
         start_us / end_us: when it starts and ends (a collective: on its group's lane; a wait:
             when compute reaches it and when it unblocks).
         exposed_us: a wait: time compute is blocked on it; a collective: the sum over its waits.
+        size_estimated: a collective whose bytes are data-dependent, so its duration assumes
+            the cost model's fallback size (:mod:`fcoll.passes.cost`); False otherwise.
     """
 
     node: str
@@ -39,6 +45,7 @@ class PredictedEvent:
     start_us: float
     end_us: float
     exposed_us: float = 0.0
+    size_estimated: bool = False
 
     @property
     def dur_us(self) -> float:
@@ -52,8 +59,10 @@ class Timeline:
     def __init__(self, estimate: Callable[[fx.Node], float],
                  classes: dict[fx.Node, OpClass] | None = None, *,
                  starts: dict[fx.Node, fx.Node] | None = None,
-                 groups: dict[fx.Node, str] | None = None) -> None:
+                 groups: dict[fx.Node, str] | None = None,
+                 size_estimated: Collection[fx.Node] = ()) -> None:
         self.estimate = estimate
+        self.size_estimated = size_estimated
         self.classes = classes if classes is not None else {}
         self.now_us = 0.0
         self.lane_free: dict[str, float] = {}
@@ -86,7 +95,8 @@ class Timeline:
                 lane = str(arg_of(node, "group_name"))
             start = max(self.now_us, self.lane_free.get(lane, 0.0))
             ev = PredictedEvent(node.name, "collective", lane, start,
-                                start + max(0.0, self.estimate(node)))
+                                start + max(0.0, self.estimate(node)),
+                                size_estimated=node in self.size_estimated)
             self.lane_free[lane] = ev.end_us
             self.issued[node] = ev
         elif cls == WAIT:
@@ -109,14 +119,18 @@ class Timeline:
 def simulate(nodes: Sequence[fx.Node], estimate: Callable[[fx.Node], float],
              classes: dict[fx.Node, OpClass] | None = None, *,
              starts: dict[fx.Node, fx.Node] | None = None,
-             groups: dict[fx.Node, str] | None = None) -> Timeline:
+             groups: dict[fx.Node, str] | None = None,
+             size_estimated: Collection[fx.Node] = ()) -> Timeline:
     """Run ``nodes`` in order through a fresh :class:`Timeline`.
 
     Known facts of the nodes, each optional (asked of the node when missing): ``classes``,
     their :func:`~fcoll.passes.memory.op_class` (e.g. ``Storage.cls``); ``starts``, wait ->
-    its collective (``Storage.start``); ``groups``, collective -> its group name.
+    its collective (``Storage.start``); ``groups``, collective -> its group name;
+    ``size_estimated``, the collectives whose data-dependent sizes the estimate assumed (their
+    events are marked ``size_estimated``).
     """
-    tl = Timeline(estimate, classes, starts=starts, groups=groups)
+    tl = Timeline(estimate, classes, starts=starts, groups=groups,
+                  size_estimated=size_estimated)
     for n in nodes:
         tl.run(n)
     return tl
@@ -125,11 +139,20 @@ def simulate(nodes: Sequence[fx.Node], estimate: Callable[[fx.Node], float],
 
 @dataclass
 class CollectiveRecord:
-    """What the scheduler predicts for one collective (times in microseconds)."""
+    """What the scheduler predicts for one collective (times in microseconds).
+
+    Attributes:
+        estimated_us: its predicted duration.
+        exposed_us: the part of it compute waits for.
+        hiding: names of the compute nodes predicted to run while it is in flight.
+        size_estimated: its bytes are data-dependent and were estimated (the cost model's
+            fallback), so ``estimated_us`` assumes a size.
+    """
 
     estimated_us: float
     exposed_us: float
     hiding: list[str]
+    size_estimated: bool = False
 
 
 def records(tl: Timeline) -> dict[fx.Node, CollectiveRecord]:
@@ -149,5 +172,6 @@ def records(tl: Timeline) -> dict[fx.Node, CollectiveRecord]:
             if min(c.end_us, ev.end_us) - max(c.start_us, ev.start_us) > 0:
                 hiding.append(c.node)
             i += 1
-        out[node] = CollectiveRecord(ev.end_us - ev.start_us, ev.exposed_us, hiding)
+        out[node] = CollectiveRecord(ev.end_us - ev.start_us, ev.exposed_us, hiding,
+                                     ev.size_estimated)
     return out
