@@ -197,3 +197,49 @@ def run_eagerly_under_dynamo(cls: type, *, keep: tuple[str, ...] = ("size", "ran
         setattr(cls, name, torch._dynamo.disable(value, reason=f"fcoll: {cls.__name__}.{name} "
                                                  "is a collective's eager entry point"))
     return cls
+
+
+def optimization_hint(x: Any, fallback: int) -> int:
+    """An int estimate of ``x`` (an int or ``SymInt``, possibly data-dependent) that never guards.
+
+    torch 2.13's ``torch.fx.experimental.symbolic_shapes.optimization_hint``: the shape env's
+    hint, else each unbacked symbol replaced by ``fallback`` clamped to its value range. torch
+    2.11 lacks it; there the same rule is applied here (``ShapeEnv.size_hint(allow_none=True)``,
+    then the clamped substitution, as Inductor's ``unbacked_symint_fallback`` does).
+    """
+    from torch.fx.experimental import symbolic_shapes
+
+    if not isinstance(x, torch.SymInt):
+        return int(x)
+    native = getattr(symbolic_shapes, "optimization_hint", None)
+    if native is not None:
+        return int(native(x, fallback=fallback))
+    node = x.node
+    if node.hint is not None:
+        return int(node.hint)
+    env, expr = node.shape_env, node.expr
+    hint = env.size_hint(expr, allow_none=True)
+    if hint is not None:
+        return int(hint)
+    backed = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
+    expr = expr.xreplace(backed)   # backed symbols: their hints
+    subs = {}
+    for sym in expr.free_symbols:
+        value = fallback
+        vr = env.var_to_range.get(sym)
+        if vr is not None:
+            lower, upper = _finite_int(vr.lower), _finite_int(vr.upper)
+            if lower is not None:
+                value = max(value, lower)
+            if upper is not None:
+                value = min(value, upper)
+        subs[sym] = value
+    return int(expr.xreplace(subs))
+
+
+def _finite_int(bound: Any) -> int | None:
+    """A value-range bound as an int, None when infinite (sympy's ``oo`` or torch's ``int_oo``)."""
+    try:
+        return int(bound)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None

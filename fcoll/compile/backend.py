@@ -151,8 +151,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
     # AOTAutograd calls its compilers inside its FakeTensorMode. Passes read fake values from
     # node.meta and enter their mode themselves; the cost model's calibration times real
     # collectives, which must not be faked.
+    names = config.pipeline
+    if name.endswith("_compiled_autograd") and config.passes is None:
+        # compiled autograd's backward: DDP's reducer hooks copy each reduced gradient back at
+        # once; sinking those copies lets bucketing merge the gradients (fcoll.passes.output_chains)
+        names = ("sink_output_waits",) + tuple(names)
     with unset_fake_temporarily():
-        gm = run_pipeline(gm, config)
+        gm = run_pipeline(gm, config, names)
     gm.meta[META_PIPELINE_SECONDS] = time.perf_counter() - t0
     log.debug("%s: pipeline %s in %.1f ms", name, [r["pass"] for r in gm.meta.get(
         "fcoll_passes", [])], gm.meta[META_PIPELINE_SECONDS] * 1e3)

@@ -8,6 +8,7 @@ pass                       what it does
 =========================  ===================================================================
 lower_c10d_functional      ``torch.ops._c10d_functional.*`` -> ``torch.ops.fcoll.*``
 bucket_collectives         merge same-key collectives into buckets of <= ``bucket_cap_mb``
+sink_output_waits          waits that only feed the output, with their chains, to the end
 sink_waits                 each wait just before the first use of its result
 raise_collectives          each collective just after its last input is ready
 reorder_for_overlap        cost-model list scheduling under memory / in-flight budgets
@@ -21,6 +22,7 @@ from fcoll.passes.consistency import (
     CheckRankConsistency, RankMismatchError, RankTimeoutError, fingerprint,
 )
 from fcoll.passes.lower import LowerC10dFunctional
+from fcoll.passes.output_chains import SinkOutputWaits
 from fcoll.passes.overlap import (
     PredictedEvent, RaiseCollectives, ReorderForOverlap, SinkWaits, predict,
 )
@@ -31,6 +33,6 @@ from fcoll.passes.registry import (
 __all__ = [
     "Bucket", "plan_buckets", "apply_buckets", "BucketCollectives", "CheckRankConsistency",
     "RankMismatchError", "RankTimeoutError", "fingerprint", "LowerC10dFunctional",
-    "PredictedEvent", "RaiseCollectives", "ReorderForOverlap", "SinkWaits", "predict",
-    "FcollPass", "PassFailed", "get_pass", "register_pass", "registered_passes", "run_pipeline",
+    "PredictedEvent", "RaiseCollectives", "ReorderForOverlap", "SinkWaits", "SinkOutputWaits",
+    "predict", "FcollPass", "PassFailed", "get_pass", "register_pass", "registered_passes", "run_pipeline",
 ]

@@ -45,8 +45,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, optimization_hint
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from fcoll.compat import optimization_hint
 from fcoll.ops.facts import KINDS, busbw_factor
 from fcoll.passes.graph import (
     arg_of, collective_bytes, input_bytes, node_bytes, op_kind, per_op, size_hint,

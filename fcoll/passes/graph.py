@@ -154,15 +154,30 @@ def args_by_name(node: fx.Node) -> dict[str, Any]:
     return out
 
 
+#: Value assumed for a data-dependent (unbacked) symbol without a hint: Inductor's default
+#: ``unbacked_symint_fallback``, as ``fcoll.passes.cost.UNBACKED_SIZE_FALLBACK``.
+UNBACKED_SIZE_FALLBACK = 8192
+
+
 def size_hint(x: Any) -> int:
-    """An int for an int, a ``SymInt`` or a sympy expression, using the shape env's hints."""
+    """An int for an int, a ``SymInt`` or a sympy expression, using the shape env's hints.
+
+    Never guards. A data-dependent (unbacked) ``SymInt`` has no hint: it is estimated by
+    PyTorch's ``optimization_hint`` (a user hint, equalities the shape env knows, else
+    :data:`UNBACKED_SIZE_FALLBACK` per unbacked symbol, clamped to its value range): the rule
+    of :mod:`fcoll.passes.cost`, which also says whether a size was estimated.
+    """
     if isinstance(x, int):
         return x
     if isinstance(x, torch.SymInt):
         node = x.node
         hint = node.hint if node.hint is not None else None
         if hint is None:
-            hint = node.shape_env.size_hint(node.expr)
+            hint = node.shape_env.size_hint(node.expr, allow_none=True)
+        if hint is None:
+            from fcoll.compat import optimization_hint
+
+            hint = optimization_hint(x, fallback=UNBACKED_SIZE_FALLBACK)
         return int(hint)
     try:
         import sympy
