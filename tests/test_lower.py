@@ -181,6 +181,29 @@ def test_group_name_given_as_process_group_is_normalised_to_str():
     assert isinstance(ar.args[2], str)
 
 
+def test_fcoll_op_given_a_process_group_gets_its_name_and_str_names_are_untouched():
+    """fcoll.all_reduce(x, "sum", WORLD) -> fcoll.all_reduce(x, "sum", "0"); a graph whose
+    group names are already str is not modified (the pass reports no change)."""
+    world = dist.group.WORLD
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    ar = graph.call_function(_F.all_reduce.default, (x, "sum", "0"))
+    ag = graph.call_function(_F.all_gather_into_tensor.default, (x, 2),
+                             {"group_name": "0"})
+    outs = [graph.call_function(_F.wait_tensor.default, (n,)) for n in (ar, ag)]
+    graph.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert not _lower(gm).modified
+    ar.args = (x, "sum", world)  # not printable as code: set after codegen
+    ag.kwargs = {"group_name": world}
+    result = _lower(gm)
+    assert result.modified
+    assert ar.target is _F.all_reduce.default and ar.args == (x, "sum", world.group_name)
+    assert ag.kwargs == {"group_name": world.group_name}
+    assert all(isinstance(n.args[2] if n is ar else n.kwargs["group_name"], str)
+               for n in (ar, ag))
+
+
 @pytest.mark.skipif(not hasattr(_C, "isend"),
                     reason="torch.ops._c10d_functional.isend is missing (added after torch 2.11)")
 def test_wait_on_point_to_point_op_stays_in_torch_namespace():

@@ -15,6 +15,8 @@ source                                      replacement
 twin (functional, ``_``, ``_out``,          normalised to ``str`` (the source schemas say
 coalesced, ``wait_tensor``)                 ``Any group_name``)
 ``_c10d_functional_autograd.<op>``          the fcoll op (fcoll ops carry their own autograd)
+``fcoll.<op>`` given a ``ProcessGroup``     the same node, ``group_name`` normalised to the
+(their ``group_name`` is ``Any`` too)       group's name (only then is the node changed)
 ``_c10d_functional.all_reduce_coalesced_``  one ``fcoll.all_reduce_`` per tensor (fcoll's
                                             coalesced in-place op returns ``()``, and waits
                                             must stay linked to their collective; the
@@ -138,6 +140,28 @@ def _swap(source: torch._ops.OpOverload, target: torch._ops.OpOverload) -> Rewri
                 if value != args[i]:
                     args = (*args[:i], value, *args[i + 1:])
         _retarget(node, target, args, kwargs)
+        return True
+    return rewrite
+
+
+def _normalise(op: torch._ops.OpOverload) -> Rewrite:
+    """fcoll's own op: leave the target, turn a ``group_name`` given as a group object (its
+    schema says ``Any``, as torch 2.13's) into the group's name, so later passes (bucket keys,
+    the rank-consistency fingerprint, the cost model's per-group calibration) compare names.
+    Returns False when the argument already is a ``str`` (the node is not touched)."""
+    names = [a.name for a in op._schema.arguments]
+    i = names.index("group_name")
+
+    def rewrite(node: fx.Node) -> bool:
+        if "group_name" in node.kwargs:
+            value = node.kwargs["group_name"]
+            if isinstance(value, str):
+                return False
+            node.kwargs = {**node.kwargs, "group_name": lower_group_name(value)}
+            return True
+        if i >= len(node.args) or isinstance(node.args[i], str):
+            return False
+        node.args = (*node.args[:i], lower_group_name(node.args[i]), *node.args[i + 1:])
         return True
     return rewrite
 
@@ -390,6 +414,11 @@ def _build_rules() -> dict[Any, Rewrite]:
     for w in _WAITS:
         if w is not _F.wait_tensor.default:
             rules[w] = _wait
+    for name in OPS:
+        own = _op("fcoll", name)
+        if own is not None and own not in rules and "group_name" in [
+                a.name for a in own._schema.arguments]:
+            rules[own] = _normalise(own)
     rules[torch.ops.higher_order.auto_functionalized] = _auto_functionalized
     rules[torch.ops.higher_order.auto_functionalized_v2] = _auto_functionalized
     return rules

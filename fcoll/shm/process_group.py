@@ -32,6 +32,7 @@ from fcoll.shm.cuda import CudaGroup, CudaStaging, IpcBuffers, device_error, hea
 from fcoll.shm.engine import Engine, FcollWork, Job
 from fcoll.shm.fast_paths import FastPaths, plain
 from fcoll.shm.headers import NO_ROOT, Header, dtype_name
+from fcoll.shm.p2p import P2P
 from fcoll.shm.phases import Call
 from fcoll.shm.segment import default_slot_bytes, open_segment
 from fcoll.shm.sync import Channel
@@ -673,6 +674,29 @@ class FcollProcessGroup(dist.ProcessGroup):
         jobs, self._coalescing = self._coalescing or [], None
         self._engine.kick()
         return FcollWork(self._engine, jobs, "coalesced")
+
+    # ---- point-to-point (fcoll.shm.p2p: one inbox per rank, made at its first send/recv) ---
+    def send(self, tensors, dstRank, tag=0) -> dist.Work:  # noqa: N803  (c10d's names)
+        """Send ``tensors[0]`` to group rank ``dstRank``; the Work completes once the bytes are
+        in shared memory and the receiver accepted them (a mismatch raises ValueError on
+        both ranks). ``dist.isend`` returns this Work; ``dist.send`` waits on it."""
+        return self._p2p().issue("send", tensors, dstRank, tag)
+
+    def recv(self, tensors, srcRank, tag=0) -> dist.Work:  # noqa: N803
+        """Receive into ``tensors[0]`` the next message of ``srcRank`` with ``tag``."""
+        return self._p2p().issue("recv", tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors, tag=0) -> dist.Work:
+        """Receive the next message with ``tag`` from any rank; ``Work._source_rank()`` says
+        which (``dist.recv(t)`` with no ``src`` returns it)."""
+        return self._p2p().issue("recv", tensors, None, tag)
+
+    def _p2p(self) -> P2P:
+        p2p = getattr(self, "_p2p_state", None)
+        if p2p is None:
+            p2p = self._p2p_state = P2P(self._engine.seg, self._rank, self._size,
+                                        self._timeout_s, self._engine.ch.describe, owner=self)
+        return p2p
 
     # ---- rooted gather / scatter (via all_gather / broadcast) ------------------------------
     def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
