@@ -178,6 +178,15 @@ def let_dynamo_trace_reduce_ops() -> None:
         dynamo_utils.common_constant_types.update((dist.ReduceOp.RedOpType, dist.ReduceOp))
 
 
+#: Underscore methods that c10d's Python wrappers call on a process group (the others of fcoll's
+#: classes are internal helpers and are not wrapped: each wrapper costs ~0.4 us per call).
+C10D_PRIVATE_ENTRY_POINTS = frozenset({
+    "_start_coalescing", "_end_coalescing", "_allgather_base", "_reduce_scatter_base",
+    "_set_sequence_number_for_group", "_get_sequence_number_for_group", "_get_backend_name",
+    "_set_group_name", "_set_group_desc", "_get_backend", "_register_backend",
+})
+
+
 def run_eagerly_under_dynamo(cls: type, *, keep: tuple[str, ...] = ("size", "rank")) -> type:
     """Class decorator: every method ``cls`` defines runs eagerly when compiled code calls it.
 
@@ -189,11 +198,14 @@ def run_eagerly_under_dynamo(cls: type, *, keep: tuple[str, ...] = ("size", "ran
     (``torch.distributed.device_mesh``'s ``register_opaque_type``). Wrapping each method in
     ``torch._dynamo.disable`` makes a call graph-break and run eagerly, as a call to gloo's C++
     methods does. ``keep`` names the methods left alone (read at trace time for real; wrapping
-    them would only add ~0.4 us to every eager call). Dunder methods are left alone.
+    them would only add ~0.4 us to every eager call). Dunder methods, and underscore methods
+    other than :data:`C10D_PRIVATE_ENTRY_POINTS`, are left alone.
     """
     for name, value in list(vars(cls).items()):
         if name.startswith("__") or name in keep or not inspect.isfunction(value):
             continue
+        if name.startswith("_") and name not in C10D_PRIVATE_ENTRY_POINTS:
+            continue   # an internal helper: only ever called from an already-disabled method
         setattr(cls, name, torch._dynamo.disable(value, reason=f"fcoll: {cls.__name__}.{name} "
                                                  "is a collective's eager entry point"))
     return cls
