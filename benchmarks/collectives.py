@@ -21,9 +21,18 @@ The JSON holds, per op and size in bytes: ``fcoll_us``, ``gloo_us``, ``fcoll_bus
 average before and after the run; on a shared machine ratios are only comparable at similar
 load). ``--repeat K`` runs K times the repetitions per size, for steadier medians on a noisy
 machine; ``--ops`` and ``--sizes`` (bytes, or with a K / M suffix: ``4K 128M``) restrict the
-run for quick iterations, and ``--quick`` runs fewer sizes (and, on CUDA, repetitions);
-``--background-load N`` keeps N busy processes running during the measurement (each bounded in
-time and ended by the benchmark), to measure an oversubscribed machine.
+run for quick iterations, and ``--quick`` runs fewer sizes (and, on CUDA, repetitions).
+
+``--background-load N [N ...]`` measures an oversubscribed machine: during the measurement N
+busy processes run (:class:`BackgroundLoad`: each bounded in time, ending by itself if the
+benchmark dies, and ended by the benchmark on return, exception, Ctrl-C or SIGTERM). With
+several values (``--background-load 0 2``: quiet, then with 2 busy processes) the benchmark
+runs once per value and ends with a comparison table of fcoll/gloo ratios per load and the
+issue's targets for loaded runs (fcoll at least 10x gloo at 4-64 KiB, never slower than gloo),
+printed as PASS/FAIL lines (also after a single loaded run); every table states the 1-minute
+load average while it ran (``op_loadavg`` in the JSON). With several values the JSON has
+``runs`` (one body as above per value); its top-level ``results``, ``loadavg`` and
+``background_load`` are the first run's, and ``loaded_targets`` lists the PASS/FAIL lines.
 """
 
 from __future__ import annotations
@@ -31,9 +40,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -61,30 +72,56 @@ class BackgroundLoad:
     """``n`` busy processes (pure-Python spin loops, one core each) for the duration of a
     ``with`` block: the oversubscribed machine of a CPU training job with data-loader workers.
 
-    Each process also ends by itself after ``max_s`` seconds, so a benchmark killed mid-run leaves
-    nothing spinning; leaving the block terminates them at once.
+    Bounded three ways: leaving the block (return, exception, Ctrl-C; :func:`main` turns SIGTERM
+    into an exception) terminates them and waits for them; each one checks every ~0.1 s that
+    its parent is still this process and exits otherwise (the benchmark was killed); and each
+    one exits by itself after ``max_s`` seconds. They run in their own session, so a Ctrl-C
+    reaches only the benchmark, which then ends them.
     """
 
-    def __init__(self, n: int, max_s: float = 1800.0) -> None:
-        self.n, self.max_s, self.procs = n, max_s, []
+    CODE = ("import os, signal, time\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "parent, end = %d, time.monotonic() + %r\n"
+            "x = 0\n"
+            "while time.monotonic() < end and os.getppid() == parent:\n"
+            "    for _ in range(100000): x += 1\n")
+
+    def __init__(self, n: int, max_s: float = 1800.0, settle_s: float = 2.0) -> None:
+        self.n, self.max_s, self.settle_s, self.procs = n, max_s, settle_s, []
 
     def __enter__(self) -> "BackgroundLoad":
-        code = ("import time\nend = time.monotonic() + %r\nx = 0\n"
-                "while time.monotonic() < end:\n    for _ in range(10000): x += 1\n" % self.max_s)
-        self.procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(self.n)]
-        if self.n:
-            time.sleep(2.0)  # let the 1-minute load average start to show them
+        code = self.CODE % (os.getpid(), self.max_s)
+        try:
+            for _ in range(self.n):
+                self.procs.append(subprocess.Popen([sys.executable, "-c", code],
+                                                   start_new_session=True))
+            if self.n:
+                time.sleep(self.settle_s)  # let the 1-minute load average start to show them
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         for p in self.procs:
-            p.terminate()
+            if p.poll() is None:
+                p.terminate()
         for p in self.procs:
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.procs = []
+
+
+def _sigterm_raises() -> None:
+    """Make SIGTERM raise SystemExit in the main thread, so ``with`` blocks (the background
+    load) clean up as they do on Ctrl-C."""
+    def raise_exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, raise_exit)
 
 
 def _make_call(op: str, size: int, n: int, group):
@@ -136,6 +173,7 @@ def _bench(rank: int, world: int, ops: list[str], sizes: list[int], repeat: int 
     barrier = dist.barrier  # fcoll's barrier: microseconds, so it does not blur small sizes
     res = {}
     for op in ops:
+        load0 = os.getloadavg()[0]
         for size in sizes:
             k, reps = _iters(size)
             reps *= repeat
@@ -150,6 +188,7 @@ def _bench(rank: int, world: int, ops: list[str], sizes: list[int], repeat: int 
                     times[name].append(_timed(calls[name], k, barrier))
             res[(op, size)] = {name: statistics.median(v) for name, v in times.items()}
             del calls
+        res[("loadavg", op)] = (load0, os.getloadavg()[0])
     return res
 
 
@@ -184,12 +223,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cuda: which of fcoll-ipc, fcoll-staged, gloo to run")
     p.add_argument("--repeat", type=int, default=1,
                    help="multiply the repetitions per size by this (steadier medians)")
-    p.add_argument("--background-load", type=int, default=0, metavar="N",
-                   help="run N busy processes during the measurement (an oversubscribed machine)")
+    p.add_argument("--background-load", type=int, nargs="+", default=[0], metavar="N",
+                   help="run N busy processes during the measurement (an oversubscribed "
+                        "machine); several values: one run each, then a comparison")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
-    if args.background_load < 0:
+    if min(args.background_load) < 0:
         p.error("--background-load must be at least 0")
     if args.nproc < 1:
         p.error("--nproc must be at least 1")
@@ -202,9 +242,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _report_cpu(args, per_rank) -> dict:
-    n, out = args.nproc, {"results": {}}
+    n, out = args.nproc, {"results": {}, "op_loadavg": {}}
     for op in args.ops:
-        print(f"\n# {op}  (busbw factor {bus_factor(op, n):.3g})")
+        la = per_rank[0].get(("loadavg", op))
+        load = f"; 1-min load {la[0]:.2f} -> {la[1]:.2f}" if la else ""
+        out["op_loadavg"][op] = la
+        print(f"\n# {op}  (busbw factor {bus_factor(op, n):.3g}{load})")
         print(f"{'size':>9} | {'fcoll us':>10} {'algbw':>7} {'busbw':>7} | "
               f"{'gloo us':>10} {'algbw':>7} {'busbw':>7} | {'speedup':>7}")
         for size in args.sizes:
@@ -223,34 +266,97 @@ def _report_cpu(args, per_rank) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+LOADED_MIN_SPEEDUP = 10.0  # issue 17: loaded, fcoll >= 10x gloo for every op at 4-64 KiB
+LOADED_SMALL = (4 * KiB, 64 * KiB)
+
+
+def loaded_targets(runs: list[dict]) -> list[tuple[str, str, bool]]:
+    """Issue 17's targets on every run with background load: ``(name, measured, passed)``.
+
+    Every op at 4 KiB to 64 KiB: fcoll at least 10x gloo (gloo time / fcoll time); every
+    size: fcoll never slower than gloo. CUDA runs (no ``speedup`` key) have no targets here.
+    """
+    rows = []
+    for run in runs:
+        if not run["background_load"]:
+            continue
+        for op, by_size in run["results"].items():
+            for size, row in by_size.items():
+                if "speedup" not in row:
+                    continue
+                lo, hi = LOADED_SMALL
+                need = LOADED_MIN_SPEEDUP if lo <= int(size) <= hi else 1.0
+                name = (f"load {run['background_load']}: {op} {fmt_size(int(size))}: "
+                        f"fcoll >= {need:g}x gloo")
+                rows.append((name, f"{row['speedup']:.1f}x", row["speedup"] >= need))
+    return rows
+
+
+def print_comparison(runs: list[dict]) -> None:
+    """One line per op and size: fcoll and gloo medians and their ratio, for every load."""
+    labels = [f"{r['background_load']} busy (load {r['loadavg']['after']:.1f})" for r in runs]
+    heads = " | ".join(f"{label:^31}" for label in labels)
+    print("\n# comparison: median us per call, fcoll / gloo (ratio = gloo / fcoll), "
+          "slowest rank")
+    print(f"{'op':>22} {'size':>8} | {heads}")
+    for op, by_size in runs[0]["results"].items():
+        for size in by_size:
+            cells = []
+            for r in runs:
+                row = r["results"].get(op, {}).get(size)
+                cells.append(f"{row['fcoll_us']:>9.1f} {row['gloo_us']:>10.1f} "
+                             f"{row['speedup']:>8.1f}x" if row and "speedup" in row
+                             else f"{'-':>31}")
+            print(f"{op:>22} {fmt_size(int(size)):>8} | " + " | ".join(cells))
+
+
+def _run_once(args, load: int) -> dict:
+    """Measure once with ``load`` busy processes; print the tables; return the JSON body."""
     import collectives_cuda as cc
 
+    n, cuda = args.nproc, args.device == "cuda"
+    timeout_s = 1200
+    load_before = os.getloadavg()[0]
+    with BackgroundLoad(load, max_s=timeout_s + 120):
+        if cuda:
+            per_rank = cc.run(n, args.ops, args.sizes, args.reps, args.configs)
+        else:
+            per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat),
+                                 timeout_s=timeout_s)
+        load_after = os.getloadavg()[0]
+    out: dict = {"background_load": load,
+                 "loadavg": {"before": load_before, "after": load_after}}
+    print(f"\n# {'CUDA tensors: fcoll ipc / staged' if cuda else 'fcoll shm'} vs gloo, {n} ranks, "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{load} background busy processes, "
+          f"1-min load {load_before:.2f} before, {load_after:.2f} after")
+    out.update(cc.report(per_rank, args.ops, args.sizes, n) if cuda else
+               _report_cpu(args, per_rank))
+    return out
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print(f"--device cuda: torch.cuda.is_available() is False (torch {torch.__version__})",
               file=sys.stderr)
         return 2
-    n = args.nproc
-    load_before = os.getloadavg()[0]
-    with BackgroundLoad(args.background_load):
-        if cuda:
-            per_rank = cc.run(n, args.ops, args.sizes, args.reps, args.configs)
-        else:
-            per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat),
-                                 timeout_s=1200)
-        load_after = os.getloadavg()[0]
-    out: dict = {"nproc": n, "device": args.device,
-                 "units": {"time": "us", "bw": "GB/s (1e9 B/s)"},
-                 "background_load": args.background_load,
-                 "loadavg": {"before": load_before, "after": load_after}}
-    print(f"# {'CUDA tensors: fcoll ipc / staged' if cuda else 'fcoll shm'} vs gloo, {n} ranks, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{args.background_load} background busy processes, "
-          f"1-min load {load_before:.2f} before, {load_after:.2f} after")
-    out.update(cc.report(per_rank, args.ops, args.sizes, n) if cuda else
-               _report_cpu(args, per_rank))
+    if threading.current_thread() is threading.main_thread():
+        _sigterm_raises()
+    runs = [_run_once(args, load) for load in args.background_load]
+    out: dict = {"nproc": args.nproc, "device": args.device,
+                 "units": {"time": "us", "bw": "GB/s (1e9 B/s)"}}
+    out.update(runs[0])
+    if len(runs) > 1:
+        out["runs"] = runs
+        print_comparison(runs)
+    result = loaded_targets(runs)
+    if result:
+        print()
+        for name, measured, ok in result:
+            print(f"{'PASS' if ok else 'FAIL'}: {name}: {measured}")
+        out["loaded_targets"] = [{"name": a, "measured": b, "pass": c} for a, b, c in result]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

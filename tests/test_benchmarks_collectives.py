@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -109,3 +111,102 @@ def test_cuda_benchmark_runs_every_configuration(tmp_path):
     for op in bench.OPS:
         for cfg in cc.CONFIGS:
             assert out["results"][op][str(4 * KiB)][f"{cfg}_us"] > 0, (op, cfg)
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (reaped, or a zombie waiting for its new parent)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+
+
+def _wait_gone(pids, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_background_load_is_ended_when_the_block_raises():
+    load = bench.BackgroundLoad(2, max_s=60, settle_s=0.0)
+    with pytest.raises(KeyboardInterrupt), load:
+        pids = [p.pid for p in load.procs]
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+        raise KeyboardInterrupt  # a Ctrl-C in the middle of the measurement
+    assert load.procs == [] and all(_gone(p) for p in pids)
+
+
+@pytest.mark.timeout(60)
+def test_background_load_ends_by_itself_after_max_s():
+    load = bench.BackgroundLoad(1, max_s=0.5, settle_s=0.0).__enter__()
+    try:
+        assert _wait_gone([load.procs[0].pid], 10.0)
+    finally:
+        load.__exit__()
+
+
+@pytest.mark.timeout(60)
+def test_background_load_ends_when_the_benchmark_is_killed():
+    """SIGKILL gives the benchmark no chance to clean up: the busy processes notice that
+    their parent is gone and exit by themselves within a fraction of a second."""
+    here = os.path.dirname(bench.__file__)
+    code = (f"import sys, time; sys.path.insert(0, {here!r}); import collectives as b\n"
+            "load = b.BackgroundLoad(2, max_s=60, settle_s=0.0).__enter__()\n"
+            "print(' '.join(str(p.pid) for p in load.procs), flush=True)\n"
+            "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_gone(pids, 10.0)
+
+
+def test_background_load_accepts_several_values():
+    assert bench.parse_args([]).background_load == [0]
+    assert bench.parse_args(["--background-load", "0", "2"]).background_load == [0, 2]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--background-load", "-1"])
+
+
+def _run(load: int, speedups: dict) -> dict:
+    return {"background_load": load, "loadavg": {"before": 1.0, "after": 2.0},
+            "results": {"all_reduce": {str(size): {"fcoll_us": 10.0, "gloo_us": 10.0 * x,
+                                                   "speedup": x}
+                                       for size, x in speedups.items()}}}
+
+
+def test_loaded_targets_need_10x_at_4_to_64_kib_and_1x_elsewhere():
+    quiet = _run(0, {4 * KiB: 0.5})  # a quiet run has no targets here
+    loaded = _run(2, {4 * KiB: 12.0, 64 * KiB: 9.0, 1 * MiB: 1.5, 128 * MiB: 0.9})
+    rows = {name: ok for name, _, ok in bench.loaded_targets([quiet, loaded])}
+    assert rows == {"load 2: all_reduce 4 KiB: fcoll >= 10x gloo": True,
+                    "load 2: all_reduce 64 KiB: fcoll >= 10x gloo": False,
+                    "load 2: all_reduce 1 MiB: fcoll >= 1x gloo": True,
+                    "load 2: all_reduce 128 MiB: fcoll >= 1x gloo": False}
+
+
+@pytest.mark.timeout(300)
+def test_quiet_and_loaded_runs_side_by_side(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    assert bench.main(["--ops", "all_reduce", "--sizes", "4K", "--background-load", "0", "1",
+                       "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    assert [r["background_load"] for r in out["runs"]] == [0, 1]
+    assert out["results"] == out["runs"][0]["results"]  # top level: the first run
+    for run in out["runs"]:
+        row = run["results"]["all_reduce"][str(4 * KiB)]
+        assert row["fcoll_us"] > 0 and row["gloo_us"] > 0
+        assert run["op_loadavg"]["all_reduce"][0] >= 0
+    assert [t["name"] for t in out["loaded_targets"]] == [
+        "load 1: all_reduce 4 KiB: fcoll >= 10x gloo"]
+    text = capsys.readouterr().out
+    assert "# comparison" in text and "1-min load" in text
