@@ -618,19 +618,23 @@ def _init_dist(args: argparse.Namespace, device: torch.device) -> None:
     args.dist_backend = backend
 
 
+def _val_batches(corpus: Corpus, args, device: torch.device):
+    """The fixed held-out batches (the same on every rank), on ``device``."""
+    for i in range(args.eval_batches):
+        x, y = get_batch(corpus.val, args.batch_size, args.seq_len, seed=args.seed + 1, step=i,
+                         rank=0, world_size=1)
+        yield x.to(device), y.to(device)
+
+
 def _eval(cfg, params, corpus, args, comm, shapes, device=torch.device("cpu")) -> float:
-    """Validation loss (nats) over fixed held-out batches, the same on every rank."""
-    losses = []
+    """Validation loss (nats) over :func:`_val_batches`, the same on every rank."""
     with torch.no_grad():
         full = params
         if shapes is not None:
             full = {k: comm.all_gather(v)[:math.prod(shapes[k])].view(shapes[k])
                     for k, v in params.items()}
-        for i in range(args.eval_batches):
-            x, y = get_batch(corpus.val, args.batch_size, args.seq_len, seed=args.seed + 1,
-                             step=i, rank=0, world_size=1)
-            x, y = x.to(device), y.to(device)
-            losses.append(float(gpt_loss(full.__getitem__, x, y, cfg)))
+        losses = [float(gpt_loss(full.__getitem__, x, y, cfg))
+                  for x, y in _val_batches(corpus, args, device)]
     return sum(losses) / len(losses)
 
 
@@ -641,6 +645,40 @@ def _describe_device(device: torch.device) -> str:
         return "cpu"
     gpus = min(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
     return f"{device} ({torch.cuda.get_device_name(device)}) of {gpus} GPU(s)"
+
+
+def _train_loop(args, corpus: Corpus, device: torch.device, rank: int, world: int,
+                train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                evaluate: Callable[[], float], say: Callable[..., None]) -> dict[str, Any]:
+    """Run ``args.steps`` steps of ``train_step(x, y) -> loss`` on this rank's batches, logging
+    every ``args.log_every`` steps; return the summary figures (losses in nats, ``step_ms``: the
+    median step in ms, the first step, which compiles, left out)."""
+    first_val = val = evaluate()
+    say(f"step    0 | val loss {first_val:.4f}")
+    times, loss = [], float("nan")
+    for i in range(1, args.steps + 1):
+        x, y = get_batch(corpus.train, args.batch_size, args.seq_len, seed=args.seed, step=i,
+                         rank=rank, world_size=world)
+        x, y = x.to(device), y.to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss_t = train_step(x, y)
+        _sync(device)  # CUDA: the step returns once the work is queued
+        times.append(time.perf_counter() - t0)
+        loss = float(loss_t)
+        if i % args.log_every == 0 or i == args.steps:
+            val = evaluate()
+            ms = statistics.median(times[1:] or times) * 1e3
+            tok = world * args.batch_size * args.seq_len / (ms / 1e3)
+            say(f"step {i:4d} | train loss {loss:.4f} | val loss {val:.4f} | "
+                f"{ms:7.1f} ms/step | {tok:8.0f} tok/s")
+    from torch._dynamo.utils import counters
+
+    ms = statistics.median(times[1:] or times) * 1e3
+    return {"first_val_loss": first_val, "final_val_loss": val, "final_train_loss": loss,
+            "step_ms": ms, "tokens_per_s": world * args.batch_size * args.seq_len / ms * 1e3,
+            "compile_s": times[0], "graph_breaks": sum(counters["graph_break"].values()),
+            "device": str(device), "dist_backend": args.dist_backend}
 
 
 def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.device, rank: int,
@@ -660,47 +698,22 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
         f" (compute={args.compute})" if options else "") + f" on {args.dist_backend}"
 
     def evaluate() -> float:
-        losses = []
-        for i in range(args.eval_batches):
-            x, y = get_batch(corpus.val, args.batch_size, args.seq_len, seed=args.seed + 1,
-                             step=i, rank=0, world_size=1)
-            losses.append(step.eval_loss(x.to(device), y.to(device)))
+        losses = [step.eval_loss(x, y) for x, y in _val_batches(corpus, args, device)]
         return sum(losses) / len(losses)
 
     say(f"{args.parallel} on {world} rank(s), {_describe_device(device)}, {name}; "
         f"{sum(v.numel() for v in params.values())} parameters; vocab {cfg.vocab_size}; "
         f"communication {'in the compiled graphs' if step.traced_comms else 'in eager hooks'}")
-    first_val = val = evaluate()
-    say(f"step    0 | val loss {first_val:.4f}")
-    times, loss = [], float("nan")
-    for i in range(1, args.steps + 1):
-        x, y = get_batch(corpus.train, args.batch_size, args.seq_len, seed=args.seed, step=i,
-                         rank=rank, world_size=world)
-        x, y = x.to(device), y.to(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = float(step(x, y))
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        if i % args.log_every == 0 or i == args.steps:
-            val = evaluate()
-            ms = statistics.median(times[1:] or times) * 1e3
-            say(f"step {i:4d} | train loss {loss:.4f} | val loss {val:.4f} | {ms:7.1f} ms/step | "
-                f"{world * args.batch_size * args.seq_len / (ms / 1e3):8.0f} tok/s")
+    summary = _train_loop(args, corpus, device, rank, world, step, evaluate, say)
     stop_counting()
-    from torch._dynamo.utils import counters
-
-    ms = statistics.median(times[1:] or times) * 1e3
     collectives = sum(counts.values())
-    summary = {"first_val_loss": first_val, "final_val_loss": val, "final_train_loss": loss,
-               "step_ms": ms, "tokens_per_s": world * args.batch_size * args.seq_len / ms * 1e3,
-               "compile_s": times[0], "graph_breaks": sum(counters["graph_break"].values()),
-               "device": str(device), "dist_backend": args.dist_backend,
-               "compiled_collectives": collectives, "graphs": dict(counts)}
+    summary.update(compiled_collectives=collectives, graphs=dict(counts))
+    first_val, val, ms = summary["first_val_loss"], summary["final_val_loss"], summary["step_ms"]
     per_graph = ", ".join(f"{k} {v}" for k, v in counts.items() if v) or "none"
     say(f"summary: {args.parallel}, {name}, {world} ranks, {args.steps} steps: val loss "
         f"{first_val:.4f} -> {val:.4f} ({100 * (1 - val / first_val):.1f} % lower); median step "
-        f"{ms:.1f} ms; first step (compile) {times[0]:.1f} s; collectives in the compiled graphs: "
+        f"{ms:.1f} ms; first step (compile) {summary['compile_s']:.1f} s; collectives in the "
+        "compiled graphs: "
         f"{collectives if options else 'n/a (not fcoll)'} ({per_graph})")
     dist.destroy_process_group()
     return summary
@@ -739,40 +752,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     say(f"{args.parallel} on {world} rank(s), {where}, {name}; "
         f"{sum(v.numel() for v in params.values())} parameters per rank; vocab "
         f"{cfg.vocab_size}; {len(corpus.train)} train characters")
-    first_val = _eval(cfg, params, corpus, args, comm, shapes, device)
-    say(f"step    0 | val loss {first_val:.4f}")
-    times, val, loss = [], first_val, float("nan")
-    for i in range(1, args.steps + 1):
-        x, y = get_batch(corpus.train, args.batch_size, args.seq_len, seed=args.seed, step=i,
-                         rank=rank, world_size=world)
-        x, y = x.to(device), y.to(device)
-        _sync(device)
-        t0 = time.perf_counter()
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal params, state
         loss_t, _, params, state = run(params, state, x, y)
-        _sync(device)  # CUDA: run() returns once the work is queued
-        times.append(time.perf_counter() - t0)
-        loss = float(loss_t)
-        if i % args.log_every == 0 or i == args.steps:
-            val = _eval(cfg, params, corpus, args, comm, shapes, device)
-            ms = statistics.median(times[1:] or times) * 1e3
-            tok = world * args.batch_size * args.seq_len / (ms / 1e3)
-            say(f"step {i:4d} | train loss {loss:.4f} | val loss {val:.4f} | "
-                f"{ms:7.1f} ms/step | {tok:8.0f} tok/s")
-    from torch._dynamo.utils import counters
+        return loss_t
 
-    breaks = sum(counters["graph_break"].values())
-    ms = statistics.median(times[1:] or times) * 1e3
-    summary = {"first_val_loss": first_val, "final_val_loss": val, "final_train_loss": loss,
-               "step_ms": ms, "tokens_per_s": world * args.batch_size * args.seq_len / ms * 1e3,
-               "compile_s": times[0], "graph_breaks": breaks, "device": str(device),
-               "dist_backend": args.dist_backend}
+    summary = _train_loop(args, corpus, device, rank, world, train_step,
+                          lambda: _eval(cfg, params, corpus, args, comm, shapes, device), say)
+    first_val, val, ms = summary["first_val_loss"], summary["final_val_loss"], summary["step_ms"]
+    breaks = summary["graph_breaks"]
     if device.type == "cuda" and args.dist_backend == "fcoll":
         summary["cuda_path"] = _cuda_path_of(dist.group.WORLD)
         where += f", fcoll CUDA path {summary['cuda_path']}"
     say(f"summary: {args.parallel}, {name}, {world} ranks, {where}, {args.steps} steps: val loss "
         f"{first_val:.4f} -> {val:.4f} ({100 * (1 - val / first_val):.1f} % lower); "
         f"median step {ms:.1f} ms, {summary['tokens_per_s']:.0f} tok/s; first step (compile) "
-        f"{times[0]:.1f} s; graph breaks {breaks}")
+        f"{summary['compile_s']:.1f} s; graph breaks {breaks}")
     dist.destroy_process_group()
     return summary
 
