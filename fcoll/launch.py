@@ -7,7 +7,9 @@ LOCAL_WORLD_SIZE, GROUP_RANK=0, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR=127.0.0.
 the env:// TCPStore. Every line a rank writes to stdout / stderr is re-emitted on the same
 stream with a ``[rank N] `` prefix. When a rank fails, the others get SIGTERM, then SIGKILL
 after ``--grace-s`` seconds; the exit status is the first failing rank's (128 + signal number
-for a rank killed by a signal), or 0.
+for a rank killed by a signal), or 0. Before starting the ranks and after they all ended, the
+launcher removes the /dev/shm segment names that earlier fcoll versions left behind
+(:func:`fcoll.shm.segment.sweep_dead_segments`; this version's segments have no name to leave).
 """
 
 from __future__ import annotations
@@ -88,6 +90,21 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _sweep(err: IO[bytes]) -> None:
+    """Remove dead fcoll segment names; say which on ``err``. Never fails the launch."""
+    try:
+        from fcoll.shm.segment import sweep_dead_segments
+
+        removed = sweep_dead_segments()
+    except Exception as e:  # noqa: BLE001  cleanup must not stop a job
+        removed = []
+        err.write(f"[fcoll.launch] could not sweep shared-memory segments: {e}\n".encode())
+    if removed:
+        err.write(f"[fcoll.launch] removed {len(removed)} shared-memory segment(s) of dead "
+                  f"jobs: {', '.join(removed)}\n".encode())
+        err.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     world = ns.nproc_per_node
@@ -101,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = [sys.executable, "-u", ns.target, *ns.args]
     out = sys.stdout.buffer
     err = sys.stderr.buffer
+    _sweep(err)
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -157,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 p.wait()
         for t in pumps:
             t.join(timeout=2.0)
+        _sweep(err)
     if first_failure is None:
         first_failure = next((_status(p.returncode) for p in procs if p.returncode), 0)
     return first_failure

@@ -1,21 +1,54 @@
 """Collective headers: what every rank says it is doing, exchanged in the first phase of every
 collective and checked on every rank before any output is written.
 
-A header is a :class:`Header` record, ``marshal``-encoded as a plain tuple (no code execution on
-load, unlike pickle)::
-
-    (seq, op, dtype, shape, reduce_op, root, extra, error)
-
+A header is a :class:`Header` record ``(seq, op, dtype, shape, reduce_op, root, extra, error)``.
 ``error`` is a message when the rank found its own arguments invalid; every rank then raises it.
 All ranks see the same headers and run the same checks, so they raise the same message: a
 mismatch never hangs and never returns wrong data (gloo aborts or silently mixes in these cases,
 see NOTES.md).
+
+Wire format (little-endian). A peer's header is untrusted bytes: the decoder reads every length
+and count, checks it against its stated maximum and against the bytes left, and only then reads
+what it covers, so a header costs the reader O(its bytes) time and memory (at most
+``MAX_PAYLOAD_BYTES``) whatever a peer, or a process scribbling on the segment, wrote::
+
+    offset  bytes  field
+    0       1      MAGIC (0x73; or MAGIC_REF, 0xF3)
+    1       4      u32: the bytes that follow (must be exactly the rest of the payload)
+    5       8      seq, i64
+    13      1      flags: F_ERROR (an error message follows), F_ALL_TO_ALL (ranks' headers
+                   legitimately differ, so they are always decoded)
+    14      8      root, i64
+    22      1+n    op, dtype, reduce_op: each a u8 length (at most MAX_NAME_BYTES) and UTF-8
+            1+8d   shape: u8 ndim (at most MAX_DIMS), then i64 per dimension
+            ...    extra: one tagged value (below), nested at most MAX_EXTRA_DEPTH deep
+            2+n    error, only with F_ERROR: u16 length (at most MAX_ERROR_BYTES), UTF-8
+
+    extra tags: b"N" None; b"T" / b"F" bool; b"i" i32; b"q" i64; b"s" u8 length + UTF-8;
+                b"(" tuple / b"[" list: u16 count, then the items (each at least one byte, so
+                a count is bounded by the bytes left); b"a" / b"A" a tuple / list of ints,
+                all in i32 range: u16 count, then i32 each (shapes: one unpack); b"S" a
+                tuple of two such lists of one length (all_to_all's split sizes): u16 length,
+                then i32 each
+
+Why MAGIC is 0x73 and the prefix is a u32 length: that is exactly how ``marshal`` writes a bytes
+object, and ``engine.py``'s fast path still spells the encoding ``marshal.dumps((seq,) +
+plan.tail)``; :meth:`Tail.__radd__` makes ``(seq,) + tail`` the body as a fresh bytearray, so
+that expression gives these very bytes. ``marshal`` sets its FLAG_REF bit (0x80) on the first
+byte when the object has another reference (never so for the engine's temporary, but a tracer
+holding it is enough), so the decoder also accepts ``MAGIC_REF``: such a header is not
+byte-equal to its peers' and is decoded and compared field by field instead, which is slower
+but right. ``marshal`` only ever encodes our own data there; no peer data is unmarshalled. Once
+the engine calls :meth:`Tail.encode` the coincidence is free to go (tests/test_hostile.py pins
+it meanwhile).
+
+Messages built from a peer's fields are bounded: names by ``MAX_NAME_BYTES``, a shape or an
+``extra`` by ``MAX_FIELD_CHARS`` in a message, an error by ``MAX_ERROR_CHARS``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import marshal
 import struct
 from typing import Any, NamedTuple
 
@@ -23,18 +56,54 @@ import torch
 
 from fcoll.shm.segment import HEADER_BYTES
 
-LEN_BYTES = 4  # the u32 length stored before every encoded header
+LEN_BYTES = 4  # the u32 length the segment stores before every encoded header
 MAX_PAYLOAD_BYTES = HEADER_BYTES - LEN_BYTES
 NO_ROOT = -1  # ``root`` of a collective that has none
 NO_SEQ = -1  # ``seq`` of a later part of a collective whose first header carried the number
 ALL_TO_ALL = "all_to_all_single"  # the one op whose shapes and ``extra`` may differ by rank
 DIGEST_BYTES = 16
-MAX_ERROR_CHARS = HEADER_BYTES // 4  # an error message too long for the header is cut to this
-_ALL_TO_ALL_BYTES = ALL_TO_ALL.encode()
+MAX_ERROR_CHARS = 512  # an error message longer than this is cut to it
+MAX_ERROR_BYTES = 4 * MAX_ERROR_CHARS  # its UTF-8 encoding
+MAX_NAME_BYTES = 64  # op, dtype, reduce op and strings inside ``extra``
+MAX_DIMS = 64
+MAX_EXTRA_DEPTH = 4  # a coalesced signature (tuple of (dtype, shape)) is 3 deep
+MAX_FIELD_CHARS = 160  # a peer's shape or extra as shown in a message
+
+MAGIC = 0x73
+MAGIC_REF = MAGIC | 0x80  # the same, with marshal's FLAG_REF (see the module doc)
+F_ERROR = 1
+F_ALL_TO_ALL = 2
+_PREFIX = struct.Struct("<BI")
+_SEQ = struct.Struct("<q")
+_FIXED = struct.Struct("<Bq")  # flags, root
+_U16 = struct.Struct("<H")
+_I32 = struct.Struct("<i")
+_I64 = struct.Struct("<q")
+FLAGS_OFF = _PREFIX.size + _SEQ.size
+_REST_OFF = FLAGS_OFF + _FIXED.size
+MAX_REST_BYTES = MAX_PAYLOAD_BYTES - FLAGS_OFF  # what may follow seq
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_MAX_COUNT = 0xFFFF
+_HEAD = struct.Struct("<BIqBq")  # _PREFIX, _SEQ, _FIXED: every fixed field in one unpack
+_DIMS = [struct.Struct(f"<{d}q") for d in range(MAX_DIMS + 1)]
+_new_header = tuple.__new__  # Header(*fields) without NamedTuple.__new__'s argument parsing
+MAX_CACHED_RESTS = 1024  # encoded (op, dtype, shape, reduce_op, root) kept before starting over
+_RESTS: dict = {}  # header fields after seq (no extra, no error) -> their bytes
+_DECODED: dict = {}  # bytes after seq of a well-formed header -> its fields after seq
 
 
 class CollectiveMismatchError(ValueError):
     """Ranks called a collective with arguments that disagree, or one rank's were invalid."""
+
+
+class MalformedHeaderError(CollectiveMismatchError):
+    """A peer's header bytes are not a header (the shared memory was written by something else);
+    raised before any output is written, like any other mismatch."""
+
+
+class _Unencodable(Exception):
+    """Our own header does not fit the format (too long, too deep, a type it has no tag for)."""
 
 
 class Header(NamedTuple):
@@ -49,7 +118,8 @@ class Header(NamedTuple):
         root: the source or destination group rank, or ``NO_ROOT``.
         extra: what else must agree: all_to_all's ``(input_split_sizes, output_split_sizes)``
             lists (in rows), a coalesced call's per-tensor ``(dtype, shape)`` signature, or
-            ``("digest", hex)`` for a signature too long for the header.
+            ``("digest", hex)`` for a signature too long for the header. None, bools, ints,
+            strings, tuples and lists only (see the module doc).
         error: why this rank's arguments are invalid, or None.
     """
 
@@ -62,35 +132,276 @@ class Header(NamedTuple):
     extra: Any = None
     error: str | None = None
 
-    def tail(self) -> tuple:
-        """Every field but ``seq``, as a plain tuple: a fast path that reuses one header keeps
-        this and encodes ``marshal.dumps((seq,) + tail)`` per call, the bytes :meth:`encode`
-        gives for a header that fits."""
-        return tuple(self)[1:]
+    def tail(self) -> Tail:
+        """Every field but ``seq``, encoded once: a fast path that reuses one header keeps this
+        and encodes each call with :meth:`Tail.encode` (``seq``), the bytes :meth:`encode`
+        gives."""
+        return Tail(tuple(self)[1:], _rest_of(self))
 
     def encode(self) -> bytes:
-        """The bytes of this header, at most ``MAX_PAYLOAD_BYTES``.
+        """The bytes of this header, at most ``MAX_PAYLOAD_BYTES``; never raises.
 
         A per-tensor signature too long for the header (a coalesced call of hundreds of tensors,
         a long split list) is replaced by a 16-byte digest of ``(shape, extra)``, which ranks
         still compare exactly; all_to_all's split lists are never digested (every rank reads
-        its peers' lists). Only a huge error message is then cut short.
+        its peers' lists). An error message is cut to ``MAX_ERROR_CHARS``.
         """
-        if type(self.shape) is not tuple:  # torch.Size does not marshal
-            self = self._replace(shape=tuple(self.shape))
-        payload = marshal.dumps(tuple(self))
-        if len(payload) > MAX_PAYLOAD_BYTES and self.error is None and self.op != ALL_TO_ALL:
-            digest = hashlib.blake2b(marshal.dumps((tuple(self.shape), self.extra)),
-                                     digest_size=DIGEST_BYTES).hexdigest()
-            payload = marshal.dumps(tuple(self._replace(shape=(), extra=("digest", digest))))
-        if len(payload) > MAX_PAYLOAD_BYTES:
-            error = (self.error or "header too large")[:MAX_ERROR_CHARS]
-            payload = marshal.dumps(tuple(self._replace(shape=(), extra=None, error=error)))
-        return payload
+        if self.extra is None and self.error is None and type(self.shape) is tuple:
+            key = self[1:6]  # the common case: cached
+            rest = _RESTS.get(key)
+            if rest is None:
+                if len(_RESTS) >= MAX_CACHED_RESTS:
+                    _RESTS.clear()
+                rest = _RESTS[key] = _rest_of(self)
+        else:
+            rest = _rest_of(self)
+        return _PREFIX.pack(MAGIC, _SEQ.size + len(rest)) + _SEQ.pack(self.seq) + rest
 
     @classmethod
-    def decode(cls, payload: bytes) -> "Header":
-        return cls._make(marshal.loads(payload))
+    def decode(cls, payload: bytes) -> Header:
+        """The header in ``payload``, a peer's bytes.
+
+        Raises:
+            MalformedHeaderError: ``payload`` is not a well-formed header; the reason is in
+                the message (bounded length). Costs O(len(payload)).
+        """
+        try:
+            return _decode(payload)
+        except (ValueError, IndexError, struct.error) as e:
+            raise MalformedHeaderError(str(e)[:MAX_FIELD_CHARS]) from None
+
+
+class Tail(tuple):
+    """:meth:`Header.tail`: the header's fields but ``seq`` (a tuple), and their encoding."""
+
+    def __new__(cls, fields: tuple, rest: bytes):
+        self = super().__new__(cls, fields)
+        self.rest = rest
+        self.prefix = _PREFIX.pack(MAGIC, _SEQ.size + len(rest))
+        return self
+
+    def encode(self, seq: int) -> bytes:
+        """The bytes of ``Header(seq, *self)``."""
+        return self.prefix + _SEQ.pack(seq) + self.rest
+
+    def __radd__(self, left):
+        """``(seq,) + tail``: the body after the 5-byte prefix, as a fresh bytearray, which
+        ``marshal.dumps`` writes as exactly ``self.encode(seq)`` (see the module doc)."""
+        if type(left) is tuple and len(left) == 1:
+            return bytearray(_SEQ.pack(left[0]) + self.rest)
+        return NotImplemented
+
+
+# ---- encoding (our own header: never raises, falls back instead) ------------------------------
+def _rest_of(h: Header) -> bytes:
+    """Everything after ``seq``, within ``MAX_REST_BYTES``: as is, else with ``(shape, extra)``
+    digested, else as an error header ("header too large")."""
+    if h.error is not None and len(h.error) > MAX_ERROR_CHARS:
+        h = h._replace(error=h.error[:MAX_ERROR_CHARS])
+    try:
+        return _rest(h)
+    except _Unencodable:
+        pass
+    if h.error is None and h.op != ALL_TO_ALL:
+        digest = hashlib.blake2b(repr((tuple(h.shape), h.extra)).encode(),
+                                 digest_size=DIGEST_BYTES).hexdigest()
+        try:
+            return _rest(h._replace(shape=(), extra=("digest", digest)))
+        except _Unencodable:
+            pass
+    bare = Header(0, _clip_name(h.op), _clip_name(h.dtype), (), _clip_name(h.reduce_op),
+                  h.root if _I64_MIN <= h.root <= _I64_MAX else NO_ROOT, None,
+                  h.error if h.error is not None else "header too large")
+    try:
+        return _rest(bare)
+    except _Unencodable:  # a message of many multi-byte characters: 4 UTF-8 bytes at most each
+        return _rest(bare._replace(error=bare.error[:MAX_ERROR_CHARS // 4]))
+
+
+def _clip_name(s: str) -> str:
+    return s.encode("utf-8", "replace")[:MAX_NAME_BYTES].decode("utf-8", "ignore")
+
+
+def _rest(h: Header) -> bytes:
+    flags = (F_ERROR if h.error is not None else 0) | (F_ALL_TO_ALL if h.op == ALL_TO_ALL else 0)
+    root = h.root
+    if not _I64_MIN <= root <= _I64_MAX:
+        raise _Unencodable
+    out = bytearray(_FIXED.pack(flags, root))
+    for name in (h.op, h.dtype, h.reduce_op):
+        b = name.encode("utf-8", "replace")
+        if len(b) > MAX_NAME_BYTES:
+            raise _Unencodable
+        out.append(len(b))
+        out += b
+    shape = h.shape
+    if len(shape) > MAX_DIMS:
+        raise _Unencodable
+    out.append(len(shape))
+    try:
+        out += struct.pack(f"<{len(shape)}q", *shape)
+    except struct.error:
+        raise _Unencodable from None
+    _put(out, h.extra, MAX_EXTRA_DEPTH)
+    if h.error is not None:
+        b = h.error.encode("utf-8", "replace")
+        out += _U16.pack(len(b))
+        out += b
+    if len(out) > MAX_REST_BYTES:
+        raise _Unencodable
+    return bytes(out)
+
+
+def _put(out: bytearray, v: Any, depth: int) -> None:
+    """Append the tagged encoding of ``v`` (see the module doc)."""
+    if v is None:
+        out += b"N"
+    elif v is True or v is False:
+        out += b"T" if v else b"F"
+    elif isinstance(v, int):
+        if _I32_MIN <= v <= _I32_MAX:
+            out += b"i" + _I32.pack(v)
+        elif _I64_MIN <= v <= _I64_MAX:
+            out += b"q" + _I64.pack(v)
+        else:
+            raise _Unencodable
+    elif isinstance(v, str):
+        b = v.encode("utf-8", "replace")
+        if len(b) > MAX_NAME_BYTES:
+            raise _Unencodable
+        out += b"s" + bytes((len(b),)) + b
+    elif isinstance(v, (tuple, list)):
+        if (type(v) is tuple and len(v) == 2 and type(v[0]) is list and type(v[1]) is list
+                and len(v[0]) == len(v[1]) and _i32s(v[0]) and _i32s(v[1])):
+            out += b"S" + _U16.pack(len(v[0]))
+            out += struct.pack(f"<{2 * len(v[0])}i", *v[0], *v[1])
+            return
+        if v and _i32s(v):
+            out += (b"A" if isinstance(v, list) else b"a") + _U16.pack(len(v))
+            out += struct.pack(f"<{len(v)}i", *v)
+            return
+        if depth <= 0 or len(v) > _MAX_COUNT or len(out) + len(v) > MAX_REST_BYTES:
+            raise _Unencodable
+        out += (b"[" if isinstance(v, list) else b"(") + _U16.pack(len(v))
+        for x in v:
+            _put(out, x, depth - 1)
+    else:
+        raise _Unencodable
+
+
+def _i32s(v: list | tuple) -> bool:
+    return len(v) <= _MAX_COUNT and all(type(x) is int and _I32_MIN <= x <= _I32_MAX for x in v)
+
+
+# ---- decoding (a peer's bytes: every length checked before use) --------------------------------
+def _decode(p: bytes) -> Header:
+    """Decode a peer's header; the fields after ``seq`` of recent headers are cached by their
+    bytes (a recurring collective's headers differ only in ``seq``)."""
+    rest = p[FLAGS_OFF:]
+    fields = _DECODED.get(rest)
+    if fields is not None and _PREFIX.unpack_from(p) in ((MAGIC, len(p) - _PREFIX.size),
+                                                         (MAGIC_REF, len(p) - _PREFIX.size)):
+        return _new_header(Header, (_SEQ.unpack_from(p, _PREFIX.size)[0],) + fields)
+    h = _decode_new(p)
+    if len(_DECODED) >= MAX_CACHED_RESTS:
+        _DECODED.clear()
+    _DECODED[rest] = h[1:]
+    return h
+
+
+def _decode_new(p: bytes) -> Header:
+    n = len(p)
+    if n < _REST_OFF + 5:  # three name lengths, ndim and one extra tag at least
+        raise ValueError(f"{n} bytes, fewer than the {_REST_OFF + 5} of the fixed fields")
+    magic, body, seq, flags, root = _HEAD.unpack_from(p)
+    if magic != MAGIC and magic != MAGIC_REF:
+        raise ValueError(f"bad magic byte 0x{magic:02x}")
+    if body != n - _PREFIX.size:
+        raise ValueError(f"it claims {body} bytes but {n - _PREFIX.size} follow")
+    # three names: a slice past the end would only be short, so each end is checked
+    a = _REST_OFF + 1
+    b = a + p[a - 1]
+    c = b + 1 + p[b]
+    d = c + 1 + p[c]
+    if d >= n or b - a > MAX_NAME_BYTES or c - b > MAX_NAME_BYTES + 1 or (
+            d - c > MAX_NAME_BYTES + 1):
+        raise ValueError("its op, dtype or reduce op name is too long")
+    op = str(p[a:b], "utf-8", "replace")
+    dtype = str(p[b + 1:c], "utf-8", "replace")
+    reduce_op = str(p[c + 1:d], "utf-8", "replace")
+    ndim = p[d]
+    pos = d + 1
+    if ndim > MAX_DIMS or pos + 8 * ndim >= n:
+        raise ValueError(f"a shape of {ndim} dimensions at offset {d}")
+    shape = _DIMS[ndim].unpack_from(p, pos)
+    pos += 8 * ndim
+    if p[pos] == 0x4E:  # extra None, the common case
+        extra = None
+        pos += 1
+    else:
+        extra, pos = _get(p, pos, MAX_EXTRA_DEPTH)
+    error = None
+    if flags & F_ERROR:
+        (k,) = _U16.unpack_from(p, pos)
+        pos += _U16.size
+        if k > MAX_ERROR_BYTES or pos + k > n:
+            raise ValueError(f"an error message of {k} bytes at offset {pos - 2}")
+        error = p[pos:pos + k].decode("utf-8", "replace")[:MAX_ERROR_CHARS]
+        pos += k
+    if pos != n:
+        raise ValueError(f"{n - pos} bytes after the last field")
+    if bool(flags & F_ALL_TO_ALL) != (op == ALL_TO_ALL):
+        raise ValueError("its all_to_all flag disagrees with its op")
+    return _new_header(Header, (seq, op, dtype, shape, reduce_op, root, extra, error))
+
+
+def _get(p: bytes, pos: int, depth: int) -> tuple[Any, int]:
+    """The tagged value at ``pos`` and the offset after it; at most ``depth`` levels deep."""
+    n = len(p)
+    tag = p[pos]
+    pos += 1
+    if tag == 0x4E:  # N
+        return None, pos
+    if tag == 0x54:  # T
+        return True, pos
+    if tag == 0x46:  # F
+        return False, pos
+    if tag == 0x69:  # i
+        return _I32.unpack_from(p, pos)[0], pos + 4
+    if tag == 0x71:  # q
+        return _I64.unpack_from(p, pos)[0], pos + 8
+    if tag == 0x73:  # s
+        k = p[pos]
+        if k > MAX_NAME_BYTES or pos + 1 + k > n:
+            raise ValueError(f"a string of {k} bytes at offset {pos}")
+        return p[pos + 1:pos + 1 + k].decode("utf-8", "replace"), pos + 1 + k
+    if tag == 0x53:  # S
+        (count,) = _U16.unpack_from(p, pos)
+        pos += _U16.size
+        if 8 * count > n - pos:
+            raise ValueError(f"2 x {count} split sizes claimed with {n - pos} bytes left")
+        ints = struct.unpack_from(f"<{2 * count}i", p, pos)
+        return (list(ints[:count]), list(ints[count:])), pos + 8 * count
+    if tag == 0x61 or tag == 0x41:  # a A
+        (count,) = _U16.unpack_from(p, pos)
+        pos += _U16.size
+        if 4 * count > n - pos:
+            raise ValueError(f"{count} ints claimed with {n - pos} bytes left")
+        ints = struct.unpack_from(f"<{count}i", p, pos)
+        return (list(ints) if tag == 0x41 else ints), pos + 4 * count
+    if tag in (0x28, 0x5B):  # ( [
+        if depth <= 0:
+            raise ValueError(f"values nested more than {MAX_EXTRA_DEPTH} deep")
+        (count,) = _U16.unpack_from(p, pos)
+        pos += _U16.size
+        if count > n - pos:  # every item takes at least one byte
+            raise ValueError(f"{count} items claimed with {n - pos} bytes left")
+        items = []
+        for _ in range(count):
+            v, pos = _get(p, pos, depth - 1)
+            items.append(v)
+        return (items if tag == 0x5B else tuple(items)), pos
+    raise ValueError(f"unknown value tag 0x{tag:02x} at offset {pos - 1}")
 
 
 _DTYPE_NAMES: dict = {}
@@ -123,19 +434,38 @@ def equals(buf: memoryview, words: memoryview, offset: int, payload: bytes) -> b
 
 
 def read(buf: memoryview, offset: int) -> bytes:
+    """The header at ``offset``: at most ``MAX_PAYLOAD_BYTES`` whatever its length word says
+    (a longer claim leaves a payload that :meth:`Header.decode` rejects)."""
     (n,) = struct.unpack_from("<I", buf, offset)
     return bytes(buf[offset + LEN_BYTES:offset + LEN_BYTES + min(n, MAX_PAYLOAD_BYTES)])
 
 
+# ---- checks ------------------------------------------------------------------------------------
+def _clip(v: Any) -> str:
+    s = str(v)
+    return s if len(s) <= MAX_FIELD_CHARS else s[:MAX_FIELD_CHARS - 3] + "..."
+
+
 def _fmt(h: Header) -> str:
-    return f"{list(h.shape)} {h.dtype}"
+    return f"{_clip(list(h.shape))} {h.dtype}"
+
+
+def _decode_from(p: int, payload: bytes, name: str, describe) -> Header:
+    try:
+        return _decode(payload)
+    except (ValueError, IndexError, struct.error) as e:
+        raise MalformedHeaderError(
+            f"fcoll {name}: the header of {describe(p)} is malformed "
+            f"({str(e)[:MAX_FIELD_CHARS]}); something other than fcoll wrote to the group's "
+            "shared memory") from None
 
 
 def check(headers: list[bytes], name: str, describe, own: bytes | None = None) -> list[Header]:
     """Check the headers of every rank; return them decoded.
 
     Args:
-        headers: encoded header of every group rank.
+        headers: encoded header of every group rank (each at most ``MAX_PAYLOAD_BYTES``, as
+            :func:`read` returns them).
         name: the collective's name for messages (``"all_reduce"``).
         describe: group rank -> ``"rank 1"`` / ``"rank 1 (global rank 3)"``.
         own: this rank's header, known to be valid: when every header equals it (the common
@@ -144,21 +474,25 @@ def check(headers: list[bytes], name: str, describe, own: bytes | None = None) -
     Raises:
         CollectiveMismatchError: a rank flagged its input invalid, or ranks disagree on the
             sequence number, op, dtype, shape, reduce op or root.
+        MalformedHeaderError: a header is not well formed (or, for all_to_all, its split lists
+            are not two lists of group-size non-negative ints).
     """
     h0b = headers[0]
     if all(h == h0b for h in headers):
-        if (own is not None and h0b == own and own[-1:] == b"N"  # error field is None
-                and _ALL_TO_ALL_BYTES not in own):
+        if (own is not None and h0b == own and len(own) > FLAGS_OFF
+                and not own[FLAGS_OFF] & (F_ERROR | F_ALL_TO_ALL)):
             return []
-        h0 = Header.decode(h0b)
+        h0 = _decode_from(0, h0b, name, describe)
         if h0.error is not None:
             raise CollectiveMismatchError(h0.error)
         if h0.op != ALL_TO_ALL:
             return [h0] * len(headers)
-    dec = [Header.decode(h) for h in headers]
-    for h in dec:
-        if h.error is not None:
-            raise CollectiveMismatchError(h.error)
+        dec = [h0] * len(headers)  # equal bytes, equal headers
+    else:
+        dec = [_decode_from(p, h, name, describe) for p, h in enumerate(headers)]
+        for h in dec:
+            if h.error is not None:
+                raise CollectiveMismatchError(h.error)
     h0 = dec[0]
     for p, h in enumerate(dec[1:], start=1):
         if (h.seq, h.op) != (h0.seq, h0.op):
@@ -191,16 +525,38 @@ def _check_pair(h0: Header, h: Header, p: int, name: str, describe) -> None:
         raise CollectiveMismatchError(
             f"fcoll {name}: {describe(p)} uses root {h.root} but {describe(0)} uses {h0.root}")
     if not a2a and h.extra != h0.extra:
-        if "digest" in (h.extra or ())[:1] or "digest" in (h0.extra or ())[:1]:
+        if _is_digest(h.extra) or _is_digest(h0.extra):
             raise CollectiveMismatchError(
                 f"fcoll {name}: {describe(p)} and {describe(0)} passed different tensors "
                 f"(their dtypes and shapes, too many to list, differ)")
         raise CollectiveMismatchError(
-            f"fcoll {name}: {describe(p)} passed {h.extra} but {describe(0)} passed {h0.extra}")
+            f"fcoll {name}: {describe(p)} passed {_clip(h.extra)} but {describe(0)} passed "
+            f"{_clip(h0.extra)}")
+
+
+def _is_digest(extra: Any) -> bool:
+    return isinstance(extra, tuple) and len(extra) == 2 and extra[0] == "digest"
+
+
+def _is_splits(s: Any, n: int) -> bool:
+    """Whether ``s`` is a list of ``n`` non-negative ints. A decoded value holds no floats (the
+    format has no tag for them), so a ``min`` that is neither an int nor a bool raises."""
+    try:
+        return type(s) is list and len(s) == n and (n == 0 or min(s) >= 0)
+    except TypeError:
+        return False
 
 
 def _check_splits(dec: list[Header], name: str, describe) -> None:
     """all_to_all: the rows each rank sends to each other equal the rows that one expects."""
+    n = len(dec)
+    for p, h in enumerate(dec):
+        e = h.extra
+        if not (type(e) is tuple and len(e) == 2 and _is_splits(e[0], n)
+                and _is_splits(e[1], n)):
+            raise MalformedHeaderError(
+                f"fcoll {name}: the header of {describe(p)} is malformed (its split sizes "
+                f"{_clip(e)} are not two lists of {n} non-negative ints)")
     for src, h in enumerate(dec):
         for dst, hd in enumerate(dec):
             sent, expected = h.extra[0][dst], hd.extra[1][src]

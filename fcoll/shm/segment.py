@@ -1,20 +1,42 @@
 """One shared-memory segment per process group: creation, attachment, layout, cleanup.
 
-Lifecycle (every rank of the group runs :func:`open_segment`):
+The segment is a sealed ``memfd``, never a name in /dev/shm. Lifecycle (every rank of the group
+runs :func:`open_segment`):
 
-1. Group rank 0 creates ``/dev/shm/fcoll-<32 random hex>`` with ``O_CREAT | O_EXCL``, mode 0600
-   (an unpredictable name and exclusive creation refuse any file planted by someone else), sizes
-   it, and publishes the name through the group's store.
-2. Every rank maps it, publishes its pid and process start time in its control record, and
-   counts itself in the store (``store.add``). The rank whose count completes the group unlinks
-   the name, so from then on no rank, killed or not, can leak it: the memory lives exactly as long
-   as some process maps it.
-3. Every rank waits until the name is unlinked, which makes initialisation a barrier: all
-   control records are filled before the first collective.
+1. Group rank 0 creates a memfd (``memfd_create``, mode 0600), sizes it, and seals it against
+   shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``), then publishes through
+   the group's store its pid, process start time, fd number and inode.
+2. Every other rank opens ``/proc/<creator pid>/fd/<fd>`` (the kernel checks that it may read
+   the creator's fds: same uid), checks on the fd it got that it is the published inode, a
+   regular file owned by its own uid with mode 0600, of the layout's size, and sealed, and
+   refuses otherwise, naming the path; it checks the creator's start time before and after the
+   open, so a reused pid is never followed. Then it maps the fd and closes it.
+3. Every rank publishes its pid and process start time in its control record and counts itself
+   in the store; every rank waits for the count (initialisation is a barrier: all control
+   records are filled before the first collective), then the creator closes its fd.
 
-On any error before step 3 completes, the rank that knows the name unlinks it (ENOENT ignored),
-and the creator also unlinks at interpreter exit if it is still linked. We never use
-``multiprocessing.shared_memory``: its resource tracker unlinks segments in use (CPython gh-82300).
+Why a sealed memfd rather than a /dev/shm name (the design up to issue #15):
+
+- *Nothing can leak.* A memfd has no name: the memory lives exactly as long as some process
+  maps it or holds its fd, so a job killed in any phase (even between create and attach) leaves
+  nothing behind, and there is no create-to-attach window to shrink. :func:`sweep_dead_segments`
+  only removes /dev/shm names that earlier fcoll versions left.
+- *No SIGBUS.* A truncated shared file makes every access past its new end raise SIGBUS, which
+  Python cannot turn into an exception (the faulting copy is inside torch or memcpy). Checking
+  the size with ``fstat`` before each access would cost a syscall per collective and still race
+  with a truncation in the middle of a copy. The seals make the size immutable, for every
+  process including root (``ftruncate`` fails with EPERM), so the mapping can never lose a page.
+  A memfd also is not bounded by the size of the /dev/shm mount (64 MiB in a default Docker
+  container), another source of SIGBUS on first touch.
+- *No path to redirect.* Attachers never open a path taken from the store: they build
+  ``/proc/<pid>/fd/<n>`` from integers, so there is no directory another user can plant a
+  symlink in (``O_NOFOLLOW`` does not apply to /proc's fd links; the fd checks above replace it).
+
+It needs every rank to see the creator in /proc and be allowed to read its fds (same uid, one
+pid namespace); the liveness checks of :mod:`fcoll.shm.sync` need the same.
+
+We never use ``multiprocessing.shared_memory``: its resource tracker unlinks segments in use
+(CPython gh-82300).
 
 Layout (offsets in bytes, every region 4096-aligned)::
 
@@ -26,24 +48,31 @@ Layout (offsets in bytes, every region 4096-aligned)::
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import datetime
+import fcntl
 import mmap
 import os
-import secrets
+import re
+import stat
+import time
 from dataclasses import dataclass
 
 import torch
 
 SHM_DIR = "/dev/shm"
-PREFIX = "fcoll-"
-NAME_RANDOM_BYTES = 16  # 32 hex digits in every segment name
+PREFIX = "fcoll-"  # of the memfd's name (shown in /proc/<pid>/maps) and of old /dev/shm names
 CONTROL_BYTES = 64  # one cache line per rank, so counters of different ranks never share a line
 HEADER_BYTES = 2048
 NSLOTS = 3  # data slots per rank, used round robin (see phases.py for why 3)
 PAGE = 4096
 SLOT_BYTES = 1 << 20  # default bytes of one data slot, see default_slot_bytes
+MODE = 0o600
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+SWEEP_MIN_AGE_S = 10.0  # a /dev/shm name younger than this may not be mapped yet by its creator
+MAX_STORE_VALUE_BYTES = 128  # the published segment record is read from the store, bounded
+_KEY = "fcoll/segment"
+_RECORD = re.compile(rb"memfd ([0-9]{1,10}) ([0-9]{1,20}) ([0-9]{1,10}) ([0-9]{1,20})")
 
 # Word indices (u32) inside a rank's control record.
 W_ARRIVE = 0
@@ -57,8 +86,6 @@ U32_BITS = 32
 U32_MASK = (1 << U32_BITS) - 1
 
 MAX_PREFIX_VIEWS = 512  # cached prefix views per segment before the cache starts over
-
-_linked: set[str] = set()  # names this process created and has not unlinked yet
 
 
 def _round_up(n: int, m: int = PAGE) -> int:
@@ -79,29 +106,14 @@ def default_slot_bytes() -> int:
     return SLOT_BYTES
 
 
-def unlink_quietly(path: str) -> None:
-    """Remove ``path`` from /dev/shm; a name already gone is fine."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    _linked.discard(path)
-
-
-@atexit.register
-def _unlink_leftovers() -> None:
-    for path in list(_linked):
-        unlink_quietly(path)
-
-
 def _proc_stat(pid: int) -> list[bytes] | None:
     """Fields of /proc/pid/stat after the command name (field 3, the state, first), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            raw = f.read()
     except OSError:
         return None
-    return stat[stat.rfind(b")") + 2:].split()
+    return raw[raw.rfind(b")") + 2:].split()
 
 
 def proc_start_time(pid: int) -> int | None:
@@ -211,66 +223,195 @@ class Segment:
             pass  # a torch view is still alive somewhere; unmapped when it dies
 
 
-def _create(size: int) -> tuple[str, int]:
-    for _ in range(8):
-        path = os.path.join(SHM_DIR, PREFIX + secrets.token_hex(NAME_RANDOM_BYTES))
+def _create(size: int, start: int) -> int:
+    """A sealed memfd of ``size`` bytes, mode 0600; returns its fd (close-on-exec)."""
+    fd = os.memfd_create(f"{PREFIX}{os.getpid()}-{start}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.fchmod(fd, MODE)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        _check_fd(fd, f"/proc/{os.getpid()}/fd/{fd}", size, None)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_fd(fd: int, path: str, size: int, ino: int | None) -> None:
+    """Refuse ``fd`` (opened from ``path``) unless it is the group's segment: inode ``ino``, a
+    regular file of our uid, mode 0600, ``size`` bytes, sealed against resizing.
+
+    Raises:
+        RuntimeError: naming ``path`` and the first check that failed.
+    """
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif ino is not None and st.st_ino != ino:
+        why = f"is inode {st.st_ino}, not the published {ino}"
+    elif st.st_uid != os.geteuid():
+        why = f"is owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
+    elif stat.S_IMODE(st.st_mode) != MODE:
+        why = f"has mode {stat.S_IMODE(st.st_mode):04o}, not {MODE:04o}"
+    elif st.st_size != size:
+        why = f"has {st.st_size} bytes, not the {size} of the group's layout"
+    else:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError:
-            continue
-        _linked.add(path)
-        try:
-            os.ftruncate(fd, size)
-        except BaseException:
-            os.close(fd)
-            unlink_quietly(path)
-            raise
-        return path, fd
-    raise RuntimeError("fcoll: could not create a unique shared-memory segment in /dev/shm")
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if seals & SEALS != SEALS:
+            why = "is not sealed against shrinking and growing (it could be truncated: SIGBUS)"
+    if why is not None:
+        raise RuntimeError(f"fcoll: refusing to map the shared-memory segment {path}: it {why}")
+
+
+def _attach(record: bytes, size: int) -> int:
+    """Open the segment the creator published as ``record``; returns the fd.
+
+    Raises:
+        RuntimeError: the record is malformed, the creator is gone, or the fd fails
+            :func:`_check_fd`.
+    """
+    m = _RECORD.fullmatch(record[:MAX_STORE_VALUE_BYTES])
+    if m is None or len(record) > MAX_STORE_VALUE_BYTES:
+        raise RuntimeError(f"fcoll: unexpected segment record {record[:80]!r} in the store")
+    pid, start, fdn, ino = (int(g) for g in m.groups())
+    path = f"/proc/{pid}/fd/{fdn}"
+    if proc_start_time(pid) != start:
+        raise RuntimeError(f"fcoll: the creator of the group's segment (pid {pid}) exited "
+                           f"before this rank could attach {path}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise RuntimeError(f"fcoll: cannot open the group's segment {path} ({e.strerror}); "
+                           "every rank must run as the same user, see the creator in /proc "
+                           "and be allowed to read its fds") from None
+    try:
+        if proc_start_time(pid) != start:  # the pid was reused between the checks
+            raise RuntimeError(f"fcoll: the creator of the group's segment (pid {pid}) exited "
+                               f"while this rank attached {path}")
+        _check_fd(fd, path, size, ino)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def open_segment(store, rank: int, world: int, slot_bytes: int,
                  timeout: datetime.timedelta) -> Segment:
-    """Create (rank 0) or attach (others) the group's segment and unlink its name; see module doc.
+    """Create (rank 0) or attach (others) the group's segment; see the module doc.
+
+    Rank 0 first removes the /dev/shm names earlier fcoll versions left
+    (:func:`sweep_dead_segments`).
 
     Raises:
-        RuntimeError: the segment cannot be created or mapped, or a rank did not attach within
-            ``timeout``; the name is unlinked before raising.
+        RuntimeError: the segment cannot be created, opened or mapped, fails a check (named
+            with its path), or a rank did not attach within ``timeout``.
     """
     layout = Layout(world, slot_bytes)
-    path = None
     fd = -1
+    mm = None
     try:
-        if rank == 0:
-            path, fd = _create(layout.total)
-            store.set("fcoll/segment", path)
-        else:
-            store.wait(["fcoll/segment"], timeout)
-            path = store.get("fcoll/segment").decode()
-            if not os.path.basename(path).startswith(PREFIX) or os.path.dirname(path) != SHM_DIR:
-                raise RuntimeError(f"fcoll: unexpected segment name {path!r} in the store")
-            fd = os.open(path, os.O_RDWR)
-            if os.fstat(fd).st_size != layout.total:
-                raise RuntimeError(f"fcoll: segment {path} has the wrong size")
-        mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
-        fd = -1
-        seg = Segment(mm, layout)
         start = proc_start_time(os.getpid()) or 0
+        if rank == 0:
+            sweep_dead_segments()
+            fd = _create(layout.total, start)
+            ino = os.fstat(fd).st_ino
+            store.set(_KEY, f"memfd {os.getpid()} {start} {fd} {ino}")
+        else:
+            store.wait([_KEY], timeout)
+            fd = _attach(store.get(_KEY), layout.total)
+        mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if rank != 0:
+            os.close(fd)
+            fd = -1
+        seg = Segment(mm, layout)
         seg.words[layout.word(rank, W_PID)] = os.getpid()
         seg.words[layout.word(rank, W_START_LO)] = start & U32_MASK
         seg.words[layout.word(rank, W_START_HI)] = start >> U32_BITS
         if store.add("fcoll/attached", 1) == world:
-            unlink_quietly(path)
-            store.set("fcoll/unlinked", "1")
-        store.wait(["fcoll/unlinked"], timeout)
-        _linked.discard(path)
+            store.set("fcoll/all_attached", "1")
+        store.wait(["fcoll/all_attached"], timeout)
         return seg
     except BaseException as e:
-        if fd >= 0:
-            os.close(fd)
-        if path is not None:
-            unlink_quietly(path)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass
         if isinstance(e, Exception) and not isinstance(e, RuntimeError):
             raise RuntimeError(f"fcoll: rank {rank} could not set up shared memory: {e}") from e
         raise
+    finally:
+        if fd >= 0:
+            os.close(fd)  # the creator's, once every rank attached (or on failure)
+
+
+# ---- /dev/shm names left by earlier fcoll versions ---------------------------------------------
+def sweep_dead_segments(shm_dir: str = SHM_DIR,
+                        min_age_s: float = SWEEP_MIN_AGE_S) -> list[str]:
+    """Remove the fcoll segment names in ``shm_dir`` that no process uses; return their paths.
+
+    This version never names a segment (see the module doc); earlier ones created
+    ``/dev/shm/fcoll-<hex>`` and unlinked it once every rank had attached, so a job killed
+    inside that window left the name, and its memory, behind. A name is removed when it is a
+    regular file of our uid, older than ``min_age_s`` (its creator maps it within
+    microseconds of creating it), and no process we can see maps it (``/proc/*/maps``;
+    processes of other users cannot map a 0600 file of ours). The scan runs only when such an
+    old name exists, so the usual cost is one ``listdir``. Called by :func:`open_segment` on
+    rank 0 and by ``fcoll.launch`` at start and exit.
+    """
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(PREFIX)]
+    except OSError:
+        return []
+    now = time.time()
+    old = {}
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+                and now - st.st_ctime >= min_age_s):
+            old[path] = (st.st_dev, st.st_ino)
+    if not old:
+        return []
+    mapped = _mapped_inodes(shm_dir)
+    removed = []
+    for path, (dev, ino) in old.items():
+        if ino in mapped:
+            continue
+        try:
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == (dev, ino):  # still the file we judged
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _mapped_inodes(shm_dir: str) -> set[int]:
+    """Inodes of the ``shm_dir`` fcoll files mapped by any process whose maps we can read."""
+    needle = os.path.join(shm_dir, PREFIX).encode()
+    inodes = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                maps = f.read()
+        except OSError:
+            continue
+        if needle not in maps:
+            continue
+        for line in maps.splitlines():
+            if needle in line:
+                fields = line.split(None, 5)
+                if len(fields) >= 5 and fields[4].isdigit():
+                    inodes.add(int(fields[4]))
+    return inodes
