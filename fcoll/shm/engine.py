@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
-import marshal
 import sys
 import threading
 import time
@@ -168,8 +167,7 @@ class Engine:
         self.seq = seq + 1
         error = None
         try:
-            # the encoding of Header(seq, *plan.tail), see fcoll.shm.headers.Header.tail
-            fn(ch, plan, *args, marshal.dumps((seq,) + plan.tail),
+            fn(ch, plan, *args, plan.tail.encode(seq),
                f"{plan.name} (collective #{seq})", time.monotonic())
         except BaseException as e:  # noqa: BLE001  carried to wait()
             error = self._failed(plan.name, e)

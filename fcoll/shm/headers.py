@@ -13,7 +13,7 @@ what it covers, so a header costs the reader O(its bytes) time and memory (at mo
 ``MAX_PAYLOAD_BYTES``) whatever a peer, or a process scribbling on the segment, wrote::
 
     offset  bytes  field
-    0       1      MAGIC (0x73; or MAGIC_REF, 0xF3)
+    0       1      MAGIC (0x73)
     1       4      u32: the bytes that follow (must be exactly the rest of the payload)
     5       8      seq, i64
     13      1      flags: F_ERROR (an error message follows), F_ALL_TO_ALL (ranks' headers
@@ -30,17 +30,6 @@ what it covers, so a header costs the reader O(its bytes) time and memory (at mo
                 all in i32 range: u16 count, then i32 each (shapes: one unpack); b"S" a
                 tuple of two such lists of one length (all_to_all's split sizes): u16 length,
                 then i32 each
-
-Why MAGIC is 0x73 and the prefix is a u32 length: that is exactly how ``marshal`` writes a bytes
-object, and ``engine.py``'s fast path still spells the encoding ``marshal.dumps((seq,) +
-plan.tail)``; :meth:`Tail.__radd__` makes ``(seq,) + tail`` the body as a fresh bytearray, so
-that expression gives these very bytes. ``marshal`` sets its FLAG_REF bit (0x80) on the first
-byte when the object has another reference (never so for the engine's temporary, but a tracer
-holding it is enough), so the decoder also accepts ``MAGIC_REF``: such a header is not
-byte-equal to its peers' and is decoded and compared field by field instead, which is slower
-but right. ``marshal`` only ever encodes our own data there; no peer data is unmarshalled. Once
-the engine calls :meth:`Tail.encode` the coincidence is free to go (tests/test_hostile.py pins
-it meanwhile).
 
 Messages built from a peer's fields are bounded: names by ``MAX_NAME_BYTES``, a shape or an
 ``extra`` by ``MAX_FIELD_CHARS`` in a message, an error by ``MAX_ERROR_CHARS``.
@@ -70,7 +59,6 @@ MAX_EXTRA_DEPTH = 4  # a coalesced signature (tuple of (dtype, shape)) is 3 deep
 MAX_FIELD_CHARS = 160  # a peer's shape or extra as shown in a message
 
 MAGIC = 0x73
-MAGIC_REF = MAGIC | 0x80  # the same, with marshal's FLAG_REF (see the module doc)
 F_ERROR = 1
 F_ALL_TO_ALL = 2
 _PREFIX = struct.Struct("<BI")
@@ -184,13 +172,6 @@ class Tail(tuple):
         """The bytes of ``Header(seq, *self)``."""
         return self.prefix + _SEQ.pack(seq) + self.rest
 
-    def __radd__(self, left):
-        """``(seq,) + tail``: the body after the 5-byte prefix, as a fresh bytearray, which
-        ``marshal.dumps`` writes as exactly ``self.encode(seq)`` (see the module doc)."""
-        if type(left) is tuple and len(left) == 1:
-            return bytearray(_SEQ.pack(left[0]) + self.rest)
-        return NotImplemented
-
 
 # ---- encoding (our own header: never raises, falls back instead) ------------------------------
 def _rest_of(h: Header) -> bytes:
@@ -299,8 +280,7 @@ def _decode(p: bytes) -> Header:
     bytes (a recurring collective's headers differ only in ``seq``)."""
     rest = p[FLAGS_OFF:]
     fields = _DECODED.get(rest)
-    if fields is not None and _PREFIX.unpack_from(p) in ((MAGIC, len(p) - _PREFIX.size),
-                                                         (MAGIC_REF, len(p) - _PREFIX.size)):
+    if fields is not None and _PREFIX.unpack_from(p) == (MAGIC, len(p) - _PREFIX.size):
         return _new_header(Header, (_SEQ.unpack_from(p, _PREFIX.size)[0],) + fields)
     h = _decode_new(p)
     if len(_DECODED) >= MAX_CACHED_RESTS:
@@ -314,7 +294,7 @@ def _decode_new(p: bytes) -> Header:
     if n < _REST_OFF + 5:  # three name lengths, ndim and one extra tag at least
         raise ValueError(f"{n} bytes, fewer than the {_REST_OFF + 5} of the fixed fields")
     magic, body, seq, flags, root = _HEAD.unpack_from(p)
-    if magic != MAGIC and magic != MAGIC_REF:
+    if magic != MAGIC:
         raise ValueError(f"bad magic byte 0x{magic:02x}")
     if body != n - _PREFIX.size:
         raise ValueError(f"it claims {body} bytes but {n - _PREFIX.size} follow")
