@@ -218,3 +218,48 @@ def test_p2p_ops_trace_and_run_compiled(backend):
     results = run_ranks(_compiled_p2p, 2, backend=backend, timeout_s=100)
     for rank, got in enumerate(results):
         torch.testing.assert_close(got, (torch.arange(3.0) + 10 * (1 - rank)) * 2 + 1)
+
+
+def test_local_tensor_mode_simulates_fcolls_collectives_and_their_gradients():
+    """Under PyTorch's LocalTensorMode (ranks simulated in one process, on the fake process
+    group) fcoll's functions give the simulated collective's values and gradients, as PyTorch's
+    funcol does: all_gather sums the gradient over ranks, reduce_scatter sums the values."""
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    if dist.is_initialized():
+        pytest.skip("needs a process without a default process group")
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
+    try:
+        with LocalTensorMode(frozenset(range(2))):
+            group = dist.group.WORLD.group_name
+            for dim in (0, 1, 2):
+                x = torch.ones(3, 3, 3, requires_grad=True)
+                out = fcoll.all_gather_single_autograd(x * 1.0, dim, group) * 1.0
+                expected_shape = [3, 3, 3]
+                expected_shape[dim] = 6
+                assert list(out.shape) == expected_shape
+                out.sum().backward()
+                assert isinstance(x.grad, LocalTensor)
+                for g in x.grad._local_tensors.values():
+                    torch.testing.assert_close(g, torch.full((3, 3, 3), 2.0))
+            for dim in (0, 1):
+                shape = [3, 3]
+                shape[dim] = 6
+                x = torch.ones(shape, requires_grad=True)
+                out = fcoll.reduce_scatter_single_autograd(x * 1.0, "sum", dim, group)
+                for v in out._local_tensors.values():
+                    torch.testing.assert_close(v, torch.full((3, 3), 2.0))
+                out.sum().backward()
+                for g in x.grad._local_tensors.values():
+                    torch.testing.assert_close(g, torch.ones(shape))
+            # each simulated rank sends row r to rank r: rank r receives every rank's row r
+            x = LocalTensor({r: torch.tensor([[10.0 * r], [10.0 * r + 1]]) for r in range(2)})
+            out = fcoll.all_to_all_single(x, [1, 1], [1, 1], group)
+            for r, v in out._local_tensors.items():
+                torch.testing.assert_close(v, torch.tensor([[float(r)], [10.0 + r]]))
+            y = LocalTensor({r: torch.full((4,), float(r + 1)) for r in range(2)})
+            for v in fcoll.all_reduce(y, "sum", group)._local_tensors.values():
+                torch.testing.assert_close(v, torch.full((4,), 3.0))
+    finally:
+        dist.destroy_process_group()

@@ -7,6 +7,12 @@ tracing (Dynamo, ``make_fx``, fake mode) ``fcoll.wait_tensor`` is emitted right 
 collective and the graph passes move it.
 
 Shapes are per rank; ``n`` is the group size.
+
+Under PyTorch's ``LocalTensorMode`` (every rank simulated in one process) each function runs
+PyTorch's twin op instead of fcoll's (:func:`_op`): the mode recognises collectives by their
+``_c10d_functional`` namespace and simulates them across the
+ranks; an op of another namespace would run once per rank on the fake process group and return
+each rank's own data. The results are then complete (the mode computes them synchronously).
 """
 
 from __future__ import annotations
@@ -30,9 +36,27 @@ __all__ = [
 
 _ops = torch.ops.fcoll
 
+try:
+    from torch.distributed._local_tensor import local_tensor_mode as _local_tensor_mode
+except ImportError:  # a torch without LocalTensorMode
+    def _local_tensor_mode() -> None:
+        return None
+
+def _op(name: str):
+    """The op that runs collective ``name``: ``torch.ops.fcoll.<name>``, or under
+    ``LocalTensorMode`` its ``_c10d_functional`` twin (same schema), which the mode simulates
+    across ranks and which has PyTorch's own backward formula."""
+    if _local_tensor_mode() is None:
+        return getattr(_ops, name)
+    return getattr(torch.ops._c10d_functional, name)
+
 
 def _finish(t: torch.Tensor) -> torch.Tensor:
-    return _ops.wait_tensor(t) if is_tracing() else wrap_async(t)
+    if is_tracing():
+        return _ops.wait_tensor(t)
+    if _local_tensor_mode() is not None:  # computed already; retire c10d's registered work
+        return t if t.requires_grad else torch.ops._c10d_functional.wait_tensor(t)
+    return wrap_async(t)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -66,14 +90,14 @@ def all_reduce(self: torch.Tensor, reduceOp: str, group: GroupLike, tag: str = "
         ValueError: unknown reduce op, or a bitwise op on a floating dtype.
     """
     name = resolve_group_name(group, tag)
-    return _finish(_ops.all_reduce(_plain(self), reduceOp.lower(), name))
+    return _finish(_op("all_reduce")(_plain(self), reduceOp.lower(), name))
 
 
 def all_reduce_coalesced(self: list[torch.Tensor], reduceOp: str, group: GroupLike,
                          tag: str = "") -> list[torch.Tensor]:
     """``all_reduce`` of each tensor of ``self`` as one coalesced collective."""
     name = resolve_group_name(group, tag)
-    outs = _ops.all_reduce_coalesced([_plain(t) for t in self], reduceOp.lower(), name)
+    outs = _op("all_reduce_coalesced")([_plain(t) for t in self], reduceOp.lower(), name)
     return [_finish(o) for o in outs]
 
 
@@ -106,7 +130,7 @@ def all_gather_single(self: torch.Tensor, gather_dim: int, group: GroupLike,
     """
     name = resolve_group_name(group, tag)
     n = group_size(name)
-    out = _finish(_ops.all_gather_into_tensor(_plain(self).contiguous(), n, name))
+    out = _finish(_op("all_gather_into_tensor")(_plain(self).contiguous(), n, name))
     return _chunks_to_gather_dim(out, n, gather_dim)
 
 
@@ -133,7 +157,7 @@ def all_gather_single_coalesced(self: list[torch.Tensor], group: GroupLike,
     """``all_gather_single(t, 0, group)`` for each ``t`` of ``self``, as one collective:
     ``[N_i, *] -> [n * N_i, *]``."""
     name = resolve_group_name(group, tag)
-    outs = _ops.all_gather_into_tensor_coalesced([_plain(t) for t in self], group_size(name),
+    outs = _op("all_gather_into_tensor_coalesced")([_plain(t) for t in self], group_size(name),
                                                  name)
     return [_finish(o) for o in outs]
 
@@ -168,7 +192,7 @@ def reduce_scatter_single(self: torch.Tensor, reduceOp: str, scatter_dim: int,
     t = _scatter_dim_first(self, scatter_dim, n, "reduce_scatter_tensor")
     # With scatter_dim != 0 the chunks were stacked along dim 0, so rank r's output is the r-th
     # chunk along scatter_dim exactly, with no reshuffle afterwards (as PyTorch does it).
-    return _finish(_ops.reduce_scatter_tensor(t, reduceOp.lower(), n, name))
+    return _finish(_op("reduce_scatter_tensor")(t, reduceOp.lower(), n, name))
 
 
 def reduce_scatter_single_autograd(self: torch.Tensor, reduceOp: str, scatter_dim: int,
@@ -207,7 +231,7 @@ def reduce_scatter_single_coalesced(inputs: list[torch.Tensor], reduceOp: str,
                          f"{len(scatter_dim)} entries for {len(inputs)} inputs")
     ts = [_scatter_dim_first(t, d, n, "reduce_scatter_tensor_coalesced")
           for t, d in zip(inputs, scatter_dim)]
-    outs = _ops.reduce_scatter_tensor_coalesced(ts, reduceOp.lower(), n, name)
+    outs = _op("reduce_scatter_tensor_coalesced")(ts, reduceOp.lower(), n, name)
     return [_finish(o) for o in outs]
 
 
@@ -233,7 +257,7 @@ def all_to_all_single(self: torch.Tensor, output_split_sizes: list[int] | None,
             raise ValueError(f"fcoll.all_to_all_single: input shape {list(self.shape)}: dim 0 "
                              f"must be divisible by the group size {n} when splits are None")
         output_split_sizes = input_split_sizes = [self.size(0) // n] * n
-    out = _ops.all_to_all_single(_plain(self), list(output_split_sizes),
+    out = _op("all_to_all_single")(_plain(self), list(output_split_sizes),
                                  list(input_split_sizes), name)
     return _finish(out)
 
@@ -254,4 +278,4 @@ def broadcast(self: torch.Tensor, src: int, group: GroupLike, tag: str = "") -> 
         ValueError: ``src`` is outside ``[0, n)``.
     """
     name = resolve_group_name(group, tag)
-    return _finish(_ops.broadcast(_plain(self), src, name))
+    return _finish(_op("broadcast")(_plain(self), src, name))
