@@ -1,4 +1,4 @@
-"""The package's layers import only downward: ops -> shm -> passes -> compile -> inspect.
+"""The package's layers import only downward: ops -> shm -> passes -> compile -> inspect -> sim.
 
 A module may import from its own layer and the layers below it, never from a layer above, at
 module level or inside a function (a function-level import hides a loop; it does not remove it).
@@ -13,7 +13,7 @@ import pathlib
 
 import fcoll
 
-LAYERS = ("ops", "shm", "passes", "compile", "inspect")
+LAYERS = ("ops", "shm", "passes", "compile", "inspect", "sim")
 PACKAGE = pathlib.Path(fcoll.__file__).parent
 
 

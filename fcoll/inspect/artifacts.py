@@ -23,6 +23,7 @@ from torch._logging import trace_structured
 from fcoll.compile.backend import register_compile_listener
 from fcoll.inspect.format import format_graph
 from fcoll.inspect.report import overlap_report
+from fcoll.inspect.schedule import step_schedule
 from fcoll.inspect.predicted import PredictFn, predicted_events
 from fcoll.inspect.table import collectives
 from fcoll.inspect.timeline import exposed_of, timeline_svg
@@ -36,6 +37,7 @@ RECORD_FILES = (
     "{name}.before.txt", "{name}.after.txt", "{name}.collectives_before.txt",
     "{name}.collectives.txt", "{name}.collectives.json", "{name}.overlap.txt",
     "{name}.overlap.json", "{name}.timeline_before.svg", "{name}.timeline.svg",
+    "{name}.schedule.json",
 )
 
 
@@ -80,6 +82,9 @@ def record_files(record: Any, *, predict: PredictFn | None = None) -> dict[str, 
         f"{name}.collectives.json": json.dumps(table_a.as_dicts(), indent=1) + "\n",
         f"{name}.overlap.txt": str(report) + "\n",
         f"{name}.overlap.json": json.dumps(report.as_dict(), indent=1) + "\n",
+        # what fcoll.sim replays (fcoll.inspect.schedule)
+        f"{name}.schedule.json": json.dumps(step_schedule(after, record.name, events=ev_a))
+        + "\n",
     })
     if ev_b is not None:
         files[f"{name}.timeline_before.svg"] = timeline_svg(

@@ -1,0 +1,160 @@
+"""Links of a simulated cluster: what one step of a collective costs on them.
+
+Two kinds of link:
+
+- :class:`Link`, a network link given by its bandwidth and latency (the Hockney alpha-beta
+  model, ``t = alpha + bytes / bandwidth`` per message): the collective algorithms of
+  :mod:`fcoll.sim.algorithms` are built from its messages. Written ``'100gbit,5us'``.
+- :class:`MeasuredLink`, written ``'shm'``: fcoll's shared-memory backend between the ranks of
+  one host. Its collectives are not built from messages; each collective kind on ``G`` ranks
+  has its own fitted ``alpha_us + beta_us_per_byte * bytes`` (:func:`shm_comm_params`, the one
+  place that reads fcoll's cost model).
+
+Both answer :meth:`collective_us` ``(kind, nbytes, ranks, algorithm)``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from fcoll.ops.facts import KINDS, busbw_factor
+from fcoll.sim import algorithms
+
+__all__ = ["Link", "MeasuredLink", "LinkModel", "parse_link", "shm_comm_params",
+           "SHM_DEFAULT_ALPHA_US", "SHM_DEFAULT_BUSBW_GBPS"]
+
+#: Bandwidth units accepted in link specs -> bytes per microsecond per unit (SI prefixes, as
+#: network rates are quoted: 1 gbit = 1e9 bits/s; 1 GB/s = 1e9 bytes/s).
+_BANDWIDTH_UNITS = {
+    "gbit": 1e9 / 8 / 1e6, "mbit": 1e6 / 8 / 1e6, "tbit": 1e12 / 8 / 1e6,
+    "gb/s": 1e9 / 1e6, "mb/s": 1e6 / 1e6, "tb/s": 1e12 / 1e6,
+}
+#: Latency units -> microseconds.
+_LATENCY_UNITS = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
+
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link: ``alpha_us`` per message plus ``bytes / bandwidth_bytes_per_us``.
+
+    Attributes:
+        bandwidth_bytes_per_us: bytes per microsecond one rank can send (and receive at once;
+            full duplex) = GB/s * 1e3.
+        alpha_us: latency of one message, in microseconds (the model's alpha).
+        spec: the text it was parsed from, for reports.
+    """
+
+    bandwidth_bytes_per_us: float
+    alpha_us: float
+    spec: str = ""
+
+    def collective_us(self, kind: str, nbytes: float, ranks: int, algorithm: str) -> float:
+        """Time of one collective on ``ranks`` ranks all joined by this link, in us
+        (:func:`fcoll.sim.algorithms.flat_us`)."""
+        return algorithms.flat_us(kind, nbytes, ranks, self.alpha_us,
+                                  self.bandwidth_bytes_per_us, algorithm)
+
+    def describe(self) -> str:
+        gbps = self.bandwidth_bytes_per_us / 1e3
+        return f"{self.spec or 'link'}: {gbps:g} GB/s per rank, alpha {self.alpha_us:g} us"
+
+
+@dataclass(frozen=True)
+class MeasuredLink:
+    """The ranks of one host over fcoll's shared-memory backend (``'shm'``).
+
+    Attributes:
+        params: ``(kind, ranks) -> (alpha_us, beta_us_per_byte, source)``, default
+            :func:`shm_comm_params`.
+        spec: the text it was parsed from.
+    """
+
+    params: Callable[[str, int], tuple[float, float, str]]
+    spec: str = "shm"
+
+    def collective_us(self, kind: str, nbytes: float, ranks: int, algorithm: str) -> float:
+        """``alpha_us + beta_us_per_byte * nbytes`` of ``kind`` on ``ranks`` ranks; the
+        backend picks its own algorithm, so ``algorithm`` is ignored. 0 on one rank."""
+        if ranks <= 1:
+            return 0.0
+        alpha, beta, _ = self.params(kind, ranks)
+        return alpha + beta * nbytes
+
+    def describe(self) -> str:
+        alpha, beta, source = self.params("all_reduce", 2)
+        busbw = busbw_factor("all_reduce", 2) / beta / 1e3 if beta > 0 else float("inf")
+        return (f"{self.spec}: fcoll shared memory, {source}; e.g. all_reduce on 2 ranks "
+                f"alpha {alpha:g} us, busbw {busbw:.3g} GB/s")
+
+
+LinkModel = Union[Link, MeasuredLink]
+
+#: Defaults of the shared-memory model when nothing is calibrated: fcoll's all_reduce on 2
+#: ranks measured on a quiet machine (docs: /work/shared/NOTES.md, "Measured 2026-11-23",
+#: ``benchmarks/collectives.py --nproc 2``: 64 us at 4 KiB, 3.16 GB/s busbw at 128 MiB). Every
+#: kind and group size uses the same alpha and bus bandwidth, with the nccl-tests bus factor
+#: of its kind (:func:`fcoll.ops.facts.busbw_factor`).
+SHM_DEFAULT_ALPHA_US = 64.0
+SHM_DEFAULT_BUSBW_GBPS = 3.16
+
+
+def shm_comm_params(kind: str, ranks: int) -> tuple[float, float, str]:
+    """``(alpha_us, beta_us_per_byte, source)`` of collective ``kind`` on ``ranks`` ranks of
+    fcoll's shared-memory backend: the one place the simulator reads fcoll's cost model.
+
+    Uses the fitted per-kind, per-group-size model of :mod:`fcoll.passes.calibrate` when one is
+    available in this process; else the documented defaults :data:`SHM_DEFAULT_ALPHA_US` and
+    :data:`SHM_DEFAULT_BUSBW_GBPS` (``beta = busbw_factor(kind, ranks) / busbw``).
+
+    Raises:
+        ValueError: ``kind`` is not a collective kind.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"shm_comm_params: unknown collective kind {kind!r}; known: {KINDS}")
+    beta = busbw_factor(kind, max(ranks, 2)) / (SHM_DEFAULT_BUSBW_GBPS * 1e3)
+    return SHM_DEFAULT_ALPHA_US, beta, "documented defaults (not calibrated)"
+
+
+def parse_link(spec: str, argument: str = "link") -> LinkModel:
+    """Parse a link spec: ``'shm'``, or ``'BANDWIDTH,LATENCY'`` such as ``'100gbit,5us'``.
+
+    Bandwidth units: gbit, mbit, tbit (bits per second, SI), GB/s, MB/s, TB/s (bytes per
+    second, SI); case is ignored. Latency units: ns, us, ms, s. Both parts are required.
+
+    Args:
+        spec: the text.
+        argument: the option it came from (``'--inter'``), named in errors.
+
+    Raises:
+        ValueError: naming ``argument`` and ``spec``: not two parts, a number that is missing,
+            negative or zero (bandwidth), or an unknown unit.
+    """
+    text = str(spec).strip().lower()
+    if text == "shm":
+        return MeasuredLink(shm_comm_params, spec="shm")
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2:
+        raise ValueError(f"{argument}: expected 'shm' or 'BANDWIDTH,LATENCY' such as "
+                         f"'100gbit,5us', got {spec!r}")
+    bw = _quantity(parts[0], _BANDWIDTH_UNITS, "bandwidth", argument, spec)
+    lat = _quantity(parts[1], _LATENCY_UNITS, "latency", argument, spec)
+    if bw <= 0:
+        raise ValueError(f"{argument}: bandwidth must be positive, got {parts[0]!r} in {spec!r}")
+    return Link(bandwidth_bytes_per_us=bw, alpha_us=lat, spec=str(spec).strip())
+
+
+def _quantity(text: str, units: dict[str, float], what: str, argument: str,
+              spec: str) -> float:
+    m = re.fullmatch(rf"({_NUMBER})\s*([a-z/]+)", text)
+    if m is None:
+        raise ValueError(f"{argument}: cannot read the {what} {text!r} in {spec!r}: expected "
+                         f"a number and a unit ({', '.join(units)})")
+    number, unit = float(m.group(1)), m.group(3)
+    if unit not in units:
+        raise ValueError(f"{argument}: unknown {what} unit {unit!r} in {spec!r}; known: "
+                         f"{', '.join(units)}")
+    return number * units[unit]

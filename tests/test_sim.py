@@ -1,0 +1,344 @@
+"""Tests of fcoll.sim: collective arithmetic, link specs, scaling, overlap replay, the CLI.
+
+Single process. Programs are built by hand as ``fcoll.schedule`` dicts (the format
+``fcoll.inspect`` writes, :mod:`fcoll.inspect.schedule`) so every time is known; the CLI test
+writes a directory with ``fcoll.inspect.write_record`` from a graph that went through fcoll's
+passes on PyTorch's fake process group.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+import xml.etree.ElementTree as ET
+from contextlib import redirect_stdout
+from types import SimpleNamespace
+
+import canonical
+
+from fcoll.sim import (
+    Layout, Link, flat_us, hierarchical_us, parse_link, shard_names, simulate,
+)
+from fcoll.sim.cli import main as sim_main, parse_ranks
+from fcoll.sim.program import load_programs, program_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 2**20
+# 100 gbit/s = 12,500 bytes/us; 5 us per message
+NET = Link(bandwidth_bytes_per_us=12_500.0, alpha_us=5.0, spec="100gbit,5us")
+SLOW_HOST = Link(bandwidth_bytes_per_us=50_000.0, alpha_us=1.0, spec="50GB/s,1us")
+
+
+def node(name, cls, inputs=(), us=0.0, out=0, alloc=None, frees=(), **kw):
+    return {"name": name, "cls": cls, "inputs": list(inputs), "us": us, "out_bytes": out,
+            "alloc_bytes": out if alloc is None else alloc, "frees": list(frees), **kw}
+
+
+def coll(name, kind, inputs, in_bytes, out_bytes, group_size=2, group="0"):
+    return node(name, "collective", inputs, out=out_bytes, kind=kind, op=kind, group=group,
+                group_size=group_size, in_bytes=in_bytes, dtype="float32",
+                size_estimated=False)
+
+
+def schedule(nodes, world_size=2, name="g", op_overhead_us=0.0):
+    return {"format": "fcoll.schedule", "version": 1, "graph": name, "world_size": world_size,
+            "cost_source": "test", "op_overhead_us": op_overhead_us, "nodes": nodes}
+
+
+def one_collective(kind, in_bytes, out_bytes):
+    """x -> collective -> wait: nothing to hide it, so the step is the collective."""
+    return schedule([node("x", "placeholder", out=in_bytes),
+                     coll("c", kind, ["x"], in_bytes, out_bytes),
+                     node("w", "wait", ["c"], collective="c")])
+
+
+class TestCollectiveArithmetic(unittest.TestCase):
+    def test_ring_all_reduce_is_2_n_minus_1_over_n_bytes_plus_2_n_minus_1_alphas(self):
+        s = 64 * MiB
+        for n in (2, 3, 8, 64, 4096):
+            want = 2 * (n - 1) / n * s / 12_500.0 + 2 * (n - 1) * 5.0
+            self.assertAlmostEqual(flat_us("all_reduce", s, n, 5.0, 12_500.0, "ring"), want)
+
+    def test_ring_all_gather_and_reduce_scatter_are_n_minus_1_over_n(self):
+        s = 8 * MiB
+        for kind in ("all_gather", "reduce_scatter"):
+            for n in (2, 16, 1000):
+                want = (n - 1) / n * s / 12_500.0 + (n - 1) * 5.0
+                self.assertAlmostEqual(flat_us(kind, s, n, 5.0, 12_500.0, "ring"), want)
+
+    def test_tree_all_reduce_takes_ceil_log2_n_steps_of_alpha_plus_s_over_b(self):
+        s = 4096
+        for n, steps in ((2, 1), (8, 3), (9, 4), (4096, 12)):
+            self.assertAlmostEqual(flat_us("all_reduce", s, n, 5.0, 12_500.0, "tree"),
+                                   steps * (5.0 + s / 12_500.0))
+
+    def test_tree_beats_ring_for_small_messages_and_loses_for_large_ones(self):
+        n = 512
+        self.assertLess(flat_us("all_reduce", 1024, n, 5.0, 12_500.0, "tree"),
+                        flat_us("all_reduce", 1024, n, 5.0, 12_500.0, "ring"))
+        self.assertGreater(flat_us("all_reduce", 1 << 30, n, 5.0, 12_500.0, "tree"),
+                           flat_us("all_reduce", 1 << 30, n, 5.0, 12_500.0, "ring"))
+
+    def test_one_rank_moves_nothing(self):
+        self.assertEqual(flat_us("all_reduce", MiB, 1, 5.0, 1.0, "ring"), 0.0)
+
+    def test_hierarchical_all_reduce_is_intra_rs_plus_inter_ar_of_a_shard_plus_intra_ag(self):
+        s, g, h = 32 * MiB, 8, 16
+        intra = (g - 1) / g * s / 50_000.0 + (g - 1) * 1.0           # one ring phase on a host
+        inter = 2 * (h - 1) / h * (s / g) / 12_500.0 + 2 * (h - 1) * 5.0
+        self.assertAlmostEqual(hierarchical_us("all_reduce", s, h, g, SLOW_HOST, NET, "ring"),
+                               intra + inter + intra)
+
+    def test_hierarchical_all_gather_and_reduce_scatter_cross_hosts_with_a_gth_of_the_bytes(self):
+        s, g, h = 32 * MiB, 4, 8
+        on_host = (g - 1) / g * s / 50_000.0 + (g - 1) * 1.0
+        across = (h - 1) / h * (s / g) / 12_500.0 + (h - 1) * 5.0
+        for kind in ("all_gather", "reduce_scatter"):
+            self.assertAlmostEqual(hierarchical_us(kind, s, h, g, SLOW_HOST, NET, "ring"),
+                                   on_host + across)
+
+    def test_unknown_kind_or_algorithm_raises_naming_it(self):
+        with self.assertRaisesRegex(ValueError, "'gather'"):
+            flat_us("gather", 1, 2, 1.0, 1.0, "ring")
+        with self.assertRaisesRegex(ValueError, "'butterfly'"):
+            flat_us("all_reduce", 1, 2, 1.0, 1.0, "butterfly")
+
+
+class TestLinkSpecs(unittest.TestCase):
+    def test_units(self):
+        for spec, bw, alpha in (("100gbit,5us", 12_500.0, 5.0), ("800Mbit, 2ms", 100.0, 2000.0),
+                                ("25GB/s,500ns", 25_000.0, 0.5), ("1.5mb/s,0us", 1.5, 0.0)):
+            link = parse_link(spec, "--inter")
+            self.assertAlmostEqual(link.bandwidth_bytes_per_us, bw)
+            self.assertAlmostEqual(link.alpha_us, alpha)
+
+    def test_shm_is_the_measured_model(self):
+        link = parse_link("shm", "--intra")
+        self.assertGreater(link.collective_us("all_reduce", MiB, 2, "ring"),
+                           link.collective_us("all_reduce", 1024, 2, "ring"))
+        self.assertEqual(link.collective_us("all_reduce", MiB, 1, "ring"), 0.0)
+
+    def test_bad_specs_raise_value_error_naming_the_argument(self):
+        for spec, what in (("100gbit", "BANDWIDTH,LATENCY"), ("fast,5us", "bandwidth"),
+                           ("100gbps,5us", "unit 'gbps'"), ("100gbit,5 parsecs", "latency"),
+                           ("0gbit,5us", "positive"), ("100gbit,5us,1", "BANDWIDTH,LATENCY")):
+            with self.subTest(spec=spec):
+                with self.assertRaisesRegex(ValueError, f"--inter: .*{what}"):
+                    parse_link(spec, "--inter")
+
+    def test_shm_between_hosts_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "--inter: 'shm'"):
+            simulate(one_collective("all_reduce", MiB, MiB), [16], inter="shm")
+
+    def test_bad_layouts_and_ranks_raise_naming_the_argument(self):
+        with self.assertRaisesRegex(ValueError, "--ranks: 12 ranks do not fill hosts of 8"):
+            Layout(12, 8)
+        with self.assertRaisesRegex(ValueError, "--hosts-of"):
+            Layout(4, 0)
+        with self.assertRaisesRegex(ValueError, "--ranks: .*'x'"):
+            parse_ranks("2,x")
+
+
+class TestReplay(unittest.TestCase):
+    def test_step_of_a_lone_all_reduce_is_the_ring_formula(self):
+        """x -> ar -> wait on 64 ranks (8 hosts of 8), ring forced: nothing hides it."""
+        s = 16 * MiB
+        r = simulate(one_collective("all_reduce", s, s), [Layout(64, 8)], inter=NET,
+                     algorithm="ring").results[0]
+        want = 2 * 63 / 64 * s / 12_500.0 + 2 * 63 * 5.0
+        self.assertAlmostEqual(r.step_us, want)
+        self.assertAlmostEqual(r.comm_us, want)
+        self.assertAlmostEqual(r.exposed_comm_us, want)
+
+    def test_collective_hidden_behind_independent_compute_is_not_exposed(self):
+        """ar(x) -> mm(y) 10 ms -> wait -> add: the all_reduce runs while mm computes."""
+        s = MiB
+        prog = schedule([node("x", "placeholder", out=s), node("y", "placeholder", out=s),
+                         coll("ar", "all_reduce", ["x"], s, s),
+                         node("mm", "compute", ["y"], us=10_000.0, out=s),
+                         node("w", "wait", ["ar"], collective="ar"),
+                         node("add", "compute", ["w", "mm"], us=10.0, out=s)])
+        r = simulate(prog, [Layout(64, 8)], inter=NET).results[0]
+        self.assertGreater(r.comm_us, 0.0)
+        self.assertLess(r.comm_us, 10_000.0)
+        self.assertEqual(r.exposed_comm_us, 0.0)
+        self.assertAlmostEqual(r.step_us, 10_010.0)
+
+    def test_collective_whose_wait_comes_before_the_compute_is_exposed(self):
+        """ar(x) -> wait -> mm(wait): the compute needs the result, so it waits for all of it."""
+        s = MiB
+        prog = schedule([node("x", "placeholder", out=s),
+                         coll("ar", "all_reduce", ["x"], s, s),
+                         node("w", "wait", ["ar"], collective="ar"),
+                         node("mm", "compute", ["w"], us=10_000.0, out=s)])
+        r = simulate(prog, [Layout(64, 8)], inter=NET).results[0]
+        self.assertAlmostEqual(r.exposed_comm_us, r.comm_us)
+        self.assertAlmostEqual(r.step_us, 10_000.0 + r.comm_us)
+
+    def test_collectives_of_one_group_run_one_at_a_time(self):
+        s = MiB
+        prog = schedule([node("x", "placeholder", out=s),
+                         coll("a", "all_reduce", ["x"], s, s), coll("b", "all_reduce", ["x"], s, s),
+                         node("wa", "wait", ["a"], collective="a"),
+                         node("wb", "wait", ["b"], collective="b")])
+        r = simulate(prog, [Layout(64, 8)], inter=NET, algorithm="ring").results[0]
+        one = 2 * 63 / 64 * s / 12_500.0 + 2 * 63 * 5.0
+        self.assertAlmostEqual(r.step_us, 2 * one)
+
+    def test_peak_memory_counts_inputs_and_frees_after_last_use(self):
+        prog = schedule([node("x", "placeholder", out=100),
+                         node("a", "compute", ["x"], us=1.0, out=1000),
+                         node("b", "compute", ["a"], us=1.0, out=10, frees=["a"]),
+                         node("c", "compute", ["b"], us=1.0, out=500, frees=["b"])])
+        r = simulate(prog, [Layout(2, 8)]).results[0]
+        self.assertEqual(r.peak_bytes, 100 + 1000 + 10)
+
+    def test_a_wait_before_its_collective_is_refused(self):
+        bad = schedule([node("w", "wait", [], collective="c"),
+                        coll("c", "all_reduce", [], 4, 4)])
+        with self.assertRaisesRegex(ValueError, "wait 'w' waits on unknown collective 'c'"):
+            program_of(bad)
+
+
+def ddp_step(grad_bytes, compute_us):
+    """backward compute -> all_reduce(grad) -> wait -> optimizer: DDP's step."""
+    return schedule([node("p", "placeholder", out=grad_bytes),
+                     node("bwd", "compute", ["p"], us=compute_us, out=grad_bytes),
+                     coll("ar", "all_reduce", ["bwd"], grad_bytes, grad_bytes),
+                     node("w", "wait", ["ar"], collective="ar"),
+                     node("opt", "compute", ["p", "w"], us=compute_us, out=grad_bytes)])
+
+
+def fsdp_step(param_bytes, n0, compute_us, opt_us, overhead_us=0.0):
+    """all_gather(shard) -> fwd/bwd on the whole parameter -> reduce_scatter(grad) -> wait ->
+    optimizer on the shard: FSDP's step, recorded on ``n0`` ranks."""
+    shard = param_bytes // n0
+    return schedule([node("shard", "placeholder", out=shard),
+                     coll("ag", "all_gather", ["shard"], shard, param_bytes, group_size=n0),
+                     node("wag", "wait", ["ag"], collective="ag"),
+                     node("fwdbwd", "compute", ["wag"], us=compute_us, out=param_bytes,
+                          frees=["ag"]),
+                     coll("rs", "reduce_scatter", ["fwdbwd"], param_bytes, shard,
+                          group_size=n0),
+                     node("wrs", "wait", ["rs"], collective="rs", frees=["fwdbwd"]),
+                     node("opt", "compute", ["shard", "wrs"], us=opt_us, out=shard,
+                          frees=["rs"])],
+                    world_size=n0, op_overhead_us=overhead_us)
+
+
+class TestScaling(unittest.TestCase):
+    def test_ddp_all_reduce_keeps_its_bytes_per_rank(self):
+        s = 32 * MiB
+        rep = simulate(ddp_step(s, 100.0), [Layout(n, 8) for n in (16, 64, 4096)],
+                       inter=NET, algorithm="ring")
+        for r in rep.results:
+            n = r.layout.ranks
+            self.assertAlmostEqual(r.comm_us, 2 * (n - 1) / n * s / 12_500.0 + 2 * (n - 1) * 5.0)
+            self.assertAlmostEqual(r.compute_us, 200.0)   # weak scaling: compute stays
+
+    def test_fsdp_gathered_size_stays_and_shards_shrink_as_one_over_n(self):
+        p, n0 = 64 * MiB, 2
+        rep = simulate(fsdp_step(p, n0, 1000.0, 400.0), [Layout(n, 8) for n in (16, 64)],
+                       inter=NET, algorithm="ring")
+        for r in rep.results:
+            n = r.layout.ranks
+            ring = (n - 1) / n * p / 12_500.0 + (n - 1) * 5.0   # all_gather = reduce_scatter
+            self.assertAlmostEqual(r.comm_us, 2 * ring)
+            self.assertAlmostEqual(r.compute_us, 1000.0 + 400.0 * n0 / n)
+            # inputs: the shard p/n; peak when the gradient p is made while the gathered
+            # parameter p is still live
+            self.assertAlmostEqual(r.peak_bytes, p / n + 2 * p)
+
+    def test_shards_are_found_from_the_graph_ops(self):
+        prog = program_of(fsdp_step(64 * MiB, 2, 1000.0, 400.0))
+        self.assertEqual(shard_names(prog), {"shard", "wrs", "opt"})
+
+    def test_a_shards_fixed_op_overhead_does_not_shrink(self):
+        rep = simulate(fsdp_step(MiB, 2, 1000.0, 400.0, overhead_us=100.0), [Layout(16, 8)],
+                       inter=NET)
+        self.assertAlmostEqual(rep.results[0].compute_us, 1000.0 + 100.0 + 300.0 * 2 / 16)
+
+    def test_auto_picks_the_fastest_algorithm(self):
+        small, big = 4096, 256 * MiB
+        for s, want in ((small, "hier/tree"), (big, "hier/ring")):
+            r = simulate(ddp_step(s, 1.0), [Layout(4096, 8)], intra=SLOW_HOST,
+                         inter=NET).results[0]
+            self.assertEqual(list(r.algorithms()["all_reduce"]), [want])
+            forced = [simulate(ddp_step(s, 1.0), [Layout(4096, 8)], intra=SLOW_HOST, inter=NET,
+                               algorithm=a).results[0].comm_us
+                      for a in ("ring", "tree", "hierarchical")]
+            self.assertAlmostEqual(r.comm_us, min(forced))
+
+    def test_one_host_uses_the_intra_host_link_only(self):
+        s = 8 * MiB
+        r = simulate(ddp_step(s, 1.0), [Layout(8, 8)], intra=SLOW_HOST, inter=NET,
+                     algorithm="ring").results[0]
+        self.assertAlmostEqual(r.comm_us, 2 * 7 / 8 * s / 50_000.0 + 2 * 7 * 1.0)
+
+
+class TestFromGraphs(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        import copy
+
+        from fcoll.passes.config import FcollConfig
+        from fcoll.passes.registry import run_pipeline
+
+        canonical.ensure_fake_pg()
+        cls.before = canonical.ddp_backward(n_layers=3, batch=16, hidden=64)
+        cls.after = run_pipeline(copy.deepcopy(cls.before), FcollConfig(check_ranks=False),
+                                 ["lower_c10d_functional", "bucket_collectives",
+                                  "reorder_for_overlap"])
+
+    def test_live_graph_at_its_own_size_matches_the_recorded_collectives(self):
+        rep = simulate(self.after, [2], intra="shm")
+        prog = load_programs(self.after)[0]
+        n_coll = sum(1 for n in prog.nodes if n.cls == "collective")
+        self.assertEqual(sum(rep.results[0].algorithms()["all_reduce"].values()), n_coll)
+        self.assertAlmostEqual(rep.results[0].compute_us,
+                               sum(n.us for n in prog.nodes if n.cls == "compute"))
+
+    def test_cli_on_a_directory_fcoll_inspect_wrote(self):
+        from fcoll.inspect import write_record
+
+        record = SimpleNamespace(name="graph_0_backward", before=self.before, after=self.after,
+                                 config=None, rank=0)
+        with tempfile.TemporaryDirectory() as d:
+            write_record(record, os.path.join(d, "rank0"))
+            svg, out_json = os.path.join(d, "p.svg"), os.path.join(d, "r.json")
+            buf = io.StringIO()
+            with redirect_stdout(buf):
+                rc = sim_main([d, "--ranks", "2,16,4096", "--hosts-of", "8", "--intra", "shm",
+                               "--inter", "100gbit,5us", "--plot", svg, "--json", out_json])
+            self.assertEqual(rc, 0)
+            text = buf.getvalue()
+            data = json.load(open(out_json))
+            root = ET.parse(svg).getroot()
+        self.assertIn("step_ms", text.splitlines()[0])
+        self.assertIn("assumptions:", text)
+        self.assertEqual([lay["ranks"] for lay in data["layouts"]], [2, 16, 4096])
+        self.assertEqual(data["graphs"], ["graph_0_backward"])
+        for lay in data["layouts"]:
+            self.assertLessEqual(lay["exposed_comm_us"], lay["comm_us"] + 1e-9)
+            self.assertGreaterEqual(lay["step_us"], lay["compute_us"])
+            self.assertGreater(lay["peak_bytes"], 0)
+        ns = "{http://www.w3.org/2000/svg}"
+        self.assertEqual({p.get("class") for p in root.iter(f"{ns}polyline")},
+                         {"step", "exposed"})
+        self.assertEqual(len(root.findall(f".//{ns}circle")), 2 * 3)
+
+    def test_cli_names_the_bad_argument_and_exits_2(self):
+        with tempfile.TemporaryDirectory() as d:
+            proc = subprocess.run([sys.executable, "-m", "fcoll.sim", d, "--inter", "fast"],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=120)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("--inter", proc.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
