@@ -1,15 +1,32 @@
 """Calibration: measure the cost model's parameters on this machine and on real process groups.
 
 Everything here measures or looks up live process groups; the model itself
-(:mod:`fcoll.passes.cost`) is pure.
+(:mod:`fcoll.passes.cost`, :mod:`fcoll.passes.comm_cost`) is pure.
 
 - Compute rates (:func:`measure_compute_rates`): a short microbenchmark, once per process: the
   median time of a transformer-sized matmul (FLOPs/us), the fastest large copy (bytes/us), and a
   tiny aten op called as the executor calls it (us per op).
-- Communication (:func:`calibrate_group`): every collective kind timed at two message sizes on
-  the real backend, fitted to ``alpha_us + beta_us_per_byte * bytes``, once per process group
-  per process. Rank 0's numbers (compute rates included) are broadcast through the group, so
-  every rank plans the same schedule.
+- Communication (:func:`calibrate_group`): every collective kind timed on the real backend at
+  the sizes of :data:`SWEEP_BYTES` (4 KiB .. 64 MiB, powers of 4), the median of a fixed number
+  of runs per size (:func:`reps_for`), fitted to a piecewise alpha-beta curve
+  (:class:`~fcoll.passes.comm_cost.CommCurve`) per ``(backend, kind, group size, link)``.
+
+Budget: a graph needs its collectives' sizes, so a group is timed only up to the first sweep
+size at or above the largest collective of the graphs compiled so far (at least
+:data:`MIN_SWEEP_BYTES`, where timing is cheap); a later graph with larger collectives extends
+the sweep. Results are reused, without timing again:
+
+1. for the same process group: per process, no communication at all;
+2. for another group of the same backend, size and host layout in this process: rank 0's
+   numbers, one broadcast;
+3. across processes of one job: rank 0 reads the job's cache file
+   (:mod:`fcoll.passes.calibration_cache`), one broadcast.
+
+Determinism: whether to time and what to time is decided by the group's rank 0 alone and
+broadcast, and the numbers every rank uses are rank 0's (broadcast in the same message), so
+every rank builds the same model and plans the same schedule; the number of runs per size is
+fixed by the size (never "until stable" on one rank's clock, which would make the ranks issue
+different numbers of collectives and hang).
 
 Calibration is a collective call: it must run on every rank of the group at the same point (the
 ``reorder_for_overlap`` pass does that, on every rank, for the groups of its graph, in the order
@@ -18,40 +35,89 @@ the groups were created). :func:`cached_model` never communicates.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
+import os
+import socket
+import statistics
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 
-from fcoll.passes.cost import KINDS, CommParams, ComputeRates, CostModel, assemble_model
+from fcoll.passes import calibration_cache
+from fcoll.passes.comm_cost import CommCurve, CommKey, CommParams, CommTable
+from fcoll.passes.cost import KINDS, ComputeRates, CostModel, assemble_model, collective_size
 from fcoll.passes.graph import arg_of
 from fcoll.passes.memory import COLLECTIVE, op_class
 
 __all__ = [
-    "CALIBRATION_BYTES", "measure_compute_rates", "calibrate_group", "fit_alpha_beta",
-    "model_for", "cached_model", "moves_data_on_compute_cores",
+    "SWEEP_BYTES", "MIN_SWEEP_BYTES", "reps_for", "sizes_for", "time_collective",
+    "measure_compute_rates", "calibrate_group",
+    "fit_alpha_beta", "GroupCalibration", "calibrated_table", "calibration_stats",
+    "host_identity", "model_for", "cached_model", "moves_data_on_compute_cores",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Message sizes (bytes) timed by the calibration: one latency-bound, one bandwidth-bound. The
-#: large one must be well past any burst a link lets through at full speed (a token-bucket
-#: shaped link passes its burst at line rate, and a message inside it looks faster than the
-#: link is).
-CALIBRATION_BYTES = (16 * 1024, 4 * 1024 * 1024)
+#: Message sizes (bytes) of the calibration sweep: 4 KiB .. 64 MiB, powers of 4; they span
+#: fcoll's shared-memory regimes (one-slot fast path, chunking through the slots, caches, DRAM)
+#: and a token-bucket link's burst and sustained rate.
+SWEEP_BYTES = tuple(4096 * 4 ** i for i in range(8))
+
+#: The sweep always covers sizes up to here (cheap: about 25 ms for all kinds on fcoll).
+MIN_SWEEP_BYTES = 1 << 20
+
+
+def reps_for(nbytes: int) -> int:
+    """Timed runs per size (after one warm-up): 9 up to 256 KiB, 5 up to 4 MiB, 3 above. A
+    function of the size only, so every rank issues the same collectives."""
+    return 9 if nbytes <= 256 << 10 else 5 if nbytes <= 4 << 20 else 3
+
+
+@dataclass(frozen=True)
+class GroupCalibration:
+    """Calibrated numbers of one group (rank 0's, the same on every rank).
+
+    Attributes:
+        backend: the group's backend name.
+        group_size: ranks in the group.
+        layout: host layout, the host index of each group rank in order of first appearance
+            (``"0.0.1.1"``: ranks 0-1 on one host, 2-3 on another).
+        link: "intra" (one host) or "inter" (the group spans hosts).
+        rates: compute rates (rank 0's).
+        points: kind -> {bytes: median us} as measured.
+        comm: ``CommKey -> CommCurve`` fitted from ``points``.
+    """
+
+    backend: str
+    group_size: int
+    layout: str
+    link: str
+    rates: ComputeRates
+    points: dict[str, dict[int, float]]
+    comm: dict[CommKey, CommCurve]
+
+    def covers(self, sizes: tuple[int, ...]) -> bool:
+        """Whether every kind was measured at every size of ``sizes``."""
+        return all(all(s in self.points.get(k, {}) for s in sizes) for k in KINDS)
 
 
 class _Cache:
-    """Per-process calibration results: compute rates, and comm params per live process group."""
+    """Per-process calibration results: compute rates; per live process group; per
+    (backend, group size, layout) what this process measured or read as some group's rank 0."""
 
     def __init__(self) -> None:
         self.compute: ComputeRates | None = None
-        self.groups: "weakref.WeakKeyDictionary[Any, tuple[str, ComputeRates, dict]]" = (
+        self.groups: "weakref.WeakKeyDictionary[Any, GroupCalibration]" = (
             weakref.WeakKeyDictionary())
+        self.by_key: dict[tuple[str, int, str], GroupCalibration] = {}
+        self.stats = {"sweeps": 0, "timed_sizes": 0, "file_hits": 0, "key_hits": 0}
 
 
 _CACHE = _Cache()  # the one process-level cache (calibration is a property of the process)
@@ -158,8 +224,9 @@ def _reduce_scatter_as_fcoll_does(pg: Any, out: torch.Tensor, input: torch.Tenso
         finish()
 
 
-def _time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> float:
-    """Fastest time of one blocking collective of ``nbytes`` (the larger buffer), in us."""
+def _collective(kind: str, pg: Any, nbytes: int) -> Callable[[], None]:
+    """One blocking collective of ``kind`` on ``pg`` moving ``nbytes`` (the larger buffer, as
+    :func:`fcoll.ops.facts.comm_bytes` counts), float32, on buffers allocated once."""
     import torch.distributed as dist
 
     n = pg.size()
@@ -173,9 +240,16 @@ def _time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> float:
         "all_to_all": lambda: dist.all_to_all_single(out, big, group=pg),
         "broadcast": lambda: dist.broadcast(big, group=pg, group_src=0),
     }
-    op = ops[kind]
-    op()  # warm-up, and lines the ranks up
-    return _min_us(op, reps)
+    return ops[kind]
+
+
+def time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> list[float]:
+    """Times (us) of ``reps`` blocking ``kind`` collectives of ``nbytes`` on ``pg``, after one
+    warm-up run (which also lines the ranks up). A collective call: every rank of ``pg`` must
+    call it with the same arguments."""
+    op = _collective(kind, pg, nbytes)
+    op()
+    return _times_us(op, reps)
 
 
 def fit_alpha_beta(b1: int, t1: float, b2: int, t2: float) -> CommParams:
@@ -185,10 +259,120 @@ def fit_alpha_beta(b1: int, t1: float, b2: int, t2: float) -> CommParams:
     return CommParams(alpha_us=max(t1 - beta * b1, 0.0), beta_us_per_byte=beta)
 
 
-def _measure_on_rank_0(pg: Any, reps: int) -> list[float]:
-    """Rank 0's compute rates and collective times (two sizes per kind), on every rank."""
+def host_identity() -> str:
+    """This process's host: ``$FCOLL_HOST_ID`` if set (tests emulating hosts), else the host
+    name and the network namespace's inode (two namespaces of one machine are two hosts)."""
+    override = os.environ.get("FCOLL_HOST_ID")
+    if override:
+        return override
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{netns}"
+
+
+def _host_layout(pg: Any) -> str:
+    """Host index of each group rank, in order of first appearance (``"0.0.1"``): one
+    all_gather of a 64-bit hash of :func:`host_identity`. A collective call."""
     import torch.distributed as dist
 
+    digest = hashlib.blake2b(host_identity().encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    every = torch.empty(pg.size(), dtype=torch.int64)
+    _quiet(dist.all_gather_into_tensor, every, mine, group=pg)
+    index: dict[int, int] = {}
+    return ".".join(str(index.setdefault(h, len(index))) for h in every.tolist())
+
+
+# The message rank 0 broadcasts: [want mask (S), compute rates (3), times (K x S, NaN unknown)]
+_S, _K = len(SWEEP_BYTES), len(KINDS)
+
+
+def _encode(known: GroupCalibration | None, want: tuple[int, ...],
+            rates: ComputeRates | None) -> torch.Tensor:
+    v = torch.full((_S + 3 + _K * _S,), math.nan, dtype=torch.float64)
+    have = known.points if known is not None else {}
+    for j, size in enumerate(SWEEP_BYTES):
+        v[j] = float(size in want and not all(size in have.get(k, {}) for k in KINDS))
+    if rates is not None:
+        v[_S:_S + 3] = torch.tensor([rates.flops_per_us, rates.bytes_per_us,
+                                     rates.op_overhead_us], dtype=torch.float64)
+    for i, kind in enumerate(KINDS):
+        for j, size in enumerate(SWEEP_BYTES):
+            if size in have.get(kind, {}):
+                v[_S + 3 + i * _S + j] = have[kind][size]
+    return v
+
+
+def _decode(v: list[float], backend: str, n: int, layout: str) -> GroupCalibration:
+    link = "intra" if set(layout.split(".")) == {"0"} else "inter"
+    points = {kind: {size: v[_S + 3 + i * _S + j] for j, size in enumerate(SWEEP_BYTES)
+                     if not math.isnan(v[_S + 3 + i * _S + j])} for i, kind in enumerate(KINDS)}
+    comm = {CommKey(backend, kind, n, link): CommCurve.fit(points[kind].items())
+            for kind in KINDS if len(points[kind]) >= 2}
+    return GroupCalibration(backend, n, layout, link, ComputeRates(*v[_S:_S + 3]), points, comm)
+
+
+def _known_on_rank_0(backend: str, n: int, layout: str) -> GroupCalibration | None:
+    """What rank 0 already knows for this key: this process's numbers, else the job's file."""
+    known = _CACHE.by_key.get((backend, n, layout))
+    if known is not None:
+        _CACHE.stats["key_hits"] += 1
+        return known
+    key = {"backend": backend, "group_size": n, "layout": layout}
+    entry = calibration_cache.read_entry(calibration_cache.cache_path(backend, n, layout), key)
+    if entry is None:
+        return None
+    _CACHE.stats["file_hits"] += 1
+    points = {k: {int(b): float(t) for b, t in entry["points"].get(k, [])} for k in KINDS}
+    link = "intra" if set(layout.split(".")) == {"0"} else "inter"
+    return GroupCalibration(backend, n, layout, link, ComputeRates(*entry["compute"]), points, {})
+
+
+def _sweep(pg: Any, sizes: list[int], into: torch.Tensor) -> None:
+    """Time every kind at ``sizes`` on every rank; rank 0's medians go into ``into``."""
+    for i, kind in enumerate(KINDS):
+        for size in sizes:
+            median = statistics.median(time_collective(kind, pg, size, reps_for(size)))
+            into[_S + 3 + i * _S + SWEEP_BYTES.index(size)] = median
+    _CACHE.stats["sweeps"] += 1
+    _CACHE.stats["timed_sizes"] += len(sizes)
+
+
+def sizes_for(max_bytes: int | None) -> tuple[int, ...]:
+    """Sweep sizes needed to predict collectives up to ``max_bytes`` by interpolation: every
+    size up to the first at or above ``max(max_bytes, MIN_SWEEP_BYTES)``; all of them for
+    None (and above 64 MiB, where the last segment extrapolates)."""
+    if max_bytes is None:
+        return SWEEP_BYTES
+    cap = max(max_bytes, MIN_SWEEP_BYTES)
+    last = next((i for i, s in enumerate(SWEEP_BYTES) if s >= cap), _S - 1)
+    return SWEEP_BYTES[:last + 1]
+
+
+def calibrate_group(pg: Any, max_bytes: int | None = None,
+                    ) -> tuple[ComputeRates, dict[CommKey, CommCurve]]:
+    """Calibrate ``pg``: every collective kind timed at the sweep sizes up to ``max_bytes``
+    (:func:`sizes_for`; None: the whole sweep), fitted per kind, rank 0's numbers on every rank.
+
+    A collective call: every rank of ``pg`` must call it at the same point with the same
+    ``max_bytes``. Reuse (module docstring): a group already calibrated for these sizes returns
+    its cached objects without communicating; otherwise rank 0 decides from what it knows
+    (another group of the same key in this process, or the job's cache file) which sizes are
+    still to be timed, and broadcasts that with its numbers. (``benchmarks/cost_model.py`` and
+    ``benchmarks/passes_scaling.py --rank-costs`` print how long it takes.)
+
+    Returns:
+        (compute rates, ``{CommKey(backend, kind, group size, link): CommCurve}``).
+    """
+    import torch.distributed as dist
+
+    want = sizes_for(max_bytes)
+    cached = _CACHE.groups.get(pg)
+    if cached is not None and cached.covers(want):
+        return cached.rates, cached.comm
+    backend, n, t0 = _backend_name(pg), pg.size(), time.perf_counter()
     # Inside torch.compile the Python dispatcher is on, and a c10d op then runs its kernel with
     # the GIL held (pybind released it, the Python dispatcher took it back). On gloo that
     # deadlocks: the enqueue waits for the worker's queue mutex, and the worker holds it while
@@ -196,42 +380,48 @@ def _measure_on_rank_0(pg: Any, reps: int) -> list[float]:
     # (seen in native stacks of both ranks of tests/test_remaps.py's 2-rank program). Without
     # the Python dispatcher the GIL stays released in the kernel.
     with no_python_dispatcher():
-        local = measure_compute_rates()
-        dist.barrier(group=pg)  # ranks may reach this seconds apart (compile times differ)
-        values = [local.flops_per_us, local.bytes_per_us, local.op_overhead_us]
-        for kind in KINDS:
-            values += [_time_collective(kind, pg, b, reps) for b in CALIBRATION_BYTES]
-        shared = torch.tensor(values, dtype=torch.float64)
-        dist.broadcast(shared, group=pg, group_src=0)
-    return shared.tolist()
+        layout = _host_layout(pg)   # also lines the ranks up (compile times differ)
+        message = torch.zeros(_S + 3 + _K * _S, dtype=torch.float64)
+        if pg.rank() == 0:
+            known = cached or _known_on_rank_0(backend, n, layout)
+            rates = known.rates if known is not None else measure_compute_rates()
+            message = _encode(known, want, rates)
+        dist.broadcast(message, group=pg, group_src=0)
+        mask = message[:_S].tolist()
+        todo = [s for j, s in enumerate(SWEEP_BYTES) if mask[j] == 1.0]
+        if todo:
+            _sweep(pg, todo, message)
+            dist.broadcast(message, group=pg, group_src=0)
+    result = _decode(message.tolist(), backend, n, layout)
+    _CACHE.groups[pg] = result
+    if pg.rank() == 0:
+        _CACHE.by_key[(backend, n, layout)] = result
+        if todo:
+            calibration_cache.write_entry(
+                calibration_cache.cache_path(backend, n, layout),
+                {"backend": backend, "group_size": n, "layout": layout},
+                message[_S:_S + 3].tolist(),
+                {k: [[b, t] for b, t in sorted(p.items())] for k, p in result.points.items()})
+    log.debug("calibrated group %s (%s, %d ranks, hosts %s) in %.0f ms, timed sizes %s: %s",
+              getattr(pg, "group_name", "?"), backend, n, layout,
+              (time.perf_counter() - t0) * 1e3, todo, result.comm)
+    return result.rates, result.comm
 
 
-def calibrate_group(pg: Any, reps: int = 3) -> tuple[ComputeRates, dict[tuple[str, str, int],
-                                                                         CommParams]]:
-    """Time every collective kind at two sizes on ``pg``, fit alpha-beta, share rank 0's numbers.
+def calibrated_table() -> CommTable:
+    """Every curve this process calibrated or read (as some group's rank 0), as a
+    :class:`~fcoll.passes.comm_cost.CommTable`; never communicates."""
+    entries: dict[CommKey, CommCurve] = {}
+    for rec in [*_CACHE.by_key.values(), *_CACHE.groups.values()]:
+        entries.update(rec.comm)
+    return CommTable(entries)
 
-    A collective call: every rank of ``pg`` must call it at the same point. Results are cached
-    per process group (weakly); a second call returns the cached objects without communicating.
-    The compute rates of rank 0 are broadcast in the same message.
-    (``benchmarks/passes_scaling.py --rank-costs`` prints how long it takes.)
 
-    Returns:
-        (compute rates, ``{(backend, kind, group size): CommParams}``), rank 0's numbers.
-    """
-    if pg in _CACHE.groups:
-        _, rates, comm = _CACHE.groups[pg]
-        return rates, comm
-    backend, n = _backend_name(pg), pg.size()
-    t0 = time.perf_counter()
-    v = _measure_on_rank_0(pg, reps)
-    rates = ComputeRates(*v[:3])
-    b1, b2 = CALIBRATION_BYTES
-    comm = {(backend, kind, n): fit_alpha_beta(b1, v[3 + 2 * i], b2, v[4 + 2 * i])
-            for i, kind in enumerate(KINDS)}
-    _CACHE.groups[pg] = (backend, rates, comm)
-    log.debug("calibrated group %s (%s, %d ranks) in %.0f ms: %s", pg.group_name, backend, n,
-              (time.perf_counter() - t0) * 1e3, comm)
-    return rates, comm
+def calibration_stats() -> dict[str, int]:
+    """Counters of this process: ``sweeps`` (calibrations that timed collectives),
+    ``timed_sizes`` (sizes timed, all kinds each), ``file_hits`` (job cache file read as rank
+    0), ``key_hits`` (another group's numbers reused as rank 0)."""
+    return dict(_CACHE.stats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,24 +473,35 @@ def _group_names(gm: fx.GraphModule) -> list[str]:
     return sorted(names, key=lambda g: (created.get(g, len(created)), g))
 
 
+def _largest_collectives(gm: fx.GraphModule) -> dict[str, int]:
+    """Group name -> bytes of its largest collective in ``gm`` (data-dependent sizes by the
+    cost model's estimate; the same on every rank)."""
+    largest: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if op_class(node) == COLLECTIVE:
+            g = str(arg_of(node, "group_name"))
+            largest[g] = max(largest.get(g, 0), collective_size(node).nbytes)
+    return largest
+
+
 def _assemble(gm: fx.GraphModule, estimator, calibrate: bool,
               estimates: dict | None = None) -> CostModel:
-    compute, comm, backends = None, {}, {}
+    compute, comm, backends, links = None, {}, {}, {}
+    largest = _largest_collectives(gm) if calibrate else {}
     for name in _group_names(gm):
         pg = _real_group(name)
         if pg is None:
             continue
         if calibrate:
-            rates, params = calibrate_group(pg)
-        elif pg in _CACHE.groups:
-            _, rates, params = _CACHE.groups[pg]
-        else:
+            calibrate_group(pg, largest.get(name))
+        rec = _CACHE.groups.get(pg)
+        if rec is None:
             log.debug("group %s is not calibrated yet: default costs", name)
             continue
-        backends[name] = _backend_name(pg)
-        comm.update(params)
-        compute = compute or rates
-    return assemble_model(compute, comm, backends, estimator, estimates)
+        backends[name], links[name] = rec.backend, rec.link
+        comm.update(rec.comm)
+        compute = compute or rec.rates
+    return assemble_model(compute, comm, backends, estimator, estimates, links)
 
 
 def model_for(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | None = None,

@@ -1,10 +1,11 @@
 """Cost model: estimated time of each graph node, in microseconds. Pure: this module measures
 nothing and never communicates; :mod:`fcoll.passes.calibrate` measures the parameters.
 
-Communication follows the alpha-beta (Hockney) model per (backend, collective kind, group size):
-``t = alpha_us + beta_us_per_byte * bytes``, where ``bytes`` is
-:func:`fcoll.passes.graph.collective_bytes`, the larger of the collective's input and output on
-this rank (the whole gathered output for all_gather, the whole input for reduce_scatter).
+Communication follows a piecewise alpha-beta (Hockney) model per (backend, collective kind,
+group size, link), fitted from a calibration sweep over message sizes (formula and sources:
+:mod:`fcoll.passes.comm_cost`); ``bytes`` is :func:`fcoll.passes.graph.collective_bytes`, the
+larger of the collective's input and output on this rank (the whole gathered output for
+all_gather, the whole input for reduce_scatter).
 
 Compute follows a roofline: ``t = op_overhead_us + max(flops / flops_per_us,
 bytes / bytes_per_us)`` for each aten node, with FLOPs from ``torch.utils.flop_counter``'s
@@ -48,14 +49,18 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fcoll.compat import optimization_hint
-from fcoll.ops.facts import KINDS, busbw_factor
+from fcoll.ops.facts import KINDS
+from fcoll.passes.comm_cost import (
+    LINKS, Comm, CommCurve, CommKey, CommParams, CommTable, comm_time_us, default_comm,
+)
 from fcoll.passes.graph import (
     arg_of, collective_bytes, input_bytes, node_bytes, op_kind, per_op, size_hint,
 )
 from fcoll.passes.memory import COLLECTIVE, WAIT, op_class
 
 __all__ = [
-    "CommParams", "ComputeRates", "CostModel", "DEFAULT_COMPUTE", "KINDS", "default_comm",
+    "CommParams", "CommCurve", "CommKey", "CommTable", "LINKS", "comm_time_us", "ComputeRates",
+    "CostModel", "DEFAULT_COMPUTE", "KINDS", "default_comm",
     "assemble_model", "node_flops", "node_io_bytes", "is_free_op", "collective_bytes",
     "UNBACKED_SIZE_FALLBACK", "META_SIZE_ESTIMATE", "SizeEstimate", "estimate_int",
     "value_size", "collective_size",
@@ -180,17 +185,6 @@ def _has_symbolic(node: fx.Node) -> bool:
 
 
 @dataclass(frozen=True)
-class CommParams:
-    """Alpha-beta parameters of one collective kind on one group: ``alpha_us + beta * bytes``."""
-
-    alpha_us: float
-    beta_us_per_byte: float
-
-    def time_us(self, nbytes: int) -> float:
-        return self.alpha_us + self.beta_us_per_byte * nbytes
-
-
-@dataclass(frozen=True)
 class ComputeRates:
     """Machine rates of the compute roofline.
 
@@ -209,29 +203,24 @@ class ComputeRates:
 DEFAULT_COMPUTE = ComputeRates(flops_per_us=5.0e4, bytes_per_us=1.0e4, op_overhead_us=5.0)
 
 
-def default_comm(kind: str, group_size: int) -> CommParams:
-    """Deterministic defaults: 30 us latency, 1 GB/s bus bandwidth, with the nccl-tests bus
-    factor (:func:`fcoll.ops.facts.busbw_factor`) of ``max(group_size, 2)`` ranks, so that an
-    unknown or one-rank group still costs something."""
-    return CommParams(alpha_us=30.0, beta_us_per_byte=busbw_factor(kind, max(group_size, 2)) / 1e3)
-
-
 @dataclass(frozen=True)
 class CostModel:
     """Estimated node times in microseconds.
 
     Attributes:
         compute: machine rates for compute nodes.
-        comm: ``(backend, kind, group_size) -> CommParams``; missing entries use
-            :func:`default_comm`.
+        comm: ``CommKey(backend, kind, group_size, link) -> CommCurve | CommParams``;
+            missing entries use :func:`default_comm`.
         group_backends: group name -> backend name, for looking up ``comm``.
+        group_links: group name -> link ("intra" or "inter"); missing names are "intra".
         estimator: a user estimator ``node -> float | None`` (microseconds), asked first.
         source: "default" or "calibrated" (for logs and reports).
     """
 
     compute: ComputeRates = DEFAULT_COMPUTE
-    comm: Mapping[tuple[str, str, int], CommParams] = field(default_factory=dict)
+    comm: Mapping[CommKey, Comm] = field(default_factory=dict)
     group_backends: Mapping[str, str] = field(default_factory=dict)
+    group_links: Mapping[str, str] = field(default_factory=dict)
     estimator: Callable[[Any], float | None] | None = field(default=None, compare=False)
     source: str = "default"
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -259,23 +248,25 @@ class CostModel:
         return self.compute_us(node)
 
     def collective_us(self, node: fx.Node) -> float:
-        """``alpha_us + beta_us_per_byte * bytes`` of collective ``node``, bytes from
-        :func:`collective_size` (data-dependent sizes estimated: module docstring)."""
+        """The calibrated curve's time of collective ``node`` (:func:`comm_params`), bytes
+        from :func:`collective_size` (data-dependent sizes estimated: module docstring)."""
         size = collective_size(node)
         if size.estimated:
             log.debug("%s: data-dependent size (%s): costed as %d bytes (rule %r)", node.name,
                       ", ".join(size.symbols), size.nbytes, size.rule)
         return self.comm_params(node).time_us(size.nbytes)
 
-    def comm_params(self, node: fx.Node) -> CommParams:
-        """The alpha-beta parameters of collective ``node`` (its kind, group and group size)."""
+    def comm_params(self, node: fx.Node) -> Comm:
+        """The communication curve of collective ``node`` (its kind, group, group size and
+        link); anything with ``time_us(nbytes)``."""
         name, n = str(arg_of(node, "group_name")), arg_of(node, "group_size", None)
         if n is None:  # ops without a group_size argument: the registered group's size
             n = _registered_group_size(name)
         n = n or 2
         kind = op_kind(node.target)
-        backend = self.group_backends.get(name, "default")
-        return self.comm.get((backend, kind, n)) or default_comm(kind, n)
+        key = CommKey(self.group_backends.get(name, "default"), kind, n,
+                      self.group_links.get(name, "intra"))
+        return self.comm.get(key) or default_comm(kind, n)
 
     def compute_us(self, node: fx.Node) -> float:
         """``op_overhead_us + max(flops / flops_per_us, io_bytes / bytes_per_us)``, memoized
@@ -393,23 +384,26 @@ def node_io_bytes(node: fx.Node) -> int:
         _inputs_size(node, UNBACKED_SIZE_FALLBACK).nbytes
 
 
-def assemble_model(compute: ComputeRates | None, comm: Mapping[tuple[str, str, int], CommParams],
+def assemble_model(compute: ComputeRates | None, comm: Mapping[CommKey, Comm],
                    group_backends: Mapping[str, str],
                    estimator: Callable[[Any], float | None] | None = None,
-                   estimates: dict | None = None) -> CostModel:
+                   estimates: dict | None = None,
+                   group_links: Mapping[str, str] | None = None) -> CostModel:
     """The :class:`CostModel` of given parameters.
 
     Args:
         compute: measured compute rates, or None for :data:`DEFAULT_COMPUTE`.
-        comm: ``(backend, kind, group_size) -> CommParams`` of the calibrated groups.
+        comm: ``CommKey -> CommCurve | CommParams`` of the calibrated groups.
         group_backends: group name -> backend name of the calibrated groups; the model's
             ``source`` is "calibrated" when there is any, else "default".
         estimator: the user's estimator ``node -> float | None`` (microseconds), asked first.
         estimates: a dict shared by the passes of one pipeline run (``FcollPass.estimates``):
             compute estimates are kept in it per compute rates, then per node, so that a later
             pass does not estimate a node again.
+        group_links: group name -> "intra" | "inter" of the calibrated groups.
     """
     compute = compute or DEFAULT_COMPUTE
     return CostModel(compute=compute, comm=dict(comm), group_backends=dict(group_backends),
+                     group_links=dict(group_links or {}),
                      estimator=estimator, source="calibrated" if group_backends else "default",
                      by_node=estimates.setdefault(compute, {}) if estimates is not None else None)

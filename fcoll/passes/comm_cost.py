@@ -1,0 +1,235 @@
+"""Communication cost: time of one collective from its kind, group, link and bytes. Pure: this
+module measures nothing (:mod:`fcoll.passes.calibrate` measures) and never communicates.
+
+The model is a **piecewise alpha-beta** (Hockney) curve per ``(backend, kind, group size,
+link)``. A plain ``t = alpha + beta * bytes`` (R. W. Hockney, "The communication challenge for
+MPP: Intel Paragon and Meiko CS-2", Parallel Computing 20(3), 1994) does not fit one backend
+over 4 KiB .. 64 MiB: fcoll's shared-memory backend has a one-slot fast path, then slot-size
+chunking, then leaves the caches for DRAM, and each regime has its own latency and bandwidth
+(measured: all_reduce on 2 ranks 27 µs at 4 KiB, 0.5 ms at 1 MiB, 36 ms at 64 MiB; a two-point
+fit predicted a 64 KiB all_reduce at 2,006 µs that ran in 110 µs). Like LogGP's successors that
+measure the parameters as functions of the message size (PLogP: T. Kielmann, H. Bal, K.
+Verstoep, "Fast measurement of LogP parameters for message passing platforms", IPDPS 2000) and
+NCCL's tuner, which keeps one alpha-beta per protocol and picks by size, each size range gets
+its own alpha-beta:
+
+- the calibration measures the median time ``t_i`` at sizes ``s_0 < s_1 < ... < s_k``
+  (:data:`fcoll.passes.calibrate.SWEEP_BYTES`: 4 KiB .. 64 MiB, powers of 4);
+- the times are made non-decreasing in size by isotonic regression (pool adjacent violators;
+  M. Ayer et al., Ann. Math. Statist. 26(4), 1955), so that noise never makes a larger message
+  cheaper (the bucket planner compares ``t(a) + t(b)`` with ``t(a + b)``);
+- between ``s_i`` and ``s_{i+1}``: ``t = alpha_i + beta_i * bytes`` through the two points;
+- below ``s_0``: the first segment's alpha-beta, alpha floored at 0 (a line from
+  ``(0, max(alpha_0, 0))`` to ``(s_0, t_0)``);
+- above ``s_k``: the last segment's alpha-beta (bandwidth-bound extrapolation).
+
+``bytes`` is :func:`fcoll.ops.facts.comm_bytes`' (nccl-tests') size of one collective: the
+larger of its input and output on this rank.
+
+Links: ``"intra"`` for a group whose ranks share one host, ``"inter"`` for a group that spans
+hosts (its end-to-end time, whatever the algorithm), so that a hierarchical group's two levels
+and a flat cross-host group are never mixed up with a one-host group of the same size.
+
+Public API for other layers (the hierarchical groups' planner, ``fcoll.sim``):
+:class:`CommTable` ``.time_us(backend, kind, group_size, nbytes, link)`` and
+:func:`comm_time_us` (the same with defaults for missing entries), :class:`CommCurve`
+``.time_us(nbytes)`` and ``.segment(nbytes)`` (the alpha-beta in force at a size).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, NamedTuple, Sequence, Union
+
+from fcoll.ops.facts import KINDS, busbw_factor
+
+__all__ = ["LINKS", "CommKey", "CommParams", "CommCurve", "CommTable", "Comm",
+           "default_comm", "comm_time_us", "isotonic"]
+
+#: Link kinds: one host (shared memory, loopback), or a group spanning hosts.
+LINKS = ("intra", "inter")
+
+
+class CommKey(NamedTuple):
+    """Key of one calibrated curve: backend name ("fcoll", "gloo", ...), collective kind
+    (:data:`fcoll.ops.facts.KINDS`), ranks in the group, link (:data:`LINKS`)."""
+
+    backend: str
+    kind: str
+    group_size: int
+    link: str = "intra"
+
+
+@dataclass(frozen=True)
+class CommParams:
+    """One alpha-beta segment: ``time_us(nbytes) = alpha_us + beta_us_per_byte * nbytes``.
+
+    Attributes:
+        alpha_us: latency, microseconds (>= 0 for fitted segments).
+        beta_us_per_byte: inverse bandwidth, microseconds per byte (1 / algbw).
+    """
+
+    alpha_us: float
+    beta_us_per_byte: float
+
+    def time_us(self, nbytes: int) -> float:
+        """Microseconds for a collective of ``nbytes`` bytes."""
+        return self.alpha_us + self.beta_us_per_byte * nbytes
+
+
+def isotonic(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (equal weights), by
+    pool adjacent violators (Ayer et al. 1955): each run that decreases is replaced by its mean.
+    """
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks[-1]
+            blocks[-1] = [(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]
+    return [m for m, c in blocks for _ in range(int(c))]
+
+
+@dataclass(frozen=True)
+class CommCurve:
+    """Piecewise alpha-beta through measured points (the module docstring's formula).
+
+    Attributes:
+        sizes: message sizes in bytes, strictly increasing, at least two.
+        times_us: fitted (non-decreasing) microseconds at each size.
+
+    Build one with :meth:`fit` from raw measurements.
+    """
+
+    sizes: tuple[int, ...]
+    times_us: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) < 2 or len(self.sizes) != len(self.times_us):
+            raise ValueError(f"CommCurve: needs at least two (size, time) points of equal count, "
+                             f"got sizes={self.sizes} times_us={self.times_us}")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:])) or self.sizes[0] <= 0:
+            raise ValueError(f"CommCurve: sizes must be positive and strictly increasing, "
+                             f"got {self.sizes}")
+        if any(not math.isfinite(t) or t < 0 for t in self.times_us):
+            raise ValueError(f"CommCurve: times must be finite and >= 0 us, got {self.times_us}")
+
+    @classmethod
+    def fit(cls, points: Iterable[tuple[int, float]]) -> "CommCurve":
+        """The curve of measured ``(bytes, microseconds)`` points: sorted by size, times made
+        non-decreasing (:func:`isotonic`). Two points give one alpha-beta line.
+
+        Raises:
+            ValueError: fewer than two distinct sizes, a size <= 0, a time < 0 or not finite.
+        """
+        pts = sorted((int(b), float(t)) for b, t in points)
+        if len({b for b, _ in pts}) != len(pts):
+            raise ValueError(f"CommCurve.fit: duplicate sizes in {pts}")
+        return cls(tuple(b for b, _ in pts), tuple(isotonic([t for _, t in pts])))
+
+    def segment(self, nbytes: int) -> CommParams:
+        """The alpha-beta in force at ``nbytes``: the segment of the two measured sizes around
+        it, the first (alpha floored at 0) below the smallest, the last above the largest."""
+        s, t = self.sizes, self.times_us
+        i = min(max(bisect.bisect_right(s, nbytes) - 1, 0), len(s) - 2)
+        beta = (t[i + 1] - t[i]) / (s[i + 1] - s[i])
+        alpha = t[i] - beta * s[i]
+        if i == 0 and nbytes < s[0] and alpha < 0:
+            return CommParams(0.0, t[0] / s[0])
+        return CommParams(alpha, beta)
+
+    def time_us(self, nbytes: int) -> float:
+        """Microseconds for one collective of ``nbytes`` bytes (never negative)."""
+        return max(self.segment(nbytes).time_us(nbytes), 0.0)
+
+    @property
+    def alpha_us(self) -> float:
+        """Latency: the first segment's alpha (floored at 0), the time of an empty message."""
+        return self.segment(0).alpha_us
+
+    @property
+    def beta_us_per_byte(self) -> float:
+        """Inverse bandwidth of the largest messages: the last segment's beta."""
+        return self.segment(self.sizes[-1]).beta_us_per_byte
+
+    def as_points(self) -> list[list[float]]:
+        """``[[bytes, us], ...]`` (JSON-friendly)."""
+        return [[b, t] for b, t in zip(self.sizes, self.times_us)]
+
+
+#: What a table entry may be: a fitted curve, or one alpha-beta (defaults, hand-made models).
+Comm = Union[CommCurve, CommParams]
+
+
+def default_comm(kind: str, group_size: int) -> CommParams:
+    """Deterministic defaults: 30 us latency, 1 GB/s bus bandwidth, with the nccl-tests bus
+    factor (:func:`fcoll.ops.facts.busbw_factor`) of ``max(group_size, 2)`` ranks, so that an
+    unknown or one-rank group still costs something.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`fcoll.ops.facts.KINDS`.
+    """
+    return CommParams(alpha_us=30.0, beta_us_per_byte=busbw_factor(kind, max(group_size, 2)) / 1e3)
+
+
+def _check(kind: str, link: str, nbytes: int, group_size: int) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"comm_time_us: unknown collective kind {kind!r}; known: {KINDS}")
+    if link not in LINKS:
+        raise ValueError(f"comm_time_us: link must be one of {LINKS}, got {link!r}")
+    if nbytes < 0:
+        raise ValueError(f"comm_time_us: nbytes must be >= 0, got {nbytes} ({kind})")
+    if group_size < 1:
+        raise ValueError(f"comm_time_us: group_size must be >= 1, got {group_size} ({kind})")
+
+
+@dataclass(frozen=True)
+class CommTable:
+    """Calibrated communication curves, ``CommKey -> CommCurve | CommParams``.
+
+    ``time_us(backend, kind, group_size, nbytes, link)`` looks up the exact key; a missing key
+    raises ``KeyError`` naming it (use :func:`comm_time_us` for defaults instead).
+    """
+
+    entries: Mapping[CommKey, Comm]
+
+    def get(self, backend: str, kind: str, group_size: int, link: str = "intra") -> Comm | None:
+        return self.entries.get(CommKey(backend, kind, group_size, link))
+
+    def time_us(self, backend: str, kind: str, group_size: int, nbytes: int,
+                link: str = "intra") -> float:
+        """Microseconds of one ``kind`` collective of ``nbytes`` bytes on a ``group_size``-rank
+        group of ``backend`` over ``link``.
+
+        Raises:
+            KeyError: no calibrated curve for that key.
+            ValueError: unknown kind or link, negative nbytes, group_size < 1.
+        """
+        _check(kind, link, nbytes, group_size)
+        c = self.get(backend, kind, group_size, link)
+        if c is None:
+            raise KeyError(f"no calibrated {kind} for backend {backend!r}, {group_size} ranks, "
+                           f"link {link!r}; calibrated: {sorted(self.entries)}")
+        return c.time_us(nbytes)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def comm_time_us(backend: str, kind: str, group_size: int, nbytes: int, link: str = "intra",
+                 *, table: CommTable | Mapping[CommKey, Comm] | None = None) -> float:
+    """Microseconds of one collective: the calibrated curve of ``table`` for ``(backend, kind,
+    group_size, link)`` if it has one, else :func:`default_comm`. ``table`` may be a
+    :class:`CommTable`, a plain mapping, or None (defaults only); the process's calibrated
+    table is :func:`fcoll.passes.calibrate.calibrated_table`.
+
+    Raises:
+        ValueError: unknown kind or link, negative nbytes, group_size < 1.
+    """
+    _check(kind, link, nbytes, group_size)
+    entries = table.entries if isinstance(table, CommTable) else (table or {})
+    c = entries.get(CommKey(backend, kind, group_size, link))
+    return (c or default_comm(kind, group_size)).time_us(nbytes)
