@@ -281,6 +281,44 @@ class TestScaling(unittest.TestCase):
         self.assertAlmostEqual(r.comm_us, 2 * 7 / 8 * s / 50_000.0 + 2 * 7 * 1.0)
 
 
+class TestMeasuredCompute(unittest.TestCase):
+    """Two steps of a -> b -> (wait returns) -> c in a runtime trace."""
+
+    TRACE = {"traceEvents": [
+        {"name": "a", "cat": "compute", "ph": "X", "ts": 0.0, "dur": 10.0, "pid": 0},
+        {"name": "b", "cat": "compute", "ph": "X", "ts": 15.0, "dur": 20.0, "pid": 0},
+        {"name": "ar", "cat": "comm", "ph": "e", "ts": 50.0, "pid": 0, "id": 1},
+        {"name": "c", "cat": "compute", "ph": "X", "ts": 52.0, "dur": 3.0, "pid": 0},
+        {"name": "a", "cat": "compute", "ph": "X", "ts": 1000.0, "dur": 12.0, "pid": 0},
+        {"name": "b", "cat": "compute", "ph": "X", "ts": 1014.0, "dur": 20.0, "pid": 0},
+        {"name": "ar", "cat": "comm", "ph": "e", "ts": 1040.0, "pid": 0, "id": 2},
+        {"name": "c", "cat": "compute", "ph": "X", "ts": 1041.0, "dur": 3.0, "pid": 0},
+    ]}
+
+    def program(self):
+        return schedule([node("x", "placeholder", out=4), node("a", "compute", ["x"], us=1.0),
+                         node("b", "compute", ["a"], us=1.0),
+                         node("c", "compute", ["b"], us=1.0), node("d", "compute", ["c"], us=7.0)])
+
+    def test_median_duration_plus_the_gap_since_the_last_compute_or_wait_return(self):
+        from fcoll.sim.measured import measured_compute_us, with_measured_compute
+
+        m = measured_compute_us(self.TRACE)
+        self.assertEqual(m["b"], (20.0, 3.5))      # gaps 5 and 2 after a
+        self.assertEqual(m["c"], (3.0, 1.5))       # gaps 2 and 1 after the wait returned
+        prog, missing = with_measured_compute(program_of(self.program()), m)
+        self.assertEqual([n.us for n in prog.nodes[1:]], [11.0, 23.5, 4.5, 7.0])  # a: no gap
+        self.assertEqual(missing, 1)               # d is not in the trace: predicted 7 us
+        self.assertEqual(prog.op_overhead_us, 1.5)
+
+    def test_simulate_with_compute_from_the_trace(self):
+        r = simulate(self.program(), [2], compute="trace", trace=self.TRACE)
+        self.assertAlmostEqual(r.results[0].compute_us, 11.0 + 23.5 + 4.5 + 7.0)
+        self.assertIn("1 compute node(s) not in the trace", r.compute_source)
+        with self.assertRaisesRegex(ValueError, "--compute trace: give the trace"):
+            simulate(self.program(), [2], compute="trace")
+
+
 class TestFromGraphs(unittest.TestCase):
     @classmethod
     def setUpClass(cls):

@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="collective algorithm (default auto: the fastest per collective)")
     p.add_argument("--rank", type=int, default=0, help="whose graphs to read (default 0)")
     p.add_argument("--graphs", default=None, help="regex: only these graphs' files")
+    p.add_argument("--compute", choices=("predicted", "trace"), default="predicted",
+                   help="compute times: the cost model's (predicted) or measured per node in "
+                        "DIR/traces/rank{R}.json (trace)")
+    p.add_argument("--trace", default=None, help="the trace for --compute trace")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--plot", default=None, help="write an SVG of step and exposed time here")
     return p
@@ -65,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = simulate(opts.dir, parse_ranks(opts.ranks), intra=opts.intra,
                           inter=opts.inter, algorithm=opts.algorithm,
-                          ranks_per_host=opts.hosts_of, rank=opts.rank, graphs=opts.graphs)
+                          ranks_per_host=opts.hosts_of, rank=opts.rank, graphs=opts.graphs,
+                          compute=opts.compute, trace=opts.trace)
     except ValueError as e:
         print(f"fcoll.sim: {e}", file=sys.stderr)
         return 2

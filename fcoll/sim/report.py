@@ -35,6 +35,7 @@ def report_text(report: Any) -> str:
     lines = [table, "",
              f"graphs: {', '.join(report.programs)} (recorded on "
              f"{report.recorded_world_size} ranks)",
+             f"compute: {report.compute_source}",
              f"intra-host: {report.network.intra.describe()}",
              f"inter-host: {report.network.inter.describe()}",
              f"algorithm: {report.network.algorithm}", "assumptions:"]

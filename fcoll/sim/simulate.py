@@ -10,11 +10,13 @@ times add up, the peak memory is the largest program's.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from fcoll.sim import algorithms
+from fcoll.sim.measured import measured_compute_us, with_measured_compute
 from fcoll.sim.links import LinkModel, MeasuredLink, parse_link
 from fcoll.sim.program import Program, load_programs
 from fcoll.sim.replay import Replay, replay
@@ -146,10 +148,12 @@ class SimReport:
     network: Network
     programs: tuple[str, ...]
     recorded_world_size: int
+    compute_source: str = "predicted"
     assumptions: tuple[str, ...] = field(default=ASSUMPTIONS)
 
     def as_dict(self) -> dict[str, Any]:
         return {"graphs": list(self.programs), "recorded_world_size": self.recorded_world_size,
+                "compute": self.compute_source,
                 "intra": self.network.intra.describe(), "inter": self.network.inter.describe(),
                 "algorithm": self.network.algorithm, "assumptions": list(self.assumptions),
                 "layouts": [r.as_dict() for r in self.results]}
@@ -194,7 +198,8 @@ def _simulate_program(p: Program, layout: Layout, net: Network) -> GraphResult:
 def simulate(graphs_or_records: Any, layouts: Sequence[Layout | int], *,
              intra: str | LinkModel = "shm", inter: str | LinkModel = "100gbit,5us",
              algorithm: str = "auto", ranks_per_host: int = 8, rank: int = 0,
-             graphs: str | None = None) -> SimReport:
+             graphs: str | None = None, compute: str = "predicted",
+             trace: str | os.PathLike | None = None) -> SimReport:
     """Simulate a compiled step on each layout.
 
     Args:
@@ -208,13 +213,17 @@ def simulate(graphs_or_records: Any, layouts: Sequence[Layout | int], *,
         algorithm: one of :data:`ALGORITHM_CHOICES`.
         ranks_per_host: hosts' size for layouts given as rank counts.
         rank / graphs: which rank's files, and which graphs (regex), of a directory.
+        compute: "predicted" (the times in the schedule: the cost model's) or "trace" (measured
+            per node in a run's trace: :mod:`fcoll.sim.measured`).
+        trace: the trace for ``compute="trace"``; default ``DIR/traces/rank{rank}.json`` of a
+            directory source.
 
     Returns:
         A :class:`SimReport`; ``str()`` of it is the table the CLI prints.
 
     Raises:
         ValueError: a bad link spec (naming ``--intra`` / ``--inter``), layout or algorithm,
-            or a source with no schedule.
+            a source with no schedule, or ``compute="trace"`` without a trace.
     """
     net = Network(intra if not isinstance(intra, str) else parse_link(intra, "--intra"),
                   inter if not isinstance(inter, str) else parse_link(inter, "--inter"),
@@ -223,6 +232,12 @@ def simulate(graphs_or_records: Any, layouts: Sequence[Layout | int], *,
     if not lays:
         raise ValueError("--ranks: no layouts to simulate")
     programs = load_programs(graphs_or_records, rank=rank, graphs=graphs)
+    source = "predicted (cost model: " + \
+        ", ".join(sorted({p.cost_source for p in programs})) + ")"
+    if compute == "trace":
+        programs, source = _measured(programs, graphs_or_records, trace, rank)
+    elif compute != "predicted":
+        raise ValueError(f"--compute: expected 'predicted' or 'trace', got {compute!r}")
     results = []
     for lay in lays:
         per = tuple(_simulate_program(p, lay, net) for p in programs)
@@ -231,4 +246,25 @@ def simulate(graphs_or_records: Any, layouts: Sequence[Layout | int], *,
             sum(g.replay.comm_us for g in per), sum(g.replay.exposed_comm_us for g in per),
             max(g.replay.peak_bytes for g in per), per))
     return SimReport(tuple(results), net, tuple(p.name for p in programs),
-                     max(p.world_size for p in programs))
+                     max(p.world_size for p in programs), source)
+
+
+def _measured(programs: list[Program], src: Any, trace: Any, rank: int
+              ) -> tuple[list[Program], str]:
+    """The programs with compute times from the trace, and a line saying so."""
+    if trace is None:
+        if not isinstance(src, (str, os.PathLike)) or not os.path.isdir(src):
+            raise ValueError("--compute trace: give the trace (trace=...) when the graphs do "
+                             "not come from an fcoll.inspect directory")
+        trace = os.path.join(src, "traces", f"rank{rank}.json")
+    if isinstance(trace, (str, os.PathLike)) and not os.path.exists(trace):
+        raise ValueError(f"--compute trace: no trace at {trace} (fcoll.inspect writes "
+                         "DIR/traces/rank{R}.json)")
+    out, missing = [], 0
+    for p in programs:
+        q, m = with_measured_compute(p, measured_compute_us(trace, graph=p.name))
+        out.append(q)
+        missing += m
+    where = trace if isinstance(trace, (str, os.PathLike)) else "the given trace"
+    return out, (f"measured in {where} (median per node, with the executor's gap before it; "
+                 f"{missing} compute node(s) not in the trace keep predicted times)")
