@@ -117,6 +117,14 @@ class TestLinkSpecs(unittest.TestCase):
             self.assertAlmostEqual(link.bandwidth_bytes_per_us, bw)
             self.assertAlmostEqual(link.alpha_us, alpha)
 
+    def test_shm_without_calibration_uses_the_documented_defaults(self):
+        from fcoll.sim.links import SHM_DEFAULT_ALPHA_US, SHM_DEFAULT_BUSBW_GBPS
+
+        link, s = parse_link("shm", "--intra"), 8 * MiB
+        self.assertAlmostEqual(link.collective_us("all_reduce", s, 4, "ring"),
+                               SHM_DEFAULT_ALPHA_US + 2 * 3 / 4 * s / (SHM_DEFAULT_BUSBW_GBPS * 1e3))
+        self.assertIn("documented defaults", link.describe())
+
     def test_shm_is_the_measured_model(self):
         link = parse_link("shm", "--intra")
         self.assertGreater(link.collective_us("all_reduce", MiB, 2, "ring"),

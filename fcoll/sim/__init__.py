@@ -10,7 +10,7 @@ Layering: the top of fcoll (it reads ``fcoll.inspect``'s files and may use every
 """
 
 from fcoll.sim.algorithms import flat_us, hierarchical_us
-from fcoll.sim.links import Link, MeasuredLink, parse_link, shm_comm_params
+from fcoll.sim.links import Link, MeasuredLink, parse_link, shm_time_us
 from fcoll.sim.program import Program, load_programs
 from fcoll.sim.replay import Replay, replay
 from fcoll.sim.report import plot_svg, report_text
@@ -22,6 +22,6 @@ from fcoll.sim.simulate import (
 __all__ = [
     "simulate", "SimReport", "LayoutResult", "GraphResult", "Network", "collective_us",
     "ALGORITHM_CHOICES", "Layout", "layouts", "shard_names", "ASSUMPTIONS", "Link",
-    "MeasuredLink", "parse_link", "shm_comm_params", "flat_us", "hierarchical_us", "Program",
+    "MeasuredLink", "parse_link", "shm_time_us", "flat_us", "hierarchical_us", "Program",
     "load_programs", "Replay", "replay", "report_text", "plot_svg",
 ]

@@ -7,8 +7,8 @@ Two kinds of link:
   :mod:`fcoll.sim.algorithms` are built from its messages. Written ``'100gbit,5us'``.
 - :class:`MeasuredLink`, written ``'shm'``: fcoll's shared-memory backend between the ranks of
   one host. Its collectives are not built from messages; each collective kind on ``G`` ranks
-  has its own fitted ``alpha_us + beta_us_per_byte * bytes`` (:func:`shm_comm_params`, the one
-  place that reads fcoll's cost model).
+  has its own measured time curve (:func:`shm_time_us`, the one place that reads fcoll's cost
+  model).
 
 Both answer :meth:`collective_us` ``(kind, nbytes, ranks, algorithm)``.
 """
@@ -22,7 +22,7 @@ from typing import Callable, Union
 from fcoll.ops.facts import KINDS, busbw_factor
 from fcoll.sim import algorithms
 
-__all__ = ["Link", "MeasuredLink", "LinkModel", "parse_link", "shm_comm_params",
+__all__ = ["Link", "MeasuredLink", "LinkModel", "parse_link", "shm_time_us",
            "SHM_DEFAULT_ALPHA_US", "SHM_DEFAULT_BUSBW_GBPS"]
 
 #: Bandwidth units accepted in link specs -> bytes per microsecond per unit (SI prefixes, as
@@ -68,27 +68,27 @@ class MeasuredLink:
     """The ranks of one host over fcoll's shared-memory backend (``'shm'``).
 
     Attributes:
-        params: ``(kind, ranks) -> (alpha_us, beta_us_per_byte, source)``, default
-            :func:`shm_comm_params`.
+        time_us: ``(kind, nbytes, ranks) -> (microseconds, source)`` of one collective, default
+            :func:`shm_time_us`.
         spec: the text it was parsed from.
     """
 
-    params: Callable[[str, int], tuple[float, float, str]]
+    time_us: Callable[[str, float, int], tuple[float, str]]
     spec: str = "shm"
 
     def collective_us(self, kind: str, nbytes: float, ranks: int, algorithm: str) -> float:
-        """``alpha_us + beta_us_per_byte * nbytes`` of ``kind`` on ``ranks`` ranks; the
-        backend picks its own algorithm, so ``algorithm`` is ignored. 0 on one rank."""
+        """Time of ``kind`` of ``nbytes`` on ``ranks`` ranks of one host; the backend picks
+        its own algorithm, so ``algorithm`` is ignored. 0 on one rank."""
         if ranks <= 1:
             return 0.0
-        alpha, beta, _ = self.params(kind, ranks)
-        return alpha + beta * nbytes
+        return self.time_us(kind, nbytes, ranks)[0]
 
     def describe(self) -> str:
-        alpha, beta, source = self.params("all_reduce", 2)
-        busbw = busbw_factor("all_reduce", 2) / beta / 1e3 if beta > 0 else float("inf")
+        small, source = self.time_us("all_reduce", 4096, 2)
+        big, _ = self.time_us("all_reduce", 64 * 2**20, 2)
+        busbw = busbw_factor("all_reduce", 2) * 64 * 2**20 / big / 1e3 if big > 0 else 0.0
         return (f"{self.spec}: fcoll shared memory, {source}; e.g. all_reduce on 2 ranks "
-                f"alpha {alpha:g} us, busbw {busbw:.3g} GB/s")
+                f"{small:.0f} us at 4 KiB, busbw {busbw:.3g} GB/s at 64 MiB")
 
 
 LinkModel = Union[Link, MeasuredLink]
@@ -102,21 +102,31 @@ SHM_DEFAULT_ALPHA_US = 64.0
 SHM_DEFAULT_BUSBW_GBPS = 3.16
 
 
-def shm_comm_params(kind: str, ranks: int) -> tuple[float, float, str]:
-    """``(alpha_us, beta_us_per_byte, source)`` of collective ``kind`` on ``ranks`` ranks of
-    fcoll's shared-memory backend: the one place the simulator reads fcoll's cost model.
+def shm_time_us(kind: str, nbytes: float, ranks: int) -> tuple[float, str]:
+    """``(microseconds, source)`` of one collective ``kind`` of ``nbytes`` (nccl-tests bytes)
+    on ``ranks`` ranks of fcoll's shared-memory backend: the one place the simulator reads
+    fcoll's cost model.
 
-    Uses the fitted per-kind, per-group-size model of :mod:`fcoll.passes.calibrate` when one is
-    available in this process; else the documented defaults :data:`SHM_DEFAULT_ALPHA_US` and
-    :data:`SHM_DEFAULT_BUSBW_GBPS` (``beta = busbw_factor(kind, ranks) / busbw``).
+    Uses the curve :mod:`fcoll.passes.calibrate` fitted in this process for exactly that kind
+    and group size on one host, when there is one (a live step after its first compile);
+    otherwise the documented defaults :data:`SHM_DEFAULT_ALPHA_US` and
+    :data:`SHM_DEFAULT_BUSBW_GBPS`: ``alpha + busbw_factor(kind, ranks) * nbytes / busbw``.
 
     Raises:
         ValueError: ``kind`` is not a collective kind.
     """
     if kind not in KINDS:
-        raise ValueError(f"shm_comm_params: unknown collective kind {kind!r}; known: {KINDS}")
+        raise ValueError(f"shm_time_us: unknown collective kind {kind!r}; known: {KINDS}")
+    try:
+        from fcoll.passes.calibrate import calibrated_table
+
+        curve = calibrated_table().get("fcoll", kind, ranks, "intra")
+    except (ImportError, AttributeError, TypeError):  # an fcoll without per-size calibration
+        curve = None
+    if curve is not None:
+        return max(curve.time_us(int(nbytes)), 0.0), "calibrated in this process"
     beta = busbw_factor(kind, max(ranks, 2)) / (SHM_DEFAULT_BUSBW_GBPS * 1e3)
-    return SHM_DEFAULT_ALPHA_US, beta, "documented defaults (not calibrated)"
+    return SHM_DEFAULT_ALPHA_US + beta * nbytes, "documented defaults (not calibrated)"
 
 
 def parse_link(spec: str, argument: str = "link") -> LinkModel:
@@ -135,7 +145,7 @@ def parse_link(spec: str, argument: str = "link") -> LinkModel:
     """
     text = str(spec).strip().lower()
     if text == "shm":
-        return MeasuredLink(shm_comm_params, spec="shm")
+        return MeasuredLink(shm_time_us, spec="shm")
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != 2:
         raise ValueError(f"{argument}: expected 'shm' or 'BANDWIDTH,LATENCY' such as "
