@@ -208,7 +208,36 @@ def run_eagerly_under_dynamo(cls: type, *, keep: tuple[str, ...] = ("size", "ran
             continue   # an internal helper: only ever called from an already-disabled method
         setattr(cls, name, torch._dynamo.disable(value, reason=f"fcoll: {cls.__name__}.{name} "
                                                  "is a collective's eager entry point"))
+    if issubclass(cls, dist.ProcessGroup):
+        _let_dynamo_211_see_a_process_group(cls)
     return cls
+
+
+_PROCESS_GROUP_CLASSES: set[type] = set()
+
+
+def _let_dynamo_211_see_a_process_group(cls: type) -> None:
+    """Make Dynamo 2.11 wrap instances of ``cls`` as it wraps c10d's own ``ProcessGroup``.
+
+    Dynamo 2.11's ``ProcessGroupVariable.is_process_group`` accepts the exact C++ class only
+    (``istype``), so a Python subclass became a user-defined object: ``group.size()`` still
+    traced (by inlining), but ``dist.get_world_size(group)`` and ``dist.get_rank(group)``, which
+    Dynamo constant-folds for a ``ProcessGroupVariable``, failed under ``fullgraph=True``. The
+    check is widened to the classes registered here, guarded by identity as for c10d's groups.
+    2.13 has no ``ProcessGroupVariable`` (every subclass is an opaque reference): a no-op there.
+    """
+    try:
+        from torch._dynamo.variables.distributed import ProcessGroupVariable
+    except ImportError:
+        return
+    if not _PROCESS_GROUP_CLASSES:
+        exact = ProcessGroupVariable.is_process_group
+
+        def is_process_group(value: object) -> bool:
+            return exact(value) or type(value) in _PROCESS_GROUP_CLASSES
+
+        ProcessGroupVariable.is_process_group = staticmethod(is_process_group)
+    _PROCESS_GROUP_CLASSES.add(cls)
 
 
 def optimization_hint(x: Any, fallback: int) -> int:

@@ -55,14 +55,21 @@ def _scatter_and_group_attributes(rank: int, world: int) -> list[float]:
         # read at trace time, like gloo's group
         return out + x * group.size() + group.rank() + len(group.group_name)
 
-    return f(torch.ones(2)).tolist()
+    sub = dist.new_group([0, 1])
+
+    @torch.compile(backend="fcoll", fullgraph=True)
+    def g(x):
+        # c10d's helpers on a group: constant-folded at trace time, no graph break
+        return x * dist.get_world_size(sub) + dist.get_rank(sub)
+
+    return f(torch.ones(2)).tolist() + g(torch.ones(1)).tolist()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unremapped_collective_graph_breaks_and_group_attributes_trace(backend):
     results = run_ranks(_scatter_and_group_attributes, 2, backend=backend, timeout_s=180)
     # group name "0" (one character) on both backends
-    assert results == [[0.0 + 2 + 0 + 1] * 2, [10.0 + 2 + 1 + 1] * 2]
+    assert results == [[0.0 + 2 + 0 + 1] * 2 + [2.0], [10.0 + 2 + 1 + 1] * 2 + [3.0]]
     assert fcoll_segments() == []
 
 
