@@ -308,20 +308,21 @@ class TestMeasuredCompute(unittest.TestCase):
                          node("b", "compute", ["a"], us=1.0),
                          node("c", "compute", ["b"], us=1.0), node("d", "compute", ["c"], us=7.0)])
 
-    def test_median_duration_plus_the_gap_since_the_last_compute_or_wait_return(self):
+    def test_duration_plus_the_gap_since_the_last_compute_or_wait_return(self):
+        """The first step is left out (it compiles): step 2's durations and gaps count."""
         from fcoll.sim.measured import measured_compute_us, with_measured_compute
 
         m = measured_compute_us(self.TRACE)
-        self.assertEqual(m["b"], (20.0, 3.5))      # gaps 5 and 2 after a
-        self.assertEqual(m["c"], (3.0, 1.5))       # gaps 2 and 1 after the wait returned
+        self.assertEqual(m["b"], (20.0, 2.0))      # gap 2 after a (step 1's 5 left out)
+        self.assertEqual(m["c"], (3.0, 1.0))       # gap 1 after the wait returned
         prog, missing = with_measured_compute(program_of(self.program()), m)
-        self.assertEqual([n.us for n in prog.nodes[1:]], [11.0, 23.5, 4.5, 7.0])  # a: no gap
+        self.assertEqual([n.us for n in prog.nodes[1:]], [12.0, 22.0, 4.0, 7.0])  # a: no gap
         self.assertEqual(missing, 1)               # d is not in the trace: predicted 7 us
-        self.assertEqual(prog.op_overhead_us, 1.5)
+        self.assertEqual(prog.op_overhead_us, 1.0)
 
     def test_simulate_with_compute_from_the_trace(self):
         r = simulate(self.program(), [2], compute="trace", trace=self.TRACE)
-        self.assertAlmostEqual(r.results[0].compute_us, 11.0 + 23.5 + 4.5 + 7.0)
+        self.assertAlmostEqual(r.results[0].compute_us, 12.0 + 22.0 + 4.0 + 7.0)
         self.assertIn("1 compute node(s) not in the trace", r.compute_source)
         with self.assertRaisesRegex(ValueError, "--compute trace: give the trace"):
             simulate(self.program(), [2], compute="trace")
