@@ -35,7 +35,7 @@ from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.phases import Call
 from fcoll.shm.headers import CollectiveMismatchError
 from fcoll.shm.segment import Segment
-from fcoll.shm.sync import Channel, PeerError
+from fcoll.shm.sync import GAVE_UP_DESTROYED, GAVE_UP_ERROR, Channel, PeerError
 
 log = logging.getLogger(__name__)
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -165,12 +165,13 @@ class Engine:
         ch.spin_iters = ch.spin_sync
         seq = self.seq
         self.seq = seq + 1
+        ch.seq = seq
         error = None
         try:
             fn(ch, plan, *args, plan.tail.encode(seq),
                f"{plan.name} (collective #{seq})", time.monotonic())
         except BaseException as e:  # noqa: BLE001  carried to wait()
-            error = self._failed(plan.name, e)
+            error = self._failed(plan.name, e, seq)
         finally:
             with lock:
                 self._running = False
@@ -256,6 +257,7 @@ class Engine:
         # is computing and needs the core).
         self.ch.spin_iters = (self.ch.spin_async if threading.current_thread() is self._thread
                               else self.ch.spin_sync)
+        self.ch.seq = job.seq
         call = Call(self.ch, job.name, f"{job.name} (collective #{job.seq})", time.monotonic(),
                     job.payload)
         try:
@@ -263,23 +265,28 @@ class Engine:
             if job.finish is not None:
                 job.finish()
         except BaseException as e:  # noqa: BLE001  carried to wait()
-            job.complete(self._failed(job.name, e))
+            job.complete(self._failed(job.name, e, job.seq))
             return
         job.complete(None)
 
-    def _failed(self, name: str, e: BaseException) -> BaseException:
-        """The failure policy of every executed collective; returns ``e``.
+    def _failed(self, name: str, e: BaseException, seq: int) -> BaseException:
+        """The failure policy of every executed collective (``name``, number ``seq``);
+        returns ``e``.
 
         A header mismatch or invalid input (:class:`CollectiveMismatchError`) is raised by
         every rank at the same phase, so the group stays usable. Anything else (a dead peer, a
-        timeout, an unexpected error) leaves the ranks at different phases: the group is
-        marked broken. Unexpected errors are logged with their traceback.
+        timeout, a peer that gave up, an unexpected error) leaves the ranks at different
+        phases: the group is marked broken, and collective ``seq`` is fenced in shared memory
+        (:meth:`Channel.give_up`), so a peer waiting for it, or arriving at it later, raises
+        naming this rank instead of computing a result from data this rank abandoned.
+        Unexpected errors are logged with their traceback.
         """
         if isinstance(e, CollectiveMismatchError):
             return e
         if not isinstance(e, PeerError):
             log.exception("fcoll %s failed", name)
         self.broken = e
+        self.ch.give_up(seq, name, getattr(e, "reason", GAVE_UP_ERROR), getattr(e, "peer", -1))
         return e
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -292,6 +299,9 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
         if not self._thread.is_alive():
+            # a peer still to call collective ``self.seq`` (which this rank never will) raises
+            # at once, naming this rank, instead of waiting for the timeout
+            self.ch.give_up(self.seq, "", GAVE_UP_DESTROYED)
             self.seg.close()
 
 

@@ -40,7 +40,8 @@ We never use ``multiprocessing.shared_memory``: its resource tracker unlinks seg
 
 Layout (offsets in bytes, every region 4096-aligned)::
 
-    control  [world][64]            per rank: arrive counter (u32), pid (u32), start time (u64),
+    control  [world][128]           per rank: arrive counter (u32), pid (u32), start time (u64),
+                                    the fence: the collective it gave up (u32) and why (u32),
                                     one sleep flag (u32) per waiting peer
     headers  [NSLOTS][world][HEADER] collective headers, one per slot
     data     [NSLOTS][world][slot_bytes] per-rank data slots, used round robin (NSLOTS = 3)
@@ -62,7 +63,7 @@ import torch
 
 SHM_DIR = "/dev/shm"
 PREFIX = "fcoll-"  # of the memfd's name (shown in /proc/<pid>/maps) and of old /dev/shm names
-CONTROL_BYTES = 64  # one cache line per rank, so counters of different ranks never share a line
+CONTROL_BYTES = 128  # two cache lines per rank, so counters of different ranks never share a line
 HEADER_BYTES = 2048
 NSLOTS = 3  # data slots per rank, used round robin (see phases.py for why 3)
 PAGE = 4096
@@ -79,7 +80,9 @@ W_ARRIVE = 0
 W_PID = 1
 W_START_LO = 2
 W_START_HI = 3
-W_SLEEP = 4  # W_SLEEP + q: rank q is (about to be) blocked in FUTEX_WAIT on this counter
+W_GAVE_UP = 4  # 1 + the sequence number (mod 2**32) of the collective this rank gave up, or 0
+W_GAVE_UP_WHY = 5  # why it gave up and on which op (see fcoll.shm.sync.Channel.give_up)
+W_SLEEP = 6  # W_SLEEP + q: rank q is (about to be) blocked in FUTEX_WAIT on this counter
 WORD_BYTES = 4  # control words are u32
 MAX_SLEEP_FLAGS = CONTROL_BYTES // WORD_BYTES - W_SLEEP
 U32_BITS = 32

@@ -68,8 +68,9 @@ import os
 import threading
 import time
 
-from fcoll.shm.segment import (MAX_SLEEP_FLAGS, U32_BITS, U32_MASK, W_ARRIVE, W_PID, W_SLEEP,
-                                W_START_HI, W_START_LO, Segment, proc_alive)
+from fcoll.shm.segment import (MAX_SLEEP_FLAGS, U32_BITS, U32_MASK, W_ARRIVE, W_GAVE_UP,
+                                W_GAVE_UP_WHY, W_PID, W_SLEEP, W_START_HI, W_START_LO, Segment,
+                                proc_alive)
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT = 0
@@ -90,8 +91,38 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+# Why a rank gave up a collective (the low byte of its W_GAVE_UP_WHY word).
+GAVE_UP_ERROR = 1  # an unexpected error on that rank (its traceback is in its log)
+GAVE_UP_TIMEOUT = 2
+GAVE_UP_PEER_DIED = 3
+GAVE_UP_PEER_GAVE_UP = 4  # it saw another rank's fence first
+GAVE_UP_DESTROYED = 5  # its process group was destroyed (or aborted, or the interpreter exited)
+_WHY = {GAVE_UP_ERROR: "it failed with an unexpected error", GAVE_UP_TIMEOUT: "it timed out",
+        GAVE_UP_PEER_DIED: "it saw a peer die", GAVE_UP_PEER_GAVE_UP: "a peer gave up first",
+        GAVE_UP_DESTROYED: "its process group was destroyed"}
+_WHY_PEER = {GAVE_UP_TIMEOUT: "it timed out waiting for {}", GAVE_UP_PEER_DIED: "{} died",
+             GAVE_UP_PEER_GAVE_UP: "{} gave up first"}
+#: Collectives named in a fence (the second byte of W_GAVE_UP_WHY: index + 1; 0 = not listed).
+FENCE_OPS = ("all_reduce", "reduce", "all_reduce_coalesced", "all_gather_into_tensor",
+             "all_gather", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single",
+             "all_to_all", "broadcast", "scatter", "gather", "barrier")
+_FENCE_OP_CODE = {name: i + 1 for i, name in enumerate(FENCE_OPS)}
+
+
 class PeerError(RuntimeError):
-    """A peer died or the group timed out; the group cannot be used any more."""
+    """A peer died, gave up, or the group timed out; the group cannot be used any more.
+
+    Attributes:
+        reason: what this rank writes in its fence when it gives up because of this error
+            (``GAVE_UP_TIMEOUT``, ``GAVE_UP_PEER_DIED``, ...).
+        peer: the group rank to blame (the one that died, did not arrive, or gave up
+            first), or -1.
+    """
+
+    def __init__(self, message: str, reason: int = GAVE_UP_ERROR, peer: int = -1):
+        super().__init__(message)
+        self.reason = reason
+        self.peer = peer
 
 
 def futex_wait(addr: int, expected: int, timeout_s: float) -> int:
@@ -181,6 +212,8 @@ class Channel:
                           if world == 2 and self._flags_on else -1)
         self._addr = [seg.word_addr(p, W_ARRIVE) for p in range(world)]
         self._peers = [p for p in range(world) if p != rank]
+        self._fence_idx = [lay.word(p, W_GAVE_UP) for p in self._peers]
+        self.seq = 0  # the collective being executed (the engine sets it): fences compare to it
         self._ident = [
             (words[lay.word(p, W_PID)],
              words[lay.word(p, W_START_LO)] | (words[lay.word(p, W_START_HI)] << U32_BITS))
@@ -271,6 +304,70 @@ class Channel:
                 self.stats["spin_failed"] += 1
             self.stats["slept"] += 1
             self._block(p, k, what, start)
+        for i in self._fence_idx:  # a peer that arrived may have given up since: never read it
+            if words[i]:
+                self._check_fences(what)
+
+    # ---- fencing by sequence number ----------------------------------------------------------
+    def give_up(self, seq: int, op: str, reason: int, peer: int = -1) -> None:
+        """Mark collective ``seq`` (op ``op``) dead in this rank's control record, and wake
+        every peer sleeping on this rank's counter so it sees the mark at once. ``reason``
+        (``GAVE_UP_*``) and ``peer`` (the group rank blamed, or -1) go into the message the
+        peers raise. The why word is ``reason | op code << 8 | (peer + 1) << 16``.
+
+        A peer that waits at, or later arrives at, a phase of collective ``seq`` or a later one
+        raises :class:`PeerError` naming this rank, the op, ``seq`` and ``reason``, before it
+        reads any data of that phase. The first mark stays: a rank gives up at most once (its
+        engine is broken from then on). The reason word is stored before the sequence word,
+        and x86-64 keeps stores in order, so a reader that sees the sequence sees the reason.
+        """
+        words = self.words
+        mine = self.seg.layout.word(self.rank, W_GAVE_UP)
+        if words[mine]:
+            return
+        words[self.seg.layout.word(self.rank, W_GAVE_UP_WHY)] = (
+            (reason & 0xFF) | (_FENCE_OP_CODE.get(op, 0) << 8)
+            | (((peer + 1) & 0xFFFF) << 16))
+        words[mine] = ((seq + 1) & U32_MASK) or 1
+        lock = self._fence_lock
+        lock.acquire()  # full barrier: the mark is visible before any later load
+        lock.release()
+        futex_wake(self._addr[self.rank])
+
+    def gave_up(self, p: int) -> tuple[int, str, int, int] | None:
+        """``(seq mod 2**32, op, reason, blamed peer or -1)`` of the collective group rank
+        ``p`` gave up, or None."""
+        lay = self.seg.layout
+        mark = self.words[lay.word(p, W_GAVE_UP)]
+        if not mark:
+            return None
+        why = self.words[lay.word(p, W_GAVE_UP_WHY)]
+        code = (why >> 8) & 0xFF
+        op = FENCE_OPS[code - 1] if 0 < code <= len(FENCE_OPS) else "a collective"
+        return (mark - 1) & U32_MASK, op, why & 0xFF, (why >> 16) - 1
+
+    def _check_fences(self, what: str) -> None:
+        """Raise :class:`PeerError` if a peer gave up this collective (``self.seq``) or an
+        earlier one; a fence on a later collective (a peer that destroyed its group after
+        its last collective) does not concern this one. A dead peer, the first cause, is
+        named before any fence."""
+        self.check_peers(what)
+        for p in self._peers:
+            mark = self.gave_up(p)
+            if mark is None:
+                continue
+            seq, op, reason, blamed = mark
+            if ((self.seq - seq) & U32_MASK) >= _HALF_RANGE:
+                continue  # a later collective than this one
+            if reason in _WHY_PEER and 0 <= blamed < self.world:
+                why = _WHY_PEER[reason].format(
+                    self.describe(blamed) + (" (this rank)" if blamed == self.rank else ""))
+            else:
+                why = _WHY.get(reason, "of an unknown reason")
+            raise PeerError(
+                f"fcoll {what}: {self.describe(p)} gave up {op} (collective #{seq} of the "
+                f"group) because {why}; rank {self.rank} computed no result from its data, "
+                "and the process group is no longer usable", GAVE_UP_PEER_GAVE_UP, p)
 
     def _block(self, p: int, k: int, what: str, start: float) -> None:
         """Sleep on peer ``p``'s counter until it reaches ``k``.
@@ -290,16 +387,21 @@ class Channel:
                 cur = words[idx]
                 if ((cur - k) & U32_MASK) < _HALF_RANGE:
                     return
+                for i in self._fence_idx:  # a peer that gave up woke us: raise now
+                    if words[i]:
+                        self._check_fences(what)
                 now = clock()
                 if now - checked >= _TICK_S:
                     checked = now
                     self.check_peers(what)
                     if self.closing:
                         raise PeerError(f"fcoll {what}: the process group was destroyed while "
-                                        f"rank {self.rank} waited for {self.describe(p)}")
+                                        f"rank {self.rank} waited for {self.describe(p)}",
+                                        GAVE_UP_DESTROYED)
                 remaining = self.timeout_s - (now - start)
                 if remaining <= 0:
                     self._fail_timeout(k, what)
+                    return  # every peer arrived at the last moment
                 if (_sleep(addr, cur, remaining) == errno.ETIMEDOUT
                         and ((words[idx] - k) & U32_MASK) < _HALF_RANGE):
                     self.stats["late"] += 1  # slept to the tick although the peer had come
@@ -314,11 +416,13 @@ class Channel:
             pids = ", ".join(str(self._ident[p][0]) for p in dead)
             raise PeerError(
                 f"fcoll {what}: {names} died (pid {pids}) while rank {self.rank} waited for it; "
-                "the process group is no longer usable")
+                "the process group is no longer usable", GAVE_UP_PEER_DIED, dead[0])
 
     def _fail_timeout(self, k: int, what: str) -> None:
         missing = [p for p in self._peers if not self._arrived(p, k)]
+        if not missing:
+            return
         names = ", ".join(self.describe(p) for p in missing)
         raise PeerError(
             f"fcoll {what}: timed out after {self.timeout_s:.1f} s on rank {self.rank}; "
-            f"ranks not yet arrived: {names}")
+            f"ranks not yet arrived: {names}", GAVE_UP_TIMEOUT, missing[0])
