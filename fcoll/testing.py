@@ -80,8 +80,8 @@ def _rank_main(
 ) -> None:
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=env.get("LOCAL_RANK", str(rank)),
+        LOCAL_WORLD_SIZE=env.get("LOCAL_WORLD_SIZE", str(world_size)),
     )
     try:
         import torch
@@ -116,6 +116,7 @@ def run_ranks(
     pg_timeout_s: float = 30.0,
     env: dict[str, str] | None = None,
     allow_failures: bool = False,
+    hosts: Sequence[Any] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
@@ -130,6 +131,10 @@ def run_ranks(
         env: extra environment variables for the ranks.
         allow_failures: if True, failing ranks do not raise; their slot in the result holds a
             :class:`RankFailure` for that rank instead.
+        hosts: the emulated host of each rank (``hosts[r]``, any str or int): rank r runs with
+            ``FCOLL_HOST_ID`` set from it (see :mod:`fcoll.shm.hosts`), and ``LOCAL_RANK`` /
+            ``LOCAL_WORLD_SIZE`` of its host, so ranks with different hosts form a
+            hierarchical group without network namespaces. None: one host.
 
     Returns:
         The return values of ``fn``, indexed by rank.
@@ -137,7 +142,17 @@ def run_ranks(
     Raises:
         RankFailure: a rank raised (and ``allow_failures`` is False).
         TimeoutError: the run exceeded ``timeout_s``; every rank was killed.
+        ValueError: ``hosts`` does not name one host per rank.
     """
+    rank_envs = [dict(env or {}) for _ in range(world_size)]
+    if hosts is not None:
+        if len(hosts) != world_size:
+            raise ValueError(f"run_ranks: hosts names {len(hosts)} hosts for world_size "
+                             f"{world_size} ranks (one per rank needed)")
+        for r, h in enumerate(hosts):
+            same = [q for q in range(world_size) if hosts[q] == h]
+            rank_envs[r].update(FCOLL_HOST_ID=f"run_ranks-host-{h}",
+                                LOCAL_RANK=str(same.index(r)), LOCAL_WORLD_SIZE=str(len(same)))
     ctx = mp.get_context("spawn")
     results: "mp.Queue[tuple[int, bool, Any]]" = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fcoll-test-") as tmp:
@@ -146,7 +161,7 @@ def run_ranks(
             ctx.Process(
                 target=_rank_main,
                 args=(fn, r, world_size, backend, store_path, pg_timeout_s, tuple(args),
-                      dict(env or {}), results),
+                      rank_envs[r], results),
                 daemon=True,
             )
             for r in range(world_size)

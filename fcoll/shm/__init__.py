@@ -23,13 +23,29 @@ BACKEND_NAME = "fcoll"
 
 
 def create_process_group(common_opts, backend_opts=None):
-    """Backend creator for ``Backend.register_backend(..., extended_api=True)``."""
+    """Backend creator for ``Backend.register_backend(..., extended_api=True)``.
+
+    The group's ranks first exchange their host identity (:func:`fcoll.shm.hosts.host_id`)
+    through the group's store. Ranks all on one host get a plain
+    :class:`~fcoll.shm.process_group.FcollProcessGroup` (shared memory, no overhead); ranks on
+    several hosts get a :class:`~fcoll.shm.hierarchical.HierarchicalProcessGroup` (shared memory
+    inside each host, gloo between hosts). A group of one rank skips the exchange.
+    """
+    from fcoll.shm.hosts import HostLayout, exchange_host_ids
     from fcoll.shm.process_group import FcollProcessGroup
 
-    return FcollProcessGroup(
-        common_opts.store, common_opts.group_rank, common_opts.group_size, common_opts.timeout,
-        global_ranks=list(common_opts.global_ranks_in_group or []),
-    )
+    store, rank, size = common_opts.store, common_opts.group_rank, common_opts.group_size
+    global_ranks = list(common_opts.global_ranks_in_group or [])
+    if size > 1:
+        ids = exchange_host_ids(dist.PrefixStore("fcoll-hosts/", store), rank, size,
+                                common_opts.timeout)
+        layout = HostLayout.from_host_ids(ids)
+        if layout.num_hosts > 1:
+            from fcoll.shm.hierarchical import HierarchicalProcessGroup
+
+            return HierarchicalProcessGroup(store, rank, size, common_opts.timeout, layout,
+                                            global_ranks=global_ranks)
+    return FcollProcessGroup(store, rank, size, common_opts.timeout, global_ranks=global_ranks)
 
 
 def register_backend() -> None:

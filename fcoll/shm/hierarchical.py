@@ -1,0 +1,666 @@
+"""``HierarchicalProcessGroup``: an fcoll group whose ranks span several hosts.
+
+:func:`fcoll.shm.create_process_group` builds one when a group's ranks have more than one host
+identity (:mod:`fcoll.shm.hosts`). It holds three groups, made in this order on every rank:
+
+- ``intra``: an :class:`~fcoll.shm.process_group.FcollProcessGroup` of the ranks of this host
+  (shared memory), on the store prefix ``intra/<host>/``; absent on a host with one rank;
+- ``inter``: a gloo group of the ranks with this rank's *local rank* on every host (host ``h``
+  is its group rank ``h``), on ``inter/<local rank>/``; only when every host holds the same
+  number of ranks (an *even* layout);
+- ``flat``: a gloo group of all ranks (``flat/``), for the ops and layouts composition does
+  not serve.
+
+With H hosts of L ranks each (n = H * L), a rank (host h, local rank l) runs, per op:
+
+================  ===============================================================================
+all_reduce        intra reduce_scatter -> shard of N/L (padded); inter all_reduce of the shard;
+                  intra all_gather. Inter-host bytes per host: 2 (H-1)/H * N, the minimum
+                  (a flat ring over n ranks crossing hosts sends 2 (n-1)/n * N over each
+                  crossing link). avg reduces with sum and divides by n once.
+all_gather        inter all_gather ([H, N]: rank (h', l)'s inputs), intra all_gather
+                  ([L, H, N]), one index_select into group-rank order.
+reduce_scatter    rows reordered so that local rank l' owns the rows of ranks (*, l'); intra
+                  reduce_scatter -> [H, N]; inter all_to_all + a local reduction of the H rows
+                  (every dtype and reduce op; gloo's reduce_scatter all-reduces the whole input).
+broadcast         inter broadcast among the root's local rank, then intra broadcast.
+reduce            all_reduce into a scratch copy; only the root writes its tensor.
+barrier           intra barrier, then inter barrier (a rank passes the inter barrier only once
+                  every host's ranks passed their intra barrier).
+coalesced forms   all_reduce: tensors of each dtype concatenated, one all_reduce each;
+                  all_gather / reduce_scatter: one composed op per tensor, one Work.
+================  ===============================================================================
+
+Fallbacks to ``flat`` (documented choices): every op on an uneven layout (3 ranks on one host,
+1 on another: correct, slower); all_to_all (every byte bound for another host crosses the link
+whatever the composition, and split sizes differ by rank, so there is nothing to save);
+gather, scatter and point-to-point. Inter-host all_reduce of a dtype/op gloo cannot reduce
+(complex product, ...) runs as an inter all_gather and a local reduction.
+
+Ops run in issue order on the group's worker thread (one thread: every rank issues the inner
+groups' collectives in the same order); a ``Work`` completes when its op ran. CPU tensors are
+tested; CUDA tensors go through the inner groups' own CUDA support, untested here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from torch._C._distributed_c10d import AllgatherOptions
+
+from fcoll.compat import run_eagerly_under_dynamo
+from fcoll.ops.reduce import (DIST_REDUCE_OPS, check_reduce_op, divide_for_avg, logical_op,
+                              reduce_op_name, reduce_rows_into)
+from fcoll.shm.hosts import HostLayout
+from fcoll.shm.process_group import FcollProcessGroup
+
+__all__ = ["HierarchicalProcessGroup", "HierarchicalWork"]
+
+
+@run_eagerly_under_dynamo
+class HierarchicalWork(dist.Work):
+    """The ``Work`` of an op queued on a :class:`HierarchicalProcessGroup`'s worker.
+
+    ``wait()`` re-raises the op's error; ``result()`` is the list of output tensors.
+    """
+
+    def __init__(self, futures: list[cf.Future]):
+        super().__init__()
+        self._futures = futures
+        self._fut: torch.futures.Future | None = None
+
+    def wait(self, timeout=None) -> bool:
+        secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        for f in self._futures:
+            f.result(timeout=secs or None)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self.exception() is None
+
+    def exception(self):
+        return next((f.exception() for f in self._futures if f.done() and f.exception()), None)
+
+    def result(self):
+        self.wait()
+        return self._futures[-1].result() if self._futures else []
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            fut: torch.futures.Future = torch.futures.Future()
+            pending = list(self._futures)
+
+            def settle(_: Any = None) -> None:
+                if all(f.done() for f in pending) and not fut.done():
+                    err = self.exception()
+                    if err is not None:
+                        fut.set_exception(err)
+                    else:
+                        fut.set_result(pending[-1].result() if pending else [])
+
+            for f in pending:
+                f.add_done_callback(settle)
+            settle()
+            self._fut = fut
+        return self._fut
+
+
+def _opts(cls, **fields):
+    o = cls()
+    for k, v in fields.items():
+        setattr(o, k, v)
+    return o
+
+
+def _wait(work: dist.Work | None) -> None:
+    if work is not None:
+        work.wait()
+
+
+# dtypes gloo's all_reduce takes (complex only with sum); the others reduce locally
+_GLOO_REDUCE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                 torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool})
+
+
+def _gloo_reduces(op: str, dtype: torch.dtype) -> bool:
+    return dtype in _GLOO_REDUCE_DTYPES or (dtype.is_complex and op == "sum")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as flat bytes: gloo moves any dtype this way (int16, complex...)."""
+    return t.view(-1).view(torch.uint8)
+
+
+def _gloo_reduce_scatter_rows(group: dist.ProcessGroup, rows: torch.Tensor,
+                              op: str) -> torch.Tensor:
+    """Row ``group.rank()`` of the elementwise ``op``-reduction of every rank's ``rows``.
+
+    ``rows`` is ``[k, N]`` contiguous (k = group size); returns ``[N]``. An all_to_all of
+    bytes and a local reduction: every dtype and reduce op (not avg), (k-1)/k * k * N elements
+    sent per rank, the minimum (gloo's own reduce_scatter all-reduces the whole input).
+    """
+    got = torch.empty_like(rows)
+    group.alltoall_base(_bytes(got), _bytes(rows), [], [], dist.AllToAllOptions()).wait()
+    out = rows.new_empty(rows.shape[1:])
+    reduce_rows_into(got, op, out)
+    return out
+
+
+def _gloo_all_reduce(group: dist.ProcessGroup, x: torch.Tensor, op: str) -> None:
+    """All-reduce ``x`` (1-D, contiguous) in place over a gloo ``group``; ``op`` is not avg.
+
+    gloo's own all_reduce where it takes the dtype; otherwise (int16, complex products, ...)
+    a reduce_scatter of bytes (:func:`_gloo_reduce_scatter_rows`) and an all_gather of bytes.
+    """
+    k = group.size()
+    if k == 1:
+        return
+    op = logical_op(op, x.dtype)
+    if _gloo_reduces(op, x.dtype):
+        group.allreduce([x], _opts(dist.AllreduceOptions, reduceOp=DIST_REDUCE_OPS[op])).wait()
+        return
+    pad = (-x.numel()) % k
+    buf = x if pad == 0 else torch.cat([x, x.new_zeros(pad)])
+    mine = _gloo_reduce_scatter_rows(group, buf.view(k, -1), op)
+    group._allgather_base(_bytes(buf), _bytes(mine)).wait()
+    if pad:
+        x.copy_(buf[:x.numel()])
+
+
+@run_eagerly_under_dynamo
+class HierarchicalProcessGroup(dist.ProcessGroup):
+    """fcoll process group over several hosts: shared memory inside a host, gloo between hosts.
+
+    Args:
+        store: the group's store; sub-groups use ``PrefixStore``s of it.
+        rank, size: this rank and the group size.
+        timeout: timeout of every sub-group.
+        layout: which group ranks share a host (the same on every rank).
+        global_ranks: global rank of each group rank (for error messages).
+
+    Shapes per rank are those of :class:`~fcoll.shm.process_group.FcollProcessGroup`.
+
+    Raises (from the methods): ``ValueError`` naming op, rank and shapes for arguments invalid
+    on this rank (a reduce op undefined for the dtype, an all_gather output that is not
+    ``size`` times the input, ...); errors of the inner groups through ``Work.wait``.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+                 layout: HostLayout, global_ranks: list[int] | None = None):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
+        self._group_name = ""
+        self._group_desc = ""
+        self.layout = layout
+        self.host = layout.host_of(rank)
+        self.local_rank = layout.local_rank_of(rank)
+        members = layout.ranks_of[self.host]
+        self._intra: FcollProcessGroup | None = None
+        if len(members) > 1:
+            self._intra = FcollProcessGroup(
+                dist.PrefixStore(f"intra/{self.host}/", store), self.local_rank, len(members),
+                timeout, global_ranks=[self._global_ranks[r] for r in members])
+        self._inter: dist.ProcessGroup | None = None
+        if layout.even:
+            self._inter = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"inter/{self.local_rank}/", store), self.host,
+                layout.num_hosts, timeout=timeout)
+        self._flat = dist.ProcessGroupGloo(dist.PrefixStore("flat/", store), rank, size,
+                                           timeout=timeout)
+        H = layout.num_hosts
+        if layout.even:
+            L = len(members)
+            # all_gather: rows arrive as [l][h]; row l*H+h is group rank (h, l)'s
+            self._gather_order = torch.tensor(
+                [layout.local_rank_of(r) * H + layout.host_of(r) for r in range(size)])
+            # reduce_scatter: local rank l' receives the rows of ranks (0, l'), ..., (H-1, l')
+            self._scatter_order = torch.tensor(
+                [layout.rank_at(h, lq) for lq in range(L) for h in range(H)])
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"fcoll-hier-r{rank}")
+        self._lock = threading.Lock()
+        self._coalescing: list[cf.Future] | None = None
+
+    # ---- identity -------------------------------------------------------------------------
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def getBackendName(self) -> str:  # noqa: N802  (PyTorch's name)
+        return "fcoll"
+
+    def name(self) -> str:
+        return "fcoll"
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        hosts = "x".join(str(len(rs)) for rs in self.layout.ranks_of)
+        return (f"HierarchicalProcessGroup(rank={self._rank}, size={self._size}, "
+                f"hosts={hosts}, name={self._group_name!r})")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._intra is not None:
+            self._intra.shutdown()
+
+    def abort(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._intra is not None:
+            self._intra.abort()
+
+    # ---- submission -----------------------------------------------------------------------
+    def _error(self, op: str, msg: str) -> ValueError:
+        return ValueError(f"fcoll {op}: rank {self._rank} (global rank "
+                          f"{self._global_ranks[self._rank]}): {msg}")
+
+    def _submit(self, fn: Callable[[], Any]) -> HierarchicalWork:
+        def run():
+            with torch.no_grad():  # a collective writes outputs in place, as c10d's backends
+                return fn()
+
+        with self._lock:
+            fut = self._pool.submit(run)
+            if self._coalescing is not None:
+                self._coalescing.append(fut)
+        return HierarchicalWork([fut])
+
+    def _start_coalescing(self, device=None) -> None:
+        self._coalescing = []
+
+    def _end_coalescing(self, device=None) -> dist.Work:
+        futs, self._coalescing = self._coalescing or [], None
+        return HierarchicalWork(futs)
+
+    def _flat_work(self, issue: Callable[[], dist.Work], result) -> HierarchicalWork:
+        """Issue a flat gloo op in queue order and wait for it on the worker."""
+        def run():
+            issue().wait()
+            return result
+        return self._submit(run)
+
+    # ---- all_reduce -----------------------------------------------------------------------
+    def _check_reduce(self, name: str, op: str, t: torch.Tensor) -> None:
+        err = check_reduce_op(op, t.dtype)
+        if err:
+            raise self._error(name, f"{err} (tensor {tuple(t.shape)} {t.dtype})")
+
+    def _all_reduce_flat(self, flat: torch.Tensor, op: str) -> None:
+        """The composed all_reduce of a 1-D contiguous tensor, in place (uneven layouts: on
+        ``flat``)."""
+        step = "sum" if op == "avg" else op
+        if not self.layout.even:
+            _gloo_all_reduce(self._flat, flat, step)
+        elif self._intra is None:
+            _gloo_all_reduce(self._inter, flat, step)
+        else:
+            L = self._intra.size()
+            pad = (-flat.numel()) % L
+            buf = flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
+            shard = buf.new_empty(buf.numel() // L)
+            rs = _opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step])
+            self._intra.reduce_scatter_single(shard, buf, rs).wait()
+            _gloo_all_reduce(self._inter, shard, step)
+            if op == "avg":
+                divide_for_avg(shard, self._size)
+            self._intra.all_gather_single(buf, shard, _opts(AllgatherOptions)).wait()
+            if pad:
+                flat.copy_(buf[:flat.numel()])
+            return
+        if op == "avg":
+            divide_for_avg(flat, self._size)
+
+    def _all_reduce_into(self, t: torch.Tensor, op: str, out: torch.Tensor | None = None):
+        target = t if out is None else out
+        flat = target.view(-1) if target.is_contiguous() else target.contiguous().view(-1)
+        if out is not None:
+            flat.copy_(t.reshape(-1))
+        self._all_reduce_flat(flat, op)
+        if flat.data_ptr() != target.data_ptr():
+            target.copy_(flat.view(target.shape))
+        return [target]
+
+    def allreduce(self, tensors, opts=None) -> dist.Work:
+        op = reduce_op_name((opts or dist.AllreduceOptions()).reduceOp)
+        if len(tensors) != 1:
+            raise self._error("all_reduce", f"expects 1 tensor, got {len(tensors)}")
+        t = tensors[0]
+        self._check_reduce("all_reduce", op, t)
+        return self._submit(lambda: self._all_reduce_into(t, op))
+
+    def allreduce_out_of_place(self, input: torch.Tensor, output: torch.Tensor,  # noqa: A002
+                               op: dist.ReduceOp) -> dist.Work:
+        """All-reduce ``input`` into ``output`` (same shape and dtype), input untouched."""
+        if output.shape != input.shape or output.dtype != input.dtype:
+            raise self._error("all_reduce", f"output {tuple(output.shape)} {output.dtype} does "
+                              f"not match input {tuple(input.shape)} {input.dtype}")
+        name = reduce_op_name(op)
+        self._check_reduce("all_reduce", name, input)
+        return self._submit(lambda: self._all_reduce_into(input, name, output))
+
+    def reduce(self, tensors, opts=None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        op, root = reduce_op_name(opts.reduceOp), opts.rootRank
+        t = tensors[0]
+        self._check_reduce("reduce", op, t)
+        if not 0 <= root < self._size:
+            raise self._error("reduce", f"root {root} is out of range for a group of size "
+                              f"{self._size}")
+
+        def run():
+            scratch = t.detach().reshape(-1).clone()
+            self._all_reduce_flat(scratch, op)
+            if self._rank == root:
+                t.copy_(scratch.view(t.shape))
+            return [t]
+        return self._submit(run)
+
+    def _coalesced_run(self, tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self._all_reduce_flat(flat, op)
+            off = 0
+            for t in group:
+                t.copy_(flat[off:off + t.numel()].view(t.shape))
+                off += t.numel()
+        return list(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
+        """All-reduce every tensor in place in one op (dtypes may mix: one composed
+        all_reduce per dtype, over the tensors of that dtype concatenated)."""
+        op = reduce_op_name((opts or dist.AllreduceCoalescedOptions()).reduceOp)
+        for t in tensors:
+            self._check_reduce("all_reduce_coalesced", op, t)
+        return self._submit(lambda: self._coalesced_run(list(tensors), op))
+
+    def allreduce_coalesced_out_of_place(self, inputs, outputs, op) -> dist.Work:
+        """``outputs[i] = all_reduce(inputs[i])`` for every i, in one op; inputs untouched."""
+        if len(inputs) != len(outputs):
+            raise self._error("all_reduce_coalesced", f"{len(outputs)} outputs for "
+                              f"{len(inputs)} inputs")
+        name = reduce_op_name(op)
+        for i, (x, y) in enumerate(zip(inputs, outputs)):
+            if y.shape != x.shape or y.dtype != x.dtype:
+                raise self._error("all_reduce_coalesced", f"outputs[{i}] {tuple(y.shape)} "
+                                  f"{y.dtype} does not match inputs[{i}] {tuple(x.shape)} "
+                                  f"{x.dtype}")
+            self._check_reduce("all_reduce_coalesced", name, x)
+
+        def run():
+            for x, y in zip(inputs, outputs):
+                y.copy_(x)
+            return self._coalesced_run(list(outputs), name)
+        return self._submit(run)
+
+    # ---- all_gather -----------------------------------------------------------------------
+    def _all_gather_run(self, output: torch.Tensor, input: torch.Tensor):  # noqa: A002
+        x = input.detach().reshape(-1).contiguous()
+        N = x.numel()
+        if not self.layout.even:
+            buf = output if output.is_contiguous() else x.new_empty(self._size * N)
+            self._flat._allgather_base(_bytes(buf), _bytes(x)).wait()
+            if buf is not output:
+                output.copy_(buf.view(output.shape))
+            return [output]
+        H = self.layout.num_hosts
+        g = x.new_empty(H * N)
+        self._inter._allgather_base(_bytes(g), _bytes(x)).wait()
+        if self._intra is not None:
+            a = x.new_empty(self._intra.size() * H * N)
+            self._intra.all_gather_single(a, g, _opts(AllgatherOptions)).wait()
+        else:
+            a = g
+        if N == 0:
+            return [output]
+        rows = a.view(-1, N)
+        if output.is_contiguous():
+            torch.index_select(rows, 0, self._gather_order, out=output.view(self._size, N))
+        else:
+            output.copy_(rows.index_select(0, self._gather_order).view(output.shape))
+        return [output]
+
+    def _check_gather(self, name: str, output: torch.Tensor,
+                      input: torch.Tensor) -> None:  # noqa: A002
+        if output.dtype != input.dtype or output.numel() != self._size * input.numel():
+            raise self._error(name, f"output {tuple(output.shape)} {output.dtype} must hold "
+                              f"{self._size} x input {tuple(input.shape)} {input.dtype}")
+
+    def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+        self._check_gather("all_gather_into_tensor", output, input)
+        return self._submit(lambda: self._all_gather_run(output, input))
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """List form: ``output_tensors[0][r]`` receives rank r's ``input_tensors[0]``."""
+        inp, outs = input_tensors[0], list(output_tensors[0])
+        if len(outs) != self._size or any(o.shape != inp.shape or o.dtype != inp.dtype
+                                          for o in outs):
+            raise self._error("all_gather", f"expects {self._size} outputs of "
+                              f"{tuple(inp.shape)} {inp.dtype}")
+        stacked = inp.new_empty((self._size, *inp.shape))
+
+        def run():
+            self._all_gather_run(stacked, inp)
+            for o, s in zip(outs, stacked.unbind(0)):
+                o.copy_(s)
+            return [outs]
+        return self._submit(run)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
+        works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
+        return HierarchicalWork([f for w in works for f in w._futures])
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
+        return HierarchicalWork([f for w in works for f in w._futures])
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # ---- reduce_scatter -------------------------------------------------------------------
+    def _reduce_scatter_run(self, output: torch.Tensor, input: torch.Tensor, op: str):  # noqa: A002
+        N = output.numel()
+        H = self.layout.num_hosts
+        step = "sum" if op == "avg" else op
+        if not self.layout.even:
+            res = _gloo_reduce_scatter_rows(
+                self._flat, input.detach().reshape(self._size, N).contiguous(), step)
+            if op == "avg":
+                divide_for_avg(res, self._size)
+            output.copy_(res.view(output.shape))
+            return [output]
+        rows = input.detach().reshape(self._size, N).index_select(0, self._scatter_order)
+        if self._intra is not None:
+            shard = rows.new_empty(H * N)
+            rs = _opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step])
+            self._intra.reduce_scatter_single(shard, rows.view(-1), rs).wait()
+        else:
+            shard = rows.view(-1)
+        res = _gloo_reduce_scatter_rows(self._inter, shard.view(H, N), step)
+        if op == "avg":
+            divide_for_avg(res, self._size)
+        output.copy_(res.view(output.shape))
+        return [output]
+
+    def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = reduce_op_name(opts.reduceOp)
+        name = "reduce_scatter_tensor"
+        self._check_reduce(name, op, input)
+        if input.dtype != output.dtype or input.numel() != self._size * output.numel():
+            raise self._error(name, f"input {tuple(input.shape)} {input.dtype} must hold "
+                              f"{self._size} x output {tuple(output.shape)} {output.dtype}")
+        return self._submit(lambda: self._reduce_scatter_run(output, input, op))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
+        """List form: ``output_tensors[0]`` = reduction of every rank's ``input_lists[0][me]``."""
+        ins = input_lists[0]
+        if len(ins) != self._size:
+            raise self._error("reduce_scatter", f"expects {self._size} inputs, got {len(ins)}")
+        stacked = torch.stack([i.detach().reshape(-1) for i in ins])
+        return self.reduce_scatter_single(output_tensors[0], stacked.view(-1), opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return HierarchicalWork([f for w in works for f in w._futures])
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # ---- all_to_all, broadcast, barrier ---------------------------------------------------
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
+                          opts=None) -> dist.Work:
+        """On ``flat`` (see the module docstring)."""
+        o_s, i_s = list(output_split_sizes or []), list(input_split_sizes or [])
+        for name, s, t in (("input", i_s, input), ("output", o_s, output)):
+            if s and (len(s) != self._size or sum(s) != (t.shape[0] if t.dim() else 1)):
+                raise self._error("all_to_all_single", f"{name}_split_sizes {s} do not split "
+                                  f"{name} {tuple(t.shape)} into {self._size} parts")
+        if input.dtype != output.dtype:
+            raise self._error("all_to_all_single", f"output dtype {output.dtype} != input "
+                              f"dtype {input.dtype}")
+
+        def run():
+            src = input.detach().contiguous()
+            dst = output if output.is_contiguous() else output.contiguous()
+            row = input[0].numel() * input.element_size() if input.dim() and len(input) else 0
+            out_row = (output[0].numel() * output.element_size()
+                       if output.dim() and len(output) else 0)
+            self._flat.alltoall_base(_bytes(dst), _bytes(src), [s * out_row for s in o_s],
+                                     [s * row for s in i_s], dist.AllToAllOptions()).wait()
+            if dst is not output:
+                output.copy_(dst)
+            return [output]
+        return self._submit(run)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """List form, via ``all_to_all_single`` on flattened, concatenated tensors."""
+        if len(output_tensors) != self._size or len(input_tensors) != self._size:
+            raise self._error("all_to_all", f"expects {self._size} inputs and outputs")
+        src = torch.cat([t.detach().reshape(-1) for t in input_tensors])
+        dst = src.new_empty(sum(o.numel() for o in output_tensors))
+
+        def run():
+            size = src.element_size()
+            self._flat.alltoall_base(_bytes(dst), _bytes(src),
+                                     [o.numel() * size for o in output_tensors],
+                                     [t.numel() * size for t in input_tensors],
+                                     dist.AllToAllOptions()).wait()
+            off = 0
+            for o in output_tensors:
+                o.copy_(dst[off:off + o.numel()].view(o.shape))
+                off += o.numel()
+            return [list(output_tensors)]
+        return self._submit(run)
+
+    def broadcast(self, tensors, opts=None) -> dist.Work:
+        root = (opts or dist.BroadcastOptions()).rootRank
+        t = tensors[0]
+        if not 0 <= root < self._size:
+            raise self._error("broadcast", f"root {root} is out of range for a group of size "
+                              f"{self._size}")
+        root_host, root_local = self.layout.host_of(root), self.layout.local_rank_of(root)
+
+        def run():
+            buf = t if t.is_contiguous() else t.contiguous()
+            if not self.layout.even:
+                self._flat.broadcast([_bytes(buf)], _opts(dist.BroadcastOptions,
+                                                          rootRank=root)).wait()
+            elif self.local_rank == root_local:
+                self._inter.broadcast([_bytes(buf)], _opts(dist.BroadcastOptions,
+                                                           rootRank=root_host)).wait()
+            if self._intra is not None and self.layout.even:
+                self._intra.broadcast([buf], _opts(dist.BroadcastOptions,
+                                                   rootRank=root_local)).wait()
+            if buf is not t:
+                t.copy_(buf)
+            return [t]
+        return self._submit(run)
+
+    def barrier(self, opts=None) -> dist.Work:
+        def run():
+            if self.layout.even:
+                if self._intra is not None:
+                    self._intra.barrier().wait()
+                self._inter.barrier().wait()
+            else:
+                self._flat.barrier().wait()
+            return []
+        return self._submit(run)
+
+    # ---- on ``flat``: gather, scatter, point-to-point -------------------------------------
+    def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
+        return self._flat_work(lambda: self._flat.gather(output_lists, input_tensors, opts),
+                               output_lists)
+
+    def scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
+        return self._flat_work(lambda: self._flat.scatter(output_tensors, input_lists, opts),
+                               output_tensors)
+
+    def send(self, tensors, dstRank, tag=0) -> dist.Work:  # noqa: N803  (c10d's names)
+        """Point-to-point on ``flat``, issued in queue order; the Work waits for gloo's."""
+        issued = self._submit(lambda: self._flat.send(tensors, dstRank, tag))
+        return _ChainedWork(issued)
+
+    def recv(self, tensors, srcRank, tag=0) -> dist.Work:  # noqa: N803
+        issued = self._submit(lambda: self._flat.recv(tensors, srcRank, tag))
+        return _ChainedWork(issued)
+
+    def recv_anysource(self, tensors, tag=0) -> dist.Work:
+        issued = self._submit(lambda: self._flat.recv_anysource(tensors, tag))
+        return _ChainedWork(issued)
+
+
+@run_eagerly_under_dynamo
+class _ChainedWork(dist.Work):
+    """A gloo p2p ``Work`` issued on the worker: wait for the issue, then for gloo's Work."""
+
+    def __init__(self, issued: HierarchicalWork):
+        super().__init__()
+        self._issued = issued
+
+    def _inner(self) -> dist.Work:
+        return self._issued._futures[0].result()
+
+    def wait(self, timeout=None) -> bool:
+        return self._inner().wait() if timeout is None else self._inner().wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._issued.is_completed() and self._inner().is_completed()
+
+    def _source_rank(self) -> int:
+        return self._inner()._source_rank()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._inner().get_future()
+
