@@ -125,6 +125,22 @@ class TestLinkSpecs(unittest.TestCase):
                                SHM_DEFAULT_ALPHA_US + 2 * 3 / 4 * s / (SHM_DEFAULT_BUSBW_GBPS * 1e3))
         self.assertIn("documented defaults", link.describe())
 
+    def test_shm_uses_the_curves_the_recorded_run_calibrated(self):
+        """all_reduce calibrated on 2 ranks: 100 us at 4 KiB, 1,100 us at 1 MiB. On 2 ranks the
+        curve itself; on 4 ranks the curve at 1.5x the bytes (bus factor 2*3/4 over 2*1/2)."""
+        curves = [{"backend": "fcoll", "kind": "all_reduce", "group_size": 2, "link": "intra",
+                   "points": [[4096, 100.0], [MiB, 1100.0]]},
+                  {"backend": "gloo", "kind": "all_reduce", "group_size": 4, "link": "intra",
+                   "points": [[4096, 1.0], [MiB, 2.0]]}]
+        s = 512 * 1024
+        beta = 1000.0 / (MiB - 4096)
+        for ranks, nbytes in ((2, s), (4, 1.5 * s)):
+            prog = one_collective("all_reduce", s, s)
+            prog["comm_curves"] = curves
+            r = simulate(prog, [Layout(ranks, 8)]).results[0]
+            self.assertAlmostEqual(r.comm_us, 100.0 + beta * (int(nbytes) - 4096), places=6)
+        self.assertIn("calibrated", simulate(prog, [2]).as_dict()["intra"])
+
     def test_shm_is_the_measured_model(self):
         link = parse_link("shm", "--intra")
         self.assertGreater(link.collective_us("all_reduce", MiB, 2, "ring"),

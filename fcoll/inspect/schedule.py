@@ -9,7 +9,13 @@
      "world_size": 2,              # the largest group size of the graph's collectives
      "cost_source": "default",     # or "calibrated": where the "us" of compute came from
      "op_overhead_us": 5.0,        # the cost model's fixed cost per compute op (us)
+     "comm_curves": [ {curve}, ... ],  # what this process calibrated (may be empty)
      "nodes": [ {node}, ... ]}     # every executed node, in graph (= execution) order
+
+Each curve: ``backend``, ``kind``, ``group_size``, ``link`` ("intra" or "inter") and
+``points`` (``[[bytes, us], ...]``), the piecewise alpha-beta curves of
+:func:`fcoll.passes.calibrate.calibrated_table`, so a simulation run later, in another process,
+uses the communication times this run measured.
 
 Each node: ``name``; ``cls`` ("placeholder", "compute", "collective" or "wait"); ``inputs``
 (names of the nodes it reads); ``us`` (predicted duration in microseconds: compute from the
@@ -30,12 +36,12 @@ from typing import Any, Iterable
 import torch.fx as fx
 
 from fcoll.inspect.predicted import Event
-from fcoll.passes.calibrate import cached_model
+from fcoll.passes.calibrate import cached_model, calibrated_table
 from fcoll.passes.cost import collective_size
 from fcoll.passes.graph import collective_info, start_of
 from fcoll.passes.memory import COLLECTIVE, WAIT, storage_model, value_bytes
 
-__all__ = ["step_schedule", "SCHEDULE_FORMAT", "SCHEDULE_VERSION"]
+__all__ = ["step_schedule", "comm_curves", "SCHEDULE_FORMAT", "SCHEDULE_VERSION"]
 
 SCHEDULE_FORMAT = "fcoll.schedule"
 SCHEDULE_VERSION = 1
@@ -53,6 +59,17 @@ def _frees(order: list[fx.Node], storage) -> dict[fx.Node, list[str]]:
     for root, node in last.items():
         if root not in storage.pinned and root.op not in ("placeholder", "get_attr"):
             out.setdefault(node, []).append(root.name)
+    return out
+
+
+def comm_curves() -> list[dict[str, Any]]:
+    """The communication curves this process calibrated, as plain values sorted by key (the
+    module docstring's ``comm_curves``); entries without measured points are left out."""
+    out = []
+    for key, curve in sorted(calibrated_table().entries.items()):
+        if hasattr(curve, "as_points"):
+            out.append({"backend": key.backend, "kind": key.kind, "group_size": key.group_size,
+                        "link": key.link, "points": curve.as_points()})
     return out
 
 
@@ -108,4 +125,5 @@ def step_schedule(gm: fx.GraphModule, name: str, *,
         nodes.append(entry)
     return {"format": SCHEDULE_FORMAT, "version": SCHEDULE_VERSION, "graph": str(name),
             "world_size": world, "cost_source": model.source,
-            "op_overhead_us": model.compute.op_overhead_us, "nodes": nodes}
+            "op_overhead_us": model.compute.op_overhead_us, "comm_curves": comm_curves(),
+            "nodes": nodes}

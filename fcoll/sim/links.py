@@ -7,8 +7,8 @@ Two kinds of link:
   :mod:`fcoll.sim.algorithms` are built from its messages. Written ``'100gbit,5us'``.
 - :class:`MeasuredLink`, written ``'shm'``: fcoll's shared-memory backend between the ranks of
   one host. Its collectives are not built from messages; each collective kind on ``G`` ranks
-  has its own measured time curve (:func:`shm_time_us`, the one place that reads fcoll's cost
-  model).
+  has its own measured time curve (:func:`shm_time_us`; :func:`_fcoll_curves` is the one
+  place that reads fcoll's cost model).
 
 Both answer :meth:`collective_us` ``(kind, nbytes, ranks, algorithm)``.
 """
@@ -16,8 +16,8 @@ Both answer :meth:`collective_us` ``(kind, nbytes, ranks, algorithm)``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Callable, Union
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence, Union
 
 from fcoll.ops.facts import KINDS, busbw_factor
 from fcoll.sim import algorithms
@@ -68,13 +68,18 @@ class MeasuredLink:
     """The ranks of one host over fcoll's shared-memory backend (``'shm'``).
 
     Attributes:
-        time_us: ``(kind, nbytes, ranks) -> (microseconds, source)`` of one collective, default
-            :func:`shm_time_us`.
+        recorded: ``(kind, ranks) -> [[bytes, us], ...]``: curves a recorded run calibrated
+            (``comm_curves`` of its schedule files; empty: none), used where this process has
+            none of its own (:func:`shm_time_us`).
         spec: the text it was parsed from.
     """
 
-    time_us: Callable[[str, float, int], tuple[float, str]]
+    recorded: Mapping[tuple[str, int], Sequence[Sequence[float]]] = field(default_factory=dict)
     spec: str = "shm"
+
+    def time_us(self, kind: str, nbytes: float, ranks: int) -> tuple[float, str]:
+        """(microseconds, source) of ``kind`` of ``nbytes`` on ``ranks`` ranks of one host."""
+        return shm_time_us(kind, nbytes, ranks, self.recorded)
 
     def collective_us(self, kind: str, nbytes: float, ranks: int, algorithm: str) -> float:
         """Time of ``kind`` of ``nbytes`` on ``ranks`` ranks of one host; the backend picks
@@ -102,29 +107,49 @@ SHM_DEFAULT_ALPHA_US = 64.0
 SHM_DEFAULT_BUSBW_GBPS = 3.16
 
 
-def shm_time_us(kind: str, nbytes: float, ranks: int) -> tuple[float, str]:
-    """``(microseconds, source)`` of one collective ``kind`` of ``nbytes`` (nccl-tests bytes)
-    on ``ranks`` ranks of fcoll's shared-memory backend: the one place the simulator reads
-    fcoll's cost model.
+def _fcoll_curves(recorded: Mapping[tuple[str, int], Sequence[Sequence[float]]]
+                  ) -> dict[tuple[str, int], Any]:
+    """``(kind, ranks) -> curve`` (``.time_us(nbytes)``) of fcoll's backend on one host: the
+    recorded points fitted by :class:`fcoll.passes.comm_cost.CommCurve`, overridden by what
+    this process calibrated (:func:`fcoll.passes.calibrate.calibrated_table`). The only code
+    of the simulator that reads fcoll's cost model."""
+    from fcoll.passes.calibrate import calibrated_table
+    from fcoll.passes.comm_cost import CommCurve
 
-    Uses the curve :mod:`fcoll.passes.calibrate` fitted in this process for exactly that kind
-    and group size on one host, when there is one (a live step after its first compile);
-    otherwise the documented defaults :data:`SHM_DEFAULT_ALPHA_US` and
-    :data:`SHM_DEFAULT_BUSBW_GBPS`: ``alpha + busbw_factor(kind, ranks) * nbytes / busbw``.
+    curves: dict[tuple[str, int], Any] = {
+        key: CommCurve.fit((int(b), float(t)) for b, t in pts) for key, pts in recorded.items()}
+    for key, curve in calibrated_table().entries.items():
+        if key.backend == "fcoll" and key.link == "intra":
+            curves[(key.kind, key.group_size)] = curve
+    return curves
+
+
+def shm_time_us(kind: str, nbytes: float, ranks: int,
+                recorded: Mapping[tuple[str, int], Sequence[Sequence[float]]] | None = None
+                ) -> tuple[float, str]:
+    """``(microseconds, source)`` of one collective ``kind`` of ``nbytes`` (nccl-tests bytes)
+    on ``ranks`` ranks of fcoll's shared-memory backend on one host.
+
+    From the calibrated curves (:func:`_fcoll_curves`: this process's, else ``recorded``):
+    the curve of ``(kind, ranks)``; else the curve of ``kind`` on the nearest calibrated group
+    size ``m``, read at the bytes that put the same traffic on the bus
+    (``t(nbytes * busbw_factor(kind, ranks) / busbw_factor(kind, m))``, nccl-tests' bus
+    factors: the bus bandwidth is assumed not to depend on the group size); else the documented
+    defaults :data:`SHM_DEFAULT_ALPHA_US` + ``busbw_factor(kind, ranks) * nbytes`` /
+    :data:`SHM_DEFAULT_BUSBW_GBPS`.
 
     Raises:
         ValueError: ``kind`` is not a collective kind.
     """
     if kind not in KINDS:
         raise ValueError(f"shm_time_us: unknown collective kind {kind!r}; known: {KINDS}")
-    try:
-        from fcoll.passes.calibrate import calibrated_table
-
-        curve = calibrated_table().get("fcoll", kind, ranks, "intra")
-    except (ImportError, AttributeError, TypeError):  # an fcoll without per-size calibration
-        curve = None
-    if curve is not None:
-        return max(curve.time_us(int(nbytes)), 0.0), "calibrated in this process"
+    curves = _fcoll_curves(recorded or {})
+    sizes = sorted((m for k, m in curves if k == kind), key=lambda m: (abs(m - ranks), m))
+    if sizes:
+        m = sizes[0]
+        scaled = nbytes * busbw_factor(kind, max(ranks, 2)) / busbw_factor(kind, max(m, 2))
+        how = "calibrated" if m == ranks else f"calibrated on {m} ranks, bus-scaled"
+        return max(curves[(kind, m)].time_us(int(scaled)), 0.0), how
     beta = busbw_factor(kind, max(ranks, 2)) / (SHM_DEFAULT_BUSBW_GBPS * 1e3)
     return SHM_DEFAULT_ALPHA_US + beta * nbytes, "documented defaults (not calibrated)"
 
@@ -145,7 +170,7 @@ def parse_link(spec: str, argument: str = "link") -> LinkModel:
     """
     text = str(spec).strip().lower()
     if text == "shm":
-        return MeasuredLink(shm_time_us, spec="shm")
+        return MeasuredLink(spec="shm")
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != 2:
         raise ValueError(f"{argument}: expected 'shm' or 'BANDWIDTH,LATENCY' such as "

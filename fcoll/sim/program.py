@@ -47,13 +47,15 @@ class Node:
 @dataclass(frozen=True)
 class Program:
     """One compiled graph: ``nodes`` in execution order; ``world_size`` = its largest group;
-    ``op_overhead_us`` = the fixed part of each compute node's time (not scaled with shards)."""
+    ``op_overhead_us`` = the fixed part of each compute node's time (not scaled with shards);
+    ``comm_curves`` = the communication curves the recording process calibrated."""
 
     name: str
     world_size: int
     nodes: tuple[Node, ...]
     cost_source: str = "default"
     op_overhead_us: float = 0.0
+    comm_curves: tuple[dict[str, Any], ...] = ()
     by_name: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -92,7 +94,8 @@ def program_of(schedule: dict[str, Any], where: str = "schedule") -> Program:
             collective=d.get("collective"), size_estimated=bool(d.get("size_estimated"))))
     return Program(str(schedule.get("graph", where)), int(schedule.get("world_size", 1)),
                    tuple(nodes), str(schedule.get("cost_source", "default")),
-                   float(schedule.get("op_overhead_us", 0.0)))
+                   float(schedule.get("op_overhead_us", 0.0)),
+                   tuple(schedule.get("comm_curves", ())))
 
 
 def _from_dir(path: str, rank: int, graphs: str | None) -> list[Program]:

@@ -10,6 +10,7 @@ times add up, the peak memory is the largest program's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -232,6 +233,9 @@ def simulate(graphs_or_records: Any, layouts: Sequence[Layout | int], *,
     if not lays:
         raise ValueError("--ranks: no layouts to simulate")
     programs = load_programs(graphs_or_records, rank=rank, graphs=graphs)
+    if isinstance(net.intra, MeasuredLink) and not net.intra.recorded:
+        net = dataclasses.replace(net, intra=MeasuredLink(_recorded_shm(programs),
+                                                          net.intra.spec))
     source = "predicted (cost model: " + \
         ", ".join(sorted({p.cost_source for p in programs})) + ")"
     if compute == "trace":
@@ -247,6 +251,12 @@ def simulate(graphs_or_records: Any, layouts: Sequence[Layout | int], *,
             max(g.replay.peak_bytes for g in per), per))
     return SimReport(tuple(results), net, tuple(p.name for p in programs),
                      max(p.world_size for p in programs), source)
+
+
+def _recorded_shm(programs: list[Program]) -> dict[tuple[str, int], list]:
+    """``(kind, ranks) -> points`` of fcoll's one-host curves the programs' run calibrated."""
+    return {(c["kind"], int(c["group_size"])): c["points"] for p in programs
+            for c in p.comm_curves if c.get("backend") == "fcoll" and c.get("link") == "intra"}
 
 
 def _measured(programs: list[Program], src: Any, trace: Any, rank: int
