@@ -38,12 +38,15 @@ from fcoll.passes.graph import is_fcoll_op
 from fcoll.passes.registry import run_pipeline
 
 __all__ = ["fcoll_backend", "CompiledGraph", "register_compile_listener", "compile_graph",
-           "META_PIPELINE_SECONDS"]
+           "META_PIPELINE_SECONDS", "META_COMPILE_SECONDS"]
 
 log = logging.getLogger(__name__)
 
 #: graph_module.meta key: seconds spent in fcoll's pass pipeline on this graph.
 META_PIPELINE_SECONDS = "fcoll_pipeline_seconds"
+#: graph_module.meta key: seconds of each phase of :func:`compile_graph` on this graph
+#: (``pipeline``, ``listeners``, ``executor``), for ``benchmarks/compile_time.py``.
+META_COMPILE_SECONDS = "fcoll_compile_seconds"
 
 
 @dataclass(frozen=True)
@@ -161,14 +164,23 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
     gm.meta[META_PIPELINE_SECONDS] = time.perf_counter() - t0
     log.debug("%s: pipeline %s in %.1f ms", name, [r["pass"] for r in gm.meta.get(
         "fcoll_passes", [])], gm.meta[META_PIPELINE_SECONDS] * 1e3)
+    t1 = time.perf_counter()
     record = CompiledGraph(name=name, before=before, after=gm, config=config, rank=rank)
     for fn in listeners:
         fn(record)
+    t2 = time.perf_counter()
     trace_dir = trace_dir_from(config.trace_dir)
     recorder = recorder_for(trace_dir, rank) if trace_dir else None
     if config.compute == "inductor":
-        return InductorExecutor(gm, example_inputs, name=name, rank=rank, recorder=recorder)
-    return GraphExecutor(gm, name=name, rank=rank, recorder=recorder)
+        executor = InductorExecutor(gm, example_inputs, name=name, rank=rank, recorder=recorder,
+                                    direct=config.direct_collectives)
+    else:
+        executor = GraphExecutor(gm, name=name, rank=rank, recorder=recorder,
+                                 direct=config.direct_collectives)
+    gm.meta[META_COMPILE_SECONDS] = {"pipeline": gm.meta[META_PIPELINE_SECONDS],
+                                     "listeners": t2 - t1,
+                                     "executor": time.perf_counter() - t2}
+    return executor
 
 
 def _in_compiled_autograd() -> bool:

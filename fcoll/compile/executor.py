@@ -31,7 +31,9 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from fcoll.compile.direct_calls import direct_impls
 from fcoll.compile.trace import RunTrace, TraceRecorder, now_us
 from fcoll.ops import pending
 from fcoll.ops.facts import busbw_factor, comm_bytes
@@ -184,7 +186,8 @@ def _reads(step: Step) -> Sequence[fx.Node]:
 
 
 def plan_steps(gm: fx.GraphModule, items: Sequence[fx.Node | Step], table: OpTable,
-               name: str) -> list[Step]:
+               name: str, node_impls: Mapping[fx.Node, Callable[..., Any]] | None = None
+               ) -> list[Step]:
     """The executor's plan of ``gm``, in graph order.
 
     Args:
@@ -194,6 +197,8 @@ def plan_steps(gm: fx.GraphModule, items: Sequence[fx.Node | Step], table: OpTab
             ``SEGMENT`` step.
         table: op implementations.
         name: the graph's name, for errors.
+        node_impls: implementations of particular nodes, ahead of ``table`` (the direct path's
+            prepared calls, :func:`fcoll.compile.direct_calls.direct_impls`).
 
     Returns:
         The steps, each with ``free`` set: the values it reads last, except the graph's outputs.
@@ -215,7 +220,10 @@ def plan_steps(gm: fx.GraphModule, items: Sequence[fx.Node | Step], table: OpTab
             raise UnknownOpError(f"fcoll executor: unsupported node kind {item.op!r} at node "
                                  f"{item.name} of graph {name}")
         else:
-            steps.append(_node_step(item, table.resolve(item.target, item.name, name), last_wait))
+            impl = node_impls.get(item) if node_impls else None
+            if impl is None:
+                impl = table.resolve(item.target, item.name, name)
+            steps.append(_node_step(item, impl, last_wait))
     last_read: dict[fx.Node, int] = {}
     for i, step in enumerate(steps):
         for n in _reads(step):
@@ -242,6 +250,9 @@ class GraphExecutor:
         rank: this process's global rank (the trace's ``pid``).
         recorder: where traced runs go; None runs the fast path.
         table: op implementations.
+        direct: issue the collectives that qualify straight into fcoll's shared-memory engine
+            (:mod:`fcoll.compile.direct_calls`); False runs every collective through its op
+            (the c10d path).
 
     Raises:
         UnknownOpError: at construction, for a node whose op is not in ``table``.
@@ -250,14 +261,21 @@ class GraphExecutor:
     _boxed_call = True
 
     def __init__(self, gm: fx.GraphModule, name: str, rank: int = 0,
-                 recorder: TraceRecorder | None = None, table: OpTable | None = None) -> None:
+                 recorder: TraceRecorder | None = None, table: OpTable | None = None,
+                 direct: bool = True) -> None:
         self.gm, self.name, self.rank, self.recorder = gm, name, rank, recorder
         table = table or OpTable()
         nodes = list(gm.graph.nodes)
         self._placeholders = [n for n in nodes if n.op == "placeholder"]
         self._attrs = [(n, getattr(gm, n.target)) for n in nodes if n.op == "get_attr"]
         self._output = _output_of(gm)
-        self._steps = plan_steps(gm, self._items(), table, name)
+        items = self._items()
+        #: node -> prepared direct-path call (collectives) or its ``wait`` (their waits)
+        self.direct = {}
+        if direct:
+            with unset_fake_temporarily():  # prepared calls hold real views of shared memory
+                self.direct = direct_impls(gm, items, name)
+        self._steps = plan_steps(gm, items, table, name, self.direct)
         # The loop unpacks plain tuples: CPython's UNPACK_SEQUENCE has a fast path for exact
         # tuples only, and a NamedTuple subclass costs about 10 % more per step.
         self._loop = [tuple(s) for s in self._steps]

@@ -171,10 +171,10 @@ class InductorExecutor(GraphExecutor):
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], name: str,
                  rank: int = 0, recorder: TraceRecorder | None = None,
-                 table: OpTable | None = None) -> None:
+                 table: OpTable | None = None, direct: bool = True) -> None:
         t0 = time.perf_counter()
         self.segments: list[ComputeSegment] = []
-        super().__init__(gm, name, rank, recorder, table)
+        super().__init__(gm, name, rank, recorder, table, direct)
         log.debug("%s: %d Inductor segments, %d communication nodes, compiled in %.1f s", name,
                   len(self.segments), len(self._steps) - len(self.segments),
                   time.perf_counter() - t0)

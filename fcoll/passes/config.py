@@ -49,6 +49,9 @@ class FcollConfig:
         trace_dir: write a Chrome/Perfetto trace per rank of each run of a compiled graph here.
         estimator: a user cost estimator, ``estimator(node) -> float | None`` in microseconds;
             None falls back to fcoll's calibrated model for that node.
+        direct_collectives: the executor issues the collectives it can straight into fcoll's
+            shared-memory engine, checked once per graph (``fcoll.compile.direct_calls``);
+            False sends every collective through its op and c10d.
     """
 
     compute: str = "eager"
@@ -63,6 +66,7 @@ class FcollConfig:
     check_timeout_s: float = 60.0
     trace_dir: str | None = None
     estimator: Callable[[Any], float | None] | None = field(default=None, compare=False)
+    direct_collectives: bool = True
 
     def __post_init__(self) -> None:
         if self.compute not in _COMPUTE:
@@ -71,7 +75,7 @@ class FcollConfig:
         if self.bucket_mode not in _BUCKET_MODES:
             raise ValueError(f"fcoll option 'bucket_mode': expected one of {_BUCKET_MODES}, "
                              f"got {self.bucket_mode!r}")
-        for name in ("overlap", "bucket", "check_ranks"):
+        for name in ("overlap", "bucket", "check_ranks", "direct_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fcoll option {name!r}: expected a bool, "
                                  f"got {getattr(self, name)!r}")

@@ -60,7 +60,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fcoll.passes.graph import arg_of, is_collective, op_kind, size_hint
 from fcoll.passes.registry import FcollPass, register_pass
 
-__all__ = ["CheckRankConsistency", "Fingerprint", "fingerprint", "RankMismatchError",
+__all__ = ["CheckRankConsistency", "Fingerprint", "fingerprint", "collectives_by_group", "RankMismatchError",
            "RankTimeoutError", "compare_across_ranks", "RankCheck", "META_RANK_CHECK"]
 
 #: graph_module.meta key: group name -> :class:`RankCheck`, written by the pass.
@@ -188,7 +188,7 @@ def _entry(node: fx.Node) -> tuple[str, str | None]:
 
 def fingerprint(gm: fx.GraphModule) -> dict[str, Fingerprint]:
     """Fingerprint of the collectives of ``gm``, per group name (graph order within a group)."""
-    return {g: _fingerprint(g, nodes) for g, nodes in _collectives_by_group(gm).items()}
+    return {g: _fingerprint(g, nodes) for g, nodes in collectives_by_group(gm).items()}
 
 
 def _fingerprint(group_name: str, nodes: list[fx.Node]) -> Fingerprint:
@@ -199,7 +199,7 @@ def _fingerprint(group_name: str, nodes: list[fx.Node]) -> Fingerprint:
                        hashlib.sha256("\n".join(entries).encode()).hexdigest(), notes)
 
 
-def _collectives_by_group(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+def collectives_by_group(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     """Collective nodes per group name, groups sorted by name, nodes in graph order.
 
     One walk; whether an op is a collective, and where its ``group_name`` argument is, is read
@@ -330,7 +330,7 @@ class CheckRankConsistency(FcollPass):
         if not dist.is_available() or not dist.is_initialized():
             log.debug("check_rank_consistency: skipped: no process group is initialised")
             return PassResult(graph_module, False)
-        groups = _collectives_by_group(graph_module)
+        groups = collectives_by_group(graph_module)
         if not groups:
             log.debug("check_rank_consistency: no collectives, nothing to check")
         report: dict[str, RankCheck] = {}

@@ -1,0 +1,112 @@
+"""Which collectives of a compiled graph take the direct path, and their prepared calls.
+
+The executor (:mod:`fcoll.compile.executor`) runs a collective node through its op (the c10d
+path: dispatcher, Python kernel, process-group method, ``Work``, in-flight registry) unless
+:func:`direct_impls` gives the node a prepared call of :mod:`fcoll.shm.direct`, checked once
+here. A node qualifies when all of these hold, read from the graph once:
+
+- it is ``fcoll.all_reduce`` (the functional op the gradient and bucket graphs issue);
+- its group is fcoll's shared-memory group of 2 ranks or more (gloo, nccl, the fake group and
+  groups of one rank keep the c10d path);
+- its input's ``meta["val"]`` is a CPU tensor of static shape (symbolic shapes keep the
+  c10d path and its per-call checks), and the reduce op is defined for its dtype (an invalid
+  one keeps the c10d path, which raises the op's own error on every rank);
+- every user of the node is a ``wait_tensor`` in this graph (an output that leaves the graph
+  un-waited is waited through the in-flight registry, which only the c10d path fills).
+
+The node's waits get the call's ``wait``. A call whose first wait is the very next step of the
+executor's plan runs synchronously (nothing could overlap it). Each call carries a call-site tag
+in its header: the first 12 hex digits of the group's collective-sequence digest
+(:func:`fcoll.passes.consistency.fingerprint`, the rank check's) and the call's index in that
+sequence, so ranks running different call sites at one sequence number raise a mismatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from fcoll.ops.groups import group_from_name
+from fcoll.passes.consistency import META_RANK_CHECK, collectives_by_group, fingerprint
+from fcoll.passes.graph import is_wait
+
+__all__ = ["direct_impls", "tag_for"]
+
+log = logging.getLogger(__name__)
+
+
+def tag_for(digest: str, index: int) -> str:
+    """The header tag of call ``index`` of a group's collective sequence of ``digest``."""
+    return f"site {digest[:12]}#{index}"
+
+
+def _static_cpu_tensor(val: Any) -> bool:
+    return (isinstance(val, torch.Tensor) and val.device.type == "cpu"
+            and all(isinstance(d, int) for d in val.shape))
+
+
+def _group(name: Any) -> Any | None:
+    from fcoll.shm.direct import direct_group
+
+    try:
+        return direct_group(group_from_name(name))
+    except ValueError:
+        return None
+
+
+def direct_impls(gm: fx.GraphModule, items: Sequence[Any], name: str
+                 ) -> dict[fx.Node, Callable[..., Any]]:
+    """Prepared calls for the collectives of ``gm`` that take the direct path, and their waits.
+
+    Args:
+        gm: the lowered graph (after the passes).
+        items: the executor's plan order (FX nodes, or segment steps), for the sync rule.
+        name: the graph's name, for logs.
+
+    Returns:
+        node -> implementation, for each qualifying collective node and each of its waits.
+    """
+    targets = [n for n in gm.graph.nodes if n.op == "call_function"
+               and n.target is torch.ops.fcoll.all_reduce.default]
+    if not targets:
+        return {}
+    from fcoll.shm.direct import DirectAllReduce
+
+    digests = {g: rc.fingerprint for g, rc in gm.meta.get(META_RANK_CHECK, {}).items()}
+    position = {item: i for i, item in enumerate(items)}
+    index: dict[fx.Node, int] = {}   # node -> its index in its group's sequence
+    for nodes in collectives_by_group(gm).values():
+        index.update((n, i) for i, n in enumerate(nodes))
+    impls: dict[fx.Node, Callable[..., Any]] = {}
+    for node in targets:
+        inp, reduce_op, group_name = node.args[:3]
+        val = inp.meta.get("val") if isinstance(inp, fx.Node) else None
+        users = list(node.users)
+        if node.kwargs or not users or not all(is_wait(u) for u in users) or \
+                not _static_cpu_tensor(val):
+            continue
+        pg = _group(group_name)
+        if pg is None:
+            continue
+        g = str(group_name)
+        if g not in digests:
+            digests.update(fingerprint(gm))
+        fp = digests[g]
+        first_wait = min(users, key=lambda u: position.get(u, len(position)))
+        sync = position.get(first_wait) == position.get(node, -2) + 1
+        try:
+            call = DirectAllReduce(pg, val.dtype, tuple(val.shape), reduce_op,
+                                   tag=tag_for(fp.digest, index[node]), sync=sync)
+        except ValueError as e:  # an invalid reduce op: the op raises it on every rank
+            log.debug("%s: %s keeps the c10d path: %s", name, node.name, e)
+            continue
+        impls[node] = call
+        for u in users:
+            impls[u] = call.wait
+    log.debug("%s: %d of %d all_reduce nodes on the direct path", name,
+              sum(1 for n in impls if n in targets), len(targets))
+    return impls
+

@@ -1,0 +1,211 @@
+"""The direct path: compiled graphs issue collectives straight into a group's :class:`Engine`.
+
+An eager ``torch.ops.fcoll.all_reduce`` goes op dispatcher -> the op's Python kernel -> group
+lookup by name -> argument checks -> ``FcollProcessGroup.allreduce_out_of_place`` (behind
+Dynamo's eager wrapper) -> staging, header encoding, a ``Job`` and a c10d ``Work`` -> the
+in-flight registry (:mod:`fcoll.ops.pending`); its ``wait_tensor`` looks the ``Work`` up again.
+A compiled graph knows all of that when it is compiled: the group, the dtype, the shape and
+the reduce op of each call site are constants of the graph. :class:`DirectAllReduce` checks them
+once, when the executor is built, and keeps what each call needs: the engine, the encoded
+header without its sequence number, the one-slot plan (views of the shared slots). A call then
+allocates the output, takes a sequence number and either
+
+- runs at once on the caller's thread through the one-slot kernel
+  (:meth:`Engine.run_fast`) when the executor says its wait comes right after it
+  (``sync=True``: nothing could overlap it), the tensor fits one slot and nothing is queued; or
+- queues a :class:`Job` running :func:`fcoll.shm.reductions.all_reduce` on the group's worker
+  (as the c10d path does for an async call) and keeps it for :meth:`DirectAllReduce.wait`.
+
+Both produce the same headers, slot layout and phases as the process group's own paths, so a
+peer on the c10d path interoperates (and compares headers with this one), and the result is the
+same, bit for bit (the same reduction kernels). Failures are the engine's: a cross-rank
+mismatch (:class:`~fcoll.shm.headers.CollectiveMismatchError`) raised on every rank with the
+group still usable, a dead peer or a timeout (:class:`~fcoll.shm.sync.PeerError`) after which
+the group is broken, each raised by the call (sync) or its wait (async).
+
+Call-site tag: the header's ``extra`` carries ``tag`` (``"site <digest>#<index>"``: the digest
+of the graph's collective sequence on the group and the call's index in it), so two ranks that
+run different call sites at the same sequence number (one rank skipped a call of the same shape,
+or runs another graph) fail the header check on every rank instead of reducing unrelated data.
+A peer that issues the same collective eagerly (no tag) fails it too.
+
+Only what is checked once is skipped per call: a call whose input is not the checked dtype and
+shape raises ``ValueError`` (graphs with static shapes guarantee it; symbolic shapes keep the
+c10d path). Non-contiguous inputs are fine (copied into the slot or made contiguous).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.autograd.profiler as _profiler
+
+from fcoll.ops.reduce import (DIST_REDUCE_OPS, check_reduce_op, divide_for_avg, reduce_op_name,
+                              reduce_rows)
+from fcoll.shm import one_slot, reductions
+from fcoll.shm.engine import Job
+from fcoll.shm.headers import NO_ROOT, Header, dtype_name
+from fcoll.shm.segment import NSLOTS
+
+__all__ = ["DirectAllReduce", "direct_group", "wire_reduce_op"]
+
+
+def direct_group(pg: Any) -> Any | None:
+    """``pg`` if the direct path can use it (fcoll's process group of 2 ranks or more, alive),
+    else None (gloo, nccl, fake, a group of one rank: the c10d path serves them)."""
+    from fcoll.shm.process_group import FcollProcessGroup
+
+    if not isinstance(pg, FcollProcessGroup) or pg.size() < 2:
+        return None
+    return pg if getattr(pg, "_engine", None) is not None else None
+
+
+def wire_reduce_op(reduce_op: str, dtype: torch.dtype) -> tuple[str, bool]:
+    """The reduce op fcoll's backend runs for the functional op's ``reduce_op`` on ``dtype``,
+    and whether ``avg`` is finished by a division afterwards.
+
+    The same mapping as the c10d path (``fcoll.ops.library``): on bool, sum/max/bor are MAX and
+    product/min/band are MIN; integer ``avg`` is a ``sum`` divided (truncating) afterwards;
+    floating ``avg`` is the backend's own.
+    """
+    if reduce_op == "avg" and not dtype.is_floating_point:
+        return "sum", True
+    if dtype == torch.bool and reduce_op in ("sum", "max", "bor"):
+        return "max", False
+    if dtype == torch.bool and reduce_op in ("product", "min", "band"):
+        return "min", False
+    return reduce_op_name(DIST_REDUCE_OPS[reduce_op]), False
+
+
+class DirectAllReduce:
+    """One compiled call site of ``fcoll.all_reduce(input, reduce_op, group)``, prepared once.
+
+    Shapes: ``input [*] -> output [*]`` (a fresh contiguous tensor), dtype ``dtype``, CPU.
+
+    Args:
+        pg: the group (see :func:`direct_group`).
+        dtype, shape: the input's, as the compiled graph has them (static ints).
+        reduce_op: the functional op's reduce op name (``"sum"``, ``"avg"``, ...).
+        tag: the call-site tag carried in the header's ``extra`` (a short str), or None.
+        sync: the caller waits right after the call (nothing to overlap): run it at once.
+
+    Raises:
+        ValueError: ``pg`` is not usable by the direct path, ``reduce_op`` is not defined for
+            ``dtype`` (named, as the op would), or ``shape`` is not a tuple of ints.
+    """
+
+    #: the name FX's generated code gives the call (an executor graph calls the instance)
+    __name__ = "fcoll_direct_all_reduce"
+    __slots__ = ("engine", "dtype", "shape", "op", "avg_div", "size", "tail", "plan", "sync",
+                 "job", "name")
+
+    def __init__(self, pg: Any, dtype: torch.dtype, shape: tuple[int, ...], reduce_op: str,
+                 tag: str | None = None, sync: bool = False) -> None:
+        if direct_group(pg) is None:
+            raise ValueError(f"fcoll direct all_reduce: {pg!r} is not an fcoll process group "
+                             f"of 2 ranks or more")
+        if not all(isinstance(d, int) for d in shape):
+            raise ValueError(f"fcoll direct all_reduce: shape {shape} is not static")
+        why = check_reduce_op(reduce_op, dtype) if reduce_op in DIST_REDUCE_OPS else \
+            f"unknown reduce op {reduce_op!r}"
+        if why:
+            raise ValueError(f"fcoll direct all_reduce: reduce_op={reduce_op!r}, {dtype}: {why}")
+        self.name = "all_reduce"
+        self.engine = pg._engine
+        self.dtype, self.shape, self.size = dtype, tuple(shape), pg.size()
+        self.op, self.avg_div = wire_reduce_op(reduce_op, dtype)
+        self.tail = Header(0, "all_reduce", dtype_name(dtype), self.shape, self.op, NO_ROOT,
+                           tag).tail()
+        nbytes = dtype.itemsize * _numel(self.shape)
+        self.plan = None
+        if sync and 0 < nbytes <= self.engine.seg.layout.slot_bytes:
+            self.plan = one_slot.AllReducePlan(self.engine.ch, dtype, self.shape, self.op)
+            self.plan.tail = self.tail  # the tagged header (same fields otherwise)
+        self.sync = sync
+        self.job: Job | None = None
+
+    def __call__(self, input: torch.Tensor, reduce_op: str = "", group_name: Any = None
+                 ) -> torch.Tensor:  # noqa: A002
+        """Start the all_reduce of ``input``; returns its output (ready after :meth:`wait`).
+
+        The extra arguments are the graph node's (already checked once) and ignored.
+
+        Raises:
+            ValueError: ``input`` is not the dtype/shape checked at compile time, or not CPU.
+            CollectiveMismatchError, PeerError, RuntimeError: a synchronous call's failure.
+        """
+        if input.dtype != self.dtype or input.shape != self.shape or not input.is_cpu:
+            raise ValueError(f"fcoll all_reduce (compiled call): input {tuple(input.shape)} "
+                             f"{input.dtype} on {input.device}, but the graph was compiled for "
+                             f"{self.shape} {self.dtype} on cpu")
+        out = torch.empty(self.shape, dtype=self.dtype)
+        plan = self.plan
+        if plan is not None:
+            work = self.engine.run_fast(plan, _all_reduce_small_into, (input, out), None)
+            if work is not None:
+                error = work.exception()
+                del work  # lets run_fast reuse its Work (it counts references)
+                if error is not None:
+                    raise error
+                if self.avg_div:
+                    divide_for_avg(out, self.size)
+                return out
+        # async, larger than a slot, or the engine is busy: a job behind the earlier ones
+        src = input if input.is_contiguous() else input.contiguous()
+        eng = self.engine
+        seq = eng.seq
+        eng.seq = seq + 1
+        flat_in, flat_out, op = src.view(-1), out.view(-1), self.op
+        job = Job("all_reduce", seq, self.tail.encode(seq),
+                  lambda c: reductions.all_reduce(c, flat_in, flat_out, op), None, None)
+        eng.submit(job, wake=not self.sync)
+        self.job = job
+        if self.sync:
+            self.wait(out)
+        return out
+
+    def wait(self, out: torch.Tensor) -> torch.Tensor:
+        """Block until the call that returned ``out`` is done; return ``out``.
+
+        Runs the group's queue up to it on this thread if the worker has not started it
+        (:meth:`Engine.wait`). Shown as ``fcoll::wait_tensor`` in ``torch.profiler``.
+
+        Raises:
+            The collective's error (mismatch, dead peer, timeout), on every rank.
+        """
+        job = self.job
+        if job is None:  # done already (sync), or a second wait of the same output
+            return out
+        self.job = None
+        if _profiler._is_profiler_enabled:
+            with torch.profiler.record_function("fcoll::wait_tensor"):
+                self.engine.wait(job)
+        else:
+            self.engine.wait(job)
+        if self.avg_div:
+            divide_for_avg(out, self.size)
+        return out
+
+
+def _all_reduce_small_into(ch: Any, plan: one_slot.AllReducePlan, src: torch.Tensor,
+                           dst: torch.Tensor, payload: bytes, what: str, start: float) -> None:
+    """One-slot all_reduce of ``src`` into ``dst`` (same shape, dtype; ``src`` any strides), a
+    kernel for :meth:`Engine.run_fast`: copy in, exchange and check headers, reduce every rank's
+    row into ``dst``. The slot layout and phase of :func:`fcoll.shm.one_slot.all_reduce_small`,
+    and the reduction of :func:`fcoll.shm.reductions.all_reduce`'s out-of-place one-chunk case
+    (``reduce_rows``), so the result is the c10d path's, bit for bit."""
+    slot = ch.use % NSLOTS
+    ch.use += 1
+    mine, _, rows, row_list = plan.views[slot]
+    mine.copy_(src)
+    one_slot.exchange(ch, plan, slot, payload, what, start)
+    reduce_rows(rows, plan.op, dst, row_list)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+

@@ -1,0 +1,145 @@
+"""The executor's direct path (fcoll.compile.direct_calls, fcoll.shm.direct) on 2 real ranks.
+
+Every check compares the direct path with the c10d path (``direct_collectives=False``) and with
+eager calls, bit for bit; and checks which nodes took the direct path (structure, not timing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fcoll.testing import fcoll_segments, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _compiled(fn, direct: bool):
+    import torch._dynamo
+
+    return torch.compile(fn, backend="fcoll", dynamic=False,
+                         options={"direct_collectives": direct, "overlap": False})
+
+
+def _direct_nodes() -> dict[str, int]:
+    """graph name -> number of collective nodes on the direct path, via the compile listener."""
+    from fcoll.compile.backend import register_compile_listener
+
+    seen: dict[str, int] = {}
+
+    def listen(record) -> None:
+        from fcoll.compile.direct_calls import direct_impls
+
+        items = [n for n in record.after.graph.nodes
+                 if n.op not in ("placeholder", "get_attr", "output")]
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            impls = direct_impls(record.after, items, record.name)
+        seen[record.name] = sum(1 for n in impls if not n.target.__name__.startswith("wait"))
+    register_compile_listener(listen)
+    return seen
+
+
+def _results(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    import fcoll
+
+    group = dist.group.WORLD
+    seen = _direct_nodes()
+    out: dict = {"seen": seen}
+
+    def sync_step(x):  # wait right after the collective
+        return fcoll.all_reduce(x * 2, "sum", group) + 1
+
+    def async_step(x, w):  # compute between the collective and its wait
+        y = fcoll.all_reduce(x, "avg", group)
+        z = torch.mm(w, w)
+        return y * 3, z
+
+    def int_step(x):
+        return fcoll.all_reduce(x, "avg", group), fcoll.all_reduce(x > 2, "sum", group)
+
+    def big_step(x):  # larger than one slot: the general algorithm, several chunks
+        return fcoll.all_reduce(x, "max", group)
+
+    x = torch.arange(1024, dtype=torch.float32) * (rank + 1) / 7
+    w = torch.randn(32, 32)
+    xi = torch.arange(12, dtype=torch.int64).view(3, 4) * (rank + 2)
+    xb = torch.randn(3 << 20) + rank
+    for direct in (True, False):
+        runs = []
+        for _ in range(3):  # the first run, then the steady state
+            runs.append((_compiled(sync_step, direct)(x),
+                         _compiled(async_step, direct)(x, w),
+                         _compiled(int_step, direct)(xi),
+                         _compiled(big_step, direct)(xb)))
+            torch._dynamo.reset()
+        out[direct] = runs
+    eager = (sync_step(x), async_step(x, w), int_step(xi), big_step(xb))
+    out["eager"] = [fcoll.wait_tensor(t) for t in _flat(eager)]  # AsyncCollectiveTensors
+    return out
+
+
+def _flat(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return [t for o in obj for t in _flat(o)]
+
+
+def test_direct_path_results_equal_c10d_path_and_eager_bit_for_bit():
+    res = run_ranks(_results, 2, timeout_s=240)
+    for rank, r in enumerate(res):
+        eager = _flat(r["eager"])
+        for direct in (True, False):
+            for run in r[direct]:
+                got = _flat(run)
+                assert len(got) == len(eager)
+                for a, b in zip(got, eager):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert r["seen"], "no graph was compiled"
+    assert _flat(res[0]["eager"])[0].equal(_flat(res[1]["eager"])[0])
+    # every all_reduce of the forward graphs took the direct path (direct=True compiles first)
+    seen = res[0]["seen"]
+    assert max(seen.values()) >= 2, seen
+    assert fcoll_segments() == []
+
+
+def _mismatch(rank: int, world_size: int) -> list[str]:
+    """Ranks run different compiled call sites of one shape at one sequence number."""
+    import torch.distributed as dist
+
+    import fcoll
+
+    group = dist.group.WORLD
+
+    def f(x):
+        return fcoll.all_reduce(x, "sum", group)
+
+    def g(x):
+        return fcoll.all_reduce(fcoll.all_reduce(x, "sum", group) + 1, "sum", group)
+
+    cf, cg = _compiled(f, True), _compiled(g, True)
+    x = torch.ones(8)
+    cf(x), cg(x)  # both compiled, the rank check agreed on each
+    errors = []
+    try:
+        if rank == 0:
+            cf(x)   # rank 0 runs f's call ...
+        else:
+            cg(x)   # ... where rank 1 runs g's first call: same op, shape, dtype
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"{type(e).__name__}: {e}")
+    # the group is still usable: a mismatch leaves no rank behind
+    errors.append(str(cf(x).tolist()))
+    return errors
+
+
+def test_different_call_sites_of_one_shape_raise_on_every_rank_and_the_group_survives():
+    res = run_ranks(_mismatch, 2, timeout_s=240)
+    for rank, errs in enumerate(res):
+        assert len(errs) == 2, errs
+        assert "CollectiveMismatchError" in errs[0] and "site " in errs[0], errs[0]
+        assert errs[1] == str([2.0] * 8)
+    assert fcoll_segments() == []
