@@ -121,8 +121,9 @@ class TestLinkSpecs(unittest.TestCase):
         from fcoll.sim.links import SHM_DEFAULT_ALPHA_US, SHM_DEFAULT_BUSBW_GBPS
 
         link, s = parse_link("shm", "--intra"), 8 * MiB
+        busbw_bytes_per_us = SHM_DEFAULT_BUSBW_GBPS * 1e3
         self.assertAlmostEqual(link.collective_us("all_reduce", s, 4, "ring"),
-                               SHM_DEFAULT_ALPHA_US + 2 * 3 / 4 * s / (SHM_DEFAULT_BUSBW_GBPS * 1e3))
+                               SHM_DEFAULT_ALPHA_US + 2 * 3 / 4 * s / busbw_bytes_per_us)
         self.assertIn("documented defaults", link.describe())
 
     def test_shm_uses_the_curves_the_recorded_run_calibrated(self):

@@ -5,22 +5,20 @@ Notation: ``n`` ranks, ``S`` bytes per rank by the nccl-tests convention
 input), ``alpha`` microseconds per message, ``B`` bytes per microsecond per rank (each rank
 sends and receives at ``B`` at once). Computation (the reduction's arithmetic) is not counted.
 
-Flat algorithms (every step on one link):
+Flat algorithms (every step on one link), ring | tree:
 
-=============== ========================================== ==========================================
-kind            ring                                       tree
-=============== ========================================== ==========================================
-all_reduce      2(n-1)/n * S/B + 2(n-1) alpha              recursive doubling: L (alpha + S/B)
-all_gather      (n-1)/n * S/B + (n-1) alpha                recursive doubling: (n-1)/n S/B + L alpha
-reduce_scatter  (n-1)/n * S/B + (n-1) alpha                recursive halving: (n-1)/n S/B + L alpha
-all_to_all      pairwise exchange: (n-1)/n S/B + (n-1) alpha   (same)
-broadcast       scatter + ring all_gather:                 binomial tree: L (alpha + S/B)
-                2(n-1)/n S/B + (log2 n + n-1) alpha
-=============== ========================================== ==========================================
+- all_reduce: ring ``2(n-1)/n * S/B + 2(n-1) alpha`` | recursive doubling ``L (alpha + S/B)``;
+- all_gather: ring ``(n-1)/n * S/B + (n-1) alpha`` | recursive doubling
+  ``(n-1)/n * S/B + L alpha``;
+- reduce_scatter: ring ``(n-1)/n * S/B + (n-1) alpha`` | recursive halving
+  ``(n-1)/n * S/B + L alpha``;
+- all_to_all: pairwise exchange ``(n-1)/n * S/B + (n-1) alpha`` (both);
+- broadcast: scatter + ring all_gather ``2(n-1)/n * S/B + (log2 n + n-1) alpha`` | binomial
+  tree ``L (alpha + S/B)``;
 
 with ``L = ceil(log2 n)``. Sources: R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of
-Collective Communication Operations in MPICH", IJHPCA 19(1), 2005 (sections 4.1-4.5: the
-recursive doubling/halving, pairwise-exchange and scatter + all_gather costs; a
+Collective Communication Operations in MPICH", IJHPCA 19(1), 2005 (their costs of recursive
+doubling/halving, pairwise exchange, binomial trees and scatter + all_gather; a
 non-power-of-two ``n`` is charged ``ceil(log2 n)`` steps here, a slight under-estimate of
 their extra pre/post steps); P. Patarasuk, X. Yuan, "Bandwidth optimal all-reduce algorithms
 for clusters of workstations", JPDC 69(2), 2009 (the ring all_reduce's ``2(n-1)/n * S/B`` is the

@@ -9,9 +9,9 @@ communication is not in it (a wait's blocked time ends at its ``"e"`` event). Pe
 mean over the trace's occurrences (steps) after the first (which compiles and warms up) is
 used: the mean, not the median, because a step is a sum of nodes and the sum of per-node
 medians falls well short of the typical step when durations are skewed (measured on a loaded
-2-core machine: 687 ms against graph spans of 950 ms). The first compute node of a graph gets no gap (what precedes it
-is the previous step, not this graph), and the median gap over all nodes becomes the program's
-fixed per-op cost (``op_overhead_us``: a shard's op is as slow to launch as a whole one's).
+2-core machine: 687 ms against graph spans of 950 ms). The first compute node of a graph gets
+no gap (what precedes it is the previous step, not this graph), and the median gap over all
+nodes becomes the program's fixed per-op cost (``op_overhead_us``: a shard's op is as slow to launch as a whole one's).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ __all__ = ["measured_compute_us", "with_measured_compute"]
 def measured_compute_us(trace: str | os.PathLike | dict | list, *, rank: int | None = None,
                         graph: str | None = None) -> dict[str, tuple[float, float]]:
     """Node name -> (mean duration, mean idle gap before it), in microseconds (module
-    docstring), of every compute node in ``trace``; ``rank`` keeps only events of that ``pid``; ``graph`` only events whose
-    ``args["graph"]`` is it, where the runtime records one.
+    docstring), of every compute node in ``trace``; ``rank`` keeps only events of that
+    ``pid``; ``graph`` only events whose ``args["graph"]`` is it, where the runtime records
+    one.
 
     Raises:
         ValueError: not a Chrome trace (:func:`fcoll.inspect.trace_compare.load_trace`).

@@ -276,5 +276,6 @@ def _measured(programs: list[Program], src: Any, trace: Any, rank: int
         out.append(q)
         missing += m
     where = trace if isinstance(trace, (str, os.PathLike)) else "the given trace"
-    return out, (f"measured in {where} (mean per node after the first step, with the executor's gap before it; "
-                 f"{missing} compute node(s) not in the trace keep predicted times)")
+    return out, (f"measured in {where} (mean per node after the first step, with the "
+                 f"executor's gap before it; {missing} compute node(s) not in the trace keep "
+                 "predicted times)")
