@@ -11,7 +11,8 @@ used: the mean, not the median, because a step is a sum of nodes and the sum of 
 medians falls well short of the typical step when durations are skewed (measured on a loaded
 2-core machine: 687 ms against graph spans of 950 ms). The first compute node of a graph gets
 no gap (what precedes it is the previous step, not this graph), and the median gap over all
-nodes becomes the program's fixed per-op cost (``op_overhead_us``: a shard's op is as slow to launch as a whole one's).
+nodes becomes the program's fixed per-op cost (``op_overhead_us``: a shard's op is as slow to
+launch as a whole one's).
 """
 
 from __future__ import annotations
