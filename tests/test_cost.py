@@ -132,8 +132,8 @@ def _calibrate_on_two_ranks(rank, world_size):
     gloo = dist.new_group(backend="gloo")
     out = {}
     for label, pg in (("fcoll", dist.group.WORLD), ("gloo", gloo)):
-        rates, comm = cal.calibrate_group(pg)
-        again = cal.calibrate_group(pg)
+        rates, comm = cal.calibrate_group(pg, 256 << 10)   # sweep 4 KiB .. 1 MiB
+        again = cal.calibrate_group(pg, 256 << 10)
         gm = c.ddp_backward(n_layers=3, batch=64, hidden=256, group=pg.group_name)
         model = cal.cached_model(gm)
         get_pass("reorder_for_overlap")(gm)
@@ -157,8 +157,10 @@ class TestCalibration(TestCase):
             self.assertEqual({k[0] for k, _ in a["comm"]}, {label})
             self.assertEqual({k[1] for k, _ in a["comm"]}, set(cost.KINDS))
             for _, p in a["comm"]:
+                self.assertEqual(p.sizes, calibrate.sizes_for(256 << 10))
+                self.assertEqual(list(p.times_us), sorted(p.times_us))
+                self.assertGreater(p.times_us[0], 0)
                 self.assertGreaterEqual(p.alpha_us, 0)
-                self.assertGreater(p.beta_us_per_byte, 0)
             self.assertGreater(a["rates"].flops_per_us, 0)
             for r in (a, b):   # a second call returns the cache, without measuring again
                 self.assertTrue(r["cached"], label)
@@ -175,7 +177,8 @@ def _calibrate_gloo_under_python_dispatcher(rank, world_size, rounds):
     with enable_python_dispatcher():
         for _ in range(rounds):
             cal._CACHE.groups.clear()
-            _, comm = cal.calibrate_group(dist.group.WORLD)
+            cal._CACHE.by_key.clear()   # or rank 0 reuses its numbers and nothing is timed
+            _, comm = cal.calibrate_group(dist.group.WORLD, 16 << 10)
     return sorted(comm)
 
 
@@ -231,3 +234,45 @@ def test_timing_rule_applies_to_network_backends_not_to_shared_memory():
     assert r0 == r1
     assert r0["fcoll"] == (True, [4])
     assert r0["gloo"] == (False, [])
+
+
+def _trace_of(durations_us, nbytes=4096):
+    """A rank's trace with one all_reduce occurrence per duration (issue at ts, wait returns
+    after the duration)."""
+    evs = []
+    for i, dur in enumerate(durations_us):
+        t0 = 1000.0 * i
+        args = {"op": "all_reduce", "group": "0", "bytes": nbytes, "busbw_gbps": 1.0,
+                "wait_node": "wait_tensor"}
+        evs += [{"ph": "b", "cat": "comm", "name": "all_reduce", "id": i, "ts": t0, "pid": 0,
+                 "args": args},
+                {"ph": "e", "cat": "comm", "name": "all_reduce", "id": i, "ts": t0 + dur,
+                 "pid": 0, "args": args}]
+    return {"traceEvents": evs}
+
+
+def _predicted(collective_us):
+    from fcoll.passes.schedule import PredictedEvent
+
+    return [PredictedEvent("all_reduce", "collective", "0", 0.0, collective_us, 0.0),
+            PredictedEvent("wait_tensor", "wait", "compute", collective_us, collective_us, 0.0)]
+
+
+def test_compare_report_sets_predicted_beside_measured_per_collective():
+    """The compare report's row: the model's time, the measured mean (100 and 120 us: 110),
+    their ratio, the bytes from the trace, and whether the prediction holds within 30 %."""
+    from fcoll.inspect.trace_compare import TOLERANCE, compare
+
+    gm = canonical.mm_overlap(size=8)
+    close = compare(_trace_of([100.0, 120.0]), gm, events=_predicted(99.0))
+    (row,) = close.rows
+    assert (row.predicted_us, row.measured_us, row.bytes) == (99.0, 110.0, 4096)
+    assert row.ratio == pytest.approx(0.9) and row.holds is True
+    assert row.as_dict()["ratio"] == pytest.approx(0.9) and row.as_dict()["holds"] is True
+    assert "predicted within +-30% of measured: 1 of 1 collectives" in str(close)
+    far = compare(_trace_of([100.0, 120.0]), gm, events=_predicted(110.0 * (1 + TOLERANCE) + 1))
+    assert far.rows[0].holds is False
+    assert "0 of 1 collectives" in str(far)
+    unmeasured = compare({"traceEvents": []}, gm, events=_predicted(50.0)).rows[0]
+    assert (unmeasured.ratio, unmeasured.holds, unmeasured.measured_us) == (None, None, None)
+    assert unmeasured.bytes == cost.collective_size(collectives(gm)[0]).nbytes  # from the graph

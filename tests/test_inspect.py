@@ -327,10 +327,11 @@ class TestCompare(TestCase):
         self.assertEqual(row.busbw_gbps, 1.0)
         self.assertEqual(result.unmatched, ["other_graph_ar"])
         self.assertExpectedInline(str(result), """\
-node        op          n  pred_us  meas_us  pred_exposed_us  meas_exposed_us  busbw_GB/s
-----------  ----------  -  -------  -------  ---------------  ---------------  ----------
-all_reduce  all_reduce  2     24.0     18.0             14.0              8.0        1.00
-total                                                   14.0              8.0
+node        op          bytes  n  pred_us  meas_us  pred/meas  pred_exposed_us  meas_exposed_us  busbw_GB/s
+----------  ----------  -----  -  -------  -------  ---------  ---------------  ---------------  ----------
+all_reduce  all_reduce    256  2     24.0     18.0       1.33             14.0              8.0        1.00
+total                                                                     14.0              8.0
+predicted within +-30% of measured: 0 of 1 collectives (meas_us is issue to wait return: an upper bound for hidden ones)
 in the trace but not in the graph: other_graph_ar""")
 
     def test_a_recorded_wait_event_is_its_exposed_time(self):

@@ -6,6 +6,13 @@ events (``"ph": "X"``, ``"cat": "compute"``, name = node name); each collective 
 ``"id"``, name = collective node name, ``args``: op, group, bytes, busbw_gbps, wait_node). ``ts``
 and ``dur`` are microseconds; ``pid`` is the rank.
 
+Per collective the report sets the cost model's prediction (``pred_us``: the node's estimated
+time from the calibrated piecewise alpha-beta curve, :mod:`fcoll.passes.comm_cost`) beside the
+measured time (``meas_us``: issue to wait return, averaged over occurrences) and their ratio
+``pred/meas``; a collective whose wait was not blocking (hidden) may have finished before its
+wait was asked for, so for it ``meas_us`` is an upper bound and a ratio below 1 is expected.
+The rows within :data:`TOLERANCE` of 1 are counted under the table.
+
 Measured exposed time of one collective occurrence is the time the compute thread sat in its
 wait: the ``"X"`` event of the wait node when the runtime recorded one, otherwise the gap between
 the wait's return and the later of the issue and the end of the previous activity on that rank
@@ -25,11 +32,16 @@ import torch.fx as fx
 
 from fcoll.inspect.predicted import PredictFn, collective_timings, predicted_events
 from fcoll.inspect.text import fmt_us, text_table
+from fcoll.passes.cost import collective_size
 from fcoll.passes.graph import collective_info, collectives as collective_nodes
 
-__all__ = ["CompareRow", "TraceComparison", "compare", "load_trace", "measured_collectives"]
+__all__ = ["CompareRow", "TraceComparison", "compare", "load_trace", "measured_collectives",
+           "TOLERANCE"]
 
 log = logging.getLogger(__name__)
+
+#: A prediction "holds" within this relative error of the measured time (issue 16: +-30 %).
+TOLERANCE = 0.30
 
 
 def load_trace(trace: str | os.PathLike | dict | list) -> list[dict[str, Any]]:
@@ -130,7 +142,9 @@ class CompareRow:
     """One collective: predicted and measured times (µs; measured = mean over occurrences).
 
     ``measured_us`` is issue to wait-return, so it includes any time the collective sat
-    finished before its wait; ``busbw_gbps`` is the runtime's figure, averaged.
+    finished before its wait; ``busbw_gbps`` is the runtime's figure, averaged. ``bytes`` is
+    the collective's size (nccl-tests' convention, :func:`fcoll.ops.facts.comm_bytes`): the
+    trace's when it recorded one, else the graph's.
     """
 
     node: str
@@ -141,9 +155,23 @@ class CompareRow:
     predicted_exposed_us: float | None
     measured_exposed_us: float | None
     busbw_gbps: float | None
+    bytes: int | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """``predicted_us / measured_us`` (None if either is missing or measured is 0)."""
+        if self.predicted_us is None or not self.measured_us:
+            return None
+        return self.predicted_us / self.measured_us
+
+    @property
+    def holds(self) -> bool | None:
+        """Whether the prediction is within :data:`TOLERANCE` of the measured time."""
+        r = self.ratio
+        return None if r is None else abs(r - 1.0) <= TOLERANCE
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "ratio": self.ratio, "holds": self.holds}
 
 
 @dataclass(frozen=True)
@@ -165,17 +193,32 @@ class TraceComparison:
                 "measured_exposed_us": self.measured_exposed_us, "unmatched": self.unmatched}
 
     def __str__(self) -> str:
-        headers = ("node", "op", "n", "pred_us", "meas_us", "pred_exposed_us",
-                   "meas_exposed_us", "busbw_GB/s")
-        rows = [(r.node, r.op, r.occurrences, fmt_us(r.predicted_us), fmt_us(r.measured_us),
+        headers = ("node", "op", "bytes", "n", "pred_us", "meas_us", "pred/meas",
+                   "pred_exposed_us", "meas_exposed_us", "busbw_GB/s")
+        rows = [(r.node, r.op, "-" if r.bytes is None else r.bytes, r.occurrences,
+                 fmt_us(r.predicted_us), fmt_us(r.measured_us),
+                 "-" if r.ratio is None else f"{r.ratio:.2f}",
                  fmt_us(r.predicted_exposed_us), fmt_us(r.measured_exposed_us),
                  "-" if r.busbw_gbps is None else f"{r.busbw_gbps:.2f}") for r in self.rows]
-        rows.append(("total", "", "", "", "", fmt_us(self.predicted_exposed_us),
+        rows.append(("total", "", "", "", "", "", "", fmt_us(self.predicted_exposed_us),
                      fmt_us(self.measured_exposed_us), ""))
-        text = text_table(headers, rows, (False, False, True, True, True, True, True, True))
+        text = text_table(headers, rows, (False, False, True, True, True, True, True, True,
+                                          True, True))
+        judged = [r for r in self.rows if r.holds is not None]
+        if judged:
+            text += (f"\npredicted within +-{TOLERANCE:.0%} of measured: "
+                     f"{sum(bool(r.holds) for r in judged)} of {len(judged)} collectives "
+                     f"(meas_us is issue to wait return: an upper bound for hidden ones)")
         if self.unmatched:
             text += f"\nin the trace but not in the graph: {', '.join(self.unmatched)}"
         return text
+
+
+def _graph_bytes(node: fx.Node) -> int | None:
+    try:
+        return collective_size(node).nbytes
+    except Exception:  # noqa: BLE001  a size the graph cannot evaluate: not shown
+        return None
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -214,11 +257,13 @@ def compare(trace: str | os.PathLike | dict | list, gm: fx.GraphModule, *,
                       "ignored", len(measured[node.name]) - len(occ), node.name, op)
         t = timings[node]
         bw = [float(o.args["busbw_gbps"]) for o in occ if o.args.get("busbw_gbps") is not None]
+        sizes = [int(o.args["bytes"]) for o in occ if o.args.get("bytes") is not None]
         rows.append(CompareRow(
             node=node.name, op=op, occurrences=len(occ),
             predicted_us=t.estimated_us, measured_us=_mean([o.done_ts - o.issue_ts for o in occ]),
             predicted_exposed_us=t.exposed_us,
             measured_exposed_us=_mean([o.exposed_us for o in occ]), busbw_gbps=_mean(bw),
+            bytes=max(sizes) if sizes else _graph_bytes(node),
         ))
     names = {n.name for n in collective_nodes(gm)}
     return TraceComparison(

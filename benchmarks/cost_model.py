@@ -1,0 +1,159 @@
+"""Does the cost model hold? Calibrate, then measure every collective and compare.
+
+Usage: ``python benchmarks/cost_model.py [--nproc 2] [--json out.json] [--ops all_reduce ...]
+[--sizes 4K 1M ...] [--tolerance 0.3]``.
+
+Per backend (fcoll's shared-memory backend, and gloo), on ``--nproc`` ranks of this host:
+
+1. calibrate the group from scratch with the whole sweep
+   (:func:`fcoll.passes.calibrate.calibrate_group`, the job cache file off), timing it;
+2. measure each collective kind (all_reduce, all_gather, reduce_scatter, all_to_all,
+   broadcast) at every size (default 4 KiB .. 64 MiB in powers of 2: the calibration's sizes
+   and the ones halfway between them in log scale, where the curve interpolates), the median
+   of a fixed number of blocking calls after a warm-up, by the same timing loop as the
+   calibration (:func:`fcoll.passes.calibrate.time_collective`) but in a separate run; fcoll
+   and gloo alternate per cell, so both see the same machine noise;
+3. print per cell the predicted time (the calibrated curve), the measured median, the ratio
+   predicted / measured and PASS when it is within ``1 +- tolerance`` (default 30 %), beside
+   the previous two-point alpha-beta model (fitted through the same sweep's 16 KiB and 4 MiB
+   medians) for comparison.
+
+Times are rank 0's (the calibration uses rank 0's numbers on every rank). Sizes are
+nccl-tests' (:func:`fcoll.ops.facts.comm_bytes`): the larger buffer of one rank. The 1-minute
+load average is printed before and after, and per backend and kind while it ran; on a shared
+machine a cell can fail for noise alone (compare the load), so the verdict is stated per cell
+and as a count. The JSON has ``cells`` (one dict per backend, op, size), ``calibration_s``,
+``summary`` and ``loadavg``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fcoll.ops.facts import KINDS  # noqa: E402
+from fcoll.testing import run_ranks  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB << i for i in range(15)]  # 4 KiB .. 64 MiB
+
+
+def reps(size: int) -> int:
+    """Measured calls per cell (after a warm-up): more for small, cheap, noisy sizes."""
+    return 15 if size <= 256 * KiB else 7 if size <= 4 * MiB else 5
+
+
+def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
+    import torch.distributed as dist
+
+    from fcoll.passes import calibrate as cal
+
+    groups = {"fcoll": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    out: dict = {"curves": {}, "calibration_s": {}, "measured": {}, "loadavg": {}}
+    for backend, pg in groups.items():
+        t0 = time.perf_counter()
+        _, comm = cal.calibrate_group(pg)   # the whole sweep
+        out["calibration_s"][backend] = time.perf_counter() - t0
+        out["curves"][backend] = {k.kind: c for k, c in comm.items()}
+    for kind in ops:
+        load0 = os.getloadavg()[0]
+        for size in sizes:
+            for backend, pg in groups.items():
+                times = cal.time_collective(kind, pg, size, reps(size))
+                out["measured"][(backend, kind, size)] = statistics.median(times)
+        out["loadavg"][kind] = (load0, os.getloadavg()[0])
+    return out
+
+
+def fmt_size(b: int) -> str:
+    return f"{b // MiB} MiB" if b >= MiB else f"{b // KiB} KiB"
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def _two_point(curve, size: int) -> float:
+    """The previous model: one alpha-beta through the sweep's 16 KiB and 4 MiB medians."""
+    from fcoll.passes.calibrate import fit_alpha_beta
+
+    b1, b2 = 16 * KiB, 4 * MiB
+    return fit_alpha_beta(b1, curve.time_us(b1), b2, curve.time_us(b2)).time_us(size)
+
+
+def report(r0: dict, ops: list[str], sizes: list[int], tol: float) -> dict:
+    cells, lines = [], []
+    head = (f"{'backend':7} {'op':14} {'size':>7} {'pred_us':>10} {'meas_us':>10} "
+            f"{'ratio':>6} {'':4}  {'2pt_us':>10} {'ratio':>6} {'':4}")
+    for backend in ("fcoll", "gloo"):
+        lines.append(head)
+        for kind in ops:
+            curve = r0["curves"][backend][kind]
+            for size in sizes:
+                meas = r0["measured"][(backend, kind, size)]
+                pred, old = curve.time_us(size), _two_point(curve, size)
+                ok, old_ok = abs(pred / meas - 1) <= tol, abs(old / meas - 1) <= tol
+                cells.append({"backend": backend, "op": kind, "bytes": size,
+                              "predicted_us": pred, "measured_us": meas, "ratio": pred / meas,
+                              "pass": ok, "two_point_us": old, "two_point_pass": old_ok})
+                lines.append(f"{backend:7} {kind:14} {fmt_size(size):>7} {pred:10.1f} "
+                             f"{meas:10.1f} {pred / meas:6.2f} {'PASS' if ok else 'FAIL':4}  "
+                             f"{old:10.1f} {old / meas:6.2f} {'PASS' if old_ok else 'FAIL':4}")
+            la = r0["loadavg"][kind]
+            lines.append(f"  ({backend} {kind}: load average {la[0]:.2f} -> {la[1]:.2f})")
+    print("\n".join(lines))
+    summary = {}
+    for backend in ("fcoll", "gloo"):
+        mine = [c for c in cells if c["backend"] == backend]
+        errs = sorted(abs(c["ratio"] - 1) for c in mine)
+        summary[backend] = {
+            "cells": len(mine), "pass": sum(c["pass"] for c in mine),
+            "two_point_pass": sum(c["two_point_pass"] for c in mine),
+            "median_abs_error": statistics.median(errs), "max_abs_error": errs[-1],
+            "calibration_s": r0["calibration_s"][backend]}
+    print(f"\nwithin +-{tol:.0%} of the measured median (piecewise curve | previous two-point "
+          f"alpha-beta):")
+    for backend, s in summary.items():
+        print(f"  {backend:6} {s['pass']:3}/{s['cells']} | {s['two_point_pass']:3}/{s['cells']}"
+              f"   median |pred/meas - 1| {s['median_abs_error']:.0%}, worst "
+              f"{s['max_abs_error']:.0%}; full calibration sweep {s['calibration_s']:.2f} s")
+    return {"cells": cells, "summary": summary}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--ops", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--sizes", nargs="+", type=parse_size, default=SIZES)
+    p.add_argument("--tolerance", type=float, default=0.30)
+    p.add_argument("--json", default=None)
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    args = p.parse_args(argv)
+    os.environ["FCOLL_CALIBRATION_CACHE"] = "0"   # calibrate from scratch (ranks inherit it)
+    load_before = os.getloadavg()
+    print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}"
+          f" ({os.cpu_count()} cores), {args.nproc} ranks")
+    results = run_ranks(_rank, args.nproc, backend="fcoll", args=(args.ops, args.sizes),
+                        timeout_s=args.timeout_s)
+    out = report(results[0], args.ops, args.sizes, args.tolerance)
+    load_after = os.getloadavg()
+    print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
+    out["loadavg"] = {"before": load_before, "after": load_after,
+                      "per_op": results[0]["loadavg"]}
+    out["calibration_s"] = results[0]["calibration_s"]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Tests of the communication model's fit (fcoll.passes.comm_cost) on synthetic measurements,
+and of calibration reuse (fcoll.passes.calibrate, fcoll.passes.calibration_cache): within a
+process, across processes of one job, and rank 0's numbers on every rank. No timing
+assertions: whether the fitted curves hold on this machine is ``benchmarks/cost_model.py``'s
+question."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+import canonical  # noqa: E402
+
+from fcoll.passes import calibrate, calibration_cache, comm_cost, cost  # noqa: E402
+from fcoll.passes.comm_cost import CommCurve, CommKey, CommParams, CommTable  # noqa: E402
+from fcoll.passes.graph import collectives  # noqa: E402
+from fcoll.testing import run_ranks  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def setup_module():
+    canonical.ensure_fake_pg()
+
+
+# ---------------------------------------------------------------------------------------------
+# The fit's arithmetic
+
+def test_curve_passes_through_measured_points_and_interpolates_per_segment():
+    pts = [(4 * KiB, 20.0), (64 * KiB, 50.0), (1 * MiB, 500.0)]
+    c = CommCurve.fit(pts)
+    for b, t in pts:
+        assert c.time_us(b) == pytest.approx(t)
+    # between 64 KiB and 1 MiB: the segment's alpha-beta (a straight line in bytes)
+    beta = (500.0 - 50.0) / (MiB - 64 * KiB)
+    mid = 512 * KiB
+    assert c.time_us(mid) == pytest.approx(50.0 + beta * (mid - 64 * KiB))
+    assert c.segment(mid) == CommParams(50.0 - beta * 64 * KiB, beta)
+
+
+def test_curve_extrapolates_with_the_end_segments():
+    c = CommCurve.fit([(4 * KiB, 20.0), (64 * KiB, 50.0), (1 * MiB, 500.0)])
+    beta_last = (500.0 - 50.0) / (MiB - 64 * KiB)
+    assert c.time_us(4 * MiB) == pytest.approx(500.0 + beta_last * 3 * MiB)
+    assert c.beta_us_per_byte == pytest.approx(beta_last)
+    beta_first = 30.0 / (60 * KiB)
+    alpha_first = 20.0 - beta_first * 4 * KiB
+    assert c.time_us(1024) == pytest.approx(alpha_first + beta_first * 1024)
+    assert c.alpha_us == pytest.approx(alpha_first)
+
+
+def test_below_the_smallest_size_alpha_is_floored_at_zero():
+    """A first segment steeper than proportional would give a negative latency: the line then
+    goes through the origin and the smallest point."""
+    c = CommCurve.fit([(1000, 10.0), (2000, 100.0)])
+    assert c.alpha_us == 0.0
+    assert c.time_us(500) == pytest.approx(5.0)
+    assert c.time_us(0) == 0.0
+
+
+def test_fit_never_makes_a_larger_message_cheaper():
+    """A median that caught a burst of load is lowered to what a larger message took; it
+    does not raise its neighbours."""
+    assert comm_cost.lower_envelope([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.0, 2.0, 4.0]
+    assert comm_cost.lower_envelope([130.0, 20000.0, 200.0, 300.0]) == [130.0, 200.0, 200.0,
+                                                                         300.0]
+    c = CommCurve.fit([(4096, 90.0), (16384, 30.0), (65536, 60.0), (262144, 200.0)])
+    assert c.times_us == (30.0, 30.0, 60.0, 200.0)
+    assert list(c.times_us) == sorted(c.times_us)
+    sizes = [1 << p for p in range(10, 22)]
+    times = [c.time_us(b) for b in sizes]
+    assert times == sorted(times)
+
+
+def test_curve_rejects_unusable_points():
+    with pytest.raises(ValueError, match="at least two"):
+        CommCurve.fit([(4096, 1.0)])
+    with pytest.raises(ValueError, match="duplicate sizes"):
+        CommCurve.fit([(4096, 1.0), (4096, 2.0)])
+    with pytest.raises(ValueError, match="finite"):
+        CommCurve.fit([(4096, 1.0), (8192, float("nan"))])
+    with pytest.raises(ValueError, match="positive"):
+        CommCurve((0, 10), (1.0, 2.0))
+
+
+def test_two_point_fit_recovers_alpha_and_beta():
+    p = calibrate.fit_alpha_beta(1000, 50.0 + 1000 * 0.002, 100000, 50.0 + 100000 * 0.002)
+    assert (p.alpha_us, p.beta_us_per_byte) == (pytest.approx(50.0), pytest.approx(0.002))
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup: table, links, defaults
+
+def test_table_keeps_intra_and_inter_host_links_apart():
+    intra = CommCurve.fit([(4096, 10.0), (MiB, 100.0)])
+    inter = CommCurve.fit([(4096, 50.0), (MiB, 1000.0)])
+    table = CommTable({CommKey("fcoll", "all_reduce", 4, "intra"): intra,
+                       CommKey("fcoll", "all_reduce", 4, "inter"): inter})
+    assert table.time_us("fcoll", "all_reduce", 4, MiB) == pytest.approx(100.0)
+    assert table.time_us("fcoll", "all_reduce", 4, MiB, link="inter") == pytest.approx(1000.0)
+    with pytest.raises(KeyError, match="no calibrated all_gather for backend 'fcoll', 4 ranks"):
+        table.time_us("fcoll", "all_gather", 4, MiB)
+    # comm_time_us: the table's curve, else the documented defaults
+    assert comm_cost.comm_time_us("fcoll", "all_reduce", 4, MiB, "inter",
+                                  table=table) == pytest.approx(1000.0)
+    assert comm_cost.comm_time_us("gloo", "all_reduce", 4, MiB, table=table) == \
+        cost.default_comm("all_reduce", 4).time_us(MiB)
+
+
+def test_comm_time_rejects_bad_arguments_by_name():
+    with pytest.raises(ValueError, match="link must be one of"):
+        comm_cost.comm_time_us("fcoll", "all_reduce", 2, 10, link="wan")
+    with pytest.raises(ValueError, match="unknown collective kind 'allreduce'"):
+        comm_cost.comm_time_us("fcoll", "allreduce", 2, 10)
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        comm_cost.comm_time_us("fcoll", "all_reduce", 2, -1)
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        comm_cost.comm_time_us("fcoll", "all_reduce", 0, 10)
+
+
+def test_cost_model_looks_up_the_groups_link():
+    """A graph's all_reduce on group "0": the model uses the curve of that group's backend and
+    link, and defaults for a group it has no curve for."""
+    gm = canonical.ddp_backward(n_layers=1)
+    ar = collectives(gm)[0]
+    nbytes = cost.collective_size(ar).nbytes
+    slow = CommCurve.fit([(4096, 1000.0), (64 * MiB, 9000.0)])
+    fast = CommCurve.fit([(4096, 1.0), (64 * MiB, 2.0)])
+    comm = {CommKey("gloo", "all_reduce", 2, "inter"): slow,
+            CommKey("gloo", "all_reduce", 2, "intra"): fast}
+    inter = cost.assemble_model(None, comm, {"0": "gloo"}, group_links={"0": "inter"})
+    intra = cost.assemble_model(None, comm, {"0": "gloo"})
+    assert inter(ar) == pytest.approx(slow.time_us(nbytes))
+    assert intra(ar) == pytest.approx(fast.time_us(nbytes))
+    assert cost.CostModel()(ar) == pytest.approx(
+        cost.default_comm("all_reduce", 2).time_us(nbytes))
+
+
+def test_sweep_covers_the_graphs_largest_collective_and_at_least_1_mib():
+    assert calibrate.SWEEP_BYTES[0] == 4 * KiB and calibrate.SWEEP_BYTES[-1] == 64 * MiB
+    assert calibrate.sizes_for(100)[-1] == MiB
+    assert calibrate.sizes_for(MiB + 1)[-1] == 4 * MiB
+    assert calibrate.sizes_for(4 * MiB)[-1] == 4 * MiB
+    assert calibrate.sizes_for(1 << 30) == calibrate.SWEEP_BYTES
+    assert calibrate.sizes_for(None) == calibrate.SWEEP_BYTES
+
+
+# ---------------------------------------------------------------------------------------------
+# The job's cache file
+
+@pytest.fixture
+def job_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FCOLL_CALIBRATION_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FCOLL_JOB_ID", "test-job")
+    monkeypatch.delenv("FCOLL_CALIBRATION_CACHE", raising=False)
+    return tmp_path / "cache"
+
+
+KEY = {"backend": "fcoll", "group_size": 2, "layout": "0.0"}
+
+
+def test_cache_file_round_trip(job_dir):
+    path = calibration_cache.cache_path("fcoll", 2, "0.0")
+    assert path is not None and path.startswith(str(job_dir))
+    assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    points = {"all_reduce": [[4096, 20.0], [MiB, 300.0]]}
+    calibration_cache.write_entry(path, KEY, [1.0, 2.0, 3.0], points)
+    entry = calibration_cache.read_entry(path, KEY)
+    assert entry["compute"] == [1.0, 2.0, 3.0] and entry["points"] == points
+    assert calibration_cache.read_entry(path, {**KEY, "layout": "0.1"}) is None  # another key
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no temp files left
+
+
+def test_bad_cache_files_are_ignored_with_a_warning(job_dir, caplog):
+    path = calibration_cache.cache_path("fcoll", 2, "0.0")
+    with open(path, "w") as f:
+        f.write("{not json")
+    with caplog.at_level(logging.WARNING, logger="fcoll.passes.calibration_cache"):
+        assert calibration_cache.read_entry(path, KEY) is None
+    assert "unreadable" in caplog.text
+    bad = {"format": calibration_cache.FORMAT, "key": KEY, "compute": [1.0, 2.0, 3.0],
+           "points": {"all_reduce": [[4096, -5.0]]}}
+    with open(path, "w") as f:
+        json.dump(bad, f)
+    assert calibration_cache.read_entry(path, KEY) is None
+
+
+def test_no_job_identity_means_no_cache_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("FCOLL_CALIBRATION_DIR", str(tmp_path))
+    monkeypatch.delenv("FCOLL_JOB_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")   # torchrun's default without an id
+    assert calibration_cache.cache_path("fcoll", 2, "0.0") is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert calibration_cache.cache_path("fcoll", 2, "0.0") is not None
+    monkeypatch.setenv("FCOLL_CALIBRATION_CACHE", "0")
+    assert calibration_cache.cache_path("fcoll", 2, "0.0") is None
+
+
+def test_a_directory_others_can_write_is_refused(job_dir, caplog):
+    job_dir.mkdir(mode=0o777)
+    os.chmod(job_dir, 0o777)
+    with caplog.at_level(logging.WARNING, logger="fcoll.passes.calibration_cache"):
+        assert calibration_cache.cache_path("fcoll", 2, "0.0") is None
+    assert "not a private directory" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Reuse and determinism on two real ranks
+
+def _curves(comm):
+    return {f"{k.backend}/{k.kind}/{k.group_size}/{k.link}": c.as_points()
+            for k, c in sorted(comm.items())}
+
+
+def _reuse_in_one_process(rank, world_size):
+    """Calibrate the fcoll world group up to 64 KiB (1 MiB covered), then the same group for
+    4 MiB (extends), then a new fcoll group of the same size (reused), then gloo twice."""
+    import torch.distributed as dist
+
+    from fcoll.passes import calibrate as cal
+
+    os.environ["FCOLL_CALIBRATION_CACHE"] = "0"
+    world = dist.group.WORLD
+    steps = {}
+    _, a = cal.calibrate_group(world, 64 * KiB)
+    steps["first"] = cal.calibration_stats()
+    cal.calibrate_group(world, 64 * KiB)                 # covered: no communication
+    steps["again"] = cal.calibration_stats()
+    _, b = cal.calibrate_group(world, 4 * MiB)           # extends the sweep by 4 MiB only
+    steps["extend"] = cal.calibration_stats()
+    _, c = cal.calibrate_group(dist.new_group(backend="fcoll"), 4 * MiB)   # another group
+    steps["other_group"] = cal.calibration_stats()
+    return {"steps": steps, "a": _curves(a), "b": _curves(b), "c": _curves(c),
+            "table": sorted(str(k) for k in cal.calibrated_table().entries)}
+
+
+def test_calibration_is_reused_within_a_process_and_every_rank_has_rank_0s_curves():
+    r0, r1 = run_ranks(_reuse_in_one_process, 2, backend="fcoll", timeout_s=150)
+    for label in ("a", "b", "c"):
+        assert r0[label] == r1[label], label
+    s0, s1 = r0["steps"], r1["steps"]
+    for s in (s0, s1):
+        assert s["first"]["sweeps"] == 1 and s["first"]["timed_sizes"] == 5   # 4 KiB .. 1 MiB
+        assert s["again"] == s["first"]
+        assert s["extend"]["sweeps"] == 2 and s["extend"]["timed_sizes"] == 6  # + 4 MiB
+        assert s["other_group"]["sweeps"] == 2                                # not timed
+    assert s0["other_group"]["key_hits"] == 1                 # rank 0 reused its numbers
+    assert r0["b"] == r0["c"]
+    (points,) = {len(p) for p in r0["b"].values()}
+    assert points == 6
+    assert len(r0["a"]) == len(cost.KINDS)
+    assert all("link='intra'" in k for k in r0["table"])
+
+
+def _calibrate_with_job_cache(rank, world_size, cache_dir, inject):
+    import torch.distributed as dist
+
+    from fcoll.passes import calibrate as cal
+
+    os.environ.update(FCOLL_CALIBRATION_DIR=cache_dir, FCOLL_JOB_ID="job-42")
+    os.environ.pop("FCOLL_CALIBRATION_CACHE", None)
+    if inject is not None and rank == inject["rank"]:
+        # this rank alone "knows" other numbers: only rank 0's knowledge may count
+        points = {k: {s: inject["us"] * (i + 1) for i, s in enumerate(cal.sizes_for(64 * KiB))}
+                  for k in cost.KINDS}
+        cal._CACHE.by_key[("fcoll", world_size, "0.0")] = cal.GroupCalibration(
+            "fcoll", world_size, "0.0", "intra", cost.DEFAULT_COMPUTE, points, {})
+    rates, comm = cal.calibrate_group(dist.group.WORLD, 64 * KiB)
+    return {"curves": _curves(comm), "rates": rates, "stats": cal.calibration_stats()}
+
+
+def test_calibration_is_reused_across_processes_of_one_job(tmp_path):
+    first = run_ranks(_calibrate_with_job_cache, 2, backend="fcoll",
+                      args=(str(tmp_path), None), timeout_s=150)
+    second = run_ranks(_calibrate_with_job_cache, 2, backend="fcoll",
+                       args=(str(tmp_path), None), timeout_s=150)
+    assert first[0]["stats"]["sweeps"] == 1 and first[0]["stats"]["file_hits"] == 0
+    assert second[0]["stats"]["file_hits"] == 1                  # rank 0 read the file
+    assert second[0]["stats"]["sweeps"] == second[1]["stats"]["sweeps"] == 0   # nobody timed
+    for r in (*first, *second):
+        assert r["curves"] == first[0]["curves"] and r["rates"] == first[0]["rates"]
+    (job,) = os.listdir(tmp_path)
+    (name,) = os.listdir(tmp_path / job)
+    assert name.startswith("fcoll-2ranks-") and name.endswith(".json")
+
+
+def test_only_rank_0s_knowledge_decides(tmp_path):
+    """Rank 1 alone holding numbers for the key neither skips the sweep (that would hang) nor
+    leaks its numbers; rank 0 holding them gives them to every rank without timing."""
+    r0, r1 = run_ranks(_calibrate_with_job_cache, 2, backend="fcoll",
+                       args=(str(tmp_path / "a"), {"rank": 1, "us": 7.0}), timeout_s=150)
+    assert r0["curves"] == r1["curves"]
+    assert r0["stats"]["sweeps"] == r1["stats"]["sweeps"] == 1
+    assert 7.0 not in {t for pts in r0["curves"].values() for _, t in pts}
+    r0, r1 = run_ranks(_calibrate_with_job_cache, 2, backend="fcoll",
+                       args=(str(tmp_path / "b"), {"rank": 0, "us": 7.0}), timeout_s=150)
+    assert r0["curves"] == r1["curves"]
+    assert r0["stats"]["sweeps"] == r1["stats"]["sweeps"] == 0
+    assert r1["rates"] == cost.DEFAULT_COMPUTE
+    want = [[s, 7.0 * (i + 1)] for i, s in enumerate(calibrate.sizes_for(64 * KiB))]
+    for pts in r1["curves"].values():
+        assert pts == want
