@@ -1,21 +1,9 @@
 """Point-to-point on fcoll's backend: ``send``, ``recv``, ``recv_anysource`` through inboxes.
 
 Memory. Each rank owns one *inbox* per group, created at its first send or receive: a sealed
-``memfd`` (mode 0600, sealed against shrinking and growing, as the group segment of
-:mod:`fcoll.shm.segment`) named ``fcoll-p2p-<group segment inode>-<group rank>``, which the
-rank keeps open while the group lives. A peer finds it without any store: the inode of the
-segment every rank maps and the owner's pid and start time (in the segment's control records)
-name it, so the peer looks for that name among ``/proc/<owner pid>/fd`` and opens it there,
-checking the owner's start time around the open, then the file's owner, mode, size and seals.
-Nothing has a name in /dev/shm, so nothing can leak. Layout (4096-aligned)::
-
-    control  [4096]             word 0: doorbell; word 1: the owner's threads asleep on it
-    ring[s]  for every source s (messages s -> owner):
-        control [4096]          head (chunks published, written by s), tail (chunks consumed,
-                                written by the owner)
-        acks    [ACKS][512]     the owner's verdict on message m at m % ACKS
-        metas   [NCHUNKS][512]  per slot: the message header (first chunk) or its number
-        data    [NCHUNKS][chunk_bytes]
+``memfd`` that peers map through ``/proc/<pid>/fd``, with one ring of ``NCHUNKS`` slots and
+``ACKS`` ack records per source (:mod:`fcoll.shm.inbox`, which holds its layout). Nothing has a
+name in /dev/shm, so nothing can leak.
 
 Protocol. A message is one header (sequence number, tag, byte count, dtype, shape) and its
 bytes, cut in chunks that go round robin through the ring's ``NCHUNKS`` slots: the sender
@@ -48,12 +36,8 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
-import fcntl
 import math
-import mmap
 import os
-import stat
 import struct
 import threading
 import time
@@ -62,144 +46,17 @@ import weakref
 import torch
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm.segment import (U32_BITS, U32_MASK, W_PID, W_START_HI, W_START_LO, Segment,
-                                proc_alive, proc_start_time)
+from fcoll.shm.inbox import (ACK_MISMATCH, ACK_OK, ACKS, MAX_DIMS, NCHUNKS, PREFIX, R_HEAD,
+                             R_TAIL, RECORD_BYTES, W_DOOR, W_SLEEPERS, Inbox, Layout, ack_marker,
+                             chunk_bytes, create_inbox, decode_record, encode_record, open_inbox,
+                             segment_inode, show_message)
+from fcoll.shm.segment import U32_BITS, U32_MASK, W_PID, W_START_HI, W_START_LO, Segment, proc_alive
 from fcoll.shm.sync import PeerError, futex_wait, futex_wake
 
-PREFIX = "fcoll-p2p-"
-MODE = 0o600
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-PAGE = 4096
-NCHUNKS = 4  # slots per ring
-CHUNK_BYTES = 256 << 10  # default bytes per slot; FCOLL_P2P_CHUNK_BYTES overrides it
-ACKS = 32  # ack records per ring: a sender has at most this many messages unacknowledged
-RECORD_BYTES = 512  # one ack record or one slot's meta
-W_DOOR, W_SLEEPERS = 0, 1  # words of the inbox control page
-R_HEAD, R_TAIL = 0, 16  # words of a ring's control page (own cache lines)
-ACK_OK, ACK_MISMATCH = 1, 2
 SPIN_S = 20e-6  # poll the doorbell this long before sleeping (as sync.SPIN_US)
 _TICK_S = 0.1  # longest sleep between liveness and timeout checks
 _OPEN_RETRY_S = 0.002  # sleep while a peer's inbox does not exist yet
-# header: seq, nchunks (or ack status), tag, nbytes, dtype name, ndim; then ndim int64 dims
-_HDR = struct.Struct("<IIqQ32sI")
-MAX_DIMS = (RECORD_BYTES - _HDR.size) // 8
 _inboxes: "weakref.WeakSet[P2P]" = weakref.WeakSet()
-
-
-def chunk_bytes() -> int:
-    """Bytes of one ring slot: 256 KiB, or ``FCOLL_P2P_CHUNK_BYTES`` rounded down to pages (all
-    ranks must agree: the inbox size is checked at open)."""
-    env = os.environ.get("FCOLL_P2P_CHUNK_BYTES")
-    return max(PAGE, int(env) // PAGE * PAGE) if env else CHUNK_BYTES
-
-
-def _round_up(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
-
-
-class _Layout:
-    """Byte offsets inside an inbox of a ``world``-rank group with ``chunk`` bytes per slot."""
-
-    def __init__(self, world: int, chunk: int):
-        self.chunk = chunk
-        self.acks = PAGE
-        self.metas = PAGE + ACKS * RECORD_BYTES
-        self.data = _round_up(self.metas + NCHUNKS * RECORD_BYTES)
-        self.ring = self.data + NCHUNKS * chunk
-        self.total = PAGE + world * self.ring
-
-    def ring_off(self, src: int) -> int:
-        return PAGE + src * self.ring
-
-
-def segment_inode(seg: Segment) -> int:
-    """Inode of the (unlinked) file behind the group segment ``seg``, from /proc/self/maps: the
-    same on every rank, and unique while any rank maps it."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            if int(fields[0].split("-")[0], 16) == seg.base:
-                return int(fields[4])
-    raise RuntimeError("fcoll p2p: the group segment is not in /proc/self/maps")
-
-
-def _find_fd(pid: int, target: str) -> str | None:
-    """``/proc/<pid>/fd/<n>`` whose link reads ``target``, or None (not created yet)."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
-    for n in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{n}") == target:
-                return f"/proc/{pid}/fd/{n}"
-        except OSError:
-            continue
-    return None
-
-
-def _check_fd(fd: int, path: str, size: int) -> None:
-    """Refuse ``fd`` unless it is a regular file of our uid, mode 0600, ``size`` bytes, sealed.
-
-    Raises:
-        RuntimeError: naming ``path`` and the check that failed.
-    """
-    st = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        why = "is not a regular file of this user"
-    elif stat.S_IMODE(st.st_mode) != MODE:
-        why = f"has mode {stat.S_IMODE(st.st_mode):04o}, not {MODE:04o}"
-    elif st.st_size != size:
-        why = f"has {st.st_size} bytes, not {size} (FCOLL_P2P_CHUNK_BYTES differs between ranks?)"
-    elif fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
-        why = "is not sealed against resizing"
-    if why is not None:
-        raise RuntimeError(f"fcoll p2p: refusing to map the inbox {path}: it {why}")
-
-
-class _Inbox:
-    """A mapped inbox: u32 ``words``, bytes ``buf`` and uint8 ``data`` over the whole file."""
-
-    def __init__(self, fd: int, lay: _Layout):
-        self.mm = mmap.mmap(fd, lay.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.buf = memoryview(self.mm)
-        self.words = self.buf.cast("I")
-        self.data = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self._anchor = ctypes.c_char.from_buffer(self.mm)
-        self.door_addr = ctypes.addressof(self._anchor) + W_DOOR * 4
-
-    def close(self) -> None:
-        self.data = None
-        self._anchor = None
-        try:
-            self.words.release()
-            self.buf.release()
-            self.mm.close()
-        except (BufferError, ValueError):
-            pass  # a view is still alive somewhere; unmapped when it dies
-
-
-def _encode(seq: int, aux: int, tag: int, desc: tuple) -> bytes:
-    dtype, shape, nbytes = desc
-    return _HDR.pack(seq, aux, tag, nbytes, dtype.encode(), len(shape)) + struct.pack(
-        f"<{len(shape)}q", *shape)
-
-
-def _decode(buf: memoryview, off: int) -> tuple[int, int, int, tuple]:
-    seq, aux, tag, nbytes, dtype, ndim = _HDR.unpack_from(buf, off)
-    shape = struct.unpack_from(f"<{min(ndim, MAX_DIMS)}q", buf, off + _HDR.size)
-    return seq, aux, tag, (dtype.rstrip(b"\0").decode(), tuple(shape), nbytes)
-
-
-def _marker(seq: int) -> int:
-    """The value an ack record's first word holds once message ``seq`` is acked (never 0)."""
-    return (seq & 0x7FFFFFFF) + 1
-
-
-def _show(desc: tuple) -> str:
-    dtype, shape, nbytes = desc
-    return f"{dtype}{list(shape)} ({nbytes} bytes)"
 
 
 class _Op:
@@ -269,7 +126,7 @@ class P2P:
     def __init__(self, seg: Segment, rank: int, world: int, timeout_s: float, describe,
                  owner=None):
         self.rank, self.world, self.timeout_s, self.describe = rank, world, timeout_s, describe
-        self.lay = _Layout(world, chunk_bytes())
+        self.lay = Layout(world, chunk_bytes())
         lay, words = seg.layout, seg.words
         self.ident = [(words[lay.word(p, W_PID)],
                        words[lay.word(p, W_START_LO)] | (words[lay.word(p, W_START_HI)] << U32_BITS))
@@ -277,7 +134,7 @@ class P2P:
         inode = segment_inode(seg)
         self.names = [f"{PREFIX}{inode}-{p}" for p in range(world)]
         self.fd = -1
-        self.inboxes: dict[int, _Inbox] = {rank: self._create()}
+        self.inboxes: dict[int, Inbox] = {rank: self._create()}
         self.me = self.inboxes[rank]
         self.sends: dict[int, collections.deque[_Op]] = {}  # dst -> ops not fully written
         self.unacked: dict[int, dict[int, _Op]] = {}  # dst -> seq -> op
@@ -304,43 +161,27 @@ class P2P:
             weakref.finalize(owner, self.close)
 
     # ---- inboxes ---------------------------------------------------------------------------
-    def _create(self) -> _Inbox:
-        fd = os.memfd_create(self.names[self.rank], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.fchmod(fd, MODE)
-            os.ftruncate(fd, self.lay.total)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            box = _Inbox(fd, self.lay)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd  # kept open: peers open it through /proc/<pid>/fd while the group lives
+    def _create(self) -> Inbox:
+        self.fd, box = create_inbox(self.names[self.rank], self.lay)
         return box
 
-    def _inbox(self, p: int) -> _Inbox | None:
+    def _inbox(self, p: int) -> Inbox | None:
         """Peer ``p``'s inbox, mapped at first use; None while ``p`` has not created it.
 
         Raises:
-            PeerError: ``p`` exited. RuntimeError: the file found fails :func:`_check_fd`.
+            PeerError: ``p`` exited. RuntimeError: the file found fails
+                :func:`~fcoll.shm.inbox.check_fd`.
         """
         box = self.inboxes.get(p)
-        if box is not None:
-            return box
-        pid, start = self.ident[p]
-        path = _find_fd(pid, f"/memfd:{self.names[p]} (deleted)")
-        if path is None:
-            return None
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            return None  # closed meanwhile: the peer is gone, which the liveness check reports
-        try:
-            if proc_start_time(pid) != start:
-                raise PeerError(f"fcoll p2p: {self.describe(p)} exited (pid {pid} was reused)")
-            _check_fd(fd, path, self.lay.total)
-            box = self.inboxes[p] = _Inbox(fd, self.lay)
-        finally:
-            os.close(fd)
+        if box is None:
+            pid, start = self.ident[p]
+            try:
+                box = open_inbox(pid, start, self.names[p], self.lay)
+            except PeerError:
+                raise PeerError(f"fcoll p2p: {self.describe(p)} exited (pid {pid} was reused)") \
+                    from None
+            if box is not None:
+                self.inboxes[p] = box
         return box
 
     def _ring(self, p: int) -> None:
@@ -445,7 +286,7 @@ class P2P:
                 slot = head % NCHUNKS
                 meta = base + lay.metas + slot * RECORD_BYTES
                 if op.written == 0:
-                    rec = _encode(op.seq, op.nchunks, op.tag, op.desc)
+                    rec = encode_record(op.seq, op.nchunks, op.tag, op.desc)
                     buf[meta:meta + len(rec)] = rec
                 else:
                     struct.pack_into("<I", buf, meta, op.seq)
@@ -468,12 +309,12 @@ class P2P:
             self._ring(dst)
         for seq, op in list(unacked.items()):
             rec = base + lay.acks + (seq % ACKS) * RECORD_BYTES
-            if words[rec // 4] != _marker(seq) or op.written == 0:
+            if words[rec // 4] != ack_marker(seq) or op.written == 0:
                 continue
             del unacked[seq]
             moved = op.acked = True
             if words[rec // 4 + 1] == ACK_MISMATCH:
-                theirs = _decode(buf, rec)[3]
+                theirs = decode_record(buf, rec)[3]
                 op.error = ValueError(self._mismatch(self.rank, dst, op.tag, op.desc, theirs))
             if op.written == op.nchunks:
                 self._done(op)
@@ -491,7 +332,7 @@ class P2P:
             meta = base + lay.metas + slot * RECORD_BYTES
             msg = self.cur.get(src)
             if msg is None:
-                msg = self._match(src, *_decode(buf, meta))
+                msg = self._match(src, *decode_record(buf, meta))
                 if msg is None:
                     break  # nobody wants it yet: it stays in the ring
             elif struct.unpack_from("<I", buf, meta)[0] != msg.seq:
@@ -542,9 +383,9 @@ class P2P:
         op.source = src
         rec = self.lay.ring_off(src) + self.lay.acks + (seq % ACKS) * RECORD_BYTES
         buf = self.me.buf
-        payload = _encode(0, ACK_OK if ok else ACK_MISMATCH, tag, op.desc)
+        payload = encode_record(0, ACK_OK if ok else ACK_MISMATCH, tag, op.desc)
         buf[rec + 4:rec + len(payload)] = payload[4:]
-        self.me.words[rec // 4] = _marker(seq)  # the marker last
+        self.me.words[rec // 4] = ack_marker(seq)  # the marker last
         if not ok:
             self._done(op, ValueError(self._mismatch(src, self.rank, tag, desc, op.desc)))
         return ok
@@ -567,9 +408,9 @@ class P2P:
         return moved
 
     def _mismatch(self, src: int, dst: int, tag: int, sent: tuple, recv: tuple) -> str:
-        return (f"fcoll p2p: {self.describe(src)} sent {_show(sent)} with tag {tag} to "
-                f"{self.describe(dst)}, whose receive is {_show(recv)}: the dtype and element "
-                "count must match")
+        return (f"fcoll p2p: {self.describe(src)} sent {show_message(sent)} with tag {tag} to "
+                f"{self.describe(dst)}, whose receive is {show_message(recv)}: the dtype and "
+                "element count must match")
 
     def _done(self, op: _Op, error: BaseException | None = None) -> None:
         if op.done:
@@ -675,7 +516,8 @@ class P2P:
     def _timeout(self, op: _Op, limit: float) -> None:
         peer = "any rank" if op.peer is None else self.describe(op.peer)
         verb = (f"send to {peer}" if op.kind == "send" else f"recv from {peer}")
-        err = PeerError(f"fcoll p2p: {verb} (tag {op.tag}, {_show(op.desc)}) timed out after "
+        err = PeerError(f"fcoll p2p: {verb} (tag {op.tag}, {show_message(op.desc)}) timed out "
+                        f"after "
                         f"{limit:.1f} s on {self.describe(self.rank)}; the channel with "
                         f"{peer} is no longer usable")
         self._fail_peers(set(range(self.world)) if op.peer is None else {op.peer}, err)
