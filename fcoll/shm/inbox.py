@@ -150,9 +150,12 @@ def encode_record(seq: int, aux: int, tag: int, desc: tuple) -> bytes:
 
 
 def decode_record(buf: memoryview, off: int) -> tuple[int, int, int, tuple]:
+    """The record at ``buf[off:]``: ``(seq, aux, tag, (dtype name, shape, nbytes))``. Bounded
+    whatever a peer wrote: at most ``MAX_DIMS`` dims are read, and a dtype name that is not
+    UTF-8 decodes with replacement characters (it then matches no receive)."""
     seq, aux, tag, nbytes, dtype, ndim = _HDR.unpack_from(buf, off)
     shape = struct.unpack_from(f"<{min(ndim, MAX_DIMS)}q", buf, off + _HDR.size)
-    return seq, aux, tag, (dtype.rstrip(b"\0").decode(), tuple(shape), nbytes)
+    return seq, aux, tag, (dtype.rstrip(b"\0").decode("utf-8", "replace"), tuple(shape), nbytes)
 
 
 def ack_marker(seq: int) -> int:
