@@ -38,6 +38,8 @@ ASSUMPTIONS = (
     "reduce_scatter input constant (FSDP: shards 1/n, gathered sizes constant)",
     "graphs run back to back; in a graph, compute is serial, each group's collectives run one "
     "at a time on their own stream, issued in graph order; a wait blocks compute",
+    "'shm' collectives get a stream of their own, as on GPUs and NICs; fcoll's CPU backend "
+    "moves data on the compute's cores, so on CPU hosts hidden communication is overstated",
     "flat algorithms across hosts run every step at the inter-host link's rate and latency; "
     "hierarchical ones use one inter-host link per rank (a NIC per rank)",
     "peak memory: the storage model of fcoll.passes.memory (inputs pinned, every other value "
