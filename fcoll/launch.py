@@ -1,10 +1,14 @@
 """Start N local ranks of a script with torchrun's environment; stream and supervise them.
 
 ``python -m fcoll.launch --nproc-per-node N script.py ARGS`` (or ``-m module ARGS``) starts N
-processes with the variables torchrun sets for a single node (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, GROUP_RANK=0, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT
-= a free port, TORCHELASTIC_RUN_ID), so ``dist.init_process_group("fcoll")`` rendezvous through
-the env:// TCPStore. Every line a rank writes to stdout / stderr is re-emitted on the same
+processes with the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_RUN_ID), so ``dist.init_process_group("fcoll")`` rendezvous through the env://
+TCPStore. Several nodes: run one launcher per node with torchrun's static-rendezvous arguments,
+``--nnodes M --node-rank I --master-addr ADDR --master-port PORT`` (the same meaning as
+torchrun's: node I's ranks are I * N ... I * N + N - 1, and global rank 0, on node 0, serves the
+store at ADDR:PORT). One node needs no port (a free one is picked). A script that reads only
+these variables runs alike under ``torchrun`` and under this launcher. Every line a rank writes to stdout / stderr is re-emitted on the same
 stream with a ``[rank N] `` prefix. When a rank fails, the others get SIGTERM, then SIGKILL
 after ``--grace-s`` seconds; the exit status is the first failing rank's (128 + signal number
 for a rank killed by a signal), or 0. Before starting the ranks and after they all ended, the
@@ -34,9 +38,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Run N local ranks of a training script with torchrun's environment.")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
                    help="number of ranks to start on this host (default 1)")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--nnodes", default="1",
+                   help="number of nodes (hosts), each running one launcher (default 1; "
+                        "torchrun's elastic MIN:MAX form is not supported)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0,
+                   help="this node's index, 0 to nnodes - 1 (default 0)")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+                   help="address of node 0, where global rank 0 serves the rendezvous store")
     p.add_argument("--master-port", "--master_port", type=int, default=0,
-                   help="rendezvous port (default: a free port)")
+                   help="rendezvous port (default: a free port; required with --nnodes > 1)")
     p.add_argument("--grace-s", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", default=None)
@@ -49,6 +59,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     if ns.nproc_per_node < 1:
         p.error("--nproc-per-node must be at least 1")
+    try:
+        ns.nnodes = int(ns.nnodes)
+    except ValueError:
+        p.error(f"--nnodes {ns.nnodes!r}: expected a number of nodes (elastic MIN:MAX ranges "
+                "are torchrun's; use torchrun for elastic jobs)")
+    if ns.nnodes < 1:
+        p.error(f"--nnodes must be at least 1, got {ns.nnodes}")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        p.error(f"--node-rank {ns.node_rank} is out of range for --nnodes {ns.nnodes} "
+                f"(0 to {ns.nnodes - 1})")
+    if ns.nnodes > 1 and ns.master_port == 0:
+        p.error(f"--master-port is required with --nnodes {ns.nnodes}: every node must use "
+                "the same port")
+    if not 0 <= ns.master_port < 65536:
+        p.error(f"--master-port {ns.master_port} is not a TCP port")
     return ns
 
 
@@ -58,11 +83,19 @@ def free_port(addr: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world: int, addr: str, port: int, run_id: str) -> dict[str, str]:
-    """The variables torchrun sets for local rank ``rank`` of a single-node job."""
+def rank_env(local_rank: int, nproc_per_node: int, addr: str, port: int, run_id: str,
+             node_rank: int = 0, nnodes: int = 1) -> dict[str, str]:
+    """The variables torchrun sets for local rank ``local_rank`` of node ``node_rank``.
+
+    Ranks are numbered node by node, as torchrun's static rendezvous does with equal
+    ``--nproc-per-node`` everywhere: ``RANK = node_rank * nproc_per_node + local_rank``.
+    """
+    rank = node_rank * nproc_per_node + local_rank
+    world = nnodes * nproc_per_node
     return {
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world),
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes), "ROLE_RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node), "ROLE_WORLD_SIZE": str(world),
         "ROLE_NAME": "default", "MASTER_ADDR": addr, "MASTER_PORT": str(port),
         "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1",
@@ -107,9 +140,11 @@ def _sweep(err: IO[bytes]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
-    world = ns.nproc_per_node
+    nproc = ns.nproc_per_node
     port = ns.master_port or free_port(ns.master_addr)
-    run_id = ns.run_id or uuid.uuid4().hex[:12]
+    # every node must agree on the run id: derive it from the rendezvous address when not given
+    run_id = ns.run_id or (uuid.uuid4().hex[:12] if ns.nnodes == 1
+                           else f"fcoll-{ns.master_addr}-{port}")
     if ns.no_python:
         cmd = [ns.target, *ns.args]
     elif ns.module:
@@ -122,8 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    for r in range(world):
-        env = dict(os.environ, **rank_env(r, world, ns.master_addr, port, run_id))
+    first_rank = ns.node_rank * nproc
+    for local in range(nproc):
+        r = first_rank + local
+        env = dict(os.environ, **rank_env(local, nproc, ns.master_addr, port, run_id,
+                                          ns.node_rank, ns.nnodes))
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         procs.append(p)
@@ -146,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         while any(p.poll() is None for p in procs):
             if first_failure is None:
-                for r, p in enumerate(procs):
+                for r, p in enumerate(procs, start=first_rank):
                     code = p.poll()
                     if code is not None and code != 0:
                         first_failure = _status(code)

@@ -75,3 +75,90 @@ def test_module_mode_and_default_single_rank(tmp_path):
     proc, _ = _launch(tmp_path, "", "-m", "mymod", "x")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["[rank 0] mod 1 ['x']"]
+
+
+MULTI_NODE_KEYS = ENV_KEYS + ["GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE"]
+
+
+def test_multi_node_arguments_are_checked():
+    from fcoll.launch import parse_args
+
+    ns = parse_args(["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
+                     "--master-port", "29500", "--nproc-per-node", "3", "s.py", "--x"])
+    assert (ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port, ns.args) == (
+        2, 1, "10.0.0.1", 29500, ["--x"])
+    for bad, says in ((["--nnodes", "2"], "--master-port is required"),
+                      (["--nnodes", "2", "--node-rank", "2", "--master-port", "1"],
+                       "--node-rank 2 is out of range"),
+                      (["--nnodes", "1:4"], "elastic MIN:MAX"),
+                      (["--nnodes", "0"], "at least 1")):
+        proc = subprocess.run([sys.executable, "-m", "fcoll.launch", *bad, "s.py"],
+                              capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+        assert proc.returncode == 2 and says in proc.stderr, (bad, proc.stderr)
+
+
+def test_rank_env_numbers_ranks_node_by_node():
+    from fcoll.launch import rank_env
+
+    env = rank_env(1, 2, "10.0.0.1", 29500, "job", node_rank=1, nnodes=3)
+    assert {k: env[k] for k in MULTI_NODE_KEYS} == {
+        "RANK": "3", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+        "GROUP_WORLD_SIZE": "3", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "6"}
+
+
+ENV_SCRIPT = f"""
+    import os
+    import torch, torch.distributed as dist, fcoll
+    dist.init_process_group("fcoll")
+    t = torch.full((2,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    line = " ".join(["env", *[os.environ.get(k, "-") for k in {MULTI_NODE_KEYS!r}],
+                     str(t.tolist())])
+    with open(f"env-{{os.environ['RANK']}}.txt", "w") as f:  # torchrun mixes ranks' stdout
+        f.write(line)
+    dist.destroy_process_group()
+    """
+
+
+def _two_nodes(tmp_path: Path, launcher: list[str]) -> list[str]:
+    """Run ``launcher`` twice on loopback as nodes 0 and 1 of 2 (2 ranks each); every
+    rank's 'env' line."""
+    from fcoll.launch import free_port
+
+    for old in tmp_path.glob("env-*.txt"):
+        old.unlink()
+    (tmp_path / "script.py").write_text(textwrap.dedent(ENV_SCRIPT))
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
+    procs = [subprocess.Popen([sys.executable, *launcher, "--nnodes", "2", "--node-rank",
+                               str(node), "--master-addr", "127.0.0.1", "--master-port",
+                               str(port), "--nproc-per-node", "2", "script.py"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=150)
+            assert p.returncode == 0, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(tmp_path / f"env-{r}.txt").read_text() for r in range(4)]
+
+
+def test_two_launchers_on_loopback_form_one_job_with_torchruns_environment(tmp_path):
+    """Two ``fcoll.launch`` nodes (2 ranks each) make one 4-rank job whose every rank sees
+    the variables two ``torchrun`` nodes give it, MASTER_PORT included."""
+    ours = _two_nodes(tmp_path, ["-m", "fcoll.launch"])
+    theirs = _two_nodes(tmp_path, ["-m", "torch.distributed.run"])
+    assert len(ours) == 4 and [line.split()[1] for line in ours] == ["0", "1", "2", "3"]
+    assert all(line.endswith("[10.0, 10.0]") for line in ours), ours
+
+    def without_port(lines):  # each pair of runs had its own free port
+        return [line.replace(line.split()[7], "PORT", 1) for line in lines]
+
+    assert without_port(ours) == without_port(theirs)
+    assert fcoll_segments() == []
