@@ -96,8 +96,8 @@ def _rank_fn(rank: int, world_size: int, sizes: list[int], reps: int) -> dict:
             res = executor([x])
             if not torch.equal(res[0] if isinstance(res, (list, tuple)) else res, expected):
                 raise AssertionError(f"rank {rank}: {label} executor gave a wrong result")
-            loops[f"executor {label} path"] = lambda e=executor: e([x])
-            loops[f"compiled fn {label} path"] = lambda f=fn: f(x)
+            loops[f"executor {label} path"] = lambda e=executor, x=x: e([x])
+            loops[f"compiled fn {label} path"] = lambda f=fn, x=x: f(x)
         k = _calls_per_rep(size)
         times: dict[str, list[float]] = {r: [] for r in ROWS}
         for loop in loops.values():  # warm up every loop

@@ -117,6 +117,70 @@ def _on_ranks(rank: int, world_size: int) -> dict:
     return out
 
 
+def _same_shape(group: str, calls: int) -> fx.GraphModule:
+    """``calls`` all_reduces of one shape ([8] float32, sum), each waited."""
+    b = Builder()
+    x = b.input("x", [8], torch.float32)
+    return b.module([b.wait(b(fc.all_reduce.default, x, "sum", group)) for _ in range(calls)])
+
+
+def _by_content(rank: int, world_size: int) -> dict:
+    """Issue #15.5: ranks meet on the content of the sequence, not on a count of compiles."""
+    import torch.distributed as dist
+
+    import fcoll
+
+    g = dist.group.WORLD.group_name
+    out: dict = {}
+    # 1. rank 1 recompiles a graph (twice) that rank 0 compiled once: no divergence, no wait
+    #    (counting compiles, rank 1 would wait for rank 0's second compile until the timeout)
+    first = _graph(g, n_extra=2)
+    out["recompile"] = [_error(lambda: _check(first, timeout_s=5.0))]
+    if rank == 1:
+        out["recompile"] += [_error(lambda: _check(first, timeout_s=5.0)) for _ in range(2)]
+    # ... and afterwards both ranks still agree on the next graph
+    out["next"] = _error(lambda: _check(_graph(g, n_extra=3), timeout_s=5.0))
+    # 2. rank 1 skips one call of a same-shape all_reduce: a mismatch on both ranks (not a
+    #    timeout: check_timeout_s is longer than run_ranks' hard limit)
+    out["skipped"] = _error(lambda: _check(_same_shape(g, 3 - rank), timeout_s=600.0))
+    # 3. the same collectives on two different groups of the same ranks
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    out["groups"] = _error(lambda: _check(_same_shape(groups[rank].group_name, 1),
+                                          timeout_s=600.0))
+    out["group_names"] = [grp.group_name for grp in groups]
+    # 4. the ranks agree again after those errors
+    out["after"] = _error(lambda: _check(_same_shape(g, 5), timeout_s=5.0))
+    # 5. end to end: rank 1 recompiles a step (Dynamo's caches reset) that rank 0 compiled once
+    step = torch.compile(lambda x: fcoll.all_reduce(x, "sum", dist.group.WORLD) * 2,
+                         backend="fcoll", options={"check_timeout_s": 5.0})
+    x = torch.ones(4) * (rank + 1)
+    results = [step(x)]
+    if rank == 1:
+        torch._dynamo.reset()
+    results.append(step(x))  # rank 1 compiles again; its check passes without rank 0
+    out["e2e"] = [r.tolist() for r in results]
+    return out
+
+
+class TestByContent(unittest.TestCase):
+    def test_recompile_is_no_divergence_skipped_call_and_other_group_raise_on_every_rank(self):
+        r0, r1 = run_ranks(_by_content, 2, backend="fcoll", timeout_s=150)
+        self.assertEqual(r0["recompile"], ["no error"])
+        self.assertEqual(r1["recompile"], ["no error"] * 3)
+        for r in (r0, r1):
+            self.assertEqual(r["next"], "no error")
+            self.assertIn("RankMismatchError", r["skipped"])
+            self.assertIn("ranks [1]", r["skipped"])
+            self.assertIn("collective #2: rank 0: all_reduce(float32[8], reduce_op=sum); "
+                          "rank 1: <none: rank 1 has only 2 collectives>", r["skipped"])
+            self.assertIn("RankMismatchError", r["groups"])
+            a, b = r["group_names"]
+            self.assertIn(f"rank 0: group {a!r}; rank 1: group {b!r}", r["groups"])
+            self.assertEqual(r["after"], "no error")
+            self.assertEqual(r["e2e"], [[6.0] * 4, [6.0] * 4])
+        self.assertEqual(r0["skipped"].replace("rank 0, ", "rank 1, ", 1), r1["skipped"])
+
+
 class TestAcrossRanks(unittest.TestCase):
     def _run(self, backend: str) -> list[dict]:
         r0, r1 = run_ranks(_on_ranks, 2, backend=backend, timeout_s=90)

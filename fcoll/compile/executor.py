@@ -37,7 +37,13 @@ from fcoll.compile.direct_calls import direct_impls
 from fcoll.compile.trace import RunTrace, TraceRecorder, now_us
 from fcoll.ops import pending
 from fcoll.ops.facts import busbw_factor, comm_bytes
-from fcoll.passes.graph import collective_info, is_collective, is_wait, tensor_bytes, waits_of
+from fcoll.passes.graph import (
+    collective_info,
+    is_collective,
+    is_wait,
+    tensor_bytes,
+    waits_of,
+)
 
 __all__ = ["OpTable", "UnknownOpError", "GraphExecutor", "RUNNABLE_NAMESPACES", "StepKind", "Step",
            "CommFacts", "plan_steps"]

@@ -5,19 +5,36 @@ first run hangs or, worse, returns wrong values silently (gloo reduces float32 a
 equal width without complaint; see NOTES.md). This pass turns that into an error at compile time,
 on every rank, naming the first differing collective.
 
-Protocol, per process group ``g`` that the graph uses (in sorted group-name order):
+Protocol, per process group ``g`` that the graph uses (in sorted group-name order), in the default
+group's store (``c10d._get_default_store()``), keys under ``fcoll/consistency/v2``. Ranks meet on
+the *content* of the sequence, never on a count of compiles:
 
-1. ``k = store.add("fcoll/consistency/<g>/count/<rank>", 1)``: this process's compile counter for
-   ``g``, kept in the store itself (no module state). Ranks that compile the same graphs in the
-   same order agree on ``k``.
-2. Each rank sets ``.../<g>/<k>/hash/<rank>`` (sha256 of the sequence) and ``.../seq/<rank>``
-   (the sequence, zlib-compressed JSON) in the default group's store
-   (``c10d._get_default_store()``).
-3. Each rank waits for every other rank of ``g`` with ``store.wait`` and one deadline,
-   ``config.check_timeout_s``: a rank that never arrives gives an error naming the missing ranks,
-   never a hang.
-4. If the hashes differ, every rank reads the sequences and raises the same error: the index of
-   the first differing collective, each side's entry, and the ranks that differ from the lowest.
+1. Each rank sets ``<g>/seq/<digest>`` (the sequence, zlib-compressed JSON; the same bytes from
+   every rank that has it), then ``<g>/has/<digest>/<rank>`` (presence), then
+   ``waiting/<rank> = "<g>\\n<digest>\\n<token>"``: what its check now waits for (the token
+   is unique to this check).
+2. It polls (1 ms, doubling to 20 ms; the store's own waits cannot wait in short slices) until
+   every rank of ``g`` has ``<g>/has/<digest>``, and clears ``waiting/<rank>`` when it leaves.
+   A recompile on one rank that issues the same collectives finds the peers' keys from their
+   first compile and passes at once, without them: no divergence is reported.
+3. Between polls, for each rank ``p`` still missing: if ``waiting/p`` names another sequence,
+   or the same on another group, that includes this rank and that this rank has not published,
+   then ``p`` waits for this rank and this rank waits for ``p``: neither can go on (a rank
+   blocked in this check compiles nothing else). This rank writes ``verdict/<p>/<p's token>``
+   (``p`` may not look before this rank leaves; the token keeps it from any later check) and
+   raises; ``p`` raises on reading it. Both raise the same :class:`RankMismatchError`, naming
+   the first differing collective, or both groups, within a poll or two of the later arrival.
+4. A rank that never publishes this sequence (dead, slow, running something else, or waiting
+   behind a longer cycle of three ranks or more) gives :class:`RankTimeoutError` at
+   ``config.check_timeout_s``, naming the missing ranks and what they wait for.
+
+Failure modes: a rank that compiled different collectives and went on to run them (it passed an
+earlier check of that sequence, or does not check) is only seen at ``check_timeout_s`` by the
+others, or at run time by fcoll's backend (header mismatch: the executor's direct path tags
+each call with ``<digest>#<index>``, see :mod:`fcoll.compile.direct_calls`). Two graphs with
+the same collective sequence share a digest: they are interchangeable to this check, which
+compares what the ranks will issue, not where. Keys are never deleted (about 200 bytes per
+distinct sequence per rank, for the store's lifetime).
 
 The fingerprint entry of a collective is ``op(dtype[shape], ..., reduce_op=, src=, group=)``.
 all_to_all inputs keep only their trailing dims: the first dim follows each rank's splits and
@@ -35,21 +52,21 @@ collective exchanges each rank's header (shape, split sizes) and raises the same
 rank if they disagree (``fcoll/shm/headers.py``); other backends (gloo) do not compare them.
 
 No-op (logged at DEBUG) without an initialised process group, on PyTorch's fake process group, on
-groups of one rank, and on graphs without collectives. Cost: one ``add``, two ``set``, one
-``wait`` per other rank and one ``multi_get`` per group (``benchmarks/passes_scaling.py
---rank-costs`` prints the time per compile).
+groups of one rank, and on graphs without collectives. Cost when the ranks agree: four ``set``,
+one ``delete_key`` and a ``check`` per other rank and poll, per group
+(``benchmarks/passes_scaling.py --rank-costs`` prints the time per compile).
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import logging
 import time
+import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -60,15 +77,18 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fcoll.passes.graph import arg_of, is_collective, op_kind, size_hint
 from fcoll.passes.registry import FcollPass, register_pass
 
-__all__ = ["CheckRankConsistency", "Fingerprint", "fingerprint", "collectives_by_group", "RankMismatchError",
-           "RankTimeoutError", "compare_across_ranks", "RankCheck", "META_RANK_CHECK"]
+__all__ = ["CheckRankConsistency", "Fingerprint", "fingerprint", "collectives_by_group",
+           "RankMismatchError", "RankTimeoutError", "compare_across_ranks", "RankCheck",
+           "META_RANK_CHECK"]
 
 #: graph_module.meta key: group name -> :class:`RankCheck`, written by the pass.
 META_RANK_CHECK = "fcoll_rank_check"
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "fcoll/consistency"
+_PREFIX = "fcoll/consistency/v2"
+_FIRST_POLL_S = 0.001   # first pause between looks at the store, doubling ...
+_MAX_POLL_S = 0.02      # ... up to this: the most a check waits after the last rank arrives
 
 
 class RankMismatchError(RuntimeError):
@@ -245,8 +265,12 @@ def _skip_reason(group_name: str) -> tuple[str | None, dist.ProcessGroup | None]
 
 
 def compare_across_ranks(fp: Fingerprint, pg: dist.ProcessGroup, timeout_s: float,
-                         store: dist.Store | None = None) -> int:
-    """Publish ``fp`` and compare it with every other rank of ``pg``.
+                         store: dist.Store | None = None) -> str:
+    """Publish ``fp`` and wait until every rank of ``pg`` has published the same sequence.
+
+    The protocol is in the module docstring: ranks meet on the sequence's digest, not on a
+    compile count, so a recompile that issues the same collectives on one rank meets the
+    peers' earlier publication at once.
 
     Args:
         fp: this rank's fingerprint for ``pg``.
@@ -255,58 +279,160 @@ def compare_across_ranks(fp: Fingerprint, pg: dist.ProcessGroup, timeout_s: floa
         store: where to meet (default: the default group's store).
 
     Returns:
-        The compile counter ``k`` used for the keys.
+        The digest the ranks agreed on.
 
     Raises:
-        RankTimeoutError: some ranks did not publish within ``timeout_s`` (they are named).
-        RankMismatchError: the sequences differ (first differing collective and ranks named).
+        RankMismatchError: a rank of ``pg`` waits for a different sequence (or the same one
+            on another group) that this rank has not published: neither can go on. Raised on
+            every rank of the pair, naming the first differing collective.
+        RankTimeoutError: some ranks did not publish the sequence within ``timeout_s`` (named,
+            with what they wait for, if anything).
     """
     import torch.distributed.distributed_c10d as c10d
 
     store = store if store is not None else c10d._get_default_store()
     rank = dist.get_rank()
     ranks = dist.get_process_group_ranks(pg)
-    g = fp.group_name
-    k = store.add(f"{_PREFIX}/{g}/count/{rank}", 1)
-    base = f"{_PREFIX}/{g}/{k}"
-    store.set(f"{base}/seq/{rank}", zlib.compress(json.dumps(fp.entries).encode()))
-    store.set(f"{base}/hash/{rank}", fp.digest)
+    me = _Wait(fp.group_name, fp.digest, uuid.uuid4().hex)  # the token names this check
+    store.set(_seq_key(me), zlib.compress(json.dumps(fp.entries).encode()))
+    store.set(_has_key(me, rank), "1")
+    store.set(_waiting_key(rank), me.text())  # after has: a reader sees has, then waiting
+    try:
+        _wait_for_peers(store, me, fp, rank, ranks, timeout_s)
+    finally:
+        store.set(_waiting_key(rank), "")
+    return fp.digest
+
+
+class _Wait(NamedTuple):
+    """What one check of a rank waits for: every rank of ``group`` to publish ``digest``;
+    ``token`` is unique to that check (a verdict names it, so it never reaches a later one)."""
+
+    group: str
+    digest: str
+    token: str
+
+    def text(self) -> str:
+        return f"{self.group}\n{self.digest}\n{self.token}"
+
+    def same_sequence(self, other: "_Wait") -> bool:
+        return (self.group, self.digest) == (other.group, other.digest)
+
+    @classmethod
+    def parse(cls, text: bytes | str) -> "_Wait | None":
+        parts = (text.decode() if isinstance(text, bytes) else text).split("\n")
+        return cls(*parts) if len(parts) == 3 else None
+
+
+def _seq_key(w: _Wait) -> str:
+    return f"{_PREFIX}/{w.group}/seq/{w.digest}"
+
+
+def _has_key(w: _Wait, rank: int) -> str:
+    return f"{_PREFIX}/{w.group}/has/{w.digest}/{rank}"
+
+
+def _waiting_key(rank: int) -> str:
+    return f"{_PREFIX}/waiting/{rank}"
+
+
+def _verdict_key(rank: int, w: _Wait) -> str:
+    return f"{_PREFIX}/verdict/{rank}/{w.token}"
+
+
+def _get(store: dist.Store, key: str) -> bytes | None:
+    """``store.get(key)`` if the key exists (never blocks), else None."""
+    return store.get(key) if store.check([key]) else None
+
+
+def _members(group: str) -> list[int] | None:
+    """Global ranks of the group called ``group``, or None where this process cannot tell
+    (it is not a member, or the name is unknown here)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return dist.get_process_group_ranks(c10d._resolve_process_group(group))
+    except Exception:  # noqa: BLE001  not a member / unknown name
+        return None
+
+
+def _wait_for_peers(store: dist.Store, me: _Wait, fp: Fingerprint, rank: int,
+                    ranks: list[int], timeout_s: float) -> None:
+    """Poll the store until every rank of ``ranks`` published ``me``; between looks, find a
+    deadlock (see :func:`compare_across_ranks`) or a peer's verdict on this rank."""
     deadline = time.monotonic() + timeout_s
-    for r in ranks:
-        remaining = deadline - time.monotonic()
-        try:
-            store.wait([f"{base}/hash/{r}"], datetime.timedelta(seconds=max(remaining, 1e-3)))
-        except Exception:  # noqa: BLE001  a store timeout: find every rank still missing
-            missing = [x for x in ranks if not store.check([f"{base}/hash/{x}"])]
+    poll_s = _FIRST_POLL_S
+    missing = [r for r in ranks if r != rank]
+    while True:
+        missing = [r for r in missing if not store.check([_has_key(me, r)])]
+        if not missing:
+            return
+        verdict = _get(store, _verdict_key(rank, me))
+        if verdict is not None:
+            peer, _, text = verdict.decode().partition("\n")
+            theirs = _Wait.parse(text)
+            raise RankMismatchError(_mismatch_message(
+                rank, {rank: (me.group, fp.entries), int(peer): (theirs.group,
+                                                                 _entries(store, theirs))}))
+        for p in missing:
+            theirs = _Wait.parse(_get(store, _waiting_key(p)) or "")
+            if theirs is None or theirs.same_sequence(me) or \
+                    store.check([_has_key(theirs, rank)]):
+                continue  # p is not blocked, or not on something this rank could still give
+            members = _members(theirs.group)
+            if members is None or rank not in members:
+                continue  # p does not wait for this rank
+            # p waits for ``theirs`` from this rank, which waits for ``me`` from p: neither
+            # can go on. Tell p (it may not look at this rank's key before this rank leaves).
+            store.set(_verdict_key(p, theirs), f"{rank}\n{me.text()}")
+            raise RankMismatchError(_mismatch_message(
+                rank, {rank: (me.group, fp.entries), p: (theirs.group, _entries(store, theirs))}))
+        if time.monotonic() >= deadline:
+            waits = {p: _Wait.parse(_get(store, _waiting_key(p)) or "") for p in missing}
+            doing = "; ".join(f"rank {p} waits for sequence {w.digest[:12]} on group "
+                              f"{w.group!r}" for p, w in waits.items() if w is not None)
             raise RankTimeoutError(
-                f"check_rank_consistency: rank {rank}, group {g!r} (compile #{k}): ranks "
-                f"{missing} did not compile a graph with collectives on this group within "
-                f"{timeout_s:g} s (check_timeout_s); they may have diverged or died") from None
-    digests = store.multi_get([f"{base}/hash/{r}" for r in ranks])
-    if all(d == digests[0] for d in digests):
-        return k
-    seqs = {r: tuple(json.loads(zlib.decompress(s)))
-            for r, s in zip(ranks, store.multi_get([f"{base}/seq/{r}" for r in ranks]))}
-    raise RankMismatchError(_mismatch_message(g, k, rank, ranks, seqs))
+                f"check_rank_consistency: rank {rank}, group {me.group!r} (sequence "
+                f"{me.digest[:12]}, {len(fp.entries)} collectives): ranks {missing} did not "
+                f"compile a graph with these collectives on this group within {timeout_s:g} s "
+                f"(check_timeout_s); they may have diverged, died, or be compiling something "
+                f"else{': ' + doing if doing else ''}")
+        # Polled: FileStore.wait rounds its timeout up to whole seconds, and a TCPStore wait
+        # that times out logs a warning each time, so neither can wait in short slices.
+        time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
+        poll_s = min(poll_s * 2, _MAX_POLL_S)
 
 
-def _mismatch_message(g: str, k: int, rank: int, ranks: list[int],
-                      seqs: dict[int, tuple[str, ...]]) -> str:
-    ref = ranks[0]
-    differ = [r for r in ranks if seqs[r] != seqs[ref]]
+def _entries(store: dist.Store, w: _Wait) -> tuple[str, ...]:
+    raw = _get(store, _seq_key(w))
+    return tuple(json.loads(zlib.decompress(raw))) if raw is not None else ("<unknown>",)
+
+
+def _mismatch_message(rank: int, seqs: dict[int, tuple[str, tuple[str, ...]]]) -> str:
+    """The error every rank of a divergent pair raises: ``seqs`` maps rank -> (group, entries);
+    the lowest rank is the reference. Symmetric: both ranks build the same text."""
+    ref, *others = sorted(seqs)
+    g_ref, s_ref = seqs[ref]
+    differ = [r for r in others if seqs[r] != seqs[ref]]
 
     def first_diff(a: tuple[str, ...], b: tuple[str, ...]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
-    i = min(first_diff(seqs[ref], seqs[r]) for r in differ)
+    groups = {seqs[r][0] for r in seqs}
+    if len(groups) > 1:
+        sides = "; ".join(f"rank {r}: group {seqs[r][0]!r}" for r in sorted(seqs))
+        return (f"check_rank_consistency: rank {rank}: ranks {differ} compiled collectives on a "
+                f"different group than rank {ref} ({sides}; {len(s_ref)} collectives). Running "
+                f"this graph would hang until the timeout.")
+    i = min(first_diff(s_ref, seqs[r][1]) for r in differ)
 
     def at(r: int) -> str:
-        s = seqs[r]
+        s = seqs[r][1]
         return s[i] if i < len(s) else f"<none: rank {r} has only {len(s)} collectives>"
 
     sides = "; ".join(f"rank {r}: {at(r)}" for r in [ref, *differ])
-    return (f"check_rank_consistency: rank {rank}, group {g!r} (compile #{k}): ranks {differ} "
-            f"compiled a different sequence of collectives than rank {ref}; first difference at "
+    return (f"check_rank_consistency: rank {rank}, group {g_ref!r}: ranks {differ} compiled a "
+            f"different sequence of collectives than rank {ref}; first difference at "
             f"collective #{i}: {sides}. Running this graph would hang or give wrong results.")
 
 
@@ -344,9 +470,9 @@ class CheckRankConsistency(FcollPass):
                 log.debug("check_rank_consistency: group %r collective #%d %s: data-dependent "
                           "sizes, not compared at compile time: %s", g, i, nodes[i].name, note)
             t0 = time.perf_counter()
-            k = compare_across_ranks(fp, pg, self.config.check_timeout_s)
-            log.debug("check_rank_consistency: group %r compile #%d: %d collectives agree on %d "
-                      "ranks (%.1f ms)", g, k, len(fp.entries), pg.size(),
+            compare_across_ranks(fp, pg, self.config.check_timeout_s)
+            log.debug("check_rank_consistency: group %r sequence %s: %d collectives agree on %d "
+                      "ranks (%.1f ms)", g, fp.digest[:12], len(fp.entries), pg.size(),
                       (time.perf_counter() - t0) * 1e3)
             report[g] = RankCheck(fp, f"agreed on {pg.size()} ranks")
         graph_module.meta[META_RANK_CHECK] = report

@@ -41,8 +41,13 @@ from typing import Any
 import torch
 import torch.autograd.profiler as _profiler
 
-from fcoll.ops.reduce import (DIST_REDUCE_OPS, check_reduce_op, divide_for_avg, reduce_op_name,
-                              reduce_rows)
+from fcoll.ops.reduce import (
+    DIST_REDUCE_OPS,
+    check_reduce_op,
+    divide_for_avg,
+    reduce_op_name,
+    reduce_rows,
+)
 from fcoll.shm import one_slot, reductions
 from fcoll.shm.engine import Job
 from fcoll.shm.headers import NO_ROOT, Header, dtype_name
@@ -126,7 +131,7 @@ class DirectAllReduce:
         self.job: Job | None = None
 
     def __call__(self, input: torch.Tensor, reduce_op: str = "", group_name: Any = None
-                 ) -> torch.Tensor:  # noqa: A002
+                 ) -> torch.Tensor:
         """Start the all_reduce of ``input``; returns its output (ready after :meth:`wait`).
 
         The extra arguments are the graph node's (already checked once) and ignored.
