@@ -303,3 +303,18 @@ def test_only_rank_0s_knowledge_decides(tmp_path):
     want = [[s, 7.0 * (i + 1)] for i, s in enumerate(calibrate.sizes_for(64 * KiB))]
     for pts in r1["curves"].values():
         assert pts == want
+
+
+def test_precompute_cli_fills_the_job_cache(job_dir, monkeypatch, capsys):
+    from fcoll.calibrate import main
+
+    assert main(["--nproc", "2", "--backends", "fcoll", "--max-bytes", "4K"]) == 0
+    path = calibration_cache.cache_path("fcoll", 2, "0.0")
+    entry = calibration_cache.read_entry(path, KEY)
+    assert entry is not None
+    assert {len(v) for v in entry["points"].values()} == {len(calibrate.sizes_for(4 * KiB))}
+    assert path in capsys.readouterr().out
+    monkeypatch.delenv("FCOLL_JOB_ID")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert main(["--nproc", "2"]) == 2
+    assert "no job identity" in capsys.readouterr().err
