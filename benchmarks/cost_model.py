@@ -11,8 +11,8 @@ Per backend (fcoll's shared-memory backend, and gloo), on ``--nproc`` ranks of t
    broadcast) at every size (default 4 KiB .. 64 MiB in powers of 2: the calibration's sizes
    and the ones halfway between them in log scale, where the curve interpolates), the median
    of a fixed number of blocking calls after a warm-up, by the same timing loop as the
-   calibration (:func:`fcoll.passes.calibrate.time_collective`) but in a separate run; fcoll
-   and gloo alternate per cell, so both see the same machine noise;
+   calibration (:func:`fcoll.passes.calibrate.time_collectives`: runs interleaved round robin
+   over the sizes) but in a separate run, with more runs per cell; per kind, fcoll then gloo;
 3. print per cell the predicted time (the calibrated curve), the measured median, the ratio
    predicted / measured and PASS when it is within ``1 +- tolerance`` (default 30 %), beside
    the previous two-point alpha-beta model (fitted through the same sweep's 16 KiB and 4 MiB
@@ -63,10 +63,10 @@ def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
         out["curves"][backend] = {k.kind: c for k, c in comm.items()}
     for kind in ops:
         load0 = os.getloadavg()[0]
-        for size in sizes:
-            for backend, pg in groups.items():
-                times = cal.time_collective(kind, pg, size, reps(size))
-                out["measured"][(backend, kind, size)] = statistics.median(times)
+        for backend, pg in groups.items():
+            times = cal.time_collectives(pg, [(kind, size) for size in sizes], reps)
+            for (_, size), runs in times.items():
+                out["measured"][(backend, kind, size)] = statistics.median(runs)
         out["loadavg"][kind] = (load0, os.getloadavg()[0])
     return out
 

@@ -58,6 +58,7 @@ from fcoll.passes.memory import COLLECTIVE, op_class
 
 __all__ = [
     "SWEEP_BYTES", "MIN_SWEEP_BYTES", "reps_for", "sizes_for", "time_collective",
+    "time_collectives",
     "measure_compute_rates", "calibrate_group",
     "fit_alpha_beta", "GroupCalibration", "calibrated_table", "calibration_stats",
     "host_identity", "model_for", "cached_model", "moves_data_on_compute_cores",
@@ -224,15 +225,20 @@ def _reduce_scatter_as_fcoll_does(pg: Any, out: torch.Tensor, input: torch.Tenso
         finish()
 
 
-def _collective(kind: str, pg: Any, nbytes: int) -> Callable[[], None]:
-    """One blocking collective of ``kind`` on ``pg`` moving ``nbytes`` (the larger buffer, as
-    :func:`fcoll.ops.facts.comm_bytes` counts), float32, on buffers allocated once."""
-    import torch.distributed as dist
-
+def _buffers(pg: Any, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 buffers for collectives of ``nbytes`` on ``pg``: (whole, whole, shard)."""
     n = pg.size()
     numel = max(n, nbytes // 4 // n * n)
-    big, out = torch.zeros(numel), torch.zeros(numel)
-    small = torch.zeros(numel // n)
+    return torch.zeros(numel), torch.zeros(numel), torch.zeros(numel // n)
+
+
+def _collective(kind: str, pg: Any, bufs: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+    """One blocking collective of ``kind`` on ``pg`` over :func:`_buffers`' tensors, moving
+    the whole buffer's bytes (the larger buffer, as :func:`fcoll.ops.facts.comm_bytes`
+    counts)."""
+    import torch.distributed as dist
+
+    big, out, small = bufs
     ops = {
         "all_reduce": lambda: dist.all_reduce(big, group=pg),
         "all_gather": lambda: _quiet(dist.all_gather_into_tensor, big, small, group=pg),
@@ -243,13 +249,39 @@ def _collective(kind: str, pg: Any, nbytes: int) -> Callable[[], None]:
     return ops[kind]
 
 
+def time_collectives(pg: Any, cells: list[tuple[str, int]],
+                     reps: Callable[[int], int] | None = None) -> dict[tuple[str, int],
+                                                                   list[float]]:
+    """Times (us) of blocking collectives on ``pg``: ``reps(nbytes)`` runs (default
+    :func:`reps_for`) of each ``(kind, nbytes)`` cell, after one warm-up run of each.
+
+    The runs are interleaved, round robin over the cells (round ``r`` runs every cell that
+    still needs an ``r``-th run), so that a burst of load on a shared machine lands on one run
+    of many cells instead of every run of one cell, where it would move the median. The order
+    depends only on the arguments: every rank of ``pg`` issues the same collectives (a
+    collective call; every rank must call it with the same arguments). One set of buffers per
+    size is shared by the kinds.
+    """
+    reps = reps or reps_for
+    bufs = {size: _buffers(pg, size) for size in sorted({size for _, size in cells})}
+    ops = {cell: _collective(cell[0], pg, bufs[cell[1]]) for cell in cells}
+    for op in ops.values():
+        op()
+    times: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
+    for r in range(max((reps(size) for _, size in cells), default=0)):
+        for cell, op in ops.items():
+            if r < reps(cell[1]):
+                t0 = time.perf_counter()
+                op()
+                times[cell].append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
 def time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> list[float]:
     """Times (us) of ``reps`` blocking ``kind`` collectives of ``nbytes`` on ``pg``, after one
     warm-up run (which also lines the ranks up). A collective call: every rank of ``pg`` must
     call it with the same arguments."""
-    op = _collective(kind, pg, nbytes)
-    op()
-    return _times_us(op, reps)
+    return time_collectives(pg, [(kind, nbytes)], lambda _: reps)[(kind, nbytes)]
 
 
 def fit_alpha_beta(b1: int, t1: float, b2: int, t2: float) -> CommParams:
@@ -332,10 +364,9 @@ def _known_on_rank_0(backend: str, n: int, layout: str) -> GroupCalibration | No
 
 def _sweep(pg: Any, sizes: list[int], into: torch.Tensor) -> None:
     """Time every kind at ``sizes`` on every rank; rank 0's medians go into ``into``."""
-    for i, kind in enumerate(KINDS):
-        for size in sizes:
-            median = statistics.median(time_collective(kind, pg, size, reps_for(size)))
-            into[_S + 3 + i * _S + SWEEP_BYTES.index(size)] = median
+    times = time_collectives(pg, [(kind, size) for kind in KINDS for size in sizes])
+    for (kind, size), runs in times.items():
+        into[_S + 3 + KINDS.index(kind) * _S + SWEEP_BYTES.index(size)] = statistics.median(runs)
     _CACHE.stats["sweeps"] += 1
     _CACHE.stats["timed_sizes"] += len(sizes)
 
