@@ -69,7 +69,8 @@ def _everything_2x2(rank, world):
     for scenario in (tb._all_reduce_everything, tb._movement_everything,
                      tb._layouts_and_forms, tb._subgroups_and_mesh, _ddp_and_compiled):
         scenario(rank, world, gl)
-    return {"kinds": _describe_groups(rank, world), "ops": tom._worker(rank, world)}
+    return {"kinds": _describe_groups(rank, world), "ops": tom._worker(rank, world),
+            "invalid": _invalid_calls(rank, world)}
 
 
 def test_every_op_dtype_and_form_matches_gloo_and_the_reference_on_2x2_hosts():
@@ -79,6 +80,10 @@ def test_every_op_dtype_and_form_matches_gloo_and_the_reference_on_2x2_hosts():
         assert res["kinds"] == {"world": "HierarchicalProcessGroup",
                                 "within": "FcollProcessGroup",
                                 "across": "HierarchicalProcessGroup"}
+        errors, after = res["invalid"]
+        assert "BAND" in errors["band"] and f"rank {rank}" in errors["band"]
+        assert "all_gather_into_tensor" in errors["gather"] and "(5,)" in errors["gather"]
+        assert after == [6.0] * 4  # the group is still usable
     expected = tom._expected_forward(4)
     for rank, res in enumerate(results):
         for key, want in expected.items():
@@ -125,6 +130,7 @@ def test_interleaved_and_uneven_host_layouts_match_gloo(hosts):
 
 
 def _invalid_calls(rank, world):
+    """Invalid arguments raise ValueError on the calling thread, naming op and rank."""
     errors = {}
     try:
         dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND)
@@ -139,10 +145,3 @@ def _invalid_calls(rank, world):
     return errors, t.tolist()
 
 
-def test_invalid_arguments_raise_value_error_naming_op_and_rank():
-    results = run_ranks(_invalid_calls, 4, hosts=TWO_BY_TWO, timeout_s=120)
-    for rank, (errors, t) in enumerate(results):
-        assert "BAND" in errors["band"] and f"rank {rank}" in errors["band"]
-        assert "all_gather_into_tensor" in errors["gather"] and "(5,)" in errors["gather"]
-        assert t == [6.0] * 4
-    assert fcoll_segments() == []
