@@ -21,24 +21,20 @@ def _compiled(fn, direct: bool):
                          options={"direct_collectives": direct, "overlap": False})
 
 
-def _direct_nodes() -> dict[str, int]:
-    """graph name -> number of collective nodes on the direct path, via the compile listener."""
-    from fcoll.compile.backend import register_compile_listener
+def _direct_counts() -> list[int]:
+    """Per executor built from now on: how many collective nodes it runs on the direct path."""
+    import fcoll.compile.backend as fb
+    from fcoll.compile.direct_calls import DIRECT_OPS
 
-    seen: dict[str, int] = {}
+    counts: list[int] = []
+    real = fb.compile_graph
 
-    def listen(record) -> None:
-        from fcoll.compile.direct_calls import direct_impls
-
-        items = [n for n in record.after.graph.nodes
-                 if n.op not in ("placeholder", "get_attr", "output")]
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():
-            impls = direct_impls(record.after, items, record.name)
-        seen[record.name] = sum(1 for n in impls if not n.target.__name__.startswith("wait"))
-    register_compile_listener(listen)
-    return seen
+    def capture(gm, example_inputs, config, name):
+        executor = real(gm, example_inputs, config, name)
+        counts.append(sum(1 for n in executor.direct if n.target in DIRECT_OPS))
+        return executor
+    fb.compile_graph = capture
+    return counts
 
 
 def _results(rank: int, world_size: int) -> dict:
@@ -47,8 +43,8 @@ def _results(rank: int, world_size: int) -> dict:
     import fcoll
 
     group = dist.group.WORLD
-    seen = _direct_nodes()
-    out: dict = {"seen": seen}
+    counts = _direct_counts()
+    out: dict = {}
 
     def sync_step(x):  # wait right after the collective
         return fcoll.all_reduce(x * 2, "sum", group) + 1
@@ -64,20 +60,30 @@ def _results(rank: int, world_size: int) -> dict:
     def big_step(x):  # larger than one slot: the general algorithm, several chunks
         return fcoll.all_reduce(x, "max", group)
 
+    def shard_step(x, xi):  # all_gather (sync), reduce_scatter float avg and int avg (async)
+        full = fcoll.all_gather_tensor(x, 0, group) * 2
+        part = fcoll.reduce_scatter_tensor(x.repeat(2, 1), "avg", 0, group)
+        ipart = fcoll.reduce_scatter_tensor(xi.repeat(2, 1), "avg", 0, group)
+        return full, part + 1, ipart
+
     x = torch.arange(1024, dtype=torch.float32) * (rank + 1) / 7
+    xs = torch.arange(24, dtype=torch.float32).view(6, 4) * (rank + 1) / 3
     w = torch.randn(32, 32)
     xi = torch.arange(12, dtype=torch.int64).view(3, 4) * (rank + 2)
     xb = torch.randn(3 << 20) + rank
     for direct in (True, False):
         runs = []
         for _ in range(3):  # the first run, then the steady state
+            counts.clear()
             runs.append((_compiled(sync_step, direct)(x),
                          _compiled(async_step, direct)(x, w),
                          _compiled(int_step, direct)(xi),
-                         _compiled(big_step, direct)(xb)))
+                         _compiled(big_step, direct)(xb),
+                         _compiled(shard_step, direct)(xs, xi)))
             torch._dynamo.reset()
         out[direct] = runs
-    eager = (sync_step(x), async_step(x, w), int_step(xi), big_step(xb))
+        out[("counts", direct)] = list(counts)
+    eager = (sync_step(x), async_step(x, w), int_step(xi), big_step(xb), shard_step(xs, xi))
     out["eager"] = [fcoll.wait_tensor(t) for t in _flat(eager)]  # AsyncCollectiveTensors
     return out
 
@@ -98,11 +104,12 @@ def test_direct_path_results_equal_c10d_path_and_eager_bit_for_bit():
                 assert len(got) == len(eager)
                 for a, b in zip(got, eager):
                     torch.testing.assert_close(a, b, rtol=0, atol=0)
-        assert r["seen"], "no graph was compiled"
+        # every collective took the direct path with direct_collectives on (one per graph,
+        # 2 all_reduces in int_step's, all_gather + 2 reduce_scatters in shard_step's) and
+        # none with it off
+        assert r[("counts", True)] == [1, 1, 2, 1, 3], r[("counts", True)]
+        assert r[("counts", False)] == [0] * 5
     assert _flat(res[0]["eager"])[0].equal(_flat(res[1]["eager"])[0])
-    # every all_reduce of the forward graphs took the direct path (direct=True compiles first)
-    seen = res[0]["seen"]
-    assert max(seen.values()) >= 2, seen
     assert fcoll_segments() == []
 
 

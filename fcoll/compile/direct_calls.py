@@ -5,12 +5,15 @@ path: dispatcher, Python kernel, process-group method, ``Work``, in-flight regis
 :func:`direct_impls` gives the node a prepared call of :mod:`fcoll.shm.direct`, checked once
 here. A node qualifies when all of these hold, read from the graph once:
 
-- it is ``fcoll.all_reduce`` (the functional op the gradient and bucket graphs issue);
+- it is ``fcoll.all_reduce`` (the gradient and bucket graphs), ``fcoll.all_gather_into_tensor``
+  or ``fcoll.reduce_scatter_tensor`` (sharded parameters and gradients), :data:`DIRECT_OPS`;
+  the other ops (coalesced, in-place, all_to_all, broadcast, p2p) keep the c10d path;
 - its group is fcoll's shared-memory group of 2 ranks or more (gloo, nccl, the fake group and
   groups of one rank keep the c10d path);
 - its input's ``meta["val"]`` is a CPU tensor of static shape (symbolic shapes keep the
   c10d path and its per-call checks), and the reduce op is defined for its dtype (an invalid
-  one keeps the c10d path, which raises the op's own error on every rank);
+  one, or a ``group_size`` that is not the group's, keeps the c10d path, which raises the op's
+  own error on every rank);
 - every user of the node is a ``wait_tensor`` in this graph (an output that leaves the graph
   un-waited is waited through the in-flight registry, which only the c10d path fills).
 
@@ -33,7 +36,12 @@ from fcoll.ops.groups import group_from_name
 from fcoll.passes.consistency import META_RANK_CHECK, collectives_by_group, fingerprint
 from fcoll.passes.graph import is_wait
 
-__all__ = ["direct_impls", "tag_for"]
+__all__ = ["direct_impls", "tag_for", "DIRECT_OPS"]
+
+_OPS = torch.ops.fcoll
+#: the ops that take the direct path (their ``.default`` overloads)
+DIRECT_OPS = frozenset({_OPS.all_reduce.default, _OPS.all_gather_into_tensor.default,
+                        _OPS.reduce_scatter_tensor.default})
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,30 @@ def _group(name: Any) -> Any | None:
         return None
 
 
+def _prepare(node: fx.Node, pg: Any, val: torch.Tensor, tag: str, sync: bool) -> Any:
+    """The prepared call of collective ``node`` (one of :data:`DIRECT_OPS`).
+
+    Raises:
+        ValueError: the call cannot take the direct path (an invalid reduce op, a group size
+            that is not the group's, a shape the op rejects): the op raises its own error.
+    """
+    from fcoll.shm import direct
+
+    shape, a = tuple(val.shape), node.args
+    if node.target is _OPS.all_reduce.default:
+        return direct.DirectAllReduce(pg, val.dtype, shape, a[1], tag=tag, sync=sync)
+    if node.target is _OPS.all_gather_into_tensor.default:
+        _same_size(a[1], pg)
+        return direct.DirectAllGather(pg, val.dtype, shape, tag=tag, sync=sync)
+    _same_size(a[2], pg)
+    return direct.DirectReduceScatter(pg, val.dtype, shape, a[1], tag=tag, sync=sync)
+
+
+def _same_size(group_size: Any, pg: Any) -> None:
+    if group_size != pg.size():
+        raise ValueError(f"group_size={group_size} but the group has {pg.size()} ranks")
+
+
 def direct_impls(gm: fx.GraphModule, items: Sequence[Any], name: str
                  ) -> dict[fx.Node, Callable[..., Any]]:
     """Prepared calls for the collectives of ``gm`` that take the direct path, and their waits.
@@ -69,12 +101,9 @@ def direct_impls(gm: fx.GraphModule, items: Sequence[Any], name: str
     Returns:
         node -> implementation, for each qualifying collective node and each of its waits.
     """
-    targets = [n for n in gm.graph.nodes if n.op == "call_function"
-               and n.target is torch.ops.fcoll.all_reduce.default]
+    targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in DIRECT_OPS]
     if not targets:
         return {}
-    from fcoll.shm.direct import DirectAllReduce
-
     digests = {g: rc.fingerprint for g, rc in gm.meta.get(META_RANK_CHECK, {}).items()}
     position = {item: i for i, item in enumerate(items)}
     index: dict[fx.Node, int] = {}   # node -> its index in its group's sequence
@@ -82,7 +111,7 @@ def direct_impls(gm: fx.GraphModule, items: Sequence[Any], name: str
         index.update((n, i) for i, n in enumerate(nodes))
     impls: dict[fx.Node, Callable[..., Any]] = {}
     for node in targets:
-        inp, reduce_op, group_name = node.args[:3]
+        inp, group_name = node.args[0], node.args[-1]
         val = inp.meta.get("val") if isinstance(inp, fx.Node) else None
         users = list(node.users)
         if node.kwargs or not users or not all(is_wait(u) for u in users) or \
@@ -94,19 +123,16 @@ def direct_impls(gm: fx.GraphModule, items: Sequence[Any], name: str
         g = str(group_name)
         if g not in digests:
             digests.update(fingerprint(gm))
-        fp = digests[g]
         first_wait = min(users, key=lambda u: position.get(u, len(position)))
         sync = position.get(first_wait) == position.get(node, -2) + 1
         try:
-            call = DirectAllReduce(pg, val.dtype, tuple(val.shape), reduce_op,
-                                   tag=tag_for(fp.digest, index[node]), sync=sync)
-        except ValueError as e:  # an invalid reduce op: the op raises it on every rank
+            call = _prepare(node, pg, val, tag_for(digests[g].digest, index[node]), sync)
+        except ValueError as e:  # the op raises its own error, on every rank
             log.debug("%s: %s keeps the c10d path: %s", name, node.name, e)
             continue
         impls[node] = call
         for u in users:
             impls[u] = call.wait
-    log.debug("%s: %d of %d all_reduce nodes on the direct path", name,
+    log.debug("%s: %d of %d collectives on the direct path", name,
               sum(1 for n in impls if n in targets), len(targets))
     return impls
-

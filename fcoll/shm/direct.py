@@ -48,12 +48,13 @@ from fcoll.ops.reduce import (
     reduce_op_name,
     reduce_rows,
 )
-from fcoll.shm import one_slot, reductions
+from fcoll.shm import movement, one_slot, reductions
 from fcoll.shm.engine import Job
 from fcoll.shm.headers import NO_ROOT, Header, dtype_name
 from fcoll.shm.segment import NSLOTS
 
-__all__ = ["DirectAllReduce", "direct_group", "wire_reduce_op"]
+__all__ = ["DirectAllReduce", "DirectAllGather", "DirectReduceScatter", "direct_group",
+           "wire_reduce_op"]
 
 
 def direct_group(pg: Any) -> Any | None:
@@ -83,87 +84,63 @@ def wire_reduce_op(reduce_op: str, dtype: torch.dtype) -> tuple[str, bool]:
     return reduce_op_name(DIST_REDUCE_OPS[reduce_op]), False
 
 
-class DirectAllReduce:
-    """One compiled call site of ``fcoll.all_reduce(input, reduce_op, group)``, prepared once.
-
-    Shapes: ``input [*] -> output [*]`` (a fresh contiguous tensor), dtype ``dtype``, CPU.
+class _DirectCall:
+    """What every prepared call keeps: the engine, its encoded header without the sequence
+    number (``tail``), the in-flight job between the call and its wait, and whether it runs
+    synchronously. Subclasses check their arguments once and define ``__call__``.
 
     Args:
         pg: the group (see :func:`direct_group`).
+        op_name: the collective's header name (``"all_reduce"``, ...), as the process group's.
         dtype, shape: the input's, as the compiled graph has them (static ints).
-        reduce_op: the functional op's reduce op name (``"sum"``, ``"avg"``, ...).
+        reduce_op: the functional op's reduce op, or ``""`` for data movement.
         tag: the call-site tag carried in the header's ``extra`` (a short str), or None.
         sync: the caller waits right after the call (nothing to overlap): run it at once.
 
     Raises:
-        ValueError: ``pg`` is not usable by the direct path, ``reduce_op`` is not defined for
-            ``dtype`` (named, as the op would), or ``shape`` is not a tuple of ints.
+        ValueError: ``pg`` is not usable by the direct path, ``shape`` is not static, or
+            ``reduce_op`` is not defined for ``dtype`` (named, as the op would say).
     """
 
-    #: the name FX's generated code gives the call (an executor graph calls the instance)
-    __name__ = "fcoll_direct_all_reduce"
-    __slots__ = ("engine", "dtype", "shape", "op", "avg_div", "size", "tail", "plan", "sync",
-                 "job", "name")
+    __slots__ = ("engine", "name", "dtype", "shape", "op", "avg_div", "size", "tail", "sync",
+                 "job")
 
-    def __init__(self, pg: Any, dtype: torch.dtype, shape: tuple[int, ...], reduce_op: str,
-                 tag: str | None = None, sync: bool = False) -> None:
+    def __init__(self, pg: Any, op_name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                 reduce_op: str, tag: str | None, sync: bool) -> None:
         if direct_group(pg) is None:
-            raise ValueError(f"fcoll direct all_reduce: {pg!r} is not an fcoll process group "
+            raise ValueError(f"fcoll direct {op_name}: {pg!r} is not an fcoll process group "
                              f"of 2 ranks or more")
         if not all(isinstance(d, int) for d in shape):
-            raise ValueError(f"fcoll direct all_reduce: shape {shape} is not static")
-        why = check_reduce_op(reduce_op, dtype) if reduce_op in DIST_REDUCE_OPS else \
-            f"unknown reduce op {reduce_op!r}"
-        if why:
-            raise ValueError(f"fcoll direct all_reduce: reduce_op={reduce_op!r}, {dtype}: {why}")
-        self.name = "all_reduce"
+            raise ValueError(f"fcoll direct {op_name}: shape {shape} is not static")
+        self.op, self.avg_div = "", False
+        if reduce_op:
+            why = (check_reduce_op(reduce_op, dtype) if reduce_op in DIST_REDUCE_OPS
+                   else f"unknown reduce op {reduce_op!r}")
+            if why:
+                raise ValueError(f"fcoll direct {op_name}: reduce_op={reduce_op!r}, {dtype}: "
+                                 f"{why}")
+            self.op, self.avg_div = wire_reduce_op(reduce_op, dtype)
+        self.name = op_name
         self.engine = pg._engine
         self.dtype, self.shape, self.size = dtype, tuple(shape), pg.size()
-        self.op, self.avg_div = wire_reduce_op(reduce_op, dtype)
-        self.tail = Header(0, "all_reduce", dtype_name(dtype), self.shape, self.op, NO_ROOT,
+        self.tail = Header(0, op_name, dtype_name(dtype), self.shape, self.op, NO_ROOT,
                            tag).tail()
-        nbytes = dtype.itemsize * _numel(self.shape)
-        self.plan = None
-        if sync and 0 < nbytes <= self.engine.seg.layout.slot_bytes:
-            self.plan = one_slot.AllReducePlan(self.engine.ch, dtype, self.shape, self.op)
-            self.plan.tail = self.tail  # the tagged header (same fields otherwise)
         self.sync = sync
         self.job: Job | None = None
 
-    def __call__(self, input: torch.Tensor, reduce_op: str = "", group_name: Any = None
-                 ) -> torch.Tensor:
-        """Start the all_reduce of ``input``; returns its output (ready after :meth:`wait`).
-
-        The extra arguments are the graph node's (already checked once) and ignored.
-
-        Raises:
-            ValueError: ``input`` is not the dtype/shape checked at compile time, or not CPU.
-            CollectiveMismatchError, PeerError, RuntimeError: a synchronous call's failure.
-        """
+    def _check(self, input: torch.Tensor) -> None:  # noqa: A002
         if input.dtype != self.dtype or input.shape != self.shape or not input.is_cpu:
-            raise ValueError(f"fcoll all_reduce (compiled call): input {tuple(input.shape)} "
+            raise ValueError(f"fcoll {self.name} (compiled call): input {tuple(input.shape)} "
                              f"{input.dtype} on {input.device}, but the graph was compiled for "
                              f"{self.shape} {self.dtype} on cpu")
-        out = torch.empty(self.shape, dtype=self.dtype)
-        plan = self.plan
-        if plan is not None:
-            work = self.engine.run_fast(plan, _all_reduce_small_into, (input, out), None)
-            if work is not None:
-                error = work.exception()
-                del work  # lets run_fast reuse its Work (it counts references)
-                if error is not None:
-                    raise error
-                if self.avg_div:
-                    divide_for_avg(out, self.size)
-                return out
-        # async, larger than a slot, or the engine is busy: a job behind the earlier ones
-        src = input if input.is_contiguous() else input.contiguous()
+
+    def _submit(self, run: Any, out: torch.Tensor) -> torch.Tensor:
+        """Queue ``run`` (an algorithm of :mod:`fcoll.shm.reductions` / ``movement`` bound to
+        its tensors) as the next collective of the group; sync: complete it here."""
         eng = self.engine
         seq = eng.seq
         eng.seq = seq + 1
-        flat_in, flat_out, op = src.view(-1), out.view(-1), self.op
-        job = Job("all_reduce", seq, self.tail.encode(seq),
-                  lambda c: reductions.all_reduce(c, flat_in, flat_out, op), None, None)
+        job = Job(self.name, seq, self.tail.encode(seq), run, None, None)
         eng.submit(job, wake=not self.sync)
         self.job = job
         if self.sync:
@@ -191,6 +168,114 @@ class DirectAllReduce:
         if self.avg_div:
             divide_for_avg(out, self.size)
         return out
+
+
+class DirectAllReduce(_DirectCall):
+    """One compiled call site of ``fcoll.all_reduce(input, reduce_op, group)``, prepared once.
+
+    Shapes: ``input [*] -> output [*]`` (a fresh contiguous tensor), dtype ``dtype``, CPU.
+    A synchronous call that fits one slot runs the one-slot kernel on the caller's thread
+    (:meth:`Engine.run_fast`, no ``Job``). Arguments and errors: :class:`_DirectCall`.
+    """
+
+    #: the name FX's generated code gives the call (an executor graph calls the instance)
+    __name__ = "fcoll_direct_all_reduce"
+    __slots__ = ("plan",)
+
+    def __init__(self, pg: Any, dtype: torch.dtype, shape: tuple[int, ...], reduce_op: str,
+                 tag: str | None = None, sync: bool = False) -> None:
+        super().__init__(pg, "all_reduce", dtype, shape, reduce_op, tag, sync)
+        nbytes = dtype.itemsize * _numel(self.shape)
+        self.plan = None
+        if sync and 0 < nbytes <= self.engine.seg.layout.slot_bytes:
+            self.plan = one_slot.AllReducePlan(self.engine.ch, dtype, self.shape, self.op)
+            self.plan.tail = self.tail  # the tagged header (same fields otherwise)
+
+    def __call__(self, input: torch.Tensor, reduce_op: str = "", group_name: Any = None
+                 ) -> torch.Tensor:  # noqa: A002
+        """Start the all_reduce of ``input``; returns its output (ready after :meth:`wait`).
+
+        The extra arguments are the graph node's (already checked once) and ignored.
+
+        Raises:
+            ValueError: ``input`` is not the dtype/shape checked at compile time, or not CPU.
+            CollectiveMismatchError, PeerError, RuntimeError: a synchronous call's failure.
+        """
+        self._check(input)
+        out = torch.empty(self.shape, dtype=self.dtype)
+        plan = self.plan
+        if plan is not None:
+            work = self.engine.run_fast(plan, _all_reduce_small_into, (input, out), None)
+            if work is not None:
+                error = work._error  # not exception(): Dynamo's eager wrapper costs ~2 us
+                del work  # lets run_fast reuse its Work (it counts references)
+                if error is not None:
+                    raise error
+                if self.avg_div:
+                    divide_for_avg(out, self.size)
+                return out
+        # async, larger than a slot, or the engine is busy: a job behind the earlier ones
+        src = input if input.is_contiguous() else input.contiguous()
+        flat_in, flat_out, op = src.view(-1), out.view(-1), self.op
+        return self._submit(lambda c: reductions.all_reduce(c, flat_in, flat_out, op), out)
+
+
+class DirectAllGather(_DirectCall):
+    """One compiled call site of ``fcoll.all_gather_into_tensor(input, n, group)``.
+
+    Shapes: ``input [N, *] -> output [n * N, *]`` (rank p's input at rows ``p*N..``), any
+    dtype, CPU; the algorithm is :func:`fcoll.shm.movement.all_gather` (the process group's).
+    Arguments and errors: :class:`_DirectCall` (``shape`` has at least one dim).
+    """
+
+    __name__ = "fcoll_direct_all_gather_into_tensor"
+    __slots__ = ("out_shape",)
+
+    def __init__(self, pg: Any, dtype: torch.dtype, shape: tuple[int, ...],
+                 tag: str | None = None, sync: bool = False) -> None:
+        super().__init__(pg, "all_gather_into_tensor", dtype, shape, "", tag, sync)
+        if not self.shape:
+            raise ValueError("fcoll direct all_gather_into_tensor: a 0-dim input")
+        self.out_shape = (self.size * self.shape[0], *self.shape[1:])
+
+    def __call__(self, input: torch.Tensor, group_size: int = 0, group_name: Any = None
+                 ) -> torch.Tensor:  # noqa: A002
+        """Start the all_gather of ``input``; returns its output (ready after :meth:`wait`)."""
+        self._check(input)
+        out = torch.empty(self.out_shape, dtype=self.dtype)
+        src = (input if input.is_contiguous() else input.contiguous()).view(-1).view(torch.uint8)
+        dst = out.view(-1).view(torch.uint8).view(self.size, src.numel())
+        return self._submit(lambda c: movement.all_gather(c, src, dst), out)
+
+
+class DirectReduceScatter(_DirectCall):
+    """One compiled call site of ``fcoll.reduce_scatter_tensor(input, reduce_op, n, group)``.
+
+    Shapes: ``input [n * N, *] -> output [N, *]`` (rank p gets rows ``p*N..`` reduced), dtype
+    ``dtype``, CPU; the algorithm is :func:`fcoll.shm.reductions.reduce_scatter`. Arguments and
+    errors: :class:`_DirectCall` (``shape[0]`` a multiple of the group size).
+    """
+
+    __name__ = "fcoll_direct_reduce_scatter_tensor"
+    __slots__ = ("out_shape",)
+
+    def __init__(self, pg: Any, dtype: torch.dtype, shape: tuple[int, ...], reduce_op: str,
+                 tag: str | None = None, sync: bool = False) -> None:
+        super().__init__(pg, "reduce_scatter_tensor", dtype, shape, reduce_op, tag, sync)
+        if not self.shape or self.shape[0] % self.size:
+            raise ValueError(f"fcoll direct reduce_scatter_tensor: input {self.shape} has no "
+                             f"first dim divisible by the group size {self.size}")
+        self.out_shape = (self.shape[0] // self.size, *self.shape[1:])
+
+    def __call__(self, input: torch.Tensor, reduce_op: str = "", group_size: int = 0,
+                 group_name: Any = None) -> torch.Tensor:  # noqa: A002
+        """Start the reduce_scatter of ``input``; returns its output (ready after
+        :meth:`wait`)."""
+        self._check(input)
+        out = torch.empty(self.out_shape, dtype=self.dtype)
+        src = (input if input.is_contiguous() else input.contiguous()).view(self.size, -1)
+        dst, op = out.view(-1), self.op
+        return self._submit(lambda c: reductions.reduce_scatter(c, src, dst, op), out)
 
 
 def _all_reduce_small_into(ch: Any, plan: one_slot.AllReducePlan, src: torch.Tensor,
