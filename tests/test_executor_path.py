@@ -150,3 +150,29 @@ def test_different_call_sites_of_one_shape_raise_on_every_rank_and_the_group_sur
         assert "CollectiveMismatchError" in errs[0] and "site " in errs[0], errs[0]
         assert errs[1] == str([2.0] * 8)
     assert fcoll_segments() == []
+
+
+def _peer_dies(rank: int, world_size: int) -> str:
+    """Rank 1 exits after the first compiled call; rank 0's next call must name it."""
+    import os
+
+    import torch.distributed as dist
+
+    import fcoll
+
+    step = _compiled(lambda x: fcoll.all_reduce(x, "sum", dist.group.WORLD) + 1, True)
+    x = torch.ones(16)
+    step(x)
+    if rank == 1:
+        os._exit(0)  # dies without a word: no destroy, no give-up
+    try:
+        step(x)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_dead_peer_is_named_by_the_survivor_on_the_direct_path():
+    res = run_ranks(_peer_dies, 2, timeout_s=120, pg_timeout_s=60, allow_failures=True)
+    assert "rank 1" in res[0] and "no error" not in res[0], res[0]
+    assert fcoll_segments() == []
