@@ -1,16 +1,29 @@
 """Reduce ops: their names, which dtypes each accepts, and the elementwise reducers.
 
-One answer for every backend (fcoll's shared-memory backend, gloo, nccl through fcoll's ops):
+One answer for every backend (fcoll's shared-memory backend, gloo, nccl through fcoll's ops),
+and the only place that answers it: :data:`DATA_DTYPES` (what any collective moves) and
+:data:`REDUCE_DTYPES` (what each reduce op reduces), checked by :func:`check_dtype` and
+:func:`check_reduce_op` on the calling rank before any data moves.
 
 ============  ==========================================================================
 reduce op     accepted dtypes and meaning
 ============  ==========================================================================
-sum, product  every dtype; bool: logical or (sum), logical and (product)
-min, max      every dtype but complex; bool: and (min), or (max)
-avg           every dtype but bool: the sum divided by the group size; integers truncate
-              toward zero, as C division and NCCL's integer ``ncclAvg`` (sum, then divide)
-band/bor/bxor integer and bool dtypes only (bitwise; on bool 0/1 this is logical)
+sum, product  bool, uint8, int8/16/32/64, float16, bfloat16, float32/64, complex64/128;
+              bool: logical or (sum), logical and (product)
+min, max      the same but complex; bool: and (min), or (max)
+avg           the same as sum but bool: the sum divided by the group size; integers
+              truncate toward zero, as C division and NCCL's integer ``ncclAvg``
+band/bor/bxor bool and the integer dtypes, uint16/32/64 included (bitwise)
 ============  ==========================================================================
+
+Everything else is rejected up front, naming the op and dtype: uint16/32/64 arithmetic, the
+float8 dtypes, complex32, quantized and bits dtypes have no CPU kernels for the reducers in
+PyTorch 2.13 (``add``, ``minimum``, ``sum`` raise "not implemented for 'UInt16'"), so
+accepting them would fail after data moved. ``tests/test_validation.py`` checks this table
+against the reducers, so a PyTorch that adds the kernels shows up there. Collectives that only
+move bytes (all_gather, broadcast, all_to_all, ...) accept every dtype of
+:data:`DATA_DTYPES`, float8 and uint16/32/64 included; quantized, bits and sub-byte dtypes
+are refused by all (their bytes do not say their scale, or their element size is not whole).
 
 The reducers here are what the shared-memory backend's algorithms and the gloo paths of
 ``fcoll.ops.library`` call, so both compute the same bits.
@@ -24,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "REDUCE_OPS", "DIST_REDUCE_OPS", "reduce_op_name", "check_reduce_op", "validate_reduce_op",
+    "REDUCE_OPS", "DIST_REDUCE_OPS", "DATA_DTYPES", "REDUCE_DTYPES", "reduce_op_name",
+    "check_dtype", "check_reduce_op", "validate_reduce_op",
     "logical_op", "divide_for_avg", "reduce_rows", "reduce_rows_into", "reduce_pair_inplace",
 ]
 
@@ -38,6 +52,49 @@ DIST_REDUCE_OPS = {
     "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
     "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR,
 }
+
+
+def _dtypes(*names: str) -> frozenset:
+    """The dtypes of these names that this PyTorch has (float8 variants came over releases)."""
+    return frozenset(getattr(torch, n) for n in names if hasattr(torch, n))
+
+
+_INTS = ("uint8", "int8", "int16", "int32", "int64")
+_ARITHMETIC = _dtypes("bool", *_INTS, "float16", "bfloat16", "float32", "float64",
+                      "complex64", "complex128")
+_COMPLEX = _dtypes("complex32", "complex64", "complex128")
+#: Every dtype any collective moves (as bytes).
+DATA_DTYPES = _ARITHMETIC | _COMPLEX | _dtypes(
+    "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+    "float8_e5m2fnuz", "float8_e8m0fnu")
+#: reduce op name -> the dtypes it reduces (the module table).
+REDUCE_DTYPES = {
+    "sum": _ARITHMETIC, "product": _ARITHMETIC, "avg": _ARITHMETIC - {torch.bool},
+    "min": _ARITHMETIC - _COMPLEX, "max": _ARITHMETIC - _COMPLEX,
+    **dict.fromkeys(("band", "bor", "bxor"),
+                    _dtypes("bool", *_INTS, "uint16", "uint32", "uint64")),
+}
+
+
+def _dtype_list(dtypes) -> str:
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+@functools.lru_cache(maxsize=None)
+def check_dtype(dtype) -> str | None:
+    """Why no collective can move tensors of ``dtype`` (see :data:`DATA_DTYPES`), or None.
+
+    The message names the dtype and starts with ``dtype``, for the caller to prefix with the
+    argument's name."""
+    if dtype in DATA_DTYPES:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if getattr(dtype, "is_quantized", False) or name.startswith(("qint", "quint")):
+        why = "a quantized tensor's bytes do not carry its scale; send int_repr() and the scale"
+    else:
+        why = "only numeric and bool dtypes are; bits, sub-byte and packed dtypes are not"
+    return f"dtype {name} is not supported by fcoll's collectives ({why})"
+
 
 _NAMES: dict = {}
 
@@ -64,14 +121,17 @@ def check_reduce_op(op: str, dtype: torch.dtype) -> str | None:
     if op not in REDUCE_OPS:
         return (f"reduce op {op.upper()} is not supported (supported: "
                 f"{', '.join(sorted(o.upper() for o in REDUCE_OPS))})")
+    if dtype in REDUCE_DTYPES[op]:
+        return None
     if op in _BITWISE_OPS and (dtype.is_floating_point or dtype.is_complex):
         return (f"reduce op {op.upper()} is not valid for dtype {name} (bitwise ops need an "
                 "integer or bool tensor)")
     if op == "avg" and dtype == torch.bool:
         return f"reduce op AVG is not valid for dtype {name} (a mean of bools is not a bool)"
-    if op in ("min", "max") and dtype.is_complex:
+    if op in ("min", "max") and dtype.is_complex and dtype in REDUCE_DTYPES["sum"]:
         return f"reduce op {op.upper()} is not valid for complex dtype {name}"
-    return None
+    return (f"reduce op {op.upper()} is not supported for dtype {name} (PyTorch has no CPU "
+            f"kernel for it; {op.upper()} supports {_dtype_list(REDUCE_DTYPES[op])})")
 
 
 def validate_reduce_op(op: str, reduce_op: str, dtype: torch.dtype) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fcoll.ops.reduce import check_reduce_op, reduce_op_name
+from fcoll.ops.reduce import check_dtype, check_reduce_op, reduce_op_name
 from fcoll.shm import one_slot
 from fcoll.shm.engine import Engine
 from fcoll.shm.headers import Header, dtype_name
@@ -33,6 +33,13 @@ MAX_PLANS = 256  # plans cached per group before the cache starts over
 SPLIT_BYTES = 256 << 10
 
 _STRIDED = torch.strided
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous CPU tensors share bytes (the general path then checks, and
+    refuses what a chunked algorithm would get wrong)."""
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + b.nbytes and pb < pa + a.nbytes
 
 
 def plain(t) -> bool:
@@ -76,7 +83,10 @@ class FastPaths:
 
     def all_reduce(self, t: torch.Tensor, rop: dist.ReduceOp) -> dist.Work | None:
         """In-place all_reduce of ``t [*]`` (any dtype ``rop`` accepts)."""
-        key = (t.dtype, t.shape, rop)
+        try:
+            key = (t.dtype, t.shape, rop)
+        except AttributeError:  # not a tensor: the general path says so on every rank
+            return None
         plan = self._plans.get(key)
         if plan is None:
             plan = self._remember(key, self._all_reduce_plan(t, rop) if plain(t) else None)
@@ -102,12 +112,15 @@ class FastPaths:
             plan = self._remember(key, self._all_gather_plan(output, input))
         if plan is False:
             return None
+        if _overlap(input, output) and (  # input as this rank's own part of output is fine
+                input.data_ptr() != output.data_ptr() + self._rank * input.nbytes):
+            return None
         return self._engine.run_fast(plan, one_slot.all_gather_small, (input, output), [output])
 
     def _all_gather_plan(self, output: torch.Tensor, input: torch.Tensor):  # noqa: A002
         n, numel = self._size, input.numel()
         if not (input.dtype == output.dtype and output.numel() == n * numel
-                and self._fits(input)):
+                and self._fits(input)) or check_dtype(input.dtype):
             return False
         data, r = self._engine.seg.data, self._rank
         views = []
@@ -127,7 +140,7 @@ class FastPaths:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._remember(key, self._reduce_scatter_plan(output, input, rop))
-        if plan is False:
+        if plan is False or _overlap(input, output):
             return None
         return self._engine.run_fast(plan, one_slot.reduce_scatter_small, (input, output),
                                      [output])
@@ -173,7 +186,7 @@ class FastPaths:
         if plan is None:
             plan = self._remember(key, self._all_to_all_plan(output, input, out_splits,
                                                              in_splits))
-        if plan is False:
+        if plan is False or _overlap(input, output):
             return None
         n2 = (n, input.numel() // n)
         return self._engine.run_fast(plan, one_slot.all_to_all_small,
@@ -189,7 +202,7 @@ class FastPaths:
         m = input.numel() // n
         if not (input.dtype == output.dtype and rows % n == 0 and input.shape == output.shape
                 and 0 < m * e <= sub and len(in_splits or [0] * n) == n
-                and len(out_splits or [0] * n) == n):
+                and len(out_splits or [0] * n) == n) or check_dtype(input.dtype):
             return False
         seg = self._engine.seg
         se = sub // e
@@ -217,7 +230,7 @@ class FastPaths:
         return self._engine.run_fast(plan, one_slot.broadcast_small, (t, root), [t])
 
     def _broadcast_plan(self, t: torch.Tensor, root: int):
-        if not (0 <= root < self._size and self._fits(t)):
+        if not (0 <= root < self._size and self._fits(t)) or check_dtype(t.dtype):
             return False
         seg = self._engine.seg
         views = [seg.rows(slot, t.dtype).view(-1)[:t.numel()].view(t.shape)

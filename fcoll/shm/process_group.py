@@ -36,7 +36,8 @@ from fcoll.shm.p2p import P2P
 from fcoll.shm.phases import Call
 from fcoll.shm.segment import default_slot_bytes, open_segment
 from fcoll.shm.sync import Channel
-from fcoll.shm.validate import Staging, check_all_gather, check_reduce_scatter
+from fcoll.shm.validate import (Staging, check_all_gather, check_no_overlap, check_reduce_scatter,
+                                check_tensor, check_tensors)
 
 ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
 
@@ -133,6 +134,8 @@ class FcollProcessGroup(dist.ProcessGroup):
         eng.seq = seq + 1
         if error is not None:
             error = f"fcoll {name}: {eng.ch.describe(self._rank)}: {error}"
+            if not isinstance(shape_of, torch.Tensor):
+                shape_of = None  # the header of an invalid call needs no dtype or shape
         dtype = header_dtype(dtype_name(shape_of.dtype), shape_of) if shape_of is not None else ""
         shape = tuple(shape_of.shape) if shape_of is not None else ()
         payload = Header(seq, name, dtype, shape, reduce_op, root, extra, error).encode()
@@ -275,9 +278,10 @@ class FcollProcessGroup(dist.ProcessGroup):
     def _allreduce(self, name: str, tensors, op: str, root: int | None = None,
                    opts=None) -> dist.Work:
         if len(tensors) != 1:
-            return self._submit(name, None, error=f"expects 1 tensor, got {len(tensors)}")
+            return self._submit(name, None, reduce_op=op, error=f"tensors: expects 1 tensor, "
+                                f"got {len(tensors)}")
         t = tensors[0]
-        err = (check_reduce_op(op, t.dtype) or Staging.check_output(t, "tensor")
+        err = (check_tensor(t, "tensor", True) or check_reduce_op(op, t.dtype)
                or self._device_error([("tensor", t)]))
         if root is not None and not 0 <= root < self._size:
             err = err or f"root {root} is out of range for a group of size {self._size}"
@@ -314,7 +318,8 @@ class FcollProcessGroup(dist.ProcessGroup):
                              f"{output.dtype} does not match input {tuple(input.shape)} "
                              f"{input.dtype}")
         name, red = "all_reduce", reduce_op_name(op)
-        err = (check_reduce_op(red, input.dtype) or Staging.check_output(output, "output")
+        err = (check_tensor(input, "input") or check_tensor(output, "output", True)
+               or check_reduce_op(red, input.dtype)
                or self._device_error([("input", input), ("output", output)]))
         if err:
             return self._submit(name, input, reduce_op=red, error=err)
@@ -380,9 +385,19 @@ class FcollProcessGroup(dist.ProcessGroup):
         the collective writes it."""
         op = reduce_op_name(rop)
         name = "all_reduce_coalesced"
-        on_cuda = any(x.is_cuda for x in inputs) or (
-            outputs is not None and any(y.is_cuda for y in outputs))
         err = None
+        on_cuda = False
+        for i, x in enumerate(inputs):  # one pass; the usual tensor costs two attribute reads
+            if type(x) is not torch.Tensor or not x.is_cpu:
+                err = err or check_tensor(x, f"tensors[{i}]", outputs is None)
+                on_cuda = on_cuda or getattr(x, "is_cuda", False)
+        if outputs is not None:
+            for i, y in enumerate(outputs):
+                if type(y) is not torch.Tensor or not y.is_cpu:
+                    err = err or check_tensor(y, f"outputs[{i}]", True)
+                    on_cuda = on_cuda or getattr(y, "is_cuda", False)
+        if err is not None:
+            return self._submit(name, None, reduce_op=op, error=err)
         if on_cuda:
             named = [(f"tensors[{i}]", x) for i, x in enumerate(inputs)]
             if outputs is not None:
@@ -398,8 +413,12 @@ class FcollProcessGroup(dist.ProcessGroup):
                 continue  # the whole signature still goes into the header
             o = x if outputs is None else outputs[i]
             is_plain = plain(o)
-            err = check_reduce_op(op, dt) or (
-                None if is_plain else Staging.check_output(o, f"tensors[{i}]"))
+            err = check_reduce_op(op, dt)
+            if err is not None:
+                err = f"tensors[{i}]: {err}"
+            elif not is_plain:
+                err = (check_tensor(o, f"tensors[{i}]" if outputs is None else f"outputs[{i}]",
+                                    True) or check_tensor(x, f"tensors[{i}]"))
             if err is not None:
                 continue
             srcs, dsts = groups.get(dt) or groups.setdefault(dt, ([], []))
@@ -453,7 +472,7 @@ class FcollProcessGroup(dist.ProcessGroup):
                 return work
         name = "all_gather_into_tensor"
         n = self._size
-        err = check_all_gather(input, output, n) or self._device_error(
+        err = check_all_gather(input, output, n, self._rank) or self._device_error(
             [("input_tensor", input), ("output_tensor", output)])
         if err:
             return self._submit(name, input, error=err)
@@ -470,7 +489,7 @@ class FcollProcessGroup(dist.ProcessGroup):
                                     opts)
         st = self._staging(input)
         src = st.input(input).view(-1).view(torch.uint8)
-        dst = st.output(output).view(-1).view(torch.uint8).view(n, -1)
+        dst = st.output(output).view(-1).view(torch.uint8).view(n, src.numel())
         return self._submit(name, input, run=lambda c: movement.all_gather(c, src, dst), st=st,
                             result=[output], opts=opts)
 
@@ -478,20 +497,30 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """List form: ``output_tensors[0][p]`` receives rank p's ``input_tensors[0]``."""
-        name = "all_gather"
+        return self._allgather("all_gather", output_tensors, input_tensors, opts)
+
+    def _allgather(self, name: str, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """:meth:`allgather` under another name (``gather`` goes through it). Every output is
+        checked, element by element, before anything is written."""
         n = self._size
-        if len(input_tensors) != 1 or len(output_tensors) != 1 or len(output_tensors[0]) != n:
-            return self._submit(name, None, error=f"expects one input tensor and a list of {n} "
-                                                  "output tensors")
-        inp, outs = input_tensors[0], output_tensors[0]
-        err = next((Staging.check_output(o, f"output_tensors[{i}]")
-                    or Staging.check_same_dtype(inp, o) for i, o in enumerate(outs)), None)
-        bad = [i for i, o in enumerate(outs) if o.numel() != inp.numel()]
-        if not err and bad:
-            err = f"output_tensors[{bad[0]}] has {outs[bad[0]].numel()} elements, input has " \
-                  f"{inp.numel()}"
+        err = _list_error("input_tensors", input_tensors, 1) or _list_error(
+            "output_tensors", output_tensors, 1)
+        if not err:
+            err = (_list_error("output_tensors", output_tensors[0], n)
+                   or check_tensor(input_tensors[0], "input_tensors[0]"))
         if err:
+            inp = input_tensors[0] if err and _is_seq(input_tensors) and input_tensors else None
             return self._submit(name, inp, error=err)
+        inp, outs = input_tensors[0], output_tensors[0]
+        for i, o in enumerate(outs):
+            arg = f"output_tensors[{i}]"
+            err = (check_tensor(o, arg, True) or Staging.check_same_dtype(inp, o, arg)
+                   or (None if o.numel() == inp.numel() else
+                       f"{arg} has {o.numel()} elements, input_tensors[0] has {inp.numel()}")
+                   or check_no_overlap(inp, o, o if i == self._rank else None)
+                   or self._device_error([("input_tensors[0]", inp), (arg, o)]))
+            if err:
+                return self._submit(name, inp, error=err)
         st = Staging()
         src = st.input(inp).view(-1).view(torch.uint8)
         dst = torch.empty((n, src.numel()), dtype=torch.uint8)
@@ -523,7 +552,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         name = "reduce_scatter_tensor"
         op = reduce_op_name(opts.reduceOp)
         n = self._size
-        err = (check_reduce_op(op, input.dtype) or check_reduce_scatter(input, output, n)
+        err = (check_reduce_scatter(input, output, n) or check_reduce_op(op, input.dtype)
                or self._device_error([("input", input), ("output", output)]))
         if err:
             return self._submit(name, input, reduce_op=op, error=err)
@@ -548,16 +577,28 @@ class FcollProcessGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
+        """List form: ``output_tensors[0]`` receives the reduction over ranks of their
+        ``input_lists[0][rank]``; every input is checked before anything moves."""
         n = self._size
-        if len(output_tensors) != 1 or len(input_lists) != 1 or len(input_lists[0]) != n:
-            return self._submit("reduce_scatter", None,
-                                error=f"expects one output tensor and a list of {n} inputs")
-        ins = input_lists[0]
-        if any(i.numel() != output_tensors[0].numel() or i.dtype != output_tensors[0].dtype
-               for i in ins):
-            return self._submit("reduce_scatter", output_tensors[0],
-                                error="every input must match the output's size and dtype")
-        stacked = torch.stack([i.detach().reshape(-1).cpu() for i in ins])
+        name = "reduce_scatter"
+        op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+        err = _list_error("output_tensors", output_tensors, 1) or _list_error(
+            "input_tensors", input_lists, 1)
+        err = err or _list_error("input_tensors", input_lists[0], n) or check_tensor(
+            output_tensors[0], "output_tensors[0]", True)
+        if not err:
+            out = output_tensors[0]
+            for i, x in enumerate(input_lists[0]):
+                arg = f"input_tensors[{i}]"
+                err = (check_tensor(x, arg) or Staging.check_same_dtype(x, out)
+                       or (None if x.numel() == out.numel() else
+                           f"{arg} has {x.numel()} elements, output_tensors[0] has "
+                           f"{out.numel()}"))
+                if err:
+                    break
+        if err:
+            return self._submit(name, None, reduce_op=op, error=err)
+        stacked = torch.stack([i.detach().reshape(-1).cpu() for i in input_lists[0]])
         return self.reduce_scatter_single(output_tensors[0], stacked.view(-1), opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
@@ -576,9 +617,12 @@ class FcollProcessGroup(dist.ProcessGroup):
                 return work
         name = "all_to_all_single"
         n = self._size
-        in_s, out_s, err = Staging.check_splits(input, output, list(input_split_sizes or []),
-                                                list(output_split_sizes or []), n)
-        err = err or Staging.check_output(output, "output") or Staging.check_same_dtype(
+        err = check_tensor(input, "input") or check_tensor(output, "output", True)
+        in_s = out_s = []
+        if not err:
+            in_s, out_s, err = Staging.check_splits(
+                input, output, list(input_split_sizes or []), list(output_split_sizes or []), n)
+        err = err or Staging.check_same_dtype(input, output) or check_no_overlap(
             input, output) or self._device_error([("input", input), ("output", output)])
         if err:
             return self._submit(name, input, extra=None, error=err)
@@ -608,13 +652,28 @@ class FcollProcessGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
-        """List form, via ``all_to_all_single`` on flattened, concatenated tensors."""
+        """List form, via ``all_to_all_single`` on flattened, concatenated tensors: rank p
+        receives ``input_tensors[p]`` of every rank into its ``output_tensors``. Every tensor is
+        checked (one dtype for all) before anything moves."""
         n = self._size
-        if len(output_tensors) != n or len(input_tensors) != n:
-            return self._submit("all_to_all", None, error=f"expects {n} inputs and {n} outputs")
+        name = "all_to_all"
+        err = _list_error("input_tensors", input_tensors, n) or _list_error(
+            "output_tensors", output_tensors, n)
+        if not err:
+            named = [(f"input_tensors[{i}]", t, False) for i, t in enumerate(input_tensors)]
+            named += [(f"output_tensors[{i}]", t, True) for i, t in enumerate(output_tensors)]
+            err = check_tensors(named)
+            dt = input_tensors[0].dtype if not err else None
+            for arg, t, _ in named:
+                if not err and t.dtype != dt:
+                    err = (f"{arg} has dtype {str(t.dtype)[6:]} but input_tensors[0] has "
+                           f"{str(dt)[6:]}; one dtype for every tensor")
+        if err:
+            return self._submit(name, None, error=err)
         dt = input_tensors[0].dtype
-        src = torch.cat([t.detach().reshape(-1).cpu().to(dt) for t in input_tensors])
+        src = torch.cat([t.detach().reshape(-1).cpu() for t in input_tensors])
         dst = torch.empty(sum(o.numel() for o in output_tensors), dtype=dt)
+
         def post() -> None:
             off = 0
             for o in output_tensors:
@@ -639,12 +698,12 @@ class FcollProcessGroup(dist.ProcessGroup):
                    result=None, opts=None) -> dist.Work:
         err = None
         if len(tensors) != 1:
-            err = f"expects 1 tensor, got {len(tensors)}"
+            err = f"tensors: expects 1 tensor, got {len(tensors)}"
         elif not 0 <= root < self._size:
-            err = f"src {root} is out of range for a group of size {self._size}"
+            err = f"root (src) {root} is out of range for a group of size {self._size}"
         else:
-            err = Staging.check_output(tensors[0], "tensor")
-        t = tensors[0] if tensors else None
+            err = check_tensor(tensors[0], "tensor", True)
+        t = tensors[0] if len(tensors) == 1 and not err else None
         err = err or (self._device_error([("tensor", t)]) if t is not None else None)
         if err:
             return self._submit(name, t, root=root, error=err)
@@ -700,27 +759,68 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     # ---- rooted gather / scatter (via all_gather / broadcast) ------------------------------
     def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
+        """``output_lists[0][p]`` on the root receives rank p's ``input_tensors[0]`` (an
+        all_gather: every rank gets them; non-root ranks may pass no outputs)."""
         root = opts.rootRank if opts is not None else 0
         n = self._size
+        name = "gather"
+        err = _list_error("input_tensors", input_tensors, 1)
+        err = err or check_tensor(input_tensors[0], "input_tensors[0]")
+        if not err and not 0 <= root < n:
+            err = f"root (dst) {root} is out of range for a group of size {n}"
+        if err:
+            inp = input_tensors[0] if not err.startswith("root") else None
+            return self._submit(name, inp if isinstance(inp, torch.Tensor) else None,
+                                root=root, error=err)
         inp = input_tensors[0]
         outs = output_lists[0] if output_lists and output_lists[0] else [
             torch.empty_like(inp) for _ in range(n)]
-        if not 0 <= root < n:
-            return self._submit("gather", inp, root=root, error=f"dst {root} is out of range")
-        return self.allgather([outs], [inp])
+        return self._allgather(name, [outs], [inp], opts)
 
     def scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
+        """``output_tensors[0]`` receives the root's ``input_lists[0][rank]`` (a broadcast of
+        the stacked inputs); the root's inputs are checked before anything moves."""
         root = opts.rootRank if opts is not None else 0
         n = self._size
+        name = "scatter"
+        err = _list_error("output_tensors", output_tensors, 1)
+        err = err or check_tensor(output_tensors[0], "output_tensors[0]", True)
+        if not err and not 0 <= root < n:
+            err = f"root (src) {root} is out of range for a group of size {n}"
+        if not err and self._rank == root:
+            out = output_tensors[0]
+            err = _list_error("input_tensors", input_lists, 1) or _list_error(
+                "input_tensors", input_lists[0], n)
+            for i, x in enumerate(input_lists[0] if not err else ()):
+                arg = f"input_tensors[{i}]"
+                err = (check_tensor(x, arg) or Staging.check_same_dtype(x, out)
+                       or (None if x.shape == out.shape else
+                           f"{arg} has shape {list(x.shape)}, output_tensors[0] has "
+                           f"{list(out.shape)}"))
+                if err:
+                    break
+        if err:
+            return self._submit(name, None, root=root, error=err)
         out = output_tensors[0]
-        if not 0 <= root < n:
-            return self._submit("scatter", out, root=root, error=f"src {root} is out of range")
         if self._rank == root:
             stacked = torch.stack([t.detach().cpu() for t in input_lists[0]])
         else:
             stacked = torch.empty((n, *out.shape), dtype=out.dtype)
         return self._broadcast([stacked], root, name="scatter",
                                post=lambda: out.copy_(stacked[self._rank]), result=[out])
+
+
+def _is_seq(x) -> bool:
+    return isinstance(x, (list, tuple))
+
+
+def _list_error(arg: str, x, n: int) -> str | None:
+    """Why ``x`` is not a list (or tuple) of ``n`` items, or None."""
+    if not _is_seq(x):
+        return f"{arg} must be a list of {n} tensors, got {type(x).__name__}"
+    if len(x) != n:
+        return f"{arg} has {len(x)} entries, expected {n}"
+    return None
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
