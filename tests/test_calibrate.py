@@ -318,3 +318,18 @@ def test_precompute_cli_fills_the_job_cache(job_dir, monkeypatch, capsys):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert main(["--nproc", "2"]) == 2
     assert "no job identity" in capsys.readouterr().err
+
+
+def test_a_new_job_removes_job_directories_untouched_for_a_day(job_dir, monkeypatch):
+    import time
+
+    old = calibration_cache.cache_path("fcoll", 2, "0.0")
+    calibration_cache.write_entry(old, KEY, [1.0, 2.0, 3.0], {})
+    monkeypatch.setenv("FCOLL_JOB_ID", "recent-job")
+    recent = calibration_cache.cache_path("fcoll", 2, "0.0")
+    two_days_ago = time.time() - 2 * calibration_cache.STALE_S
+    os.utime(os.path.dirname(old), (two_days_ago, two_days_ago))
+    monkeypatch.setenv("FCOLL_JOB_ID", "new-job")
+    assert calibration_cache.cache_path("fcoll", 2, "0.0") is not None
+    assert not os.path.exists(os.path.dirname(old))
+    assert os.path.isdir(os.path.dirname(recent))

@@ -12,7 +12,8 @@ directory per job, named by a hash of the job's identity: ``$FCOLL_JOB_ID``, els
 nothing is read or written: numbers from an unrelated earlier job on a then-quieter (or busier)
 machine are not "safe" to reuse. ``FCOLL_CALIBRATION_CACHE=0`` turns the file off.
 
-Safety: the directories are created with mode 0700 and used only when they are real
+Job directories untouched for a day are removed when a new job creates its own (every
+``fcoll.launch`` is a new job). Safety: the directories are created with mode 0700 and used only when they are real
 directories owned by this user and not readable by others; files are written to a temporary
 name and renamed (a reader sees the old or the new file, never half of one); a file that does
 not parse, whose key differs, or whose numbers are not finite and positive is ignored with a
@@ -28,9 +29,10 @@ import math
 import os
 import stat
 import tempfile
+import time
 from typing import Any
 
-__all__ = ["FORMAT", "job_id", "cache_dir", "cache_path", "read_entry", "write_entry"]
+__all__ = ["FORMAT", "STALE_S", "job_id", "cache_dir", "cache_path", "read_entry", "write_entry"]
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,37 @@ def cache_dir(job: str | None = None) -> str | None:
     root = os.environ.get("FCOLL_CALIBRATION_DIR") or os.path.join(
         tempfile.gettempdir(), f"fcoll-calibration-{os.getuid()}")
     path = os.path.join(root, hashlib.sha256(job.encode()).hexdigest()[:16])
-    return path if _private_dir(root) and _private_dir(path) else None
+    if not _private_dir(root):
+        return None
+    if not os.path.isdir(path):
+        _prune(root)
+    return path if _private_dir(path) else None
+
+
+#: A job directory not written for this long is removed when another job creates its own.
+STALE_S = 24 * 3600.0
+
+
+def _prune(root: str) -> None:
+    """Remove job directories of ``root`` (private, ours) untouched for :data:`STALE_S`: every
+    ``fcoll.launch`` is a new job, and nothing else would ever delete them."""
+    now = time.time()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        job = os.path.join(root, name)
+        try:
+            if os.path.islink(job) or not os.path.isdir(job):
+                continue
+            if now - os.stat(job).st_mtime < STALE_S:
+                continue
+            for f in os.listdir(job):
+                os.unlink(os.path.join(job, f))
+            os.rmdir(job)
+        except OSError:
+            continue   # another process pruning or writing it: leave it
 
 
 def cache_path(backend: str, group_size: int, layout: str) -> str | None:
