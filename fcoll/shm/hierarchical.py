@@ -244,12 +244,14 @@ PIPELINE_CHUNK_BYTES = 4 << 20
 MAX_CHUNKS = 16
 
 
-def _spans(numel: int, element_size: int, align: int = 1) -> list[tuple[int, int]]:
+def _spans(numel: int, bytes_per_element: int, align: int = 1) -> list[tuple[int, int]]:
     """(offset, length) pieces of ``numel`` elements, each a multiple of ``align`` elements
-    (``numel`` must be one), about :data:`PIPELINE_CHUNK_BYTES` each, at most
-    :data:`MAX_CHUNKS`; one piece when ``numel`` is 0."""
+    (``numel`` must be one), about :data:`PIPELINE_CHUNK_BYTES` of the op's largest buffer
+    each (``bytes_per_element``: its bytes per element counted here; an all_gather's output
+    holds group-size elements per input element), at most :data:`MAX_CHUNKS`; one piece when
+    ``numel`` is 0."""
     units = numel // align
-    per = max(1, PIPELINE_CHUNK_BYTES // max(1, element_size * align))
+    per = max(1, PIPELINE_CHUNK_BYTES // max(1, bytes_per_element * align))
     count = max(1, min(MAX_CHUNKS, -(-units // per)))
     bounds = [units * i // count for i in range(count + 1)]
     return [(bounds[i] * align, (bounds[i + 1] - bounds[i]) * align) for i in range(count)]
@@ -542,7 +544,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             return [output]
         H = self.layout.num_hosts
         self._agree(self._inter, "all_gather", x)
-        spans = _spans(N, x.element_size())
+        spans = _spans(N, x.element_size() * self._size)
         # pipeline: every piece's inter all_gather is queued at once; each intra all_gather
         # starts when its piece arrived; each reordering copy when that is done
         hosts_rows = [x.new_empty(H * k) for _, k in spans]
@@ -621,7 +623,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             output.copy_(res.view(output.shape))
             return [output]
         rows = input.detach().reshape(self._size, N)
-        spans = _spans(N, rows.element_size())
+        spans = _spans(N, rows.element_size() * self._size)
         # pipeline: every piece's intra reduce_scatter is queued at once; each inter
         # all_to_all starts when its piece is reduced on the host; each local reduction when
         # its all_to_all is done

@@ -1,0 +1,175 @@
+"""fcoll's hierarchical groups against flat gloo across 2 emulated hosts x 2 ranks.
+
+``python benchmarks/multihost.py [--rates 1gbit 10gbit] [--json out.json]`` builds 2 hosts
+(network namespaces, :class:`fcoll.testing.hosts.EmulatedHosts`) whose links are limited by
+tc tbf to each rate, runs ``fcoll.launch --nnodes 2 --nproc-per-node 2`` on them, and in that
+one 4-rank job times, side by side (alternating, each behind a barrier), every op and size on:
+
+- ``fcoll``: the world group, ``init_process_group("fcoll")``: hierarchical (shared memory
+  inside a host, gloo between hosts, composed per op);
+- ``gloo``: ``new_group(backend="gloo")`` over the same ranks and links.
+
+Reported per (rate, op, size): rank 0's median time, busbw with nccl-tests' factors
+(:func:`fcoll.ops.facts.busbw_factor`; size = the larger of input and output, as nccl-tests)
+and the ratio fcoll / gloo busbw; the load average before and after each rate. Target (issue
+16): ratio >= 1.8 at 16 MiB and above. Needs root (network namespaces).
+
+Bytes on the link (per host and direction, S = size, 2 hosts x 2 ranks): all_reduce flat ring
+1.5 S, hierarchical S; all_gather and reduce_scatter flat ring 0.75 S... (each ring link
+carries 3 of 4 blocks), hierarchical 0.5 S. So on a link-bound run the expected ratio is about
+1.5 from bytes alone; above it only where gloo's 4-rank rings also lose time on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
+
+
+def _fmt_size(b: int) -> str:
+    return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+
+
+# ---- the ranks' side --------------------------------------------------------------------------
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import fcoll  # noqa: F401  registers the backend
+    from fcoll.ops.facts import busbw_factor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fcoll")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    groups = {"fcoll": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    kind = type(groups["fcoll"]).__name__
+    rows = []
+    for op in args.ops:
+        for size in args.sizes:
+            numel = size // 4
+            if op == "all_reduce":
+                bufs = {"x": torch.ones(numel)}
+                def run(g, b=None):  # noqa: E306
+                    dist.all_reduce(b["x"], group=g)
+            elif op == "all_gather":
+                bufs = {"x": torch.ones(numel // n), "y": torch.empty(numel)}
+                def run(g, b=None):  # noqa: E306
+                    dist.all_gather_into_tensor(b["y"], b["x"], group=g)
+            else:
+                bufs = {"x": torch.ones(numel), "y": torch.empty(numel // n)}
+                def run(g, b=None):  # noqa: E306
+                    dist.reduce_scatter_tensor(b["y"], b["x"], group=g)
+            times: dict[str, list[float]] = {"fcoll": [], "gloo": []}
+            reps = args.reps if size < (16 << 20) else max(3, args.reps // 2)
+            for it in range(reps + 1):
+                for name in (("fcoll", "gloo") if it % 2 == 0 else ("gloo", "fcoll")):
+                    g = groups[name]
+                    dist.barrier(group=g)
+                    t0 = time.perf_counter()
+                    run(g, bufs)
+                    dt = time.perf_counter() - t0
+                    if it > 0:  # the first round warms up
+                        times[name].append(dt)
+            row = {"op": op, "bytes": size, "world": n}
+            for name, ts in times.items():
+                med = statistics.median(ts)
+                row[name] = {"median_s": med, "all_s": ts,
+                             "busbw_GBps": size / med * busbw_factor(op, n) / 1e9}
+            row["ratio"] = row["fcoll"]["busbw_GBps"] / row["gloo"]["busbw_GBps"]
+            rows.append(row)
+            if rank == 0:
+                print(f"{op} {_fmt_size(size)}: fcoll {row['fcoll']['median_s'] * 1e3:.1f} ms, "
+                      f"gloo {row['gloo']['median_s'] * 1e3:.1f} ms, ratio {row['ratio']:.2f}",
+                      flush=True)
+    if rank == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump({"group": kind, "rows": rows}, f)
+    dist.destroy_process_group()
+
+
+# ---- the driver -------------------------------------------------------------------------------
+def _run_rate(rate: str, args: argparse.Namespace) -> dict:
+    from fcoll.testing.hosts import EmulatedHosts
+
+    with tempfile.TemporaryDirectory(prefix="fcoll-multihost-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        target = [str(Path(__file__).resolve()), "--worker-out", out, "--reps", str(args.reps),
+                  "--ops", *args.ops, "--sizes", *map(str, args.sizes)]
+        load_before = os.getloadavg()
+        with EmulatedHosts(2, rate=rate) as hosts:
+            procs = hosts.launch(2, target, env={"PYTHONPATH": str(REPO)})
+            deadline = time.monotonic() + args.timeout_s
+            for p in procs:
+                try:
+                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise SystemExit(f"multihost: the {rate} run exceeded {args.timeout_s} s")
+            codes = [p.returncode for p in procs]
+            if any(codes):
+                raise SystemExit(f"multihost: the {rate} run failed: launcher exit codes {codes}")
+        with open(out) as f:
+            res = json.load(f)
+    res.update(rate=rate, loadavg_before=load_before, loadavg_after=os.getloadavg())
+    return res
+
+
+def _table(results: list[dict]) -> str:
+    lines = ["| link | op | size | fcoll ms | gloo ms | fcoll busbw GB/s | gloo busbw GB/s "
+             "| ratio |", "|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for r in res["rows"]:
+            lines.append(f"| {res['rate']} | {r['op']} | {_fmt_size(r['bytes'])} "
+                         f"| {r['fcoll']['median_s'] * 1e3:.1f} | {r['gloo']['median_s'] * 1e3:.1f} "
+                         f"| {r['fcoll']['busbw_GBps']:.3f} | {r['gloo']['busbw_GBps']:.3f} "
+                         f"| {r['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    p.add_argument("--sizes", nargs="+", type=int, default=SIZES, help="bytes")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per op and backend "
+                   "(halved, at least 3, from 16 MiB)")
+    p.add_argument("--json", default=None, help="write the results to this file")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker_out:
+        _worker(args)
+        return 0
+    results = []
+    for rate in args.rates:
+        res = _run_rate(rate, args)
+        print(f"[{rate}] group: {res['group']}; load average before "
+              f"{res['loadavg_before'][0]:.2f}, after {res['loadavg_after'][0]:.2f}", flush=True)
+        results.append(res)
+    print(_table(results))
+    print("\ntarget: fcoll busbw >= 1.8x gloo's at 16 MiB and above")
+    for res in results:
+        for r in res["rows"]:
+            if r["bytes"] >= 16 << 20:
+                verdict = "PASS" if r["ratio"] >= 1.8 else "FAIL"
+                print(f"{verdict} {res['rate']} {r['op']} {_fmt_size(r['bytes'])}: "
+                      f"{r['ratio']:.2f}x")
+    print(f"load average now: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "argv": sys.argv[1:]}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
