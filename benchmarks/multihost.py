@@ -14,10 +14,12 @@ Reported per (rate, op, size): rank 0's median time, busbw with nccl-tests' fact
 and the ratio fcoll / gloo busbw; the load average before and after each rate. Target (issue
 16): ratio >= 1.8 at 16 MiB and above. Needs root (network namespaces).
 
-Bytes on the link (per host and direction, S = size, 2 hosts x 2 ranks): all_reduce flat ring
-1.5 S, hierarchical S; all_gather and reduce_scatter flat ring 0.75 S... (each ring link
-carries 3 of 4 blocks), hierarchical 0.5 S. So on a link-bound run the expected ratio is about
-1.5 from bytes alone; above it only where gloo's 4-rank rings also lose time on 2 cores.
+Bytes on the link per host and direction (S = size, 2 hosts x 2 ranks, ranks numbered host
+by host): all_reduce: a flat ring 1.5 S, hierarchical S (the minimum, 2 (H-1)/H * S);
+all_gather: a flat ring 0.75 S (3 of 4 blocks cross each crossing link), hierarchical 0.5 S. So
+where both are link-bound the ratio is at most 1.5 for these two; reduce_scatter can gain more
+because gloo's own reduce_scatter (measured here) takes as long as its all_reduce. At 10 gbit
+the link is rarely the bound on 2 shared cores: the ratio there measures CPU cost.
 """
 
 from __future__ import annotations

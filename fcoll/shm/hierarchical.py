@@ -22,7 +22,8 @@ all_gather        inter all_gather ([H, N]: rank (h', l)'s inputs), intra all_ga
                   ([L, H, N]), one index_select into group-rank order.
 reduce_scatter    rows reordered so that local rank l' owns the rows of ranks (*, l'); intra
                   reduce_scatter -> [H, N]; inter all_to_all + a local reduction of the H rows
-                  (every dtype and reduce op; gloo's reduce_scatter all-reduces the whole input).
+                  (every dtype and reduce op, and (H-1)/H of the rows sent: gloo's own
+                  reduce_scatter measured as slow as its all_reduce of the whole input).
 broadcast         inter broadcast among the root's local rank, then intra broadcast.
 reduce            all_reduce into a scratch copy; only the root writes its tensor.
 barrier           intra barrier, then inter barrier (a rank passes the inter barrier only once
@@ -195,7 +196,8 @@ def _gloo_reduce_scatter_rows(group: dist.ProcessGroup, rows: torch.Tensor,
 
     ``rows`` is ``[k, N]`` contiguous (k = group size); returns ``[N]``. An all_to_all of
     bytes and a local reduction: every dtype and reduce op (not avg), (k-1)/k * k * N elements
-    sent per rank, the minimum (gloo's own reduce_scatter all-reduces the whole input).
+    sent per rank, the minimum (gloo's own reduce_scatter measured as slow as its all_reduce
+    of the whole input).
     """
     got = torch.empty_like(rows)
     group.alltoall_base(_bytes(got), _bytes(rows), [], [], dist.AllToAllOptions()).wait()
