@@ -83,6 +83,12 @@ def test_every_op_dtype_and_form_matches_gloo_and_the_reference_on_2x2_hosts():
         errors, after = res["invalid"]
         assert "BAND" in errors["band"] and f"rank {rank}" in errors["band"]
         assert "all_gather_into_tensor" in errors["gather"] and "(5,)" in errors["gather"]
+        assert "different arguments" in errors["hosts_differ"], errors
+        assert "numel=6" in errors["hosts_differ"] and "numel=8" in errors["hosts_differ"]
+        if rank < 2:  # host 0: fcoll's own mismatch error
+            assert "rank 1 has input shape [16]" in errors["rank_differs"], errors
+        else:         # host 1: told across the link
+            assert "other side of the link" in errors["rank_differs"], errors
         assert after == [6.0] * 4  # the group is still usable
     expected = tom._expected_forward(4)
     for rank, res in enumerate(results):
@@ -140,6 +146,19 @@ def _invalid_calls(rank, world):
         dist.all_gather_into_tensor(torch.empty(5), torch.ones(2))
     except ValueError as e:
         errors["gather"] = str(e)
+    # host 1 passes another size than host 0 (each host agrees with itself): every rank
+    # raises before gloo moves a byte
+    try:
+        dist.all_reduce(torch.ones(6 if rank < 2 else 8))
+    except ValueError as e:
+        errors["hosts_differ"] = str(e)
+    # rank 1 differs from rank 0 on host 0: fcoll's header check raises there, and host 1
+    # hears of it across the link
+    try:
+        dist.reduce_scatter_tensor(torch.empty(3 if rank != 1 else 4),
+                                   torch.ones(12 if rank != 1 else 16))
+    except (ValueError, RuntimeError) as e:
+        errors["rank_differs"] = f"{type(e).__name__}: {e}"
     t = torch.full((4,), float(rank))
     dist.all_reduce(t)  # the group is still usable
     return errors, t.tolist()

@@ -91,3 +91,27 @@ def test_bad_arguments_are_refused_before_anything_is_made():
         EmulatedHosts(2, rate="fast")
     with pytest.raises(ValueError, match="num_hosts 0"):
         EmulatedHosts(0)
+
+
+def test_sigterm_removes_the_namespaces_of_the_process_it_stops(tmp_path):
+    """A process killed with SIGTERM inside ``with EmulatedHosts`` deletes its namespaces."""
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from fcoll.testing.hosts import EmulatedHosts
+        with EmulatedHosts(2) as hosts:
+            print(" ".join([*hosts.hosts, hosts.switch]), flush=True)
+            time.sleep(300)
+        """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        names = proc.stdout.readline().split()
+        assert len(names) == 3
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not set(names) & {line.split()[0] for line in out.splitlines() if line.strip()}
