@@ -176,3 +176,32 @@ def test_dead_peer_is_named_by_the_survivor_on_the_direct_path():
     res = run_ranks(_peer_dies, 2, timeout_s=120, pg_timeout_s=60, allow_failures=True)
     assert "rank 1" in res[0] and "no error" not in res[0], res[0]
     assert fcoll_segments() == []
+
+
+def _inductor(rank: int, world_size: int) -> list:
+    """compute="inductor": segments between the collectives, the collective direct."""
+    import torch.distributed as dist
+
+    import fcoll
+
+    counts = _direct_counts()
+    group = dist.group.WORLD
+
+    def step(x, w):
+        y = fcoll.all_reduce(torch.relu(x) * 2, "sum", group)
+        return y + torch.mm(w, w).sum()
+
+    x, w = torch.randn(64) + rank, torch.randn(8, 8)
+    outs = []
+    for direct in (True, False):
+        torch._dynamo.reset()
+        outs.append(torch.compile(step, backend="fcoll", options={
+            "compute": "inductor", "direct_collectives": direct})(x, w))
+    return [outs, counts]
+
+
+def test_inductor_executor_takes_the_direct_path_with_the_same_result():
+    for outs, counts in run_ranks(_inductor, 2, timeout_s=400):
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        assert counts == [1, 0]
+    assert fcoll_segments() == []

@@ -105,7 +105,7 @@ def direct_impls(gm: fx.GraphModule, items: Sequence[Any], name: str
     if not targets:
         return {}
     digests = {g: rc.fingerprint for g, rc in gm.meta.get(META_RANK_CHECK, {}).items()}
-    position = {item: i for i, item in enumerate(items)}
+    position = {item: i for i, item in enumerate(items) if isinstance(item, fx.Node)}
     index: dict[fx.Node, int] = {}   # node -> its index in its group's sequence
     for nodes in collectives_by_group(gm).values():
         index.update((n, i) for i, n in enumerate(nodes))
