@@ -333,3 +333,26 @@ def test_a_new_job_removes_job_directories_untouched_for_a_day(job_dir, monkeypa
     assert calibration_cache.cache_path("fcoll", 2, "0.0") is not None
     assert not os.path.exists(os.path.dirname(old))
     assert os.path.isdir(os.path.dirname(recent))
+
+
+def _different_max_bytes(rank, world_size):
+    import torch.distributed as dist
+
+    from fcoll.passes import calibrate as cal
+
+    os.environ["FCOLL_CALIBRATION_CACHE"] = "0"
+    mine = [64 * KiB, 4 * MiB][rank]      # as if a size hint differed between the ranks
+    _, first = cal.calibrate_group(dist.group.WORLD, mine)
+    _, second = cal.calibrate_group(dist.group.WORLD, [4 * MiB, 64 * KiB][rank])
+    return _curves(first), _curves(second), cal.calibration_stats()
+
+
+def test_ranks_asking_for_different_sizes_time_what_rank_0_asks():
+    """What to time is rank 0's decision: a rank asking for more (or less) neither hangs nor
+    gets other numbers."""
+    (a0, b0, s0), (a1, b1, s1) = run_ranks(_different_max_bytes, 2, backend="fcoll",
+                                           timeout_s=150)
+    assert (a0, b0) == (a1, b1)
+    assert {len(p) for p in a0.values()} == {len(calibrate.sizes_for(64 * KiB))}
+    assert {len(p) for p in b0.values()} == {len(calibrate.sizes_for(4 * MiB))}
+    assert s0["sweeps"] == s1["sweeps"] == 2

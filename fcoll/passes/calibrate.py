@@ -16,7 +16,8 @@ size at or above the largest collective of the graphs compiled so far (at least
 :data:`MIN_SWEEP_BYTES`, where timing is cheap); a later graph with larger collectives extends
 the sweep. Results are reused, without timing again:
 
-1. for the same process group: per process, no communication at all;
+1. for the same process group: one broadcast of rank 0's decision (none once the whole sweep
+   is known);
 2. for another group of the same backend, size and host layout in this process: rank 0's
    numbers, one broadcast;
 3. across processes of one job: rank 0 reads the job's cache file
@@ -387,11 +388,13 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     """Calibrate ``pg``: every collective kind timed at the sweep sizes up to ``max_bytes``
     (:func:`sizes_for`; None: the whole sweep), fitted per kind, rank 0's numbers on every rank.
 
-    A collective call: every rank of ``pg`` must call it at the same point with the same
-    ``max_bytes``. Reuse (module docstring): a group already calibrated for these sizes returns
-    its cached objects without communicating; otherwise rank 0 decides from what it knows
-    (another group of the same key in this process, or the job's cache file) which sizes are
-    still to be timed, and broadcasts that with its numbers. (``benchmarks/cost_model.py`` and
+    A collective call: every rank of ``pg`` must call it at the same point. Rank 0 decides
+    from what it knows (this group's numbers, another group's of the same key in this process,
+    or the job's cache file) which sizes of its ``max_bytes`` are still to be timed, and
+    broadcasts that with its numbers, so ranks whose ``max_bytes`` differ (a backed symbolic
+    size whose hint differs per rank) still issue the same collectives. A group already
+    calibrated returns its cached objects after that one broadcast, and without communicating
+    once the whole sweep is known. (``benchmarks/cost_model.py`` and
     ``benchmarks/passes_scaling.py --rank-costs`` print how long it takes.)
 
     Returns:
@@ -400,9 +403,9 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     import torch.distributed as dist
 
     want = sizes_for(max_bytes)
-    cached = _CACHE.groups.get(pg)
-    if cached is not None and cached.covers(want):
-        return cached.rates, cached.comm
+    cached = _CACHE.groups.get(pg)   # the same on every rank: it came from one broadcast
+    if cached is not None and cached.covers(SWEEP_BYTES):
+        return cached.rates, cached.comm   # nothing left to time, whatever ``max_bytes`` is
     backend, n, t0 = _backend_name(pg), pg.size(), time.perf_counter()
     # Inside torch.compile the Python dispatcher is on, and a c10d op then runs its kernel with
     # the GIL held (pybind released it, the Python dispatcher took it back). On gloo that
@@ -411,7 +414,8 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     # (seen in native stacks of both ranks of tests/test_remaps.py's 2-rank program). Without
     # the Python dispatcher the GIL stays released in the kernel.
     with no_python_dispatcher():
-        layout = _host_layout(pg)   # also lines the ranks up (compile times differ)
+        # the layout's all_gather also lines the ranks up (compile times differ)
+        layout = cached.layout if cached is not None else _host_layout(pg)
         message = torch.zeros(_S + 3 + _K * _S, dtype=torch.float64)
         if pg.rank() == 0:
             known = cached or _known_on_rank_0(backend, n, layout)
@@ -420,6 +424,8 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
         dist.broadcast(message, group=pg, group_src=0)
         mask = message[:_S].tolist()
         todo = [s for j, s in enumerate(SWEEP_BYTES) if mask[j] == 1.0]
+        if not todo and cached is not None:
+            return cached.rates, cached.comm
         if todo:
             _sweep(pg, todo, message)
             dist.broadcast(message, group=pg, group_src=0)
