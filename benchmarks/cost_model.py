@@ -114,8 +114,12 @@ def report(r0: dict, ops: list[str], sizes: list[int], tol: float) -> dict:
     for backend in ("fcoll", "gloo"):
         mine = [c for c in cells if c["backend"] == backend]
         errs = sorted(abs(c["ratio"] - 1) for c in mine)
+        from fcoll.passes.calibrate import SWEEP_BYTES
+
+        at = [c for c in mine if c["bytes"] in SWEEP_BYTES]
         summary[backend] = {
             "cells": len(mine), "pass": sum(c["pass"] for c in mine),
+            "at_calibrated_sizes": [sum(c["pass"] for c in at), len(at)],
             "two_point_pass": sum(c["two_point_pass"] for c in mine),
             "median_abs_error": statistics.median(errs), "max_abs_error": errs[-1],
             "calibration_s": r0["calibration_s"][backend]}
@@ -125,6 +129,10 @@ def report(r0: dict, ops: list[str], sizes: list[int], tol: float) -> dict:
         print(f"  {backend:6} {s['pass']:3}/{s['cells']} | {s['two_point_pass']:3}/{s['cells']}"
               f"   median |pred/meas - 1| {s['median_abs_error']:.0%}, worst "
               f"{s['max_abs_error']:.0%}; full calibration sweep {s['calibration_s']:.2f} s")
+        hit, n = s["at_calibrated_sizes"]
+        print(f"         at the calibrated sizes (a re-test of the calibration: noise, not the "
+              f"fit): {hit}/{n}; between them (interpolation): "
+              f"{s['pass'] - hit}/{s['cells'] - n}")
     return {"cells": cells, "summary": summary}
 
 
