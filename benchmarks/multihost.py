@@ -62,15 +62,15 @@ def _worker(args: argparse.Namespace) -> None:
             numel = size // 4
             if op == "all_reduce":
                 bufs = {"x": torch.ones(numel)}
-                def run(g, b=None):  # noqa: E306
+                def run(g, b=None):
                     dist.all_reduce(b["x"], group=g)
             elif op == "all_gather":
                 bufs = {"x": torch.ones(numel // n), "y": torch.empty(numel)}
-                def run(g, b=None):  # noqa: E306
+                def run(g, b=None):
                     dist.all_gather_into_tensor(b["y"], b["x"], group=g)
             else:
                 bufs = {"x": torch.ones(numel), "y": torch.empty(numel // n)}
-                def run(g, b=None):  # noqa: E306
+                def run(g, b=None):
                     dist.reduce_scatter_tensor(b["y"], b["x"], group=g)
             times: dict[str, list[float]] = {"fcoll": [], "gloo": []}
             reps = args.reps if size < (16 << 20) else max(3, args.reps // 2)
@@ -132,7 +132,8 @@ def _table(results: list[dict]) -> str:
     for res in results:
         for r in res["rows"]:
             lines.append(f"| {res['rate']} | {r['op']} | {_fmt_size(r['bytes'])} "
-                         f"| {r['fcoll']['median_s'] * 1e3:.1f} | {r['gloo']['median_s'] * 1e3:.1f} "
+                         f"| {r['fcoll']['median_s'] * 1e3:.1f} "
+                         f"| {r['gloo']['median_s'] * 1e3:.1f} "
                          f"| {r['fcoll']['busbw_GBps']:.3f} | {r['gloo']['busbw_GBps']:.3f} "
                          f"| {r['ratio']:.2f}x |")
     return "\n".join(lines)

@@ -27,9 +27,10 @@ import sys
 import threading
 import time
 import uuid
-from typing import IO, Sequence
+from collections.abc import Sequence
+from typing import IO
 
-__all__ = ["main", "parse_args", "rank_env", "free_port"]
+__all__ = ["free_port", "main", "parse_args", "rank_env"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -11,11 +11,11 @@ fallback). Real network namespaces are in tests/test_multihost.py.
 from __future__ import annotations
 
 import pytest
+import test_backend as tb
+import test_ops_multiprocess as tom
 import torch
 import torch.distributed as dist
 
-import test_backend as tb
-import test_ops_multiprocess as tom
 from fcoll.testing import fcoll_segments, run_ranks
 
 TWO_BY_TWO = [0, 0, 1, 1]

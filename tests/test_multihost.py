@@ -71,10 +71,9 @@ def test_two_emulated_hosts_run_one_hierarchical_job_through_the_launcher(tmp_pa
 
 
 def test_namespaces_and_processes_go_on_exception_and_stale_ones_are_swept():
-    with pytest.raises(RuntimeError, match="boom"):
-        with EmulatedHosts(2) as hosts:
-            sleeper = hosts.popen(1, [sys.executable, "-c", "import time; time.sleep(300)"])
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), EmulatedHosts(2) as hosts:
+        sleeper = hosts.popen(1, [sys.executable, "-c", "import time; time.sleep(300)"])
+        raise RuntimeError("boom")
     assert sleeper.poll() is not None and _ns_names(hosts) == set()
     # a namespace left by a process that died: its pid is in the name
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -48,215 +48,39 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from torch._C._distributed_c10d import AllgatherOptions
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.ops.reduce import (DIST_REDUCE_OPS, check_reduce_op, divide_for_avg, logical_op,
-                              reduce_op_name, reduce_rows_into)
+from fcoll.ops.reduce import (
+    DIST_REDUCE_OPS,
+    check_reduce_op,
+    divide_for_avg,
+    reduce_op_name,
+    reduce_rows_into,
+)
+from fcoll.shm.hierarchical_work import ChainedWork, HierarchicalWork
 from fcoll.shm.hosts import HostLayout
+from fcoll.shm.links import (
+    OP_CODES,
+    REDUCE_CODES,
+    SIGNATURE,
+    agree,
+    as_bytes,
+    chunk_spans,
+    dtype_code,
+    gloo_all_reduce,
+    gloo_all_reduce_start,
+    gloo_reduce_scatter_rows,
+    make_opts,
+)
 from fcoll.shm.process_group import FcollProcessGroup
 
 __all__ = ["HierarchicalProcessGroup", "HierarchicalWork"]
-
-
-@run_eagerly_under_dynamo
-class HierarchicalWork(dist.Work):
-    """The ``Work`` of an op queued on a :class:`HierarchicalProcessGroup`'s worker.
-
-    ``wait()`` re-raises the op's error; ``result()`` is the list of output tensors.
-    """
-
-    def __init__(self, futures: list[cf.Future]):
-        super().__init__()
-        self._futures = futures
-        self._fut: torch.futures.Future | None = None
-
-    def wait(self, timeout=None) -> bool:
-        secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-        for f in self._futures:
-            f.result(timeout=secs or None)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(f.done() for f in self._futures)
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self.exception() is None
-
-    def exception(self):
-        return next((f.exception() for f in self._futures if f.done() and f.exception()), None)
-
-    def result(self):
-        self.wait()
-        return self._futures[-1].result() if self._futures else []
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def get_future(self) -> torch.futures.Future:
-        if self._fut is None:
-            fut: torch.futures.Future = torch.futures.Future()
-            pending = list(self._futures)
-
-            def settle(_: Any = None) -> None:
-                if all(f.done() for f in pending) and not fut.done():
-                    err = self.exception()
-                    if err is not None:
-                        fut.set_exception(err)
-                    else:
-                        fut.set_result(pending[-1].result() if pending else [])
-
-            for f in pending:
-                f.add_done_callback(settle)
-            settle()
-            self._fut = fut
-        return self._fut
-
-
-def _opts(cls, **fields):
-    o = cls()
-    for k, v in fields.items():
-        setattr(o, k, v)
-    return o
-
-
-def _wait(work: dist.Work | None) -> None:
-    if work is not None:
-        work.wait()
-
-
-# dtypes gloo's all_reduce takes (complex only with sum); the others reduce locally
-_GLOO_REDUCE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                                 torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool})
-
-
-def _gloo_reduces(op: str, dtype: torch.dtype) -> bool:
-    return dtype in _GLOO_REDUCE_DTYPES or (dtype.is_complex and op == "sum")
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor as flat bytes: gloo moves any dtype this way (int16, complex...)."""
-    return t.view(-1).view(torch.uint8)
-
-
-_OP_CODES = {name: i + 1 for i, name in enumerate(
-    ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce"))}
-_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-           torch.complex128]
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else 100 + hash(str(dtype)) % 1000
-
-
-def agree(group: dist.ProcessGroup, name: str, rank: int, numbers: list[int],
-          fields: tuple[str, ...], error: BaseException | None = None) -> None:
-    """Check that every rank of a gloo ``group`` passes the same ``numbers`` before data moves.
-
-    gloo does not check its peers' shapes: a mismatch aborts the process or returns garbage
-    (docs: NOTES, "gloo under faults"). Each rank sends ``[failed, *numbers]`` (int64) in one
-    all_gather; ``error`` (this rank's host already failed the op, e.g. in its intra-host
-    step) is re-raised after telling the peers, which then raise too.
-
-    Raises:
-        RuntimeError: a peer reported a failure.
-        ValueError: the ranks' numbers differ (message: op, this rank, each rank's fields).
-    """
-    k = group.size()
-    mine = torch.tensor([1 if error is not None else 0, *numbers], dtype=torch.int64)
-    rows = torch.empty((k, mine.numel()), dtype=torch.int64)
-    group._allgather_base(rows.view(-1), mine).wait()
-    if error is not None:
-        raise error
-    failed = [p for p in range(k) if rows[p, 0]]
-    if failed:
-        raise RuntimeError(f"fcoll {name}: rank {rank}: the op failed on the other side of "
-                           f"the link (sub-group ranks {failed}); see their error")
-    if not bool((rows[:, 1:] == rows[0, 1:]).all()):
-        says = "; ".join(f"[{p}] " + ", ".join(f"{f}={int(v)}" for f, v in zip(fields, row[1:]))
-                         for p, row in enumerate(rows.tolist()))
-        raise ValueError(f"fcoll {name}: rank {rank}: ranks on different hosts passed "
-                         f"different arguments (per sub-group rank: {says})")
-
-
-_SIG = ("op", "dtype", "numel", "extra")
-_OP_CODES_REDUCE = {name: i for i, name in enumerate(
-    ("sum", "avg", "product", "min", "max", "band", "bor", "bxor"))}
-
-
-def _gloo_reduce_scatter_rows(group: dist.ProcessGroup, rows: torch.Tensor,
-                              op: str) -> torch.Tensor:
-    """Row ``group.rank()`` of the elementwise ``op``-reduction of every rank's ``rows``.
-
-    ``rows`` is ``[k, N]`` contiguous (k = group size); returns ``[N]``. An all_to_all of
-    bytes and a local reduction: every dtype and reduce op (not avg), (k-1)/k * k * N elements
-    sent per rank, the minimum (gloo's own reduce_scatter measured as slow as its all_reduce
-    of the whole input).
-    """
-    got = torch.empty_like(rows)
-    group.alltoall_base(_bytes(got), _bytes(rows), [], [], dist.AllToAllOptions()).wait()
-    out = rows.new_empty(rows.shape[1:])
-    reduce_rows_into(got, op, out)
-    return out
-
-
-def _gloo_all_reduce(group: dist.ProcessGroup, x: torch.Tensor, op: str) -> None:
-    """All-reduce ``x`` (1-D, contiguous) in place over a gloo ``group``; ``op`` is not avg.
-
-    gloo's own all_reduce where it takes the dtype; otherwise (int16, complex products, ...)
-    a reduce_scatter of bytes (:func:`_gloo_reduce_scatter_rows`) and an all_gather of bytes.
-    """
-    k = group.size()
-    if k == 1:
-        return
-    op = logical_op(op, x.dtype)
-    if _gloo_reduces(op, x.dtype):
-        group.allreduce([x], _opts(dist.AllreduceOptions, reduceOp=DIST_REDUCE_OPS[op])).wait()
-        return
-    pad = (-x.numel()) % k
-    buf = x if pad == 0 else torch.cat([x, x.new_zeros(pad)])
-    mine = _gloo_reduce_scatter_rows(group, buf.view(k, -1), op)
-    group._allgather_base(_bytes(buf), _bytes(mine)).wait()
-    if pad:
-        x.copy_(buf[:x.numel()])
-
-
-def _gloo_all_reduce_start(group: dist.ProcessGroup, x: torch.Tensor,
-                           op: str) -> Callable[[], None]:
-    """:func:`_gloo_all_reduce`, started: returns the function that finishes it (gloo's own
-    all_reduce runs asynchronously; the byte-wise fallback has already run)."""
-    op = logical_op(op, x.dtype)
-    if group.size() > 1 and _gloo_reduces(op, x.dtype):
-        return group.allreduce([x], _opts(dist.AllreduceOptions,
-                                          reduceOp=DIST_REDUCE_OPS[op])).wait
-    _gloo_all_reduce(group, x, op)
-    return lambda: None
-
-
-#: Composed ops move their data in pieces of about this many bytes, so that one piece's
-#: intra-host step overlaps another's inter-host step (measured at 1 gbit, 16 MiB all_gather:
-#: the unpipelined intra all_gather and reordering copy added 60 % to the link time).
-PIPELINE_CHUNK_BYTES = 4 << 20
-MAX_CHUNKS = 16
-
-
-def _spans(numel: int, bytes_per_element: int, align: int = 1) -> list[tuple[int, int]]:
-    """(offset, length) pieces of ``numel`` elements, each a multiple of ``align`` elements
-    (``numel`` must be one), about :data:`PIPELINE_CHUNK_BYTES` of the op's largest buffer
-    each (``bytes_per_element``: its bytes per element counted here; an all_gather's output
-    holds group-size elements per input element), at most :data:`MAX_CHUNKS`; one piece when
-    ``numel`` is 0."""
-    units = numel // align
-    per = max(1, PIPELINE_CHUNK_BYTES // max(1, bytes_per_element * align))
-    count = max(1, min(MAX_CHUNKS, -(-units // per)))
-    bounds = [units * i // count for i in range(count + 1)]
-    return [(bounds[i] * align, (bounds[i + 1] - bounds[i]) * align) for i in range(count)]
 
 
 @run_eagerly_under_dynamo
@@ -320,22 +144,22 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     def rank(self) -> int:
         return self._rank
 
-    def getBackendName(self) -> str:  # noqa: N802  (PyTorch's name)
+    def getBackendName(self) -> str:
         return "fcoll"
 
     def name(self) -> str:
         return "fcoll"
 
-    def setGroupName(self, name: str) -> None:  # noqa: N802
+    def setGroupName(self, name: str) -> None:
         self._group_name = name
 
-    def getGroupName(self) -> str:  # noqa: N802
+    def getGroupName(self) -> str:
         return self._group_name
 
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+    def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc
 
-    def getGroupDesc(self) -> str:  # noqa: N802
+    def getGroupDesc(self) -> str:
         return self._group_desc
 
     def __repr__(self) -> str:
@@ -392,8 +216,8 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     def _agree(self, group: dist.ProcessGroup, name: str, x: torch.Tensor, extra: int = 0,
                error: BaseException | None = None) -> None:
         """:func:`agree` on (op, dtype, numel, extra) over ``group`` (inter or flat)."""
-        agree(group, name, self._rank, [_OP_CODES[name], _dtype_code(x.dtype), x.numel(),
-                                        extra], _SIG, error)
+        agree(group, name, self._rank, [OP_CODES[name], dtype_code(x.dtype), x.numel(),
+                                        extra], SIGNATURE, error)
 
     def _intra_then_agree(self, name: str, step: Callable[[], None], x: torch.Tensor,
                           extra: int) -> None:
@@ -409,20 +233,20 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         """The composed all_reduce of a 1-D contiguous tensor, in place (uneven layouts: on
         ``flat``)."""
         step = "sum" if op == "avg" else op
-        code = _OP_CODES_REDUCE[op]
+        code = REDUCE_CODES[op]
         if not self.layout.even:
             self._agree(self._flat, name, flat, code)
-            _gloo_all_reduce(self._flat, flat, step)
+            gloo_all_reduce(self._flat, flat, step)
         elif self._intra is None:
             self._agree(self._inter, name, flat, code)
-            _gloo_all_reduce(self._inter, flat, step)
+            gloo_all_reduce(self._inter, flat, step)
         else:
             L = self._intra.size()
             pad = (-flat.numel()) % L
             buf = flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
-            pieces = [buf[o:o + k] for o, k in _spans(buf.numel(), buf.element_size(), L)]
+            pieces = [buf[o:o + k] for o, k in chunk_spans(buf.numel(), buf.element_size(), L)]
             shards = [p.new_empty(p.numel() // L) for p in pieces]
-            rs = _opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step])
+            rs = make_opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step])
             # pipeline: every piece's intra reduce_scatter is queued at once; each inter
             # all_reduce starts when its piece is reduced, each intra all_gather when its
             # shard is all-reduced
@@ -432,14 +256,14 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             finishes = []
             for work, shard in zip(scattered, shards):
                 work.wait()
-                finishes.append(_gloo_all_reduce_start(self._inter, shard, step))
+                finishes.append(gloo_all_reduce_start(self._inter, shard, step))
             gathered = []
             for finish, shard, piece in zip(finishes, shards, pieces):
                 finish()
                 if op == "avg":
                     divide_for_avg(shard, self._size)
                 gathered.append(self._intra.all_gather_single(piece, shard,
-                                                              _opts(AllgatherOptions)))
+                                                              make_opts(AllgatherOptions)))
             for work in gathered:
                 work.wait()
             if pad:
@@ -466,7 +290,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         self._check_reduce("all_reduce", op, t)
         return self._submit(lambda: self._all_reduce_into(t, op))
 
-    def allreduce_out_of_place(self, input: torch.Tensor, output: torch.Tensor,  # noqa: A002
+    def allreduce_out_of_place(self, input: torch.Tensor, output: torch.Tensor,
                                op: dist.ReduceOp) -> dist.Work:
         """All-reduce ``input`` into ``output`` (same shape and dtype), input untouched."""
         if output.shape != input.shape or output.dtype != input.dtype:
@@ -534,23 +358,23 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         return self._submit(run)
 
     # ---- all_gather -----------------------------------------------------------------------
-    def _all_gather_run(self, output: torch.Tensor, input: torch.Tensor):  # noqa: A002
+    def _all_gather_run(self, output: torch.Tensor, input: torch.Tensor):
         x = input.detach().reshape(-1).contiguous()
         N = x.numel()
         if not self.layout.even:
             self._agree(self._flat, "all_gather", x)
             buf = output if output.is_contiguous() else x.new_empty(self._size * N)
-            self._flat._allgather_base(_bytes(buf), _bytes(x)).wait()
+            self._flat._allgather_base(as_bytes(buf), as_bytes(x)).wait()
             if buf is not output:
                 output.copy_(buf.view(output.shape))
             return [output]
         H = self.layout.num_hosts
         self._agree(self._inter, "all_gather", x)
-        spans = _spans(N, x.element_size() * self._size)
+        spans = chunk_spans(N, x.element_size() * self._size)
         # pipeline: every piece's inter all_gather is queued at once; each intra all_gather
         # starts when its piece arrived; each reordering copy when that is done
         hosts_rows = [x.new_empty(H * k) for _, k in spans]
-        inter = [self._inter._allgather_base(_bytes(g), _bytes(x[o:o + k]))
+        inter = [self._inter._allgather_base(as_bytes(g), as_bytes(x[o:o + k]))
                  for g, (o, k) in zip(hosts_rows, spans)]
         all_rows, intra = [], []
         for work, g in zip(inter, hosts_rows):
@@ -559,7 +383,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 all_rows.append(g)
                 continue
             a = x.new_empty(self._intra.size() * g.numel())
-            intra.append(self._intra.all_gather_single(a, g, _opts(AllgatherOptions)))
+            intra.append(self._intra.all_gather_single(a, g, make_opts(AllgatherOptions)))
             all_rows.append(a)
         out = output.view(self._size, N) if output.is_contiguous() else x.new_empty(
             (self._size, N))
@@ -573,12 +397,12 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         return [output]
 
     def _check_gather(self, name: str, output: torch.Tensor,
-                      input: torch.Tensor) -> None:  # noqa: A002
+                      input: torch.Tensor) -> None:
         if output.dtype != input.dtype or output.numel() != self._size * input.numel():
             raise self._error(name, f"output {tuple(output.shape)} {output.dtype} must hold "
                               f"{self._size} x input {tuple(input.shape)} {input.dtype}")
 
-    def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+    def all_gather_single(self, output, input, opts=None) -> dist.Work:
         self._check_gather("all_gather_into_tensor", output, input)
         return self._submit(lambda: self._all_gather_run(output, input))
 
@@ -611,27 +435,27 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     # ---- reduce_scatter -------------------------------------------------------------------
-    def _reduce_scatter_run(self, output: torch.Tensor, input: torch.Tensor, op: str):  # noqa: A002
+    def _reduce_scatter_run(self, output: torch.Tensor, input: torch.Tensor, op: str):
         N = output.numel()
         H = self.layout.num_hosts
         step = "sum" if op == "avg" else op
-        code = _OP_CODES_REDUCE[op]
+        code = REDUCE_CODES[op]
         if not self.layout.even:
             self._agree(self._flat, "reduce_scatter", output, code)
-            res = _gloo_reduce_scatter_rows(
+            res = gloo_reduce_scatter_rows(
                 self._flat, input.detach().reshape(self._size, N).contiguous(), step)
             if op == "avg":
                 divide_for_avg(res, self._size)
             output.copy_(res.view(output.shape))
             return [output]
         rows = input.detach().reshape(self._size, N)
-        spans = _spans(N, rows.element_size() * self._size)
+        spans = chunk_spans(N, rows.element_size() * self._size)
         # pipeline: every piece's intra reduce_scatter is queued at once; each inter
         # all_to_all starts when its piece is reduced on the host; each local reduction when
         # its all_to_all is done
         pieces = [rows[:, o:o + k].index_select(0, self._scatter_order) for o, k in spans]
         if self._intra is not None:
-            rs = _opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step])
+            rs = make_opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step])
             shards = [p.new_empty((H, p.shape[1])) for p in pieces]
             scattered = [self._intra.reduce_scatter_single(sh, p.view(-1), rs)
                          for sh, p in zip(shards, pieces)]
@@ -645,7 +469,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 scattered[c].wait()
             got = torch.empty_like(shard)
             exchanged.append((got, self._inter.alltoall_base(
-                _bytes(got), _bytes(shard), [], [], dist.AllToAllOptions())))
+                as_bytes(got), as_bytes(shard), [], [], dist.AllToAllOptions())))
         res = rows.new_empty(N)
         for (got, work), (o, k) in zip(exchanged, spans):
             work.wait()
@@ -655,7 +479,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         output.copy_(res.view(output.shape))
         return [output]
 
-    def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+    def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = reduce_op_name(opts.reduceOp)
         name = "reduce_scatter_tensor"
@@ -682,7 +506,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # ---- all_to_all, broadcast, barrier ---------------------------------------------------
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None) -> dist.Work:
         """On ``flat`` (see the module docstring)."""
         o_s, i_s = list(output_split_sizes or []), list(input_split_sizes or [])
@@ -701,7 +525,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             row = input[0].numel() * input.element_size() if input.dim() and len(input) else 0
             out_row = (output[0].numel() * output.element_size()
                        if output.dim() and len(output) else 0)
-            self._flat.alltoall_base(_bytes(dst), _bytes(src), [s * out_row for s in o_s],
+            self._flat.alltoall_base(as_bytes(dst), as_bytes(src), [s * out_row for s in o_s],
                                      [s * row for s in i_s], dist.AllToAllOptions()).wait()
             if dst is not output:
                 output.copy_(dst)
@@ -710,7 +534,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
-    def _check_splits(self, input, output, o_s, i_s) -> None:  # noqa: A002
+    def _check_splits(self, input, output, o_s, i_s) -> None:
         """Every rank's dtype, row size and split sizes, checked against each other (one
         all_gather on ``flat``) before gloo moves anything."""
         n = self._size
@@ -721,7 +545,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         i_eff = i_s or [rows(input) // n] * n
         o_eff = o_s or [rows(output) // n] * n
         row = input[0].numel() if input.dim() and len(input) else 0
-        mine = torch.tensor([_dtype_code(input.dtype), row, *i_eff, *o_eff], dtype=torch.int64)
+        mine = torch.tensor([dtype_code(input.dtype), row, *i_eff, *o_eff], dtype=torch.int64)
         got = torch.empty((n, mine.numel()), dtype=torch.int64)
         self._flat._allgather_base(got.view(-1), mine).wait()
         sent, recv = got[:, 2:2 + n], got[:, 2 + n:]
@@ -739,7 +563,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
 
         def run():
             size = src.element_size()
-            self._flat.alltoall_base(_bytes(dst), _bytes(src),
+            self._flat.alltoall_base(as_bytes(dst), as_bytes(src),
                                      [o.numel() * size for o in output_tensors],
                                      [t.numel() * size for t in input_tensors],
                                      dist.AllToAllOptions()).wait()
@@ -762,14 +586,14 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             buf = t if t.is_contiguous() else t.contiguous()
             if not self.layout.even:
                 self._agree(self._flat, "broadcast", buf, root)
-                self._flat.broadcast([_bytes(buf)], _opts(dist.BroadcastOptions,
+                self._flat.broadcast([as_bytes(buf)], make_opts(dist.BroadcastOptions,
                                                           rootRank=root)).wait()
             elif self.local_rank == root_local:
                 self._agree(self._inter, "broadcast", buf, root)
-                self._inter.broadcast([_bytes(buf)], _opts(dist.BroadcastOptions,
+                self._inter.broadcast([as_bytes(buf)], make_opts(dist.BroadcastOptions,
                                                            rootRank=root_host)).wait()
             if self._intra is not None and self.layout.even:
-                self._intra.broadcast([buf], _opts(dist.BroadcastOptions,
+                self._intra.broadcast([buf], make_opts(dist.BroadcastOptions,
                                                    rootRank=root_local)).wait()
             if buf is not t:
                 t.copy_(buf)
@@ -796,40 +620,15 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         return self._flat_work(lambda: self._flat.scatter(output_tensors, input_lists, opts),
                                output_tensors)
 
-    def send(self, tensors, dstRank, tag=0) -> dist.Work:  # noqa: N803  (c10d's names)
+    def send(self, tensors, dstRank, tag=0) -> dist.Work:
         """Point-to-point on ``flat``, issued in queue order; the Work waits for gloo's."""
         issued = self._submit(lambda: self._flat.send(tensors, dstRank, tag))
-        return _ChainedWork(issued)
+        return ChainedWork(issued)
 
-    def recv(self, tensors, srcRank, tag=0) -> dist.Work:  # noqa: N803
+    def recv(self, tensors, srcRank, tag=0) -> dist.Work:
         issued = self._submit(lambda: self._flat.recv(tensors, srcRank, tag))
-        return _ChainedWork(issued)
+        return ChainedWork(issued)
 
     def recv_anysource(self, tensors, tag=0) -> dist.Work:
         issued = self._submit(lambda: self._flat.recv_anysource(tensors, tag))
-        return _ChainedWork(issued)
-
-
-@run_eagerly_under_dynamo
-class _ChainedWork(dist.Work):
-    """A gloo p2p ``Work`` issued on the worker: wait for the issue, then for gloo's Work."""
-
-    def __init__(self, issued: HierarchicalWork):
-        super().__init__()
-        self._issued = issued
-
-    def _inner(self) -> dist.Work:
-        return self._issued._futures[0].result()
-
-    def wait(self, timeout=None) -> bool:
-        return self._inner().wait() if timeout is None else self._inner().wait(timeout)
-
-    def is_completed(self) -> bool:
-        return self._issued.is_completed() and self._inner().is_completed()
-
-    def _source_rank(self) -> int:
-        return self._inner()._source_rank()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._inner().get_future()
-
+        return ChainedWork(issued)

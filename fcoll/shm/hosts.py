@@ -19,7 +19,7 @@ import socket
 
 import torch.distributed as dist
 
-__all__ = ["HOST_ID_ENV", "host_id", "HostLayout", "exchange_host_ids"]
+__all__ = ["HOST_ID_ENV", "HostLayout", "exchange_host_ids", "host_id"]
 
 #: Environment variable that overrides :func:`host_id` (any non-empty text).
 HOST_ID_ENV = "FCOLL_HOST_ID"
@@ -62,7 +62,7 @@ def exchange_host_ids(store: dist.Store, rank: int, size: int,
     keys = [f"host/{r}" for r in range(size)]
     try:
         store.wait(keys, timeout)
-    except Exception as e:  # noqa: BLE001  add the missing ranks to the store's message
+    except Exception as e:
         missing = [r for r in range(size) if not store.check([f"host/{r}"])]
         raise RuntimeError(f"fcoll: rank {rank}: group ranks {missing} did not publish their "
                            f"host id within {timeout.total_seconds():.0f} s: {e}") from e
@@ -88,7 +88,7 @@ class HostLayout:
     ranks_of: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def from_host_ids(cls, ids: list[str]) -> "HostLayout":
+    def from_host_ids(cls, ids: list[str]) -> HostLayout:
         """Group ranks by equal host id (``ids[r]`` is group rank r's)."""
         order: dict[str, list[int]] = {}
         for r, h in enumerate(ids):

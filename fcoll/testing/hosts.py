@@ -31,10 +31,15 @@ import signal
 import subprocess
 import threading
 import uuid
-from typing import Sequence
+from collections.abc import Sequence
 
-__all__ = ["EmulatedHosts", "netns_unavailable", "sweep_stale_namespaces", "PREFIX",
-           "GLOO_IFNAME"]
+__all__ = [
+    "GLOO_IFNAME",
+    "PREFIX",
+    "EmulatedHosts",
+    "netns_unavailable",
+    "sweep_stale_namespaces",
+]
 
 PREFIX = "fcoll-"
 #: The interface of every emulated host; gloo binds it through ``GLOO_SOCKET_IFNAME``.
@@ -162,7 +167,7 @@ class EmulatedHosts:
         return f"{self.subnet}.{host + 1}"
 
     # ---- lifetime ---------------------------------------------------------------------------
-    def __enter__(self) -> "EmulatedHosts":
+    def __enter__(self) -> EmulatedHosts:
         sweep_stale_namespaces()
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
