@@ -258,14 +258,20 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
 
     The runs are interleaved, round robin over the cells (round ``r`` runs every cell that
     still needs an ``r``-th run), so that a burst of load on a shared machine lands on one run
-    of many cells instead of every run of one cell, where it would move the median. The order
-    depends only on the arguments: every rank of ``pg`` issues the same collectives (a
+    of many cells instead of every run of one cell, where it would move the median. Within a
+    round the cells go from the largest size to the smallest: the ranks leave a collective at
+    slightly different times, and the next collective on the faster rank includes the wait for
+    the slower one; after a 64 MiB collective that skew is large against a 4 KiB one (in
+    ascending order every 4 KiB cell followed a 64 MiB one and measured 1.5-2.4x its
+    calibrated time), while each cell here follows one of the same or double its size. The
+    order depends only on the arguments: every rank of ``pg`` issues the same collectives (a
     collective call; every rank must call it with the same arguments). One set of buffers per
     size is shared by the kinds.
     """
     reps = reps or reps_for
     bufs = {size: _buffers(pg, size) for size in sorted({size for _, size in cells})}
-    ops = {cell: _collective(cell[0], pg, bufs[cell[1]]) for cell in cells}
+    ordered = sorted(dict.fromkeys(cells), key=lambda cell: -cell[1])   # stable: kinds in order
+    ops = {cell: _collective(cell[0], pg, bufs[cell[1]]) for cell in ordered}
     for op in ops.values():
         op()
     times: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
