@@ -128,11 +128,19 @@ class _DirectCall:
         self.sync = sync
         self.job: Job | None = None
 
-    def _check(self, input: torch.Tensor) -> None:  # noqa: A002
+    def _check(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        """``input`` as the data movement reads it (detached: the op's kernel runs below
+        autograd, and copying a tensor that requires grad into the slots' views, made without
+        grad, is an error in grad mode).
+
+        Raises:
+            ValueError: ``input`` is not the dtype/shape checked at compile time, or not CPU.
+        """
         if input.dtype != self.dtype or input.shape != self.shape or not input.is_cpu:
             raise ValueError(f"fcoll {self.name} (compiled call): input {tuple(input.shape)} "
                              f"{input.dtype} on {input.device}, but the graph was compiled for "
                              f"{self.shape} {self.dtype} on cpu")
+        return input.detach() if input.requires_grad else input
 
     def _submit(self, run: Any, out: torch.Tensor) -> torch.Tensor:
         """Queue ``run`` (an algorithm of :mod:`fcoll.shm.reductions` / ``movement`` bound to
@@ -201,7 +209,7 @@ class DirectAllReduce(_DirectCall):
             ValueError: ``input`` is not the dtype/shape checked at compile time, or not CPU.
             CollectiveMismatchError, PeerError, RuntimeError: a synchronous call's failure.
         """
-        self._check(input)
+        input = self._check(input)  # noqa: A001
         out = torch.empty(self.shape, dtype=self.dtype)
         plan = self.plan
         if plan is not None:
@@ -241,7 +249,7 @@ class DirectAllGather(_DirectCall):
     def __call__(self, input: torch.Tensor, group_size: int = 0, group_name: Any = None
                  ) -> torch.Tensor:  # noqa: A002
         """Start the all_gather of ``input``; returns its output (ready after :meth:`wait`)."""
-        self._check(input)
+        input = self._check(input)  # noqa: A001
         out = torch.empty(self.out_shape, dtype=self.dtype)
         src = (input if input.is_contiguous() else input.contiguous()).view(-1).view(torch.uint8)
         dst = out.view(-1).view(torch.uint8).view(self.size, src.numel())
@@ -271,7 +279,7 @@ class DirectReduceScatter(_DirectCall):
                  group_name: Any = None) -> torch.Tensor:  # noqa: A002
         """Start the reduce_scatter of ``input``; returns its output (ready after
         :meth:`wait`)."""
-        self._check(input)
+        input = self._check(input)  # noqa: A001
         out = torch.empty(self.out_shape, dtype=self.dtype)
         src = (input if input.is_contiguous() else input.contiguous()).view(self.size, -1)
         dst, op = out.view(-1), self.op
