@@ -246,7 +246,10 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             buf = flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
             pieces = [buf[o:o + k] for o, k in chunk_spans(buf.numel(), buf.element_size(), L)]
             shards = [p.new_empty(p.numel() // L) for p in pieces]
-            rs = make_opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step])
+            # one piece: synchronous intra steps (fcoll's fast paths for small messages)
+            queued = len(pieces) > 1
+            rs = make_opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step],
+                           asyncOp=queued)
             # pipeline: every piece's intra reduce_scatter is queued at once; each inter
             # all_reduce starts when its piece is reduced, each intra all_gather when its
             # shard is all-reduced
@@ -262,8 +265,8 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 finish()
                 if op == "avg":
                     divide_for_avg(shard, self._size)
-                gathered.append(self._intra.all_gather_single(piece, shard,
-                                                              make_opts(AllgatherOptions)))
+                gathered.append(self._intra.all_gather_single(
+                    piece, shard, make_opts(AllgatherOptions, asyncOp=queued)))
             for work in gathered:
                 work.wait()
             if pad:
@@ -383,7 +386,8 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 all_rows.append(g)
                 continue
             a = x.new_empty(self._intra.size() * g.numel())
-            intra.append(self._intra.all_gather_single(a, g, make_opts(AllgatherOptions)))
+            intra.append(self._intra.all_gather_single(
+                a, g, make_opts(AllgatherOptions, asyncOp=len(spans) > 1)))
             all_rows.append(a)
         out = output.view(self._size, N) if output.is_contiguous() else x.new_empty(
             (self._size, N))
@@ -455,7 +459,8 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         # its all_to_all is done
         pieces = [rows[:, o:o + k].index_select(0, self._scatter_order) for o, k in spans]
         if self._intra is not None:
-            rs = make_opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step])
+            rs = make_opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step],
+                           asyncOp=len(pieces) > 1)
             shards = [p.new_empty((H, p.shape[1])) for p in pieces]
             scattered = [self._intra.reduce_scatter_single(sh, p.view(-1), rs)
                          for sh, p in zip(shards, pieces)]
