@@ -193,14 +193,10 @@ class TestByContent(unittest.TestCase):
             self.assertEqual(r["e2e"], [[6.0] * 4, [6.0] * 4])
         self.assertEqual(r0["skipped"].replace("rank 0, ", "rank 1, ", 1), r1["skipped"])
 
-    @unittest.expectedFailure
     def test_recompile_on_one_rank_with_the_default_passes(self):
-        """Expected to fail since 917babd: ``calibrate_group`` broadcasts rank 0's decision once
-        per compile until the sweep is complete, so a compile on one rank alone (this recompile)
-        issues a broadcast that pairs with rank 0's next collective (a header mismatch on
-        fcoll's backend; on another backend it could pair with a broadcast of rank 0's). The
-        rank check itself passes (test above, scheduler off). Remove the marker once
-        calibration never communicates on a compile one rank makes alone."""
+        """A compile on one rank alone (this recompile) must not communicate: ``calibrate_group``
+        communicates only at a group's first calibration (917babd broadcast once per compile,
+        and this recompile's broadcast paired with rank 0's next collective)."""
         for r in run_ranks(_recompile_end_to_end, 2, backend="fcoll", timeout_s=120):
             self.assertEqual(r, [[6.0] * 4, [6.0] * 4])
 

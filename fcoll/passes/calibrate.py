@@ -12,12 +12,13 @@ Everything here measures or looks up live process groups; the model itself
   (:class:`~fcoll.passes.comm_cost.CommCurve`) per ``(backend, kind, group size, link)``.
 
 Budget: a graph needs its collectives' sizes, so a group is timed only up to the first sweep
-size at or above the largest collective of the graphs compiled so far (at least
-:data:`MIN_SWEEP_BYTES`, where timing is cheap); a later graph with larger collectives extends
-the sweep. Results are reused, without timing again:
+size at or above the largest collective of the first graph compiled on it (at least
+:data:`MIN_SWEEP_BYTES`, where timing is cheap; ``python -m fcoll.calibrate`` precomputes the
+whole sweep for a job). Results are reused, without timing again:
 
-1. for the same process group: one broadcast of rank 0's decision (none once the whole sweep
-   is known);
+1. for the same process group: never communicates again (a recompile may run on one rank
+   alone), so a group is timed once, at its first compile, up to that graph's needs; larger
+   sizes in later graphs are extrapolated by the last segment;
 2. for another group of the same backend, size and host layout in this process: rank 0's
    numbers, one broadcast;
 3. across processes of one job: rank 0 reads the job's cache file
@@ -104,10 +105,6 @@ class GroupCalibration:
     rates: ComputeRates
     points: dict[str, dict[int, float]]
     comm: dict[CommKey, CommCurve]
-
-    def covers(self, sizes: tuple[int, ...]) -> bool:
-        """Whether every kind was measured at every size of ``sizes``."""
-        return all(all(s in self.points.get(k, {}) for s in sizes) for k in KINDS)
 
 
 class _Cache:
@@ -394,13 +391,16 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     """Calibrate ``pg``: every collective kind timed at the sweep sizes up to ``max_bytes``
     (:func:`sizes_for`; None: the whole sweep), fitted per kind, rank 0's numbers on every rank.
 
-    A collective call: every rank of ``pg`` must call it at the same point. Rank 0 decides
-    from what it knows (this group's numbers, another group's of the same key in this process,
-    or the job's cache file) which sizes of its ``max_bytes`` are still to be timed, and
-    broadcasts that with its numbers, so ranks whose ``max_bytes`` differ (a backed symbolic
-    size whose hint differs per rank) still issue the same collectives. A group already
-    calibrated returns its cached objects after that one broadcast, and without communicating
-    once the whole sweep is known. (``benchmarks/cost_model.py`` and
+    The first call for ``pg`` is a collective call: every rank of ``pg`` must make it at the
+    same point (the first compile of a graph on ``pg``, which every rank makes). Rank 0 decides
+    from what it knows (another group's numbers of the same key in this process, or the job's
+    cache file) which sizes of its ``max_bytes`` are still to be timed, and broadcasts that
+    with its numbers, so ranks whose ``max_bytes`` differ (a backed symbolic size whose hint
+    differs per rank) still issue the same collectives. Every later call returns the cached
+    objects without communicating, whatever ``max_bytes`` is: a recompile may happen on one
+    rank alone (Dynamo's guards are per rank), and a collective there would pair with another
+    rank's next collective. Sizes beyond the calibrated ones are extrapolated by the curve's
+    last segment (:class:`~fcoll.passes.comm_cost.CommCurve`). (``benchmarks/cost_model.py`` and
     ``benchmarks/passes_scaling.py --rank-costs`` print how long it takes.)
 
     Returns:
@@ -408,10 +408,10 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     """
     import torch.distributed as dist
 
+    cached = _CACHE.groups.get(pg)
+    if cached is not None:   # never communicate again: a recompile may happen on one rank alone
+        return cached.rates, cached.comm
     want = sizes_for(max_bytes)
-    cached = _CACHE.groups.get(pg)   # the same on every rank: it came from one broadcast
-    if cached is not None and cached.covers(SWEEP_BYTES):
-        return cached.rates, cached.comm   # nothing left to time, whatever ``max_bytes`` is
     backend, n, t0 = _backend_name(pg), pg.size(), time.perf_counter()
     # Inside torch.compile the Python dispatcher is on, and a c10d op then runs its kernel with
     # the GIL held (pybind released it, the Python dispatcher took it back). On gloo that
@@ -420,18 +420,15 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     # (seen in native stacks of both ranks of tests/test_remaps.py's 2-rank program). Without
     # the Python dispatcher the GIL stays released in the kernel.
     with no_python_dispatcher():
-        # the layout's all_gather also lines the ranks up (compile times differ)
-        layout = cached.layout if cached is not None else _host_layout(pg)
+        layout = _host_layout(pg)   # its all_gather also lines the ranks up
         message = torch.zeros(_S + 3 + _K * _S, dtype=torch.float64)
         if pg.rank() == 0:
-            known = cached or _known_on_rank_0(backend, n, layout)
+            known = _known_on_rank_0(backend, n, layout)
             rates = known.rates if known is not None else measure_compute_rates()
             message = _encode(known, want, rates)
         dist.broadcast(message, group=pg, group_src=0)
         mask = message[:_S].tolist()
         todo = [s for j, s in enumerate(SWEEP_BYTES) if mask[j] == 1.0]
-        if not todo and cached is not None:
-            return cached.rates, cached.comm
         if todo:
             _sweep(pg, todo, message)
             dist.broadcast(message, group=pg, group_src=0)
