@@ -33,6 +33,20 @@ printed as PASS/FAIL lines (also after a single loaded run); every table states 
 load average while it ran (``op_loadavg`` in the JSON). With several values the JSON has
 ``runs`` (one body as above per value); its top-level ``results``, ``loadavg`` and
 ``background_load`` are the first run's, and ``loaded_targets`` lists the PASS/FAIL lines.
+
+``--baseline-tree PATH --rounds R`` compares this tree's fcoll with another checkout's (a
+``git worktree`` of an earlier commit) in one run: R rounds, each running the benchmark once
+with ``PYTHONPATH=PATH`` (PATH's own ``benchmarks/collectives.py``) and once with this tree,
+in alternating order; it prints per op and size the median over rounds of fcoll's time in
+each tree, the median of the paired per-round differences (after - before, in us: drift of
+the machine's load cancels within a round), gloo's medians in both (a noise control: gloo's
+code is the same in both), and the load average of every round. The JSON then holds
+``baseline``: ``{op: {size: {before_us, after_us, paired_diff_us, ratio, gloo_before_us,
+gloo_after_us}}}``, ``rounds`` and ``loadavg_per_round``. On a loaded machine a small call
+varies by several us between runs, more than a sub-microsecond change; ``--micro`` then also
+times, in one process per tree and round, one phase of a 2-rank channel whose peer has already
+arrived (``Channel.arrive`` + ``Channel.wait_all``: the per-phase protocol every collective
+runs, fence check included), as ``micro_ns`` (median ns per phase, best of 7 repeats).
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -226,6 +241,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--background-load", type=int, nargs="+", default=[0], metavar="N",
                    help="run N busy processes during the measurement (an oversubscribed "
                         "machine); several values: one run each, then a comparison")
+    p.add_argument("--baseline-tree", default=None, metavar="PATH",
+                   help="compare with the fcoll of this checkout (PYTHONPATH), side by side")
+    p.add_argument("--micro", action="store_true",
+                   help="--baseline-tree: also time one channel phase in-process (ns)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="--baseline-tree: alternating before/after runs of each tree")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
@@ -335,8 +356,95 @@ def _run_once(args, load: int) -> dict:
     return out
 
 
+# One phase of a 2-rank channel (rank 0) whose peer is far ahead: arrive + wait_all, as every
+# collective runs it; prints the best of 7 medians, in ns per phase. Runs in either tree.
+_MICRO = """
+import mmap, statistics, time
+from fcoll.shm.segment import Layout, Segment, W_ARRIVE
+from fcoll.shm.sync import Channel
+lay = Layout(2, 4096)
+seg = Segment(mmap.mmap(-1, lay.total), lay)
+seg.words[lay.word(1, W_ARRIVE)] = 0x7FFFFFF0  # the peer arrived at every phase we run
+ch = Channel(seg, 0, 2, 30.0, [0, 1], spin_s=0.0)
+arrive, wait_all, n, best = ch.arrive, ch.wait_all, 20000, []
+for _ in range(7):
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        arrive()
+        wait_all("micro", 0.0)
+    best.append((time.perf_counter_ns() - t0) / n)
+print(min(best))
+"""
+
+
+def compare_trees(args) -> dict:
+    """``--baseline-tree``: this tree's fcoll against the baseline's, alternating runs (see
+    the module doc); prints the table and returns the JSON body."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = [("before", os.path.abspath(args.baseline_tree)), ("after", here)]
+    sizes = [str(s) for s in args.sizes]
+    samples: dict = {}  # (label, op, size, backend) -> [us per round]
+    loads = []
+    for rnd in range(args.rounds):
+        for label, tree in (trees if rnd % 2 == 0 else trees[::-1]):
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "out.json")
+                cmd = [sys.executable, os.path.join(tree, "benchmarks", "collectives.py"),
+                       "--nproc", str(args.nproc), "--ops", *args.ops, "--sizes", *sizes,
+                       "--repeat", str(args.repeat), "--json", path]
+                subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=tree), cwd=tree,
+                               check=True, stdout=subprocess.DEVNULL, timeout=1800)
+                with open(path) as f:
+                    res = json.load(f)["results"]
+                if args.micro:
+                    ns = subprocess.run([sys.executable, "-c", _MICRO], capture_output=True,
+                                        text=True, check=True, cwd=tree, timeout=300,
+                                        env=dict(os.environ, PYTHONPATH=tree)).stdout
+                    samples.setdefault((label, "micro"), []).append(float(ns))
+            for op, by_size in res.items():
+                for size, row in by_size.items():
+                    for b in ("fcoll", "gloo"):
+                        samples.setdefault((label, op, size, b), []).append(row[f"{b}_us"])
+        loads.append(os.getloadavg()[0])
+        print(f"round {rnd + 1}/{args.rounds} done, 1-min load {loads[-1]:.2f}", flush=True)
+    med = statistics.median
+    print(f"\n# fcoll before ({args.baseline_tree}) vs after (this tree), {args.nproc} ranks, "
+          f"{args.rounds} rounds, median us per call (slowest rank), 1-min load per round: "
+          + ", ".join(f"{x:.1f}" for x in loads))
+    print(f"{'op':>22} {'size':>8} | {'before':>8} {'after':>8} {'paired':>8} {'ratio':>6} | "
+          f"{'gloo bef':>9} {'gloo aft':>9}")
+    out: dict = {}
+    for op in args.ops:
+        for size in sizes:
+            f_b, f_a = samples[("before", op, size, "fcoll")], samples[("after", op, size, "fcoll")]
+            g_b, g_a = samples[("before", op, size, "gloo")], samples[("after", op, size, "gloo")]
+            row = {"before_us": med(f_b), "after_us": med(f_a),
+                   "paired_diff_us": med([a - b for a, b in zip(f_a, f_b)]),
+                   "gloo_before_us": med(g_b), "gloo_after_us": med(g_a)}
+            row["ratio"] = row["after_us"] / row["before_us"]
+            out.setdefault(op, {})[size] = row
+            print(f"{op:>22} {fmt_size(int(size)):>8} | {row['before_us']:>8.1f} "
+                  f"{row['after_us']:>8.1f} {row['paired_diff_us']:>+8.1f} {row['ratio']:>5.2f}x"
+                  f" | {row['gloo_before_us']:>9.1f} {row['gloo_after_us']:>9.1f}")
+    body = {"baseline": out, "rounds": args.rounds, "loadavg_per_round": loads,
+            "baseline_tree": args.baseline_tree}
+    if args.micro:
+        b, a = samples[("before", "micro")], samples[("after", "micro")]
+        body["micro_ns"] = micro = {"before": med(b), "after": med(a),
+                                    "paired_diff": med([x - y for x, y in zip(a, b)])}
+        print(f"{'channel phase (ns)':>31} | {med(b):>8.0f} {med(a):>8.0f} "
+              f"{micro['paired_diff']:>+8.0f} {med(a) / med(b):>5.2f}x")
+    return body
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.baseline_tree:
+        out = compare_trees(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+        return 0
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print(f"--device cuda: torch.cuda.is_available() is False (torch {torch.__version__})",

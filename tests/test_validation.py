@@ -220,6 +220,13 @@ def _cases(rank: int) -> list[tuple[str, str, str, object]]:
         add(f"scatter/root{root}", "scatter", "root",
             lambda pg, r=root: pg.scatter([_out()], [[torch.ones(4)] * n],
                                           _opts("ScatterOptions", rootRank=r)))
+    # coalesced forms: lists of different lengths would issue different numbers of collectives
+    add("all_gather_coalesced/lengths", "all_gather", "input_list",
+        lambda pg: pg.allgather_coalesced([[_out() for _ in range(n)]] * 2, [torch.ones(4)]))
+    add("all_gather_into_tensor_coalesced/lengths", "all_gather_into_tensor", "inputs",
+        lambda pg: pg.all_gather_single_coalesced([_out(4 * n)] * 2, [torch.ones(4)]))
+    add("reduce_scatter_tensor_coalesced/lengths", "reduce_scatter_tensor", "inputs",
+        lambda pg: pg.reduce_scatter_single_coalesced([_out(4)], [torch.ones(4 * n)] * 2))
     add("all_reduce/two_tensors", "all_reduce", "tensors",
         lambda pg: pg.allreduce([torch.ones(4), torch.ones(4)], _opts("AllreduceOptions")))
     add("all_reduce/no_tensor", "all_reduce", "tensors",

@@ -15,7 +15,11 @@ idle: a queued ``Job`` through :meth:`Engine.run_inline`, a fast path's one-slot
 
 Failure model: a header mismatch or invalid input raises on every rank at the same phase, so the
 group stays usable. A dead peer, a timeout or an unexpected error leaves the ranks at different
-phases: the group is marked broken and every later collective fails at once with that error.
+phases: the group is marked broken and every later collective fails at once with that error, and
+the collective is fenced in shared memory (:meth:`~fcoll.shm.sync.Channel.give_up`): a peer
+waiting for it, or arriving at it later, raises naming this rank instead of computing a result
+from data this rank abandoned, and is broken in turn. Destroying the group fences the next
+sequence number, so a peer still to call it raises at once instead of at the timeout.
 """
 
 from __future__ import annotations

@@ -533,10 +533,16 @@ class FcollProcessGroup(dist.ProcessGroup):
         return self._submit(name, inp, run=run, st=st, result=[list(outs)], opts=opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
+        err = _pairs_error("output_lists", output_lists, "input_list", input_list)
+        if err:
+            return self._submit("all_gather", None, error=err)
         works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
-        return works[-1]
+        return works[-1] if works else self.barrier()
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        err = _pairs_error("outputs", outputs, "inputs", inputs)
+        if err:
+            return self._submit("all_gather_into_tensor", None, error=err)
         works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
         return works[-1] if works else self.barrier()
 
@@ -602,6 +608,9 @@ class FcollProcessGroup(dist.ProcessGroup):
         return self.reduce_scatter_single(output_tensors[0], stacked.view(-1), opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        err = _pairs_error("outputs", outputs, "inputs", inputs)
+        if err:
+            return self._submit("reduce_scatter_tensor", None, error=err)
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[-1] if works else self.barrier()
 
@@ -769,9 +778,7 @@ class FcollProcessGroup(dist.ProcessGroup):
         if not err and not 0 <= root < n:
             err = f"root (dst) {root} is out of range for a group of size {n}"
         if err:
-            inp = input_tensors[0] if not err.startswith("root") else None
-            return self._submit(name, inp if isinstance(inp, torch.Tensor) else None,
-                                root=root, error=err)
+            return self._submit(name, None, root=root, error=err)
         inp = input_tensors[0]
         outs = output_lists[0] if output_lists and output_lists[0] else [
             torch.empty_like(inp) for _ in range(n)]
@@ -812,6 +819,15 @@ class FcollProcessGroup(dist.ProcessGroup):
 
 def _is_seq(x) -> bool:
     return isinstance(x, (list, tuple))
+
+
+def _pairs_error(a: str, xs, b: str, ys) -> str | None:
+    """Why ``xs`` and ``ys`` are not two lists of one length (a coalesced call), or None."""
+    if not (_is_seq(xs) and _is_seq(ys)):
+        return f"{a} and {b} must be lists, got {type(xs).__name__} and {type(ys).__name__}"
+    if len(xs) != len(ys):
+        return f"{a} has {len(xs)} entries but {b} has {len(ys)}"
+    return None
 
 
 def _list_error(arg: str, x, n: int) -> str | None:

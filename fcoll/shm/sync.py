@@ -53,6 +53,15 @@ reads in 1.6 % of rounds without the barrier, none in 200,000 with it. Python ha
 operator; a successful acquire of an uncontended ``threading.Lock`` is an atomic
 read-modify-write (a ``lock``-prefixed instruction on x86-64, a full barrier), about 0.1 us.
 
+Fencing: a rank that gives up a collective (timeout, dead peer, error, destroyed group) stores
+the collective's sequence number, op, reason and the rank it blames in its control record
+(:meth:`Channel.give_up`) and wakes its sleepers. :meth:`Channel.wait_all` reads every peer's
+fence after the peers arrived (one load per peer: 2 ranks, one word) and a sleeper on every
+wake-up; a fence on the current collective (``Channel.seq``, set by the engine) or an earlier
+one raises :class:`PeerError` before any data of that phase is read. Only loads and stores are
+used, so in the instant a rank gives up a peer may already have read that phase (complete data,
+published before the rank gave up) and finish that one collective; its next call raises.
+
 Liveness: a sleeping waiter wakes at least every ``_TICK_S`` (100 ms) to check that every peer
 process is still alive (``/proc/<pid>/stat``: state and start time; a zombie is dead), whether
 the group is closing, and the group timeout, so a dead peer is reported within about 0.1-0.2 s
@@ -213,6 +222,7 @@ class Channel:
         self._addr = [seg.word_addr(p, W_ARRIVE) for p in range(world)]
         self._peers = [p for p in range(world) if p != rank]
         self._fence_idx = [lay.word(p, W_GAVE_UP) for p in self._peers]
+        self._fence_one = self._fence_idx[0] if world == 2 else -1  # 2 ranks: one word
         self.seq = 0  # the collective being executed (the engine sets it): fences compare to it
         self._ident = [
             (words[lay.word(p, W_PID)],
@@ -304,9 +314,15 @@ class Channel:
                 self.stats["spin_failed"] += 1
             self.stats["slept"] += 1
             self._block(p, k, what, start)
-        for i in self._fence_idx:  # a peer that arrived may have given up since: never read it
-            if words[i]:
+        # a peer that arrived may have given up since: never read its data then
+        fence = self._fence_one
+        if fence >= 0:
+            if words[fence]:
                 self._check_fences(what)
+        else:
+            for i in self._fence_idx:
+                if words[i]:
+                    self._check_fences(what)
 
     # ---- fencing by sequence number ----------------------------------------------------------
     def give_up(self, seq: int, op: str, reason: int, peer: int = -1) -> None:
