@@ -268,3 +268,40 @@ def test_two_stage_pipeline_on_fcoll_equals_gloo(schedule):
     theirs = run_ranks(_pipeline, 2, backend="gloo", args=(schedule,), timeout_s=140)
     assert len(ours[1]["losses"]) == 4
     torch.testing.assert_close(ours, theirs)
+
+
+def _inbox_fds() -> int:
+    import os
+
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:fcoll-p2p-")
+        except OSError:
+            pass
+    return n
+
+
+def _destroy_with_pending_send(rank, world):
+    """Rank 0 posts a send that rank 1 never receives, then both destroy the group: the pending
+    send fails naming the destroyed group, and the inbox is closed then, not at exit."""
+    import torch.distributed as dist
+
+    pg = dist.new_group([0, 1])
+    work = dist.isend(torch.ones(8), dst=1, group=pg) if rank == 0 else None
+    dist.barrier()
+    before = _inbox_fds()
+    dist.destroy_process_group(pg)
+    error = None
+    if work is not None:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001  the message is the result
+            error = str(e)
+    return before, _inbox_fds(), error
+
+
+def test_destroying_a_group_fails_pending_p2p_and_closes_its_inbox():
+    (b0, a0, e0), (b1, a1, _) = run_ranks(_destroy_with_pending_send, 2, timeout_s=100)
+    assert b0 >= 1 and a0 == 0 and a1 == 0
+    assert e0 is not None and "destroyed" in e0

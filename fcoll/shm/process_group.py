@@ -97,14 +97,23 @@ class FcollProcessGroup(dist.ProcessGroup):
         return f"FcollProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
 
     def shutdown(self) -> None:
+        self._close_p2p()
         self._fast.clear()  # the fast paths' views of the mapping, so close() can unmap it
         self._engine.close()
         self._cuda.close()
 
     def abort(self) -> None:
+        self._close_p2p()
         self._fast.clear()
         self._engine.close(timeout_s=ABORT_TIMEOUT_S)
         self._cuda.close()
+
+    def _close_p2p(self) -> None:
+        """Fail pending sends and receives, stop the inbox's thread and unmap the inboxes now,
+        not when the group is garbage collected."""
+        p2p = getattr(self, "_p2p_state", None)
+        if p2p is not None:
+            p2p.close()
 
     @property
     def cuda_path(self) -> str | None:
