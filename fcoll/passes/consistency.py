@@ -22,7 +22,8 @@ the *content* of the sequence, never on a count of compiles:
    then ``p`` waits for this rank and this rank waits for ``p``: neither can go on (a rank
    blocked in this check compiles nothing else). This rank writes ``verdict/<p>/<p's token>``
    (``p`` may not look before this rank leaves; the token keeps it from any later check) and
-   raises; ``p`` raises on reading it. Both raise the same :class:`RankMismatchError`, naming
+   raises; ``p`` raises on reading it. A ``waiting/p`` that already has a verdict is stale (``p``
+   is leaving that check) and is skipped. Both raise the same :class:`RankMismatchError`, naming
    the first differing collective, or both groups, within a poll or two of the later arrival.
 4. A rank that never publishes this sequence (dead, slow, running something else, or waiting
    behind a longer cycle of three ranks or more) gives :class:`RankTimeoutError` at
@@ -382,6 +383,9 @@ def _wait_for_peers(store: dist.Store, me: _Wait, fp: Fingerprint, rank: int,
             members = _members(theirs.group)
             if members is None or rank not in members:
                 continue  # p does not wait for this rank
+            if store.check([_verdict_key(p, theirs)]):
+                continue  # p has a verdict on that check (this rank's, from an earlier check
+                # that raised): p is about to leave it, so it is stale, not a deadlock
             # p waits for ``theirs`` from this rank, which waits for ``me`` from p: neither
             # can go on. Tell p (it may not look at this rank's key before this rank leaves).
             store.set(_verdict_key(p, theirs), f"{rank}\n{me.text()}")
