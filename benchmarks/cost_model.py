@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fcoll.ops.facts import KINDS  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
+from collectives import fmt_size, parse_size  # noqa: E402  (this folder: the script's own)
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB << i for i in range(15)]  # 4 KiB .. 64 MiB
@@ -69,16 +70,6 @@ def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
                 out["measured"][(backend, kind, size)] = statistics.median(runs)
         out["loadavg"][kind] = (load0, os.getloadavg()[0])
     return out
-
-
-def fmt_size(b: int) -> str:
-    return f"{b // MiB} MiB" if b >= MiB else f"{b // KiB} KiB"
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
 def _two_point(curve, size: int) -> float:
