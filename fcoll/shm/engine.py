@@ -74,22 +74,24 @@ class Job:
             fut = self._fut
         self.done_lock.release()
         if fut is not None:
-            _settle(fut, self)
+            settle_future(fut, self.error, self.result)
 
     def future(self) -> torch.futures.Future:
         with self._fut_lock:
             if self._fut is None:
                 self._fut = torch.futures.Future()
                 if self.done:
-                    _settle(self._fut, self)
+                    settle_future(self._fut, self.error, self.result)
             return self._fut
 
 
-def _settle(fut: torch.futures.Future, job: Job) -> None:
-    if job.error is not None:
-        fut.set_exception(job.error)
+def settle_future(fut: torch.futures.Future, error: BaseException | None, result) -> None:
+    """Complete ``fut`` (a completed job's or p2p operation's future) with ``error`` if there
+    is one, else with ``result``."""
+    if error is not None:
+        fut.set_exception(error)
     else:
-        fut.set_result(job.result)
+        fut.set_result(result)
 
 
 class Engine:

@@ -46,6 +46,7 @@ import weakref
 import torch
 
 from fcoll.compat import run_eagerly_under_dynamo
+from fcoll.shm.engine import settle_future
 from fcoll.shm.inbox import (ACK_MISMATCH, ACK_OK, ACKS, MAX_DIMS, NCHUNKS, PREFIX, R_HEAD,
                              R_TAIL, RECORD_BYTES, W_DOOR, W_SLEEPERS, Inbox, Layout, ack_marker,
                              chunk_bytes, create_inbox, decode_record, encode_record, open_inbox,
@@ -92,14 +93,7 @@ class _Op:
             self.error, self.done = error, True
             fut = self.fut
         if fut is not None:
-            _settle(fut, self)
-
-
-def _settle(fut: torch.futures.Future, op: _Op) -> None:
-    if op.error is not None:
-        fut.set_exception(op.error)
-    else:
-        fut.set_result([op.tensor])
+            settle_future(fut, error, [self.tensor])
 
 
 class _InMsg:
@@ -616,7 +610,7 @@ class P2PWork(torch.distributed.Work):
             if op.fut is None:
                 op.fut = torch.futures.Future()
                 if op.done:
-                    _settle(op.fut, op)
+                    settle_future(op.fut, op.error, [op.tensor])
         return op.fut
 
     def _source_rank(self) -> int:
