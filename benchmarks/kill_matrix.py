@@ -72,16 +72,11 @@ def _shm_names() -> set[str]:
 
 def _mapped_by_anyone(pids: list[int]) -> list[str]:
     """``memfd:fcoll-<pid>-`` mappings of any of ``pids`` still in some process's maps."""
+    from fcoll.shm.segment import proc_maps
+
     needles = [f"memfd:fcoll-{p}-".encode() for p in pids]
     found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/maps", "rb") as f:
-                maps = f.read()
-        except OSError:
-            continue
+    for d, maps in proc_maps():
         found += [f"{d}: {n.decode()}" for n in needles if n in maps]
     return found
 

@@ -398,18 +398,24 @@ def sweep_dead_segments(shm_dir: str = SHM_DIR,
     return removed
 
 
-def _mapped_inodes(shm_dir: str) -> set[int]:
-    """Inodes of the ``shm_dir`` fcoll files mapped by any process whose maps we can read."""
-    needle = os.path.join(shm_dir, PREFIX).encode()
-    inodes = set()
+def proc_maps():
+    """``(pid, contents of /proc/<pid>/maps)`` of every process whose maps this one can read
+    (a process that exits meanwhile is skipped)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/maps", "rb") as f:
-                maps = f.read()
+                yield pid, f.read()
         except OSError:
             continue
+
+
+def _mapped_inodes(shm_dir: str) -> set[int]:
+    """Inodes of the ``shm_dir`` fcoll files mapped by any process whose maps we can read."""
+    needle = os.path.join(shm_dir, PREFIX).encode()
+    inodes = set()
+    for _, maps in proc_maps():
         if needle not in maps:
             continue
         for line in maps.splitlines():
