@@ -22,20 +22,17 @@ number, chunk count or ack status, tag, byte count, dtype name and shape.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import mmap
 import os
-import stat
 import struct
 
 import torch
 
+from fcoll.shm import segment
 from fcoll.shm.segment import Segment, proc_start_time
 from fcoll.shm.sync import PeerError
 
 PREFIX = "fcoll-p2p-"
-MODE = 0o600
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 PAGE = 4096
 NCHUNKS = 4  # slots per ring
 CHUNK_BYTES = 256 << 10  # default bytes per slot; FCOLL_P2P_CHUNK_BYTES overrides it
@@ -102,23 +99,13 @@ def find_fd(pid: int, target: str) -> str | None:
 
 
 def check_fd(fd: int, path: str, size: int) -> None:
-    """Refuse ``fd`` unless it is a regular file of our uid, mode 0600, ``size`` bytes, sealed.
+    """:func:`fcoll.shm.segment.check_fd` for an inbox of ``size`` bytes.
 
     Raises:
         RuntimeError: naming ``path`` and the check that failed.
     """
-    st = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        why = "is not a regular file of this user"
-    elif stat.S_IMODE(st.st_mode) != MODE:
-        why = f"has mode {stat.S_IMODE(st.st_mode):04o}, not {MODE:04o}"
-    elif st.st_size != size:
-        why = f"has {st.st_size} bytes, not {size} (FCOLL_P2P_CHUNK_BYTES differs between ranks?)"
-    elif fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
-        why = "is not sealed against resizing"
-    if why is not None:
-        raise RuntimeError(f"fcoll p2p: refusing to map the inbox {path}: it {why}")
+    segment.check_fd(fd, path, size, None, "p2p inbox",
+                     "of this rank's inbox layout (FCOLL_P2P_CHUNK_BYTES differs between ranks?)")
 
 
 class Inbox:
@@ -174,11 +161,8 @@ def create_inbox(name: str, lay: Layout) -> tuple[int, Inbox]:
     Returns ``(fd, inbox)``; the caller keeps ``fd`` open while the group lives (peers open the
     file through ``/proc/<pid>/fd``).
     """
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = segment.create_sealed_memfd(name, lay.total, "p2p inbox")
     try:
-        os.fchmod(fd, MODE)
-        os.ftruncate(fd, lay.total)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         return fd, Inbox(fd, lay)
     except BaseException:
         os.close(fd)

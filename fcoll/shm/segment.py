@@ -226,26 +226,34 @@ class Segment:
             pass  # a torch view is still alive somewhere; unmapped when it dies
 
 
-def _create(size: int, start: int) -> int:
-    """A sealed memfd of ``size`` bytes, mode 0600; returns its fd (close-on-exec)."""
-    fd = os.memfd_create(f"{PREFIX}{os.getpid()}-{start}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def create_sealed_memfd(name: str, size: int, what: str = "shared-memory segment") -> int:
+    """A memfd ``name`` of ``size`` bytes, mode 0600, sealed against shrinking and growing (no
+    SIGBUS from a peer's truncate); returns its fd (close-on-exec). Used for the group segment
+    and for p2p inboxes (:mod:`fcoll.shm.inbox`)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.fchmod(fd, MODE)
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        _check_fd(fd, f"/proc/{os.getpid()}/fd/{fd}", size, None)
+        check_fd(fd, f"/proc/{os.getpid()}/fd/{fd}", size, None, what)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _check_fd(fd: int, path: str, size: int, ino: int | None) -> None:
-    """Refuse ``fd`` (opened from ``path``) unless it is the group's segment: inode ``ino``, a
-    regular file of our uid, mode 0600, ``size`` bytes, sealed against resizing.
+def _create(size: int, start: int) -> int:
+    """The group segment: a sealed memfd of ``size`` bytes named for this process."""
+    return create_sealed_memfd(f"{PREFIX}{os.getpid()}-{start}", size)
+
+
+def check_fd(fd: int, path: str, size: int, ino: int | None,
+             what: str = "shared-memory segment", size_note: str = "of the group's layout") -> None:
+    """Refuse ``fd`` (opened from ``path``) unless it is the expected ``what``: inode ``ino``
+    (when given), a regular file of our uid, mode 0600, ``size`` bytes, sealed against resizing.
 
     Raises:
-        RuntimeError: naming ``path`` and the first check that failed.
+        RuntimeError: naming ``what``, ``path`` and the first check that failed.
     """
     st = os.fstat(fd)
     why = None
@@ -258,7 +266,7 @@ def _check_fd(fd: int, path: str, size: int, ino: int | None) -> None:
     elif stat.S_IMODE(st.st_mode) != MODE:
         why = f"has mode {stat.S_IMODE(st.st_mode):04o}, not {MODE:04o}"
     elif st.st_size != size:
-        why = f"has {st.st_size} bytes, not the {size} of the group's layout"
+        why = f"has {st.st_size} bytes, not the {size} {size_note}"
     else:
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -267,7 +275,7 @@ def _check_fd(fd: int, path: str, size: int, ino: int | None) -> None:
         if seals & SEALS != SEALS:
             why = "is not sealed against shrinking and growing (it could be truncated: SIGBUS)"
     if why is not None:
-        raise RuntimeError(f"fcoll: refusing to map the shared-memory segment {path}: it {why}")
+        raise RuntimeError(f"fcoll: refusing to map the {what} {path}: it {why}")
 
 
 def _attach(record: bytes, size: int) -> int:
@@ -275,7 +283,7 @@ def _attach(record: bytes, size: int) -> int:
 
     Raises:
         RuntimeError: the record is malformed, the creator is gone, or the fd fails
-            :func:`_check_fd`.
+            :func:`check_fd`.
     """
     m = _RECORD.fullmatch(record[:MAX_STORE_VALUE_BYTES])
     if m is None or len(record) > MAX_STORE_VALUE_BYTES:
@@ -295,7 +303,7 @@ def _attach(record: bytes, size: int) -> int:
         if proc_start_time(pid) != start:  # the pid was reused between the checks
             raise RuntimeError(f"fcoll: the creator of the group's segment (pid {pid}) exited "
                                f"while this rank attached {path}")
-        _check_fd(fd, path, size, ino)
+        check_fd(fd, path, size, ino)
     except BaseException:
         os.close(fd)
         raise
