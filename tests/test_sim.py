@@ -345,6 +345,98 @@ class TestMeasuredCompute(unittest.TestCase):
             simulate(self.program(), [2], compute="trace")
 
 
+class TestOutsideTheGraphs(unittest.TestCase):
+    """Three steps of one program ``all_gather (issued before any compute) -> a -> b -> wait``:
+    each graph run spans from the all_gather's issue to the last wait's return; the rest of
+    each period is outside the graph."""
+
+    @staticmethod
+    def graph_run(t0):
+        """A run starting at ``t0``: issue at t0, a at t0+5 (10 us), b at t0+20 (10 us),
+        wait returns at t0+40."""
+        return [
+            {"name": "ag", "cat": "comm", "ph": "b", "ts": t0, "pid": 0, "id": t0},
+            {"name": "a", "cat": "compute", "ph": "X", "ts": t0 + 5, "dur": 10.0, "pid": 0},
+            {"name": "b", "cat": "compute", "ph": "X", "ts": t0 + 20, "dur": 10.0, "pid": 0},
+            {"name": "ag", "cat": "comm", "ph": "e", "ts": t0 + 40, "pid": 0, "id": t0},
+        ]
+
+    def program(self):
+        return schedule([node("x", "placeholder", out=4 * MiB),
+                         coll("ag", "all_gather", ["x"], 4 * MiB, 8 * MiB),
+                         node("a", "compute", ["x"], us=1.0),
+                         node("b", "compute", ["a"], us=1.0),
+                         node("w", "wait", ["ag"], collective="ag")])
+
+    def trace(self, starts):
+        return {"traceEvents": [e for t0 in starts for e in self.graph_run(t0)]}
+
+    def test_outside_is_the_period_minus_the_runs_span_from_first_issue_to_last_wait(self):
+        """Periods 100, 130, 100 us; every run spans 40 us (issue at +0 to the wait at +40,
+        not the compute's 5..30): outside 60, 90, 60 -> median 60 over 3 steps (the last run
+        has no following step)."""
+        from fcoll.sim.measured import outside_graphs_us
+
+        m = outside_graphs_us(self.trace([0, 100, 230, 330]), load_programs(self.program()))
+        self.assertEqual((m.outside_us, m.period_us, m.graphs_us, m.steps),
+                         (60.0, 100.0, 40.0, 3))
+
+    def test_two_programs_per_step_each_count_their_own_span(self):
+        """Forward f (compute f1, 10 us) then backward g (compute g1, 20 us) per step, steps
+        every 100 us: f at +0, g at +30 -> graphs 30 us, outside 70 us (the 20 us between f
+        and g is outside too: the autograd engine's)."""
+        from fcoll.sim.measured import outside_graphs_us
+
+        fwd = schedule([node("x", "placeholder", out=4), node("f1", "compute", ["x"], us=1.0)],
+                       name="f")
+        bwd = schedule([node("y", "placeholder", out=4), node("g1", "compute", ["y"], us=1.0)],
+                       name="g")
+        ev = []
+        for t0 in (0.0, 100.0, 200.0):
+            ev += [{"name": "f1", "cat": "compute", "ph": "X", "ts": t0, "dur": 10.0},
+                   {"name": "g1", "cat": "compute", "ph": "X", "ts": t0 + 30, "dur": 20.0}]
+        m = outside_graphs_us({"traceEvents": ev}, load_programs([fwd, bwd]))
+        self.assertEqual((m.outside_us, m.graphs_us, m.steps), (70.0, 30.0, 2))
+
+    def test_simulated_step_adds_the_measured_outside_time_to_every_layout(self):
+        """compute from the trace: a 10 + b (10 + gap 5 after a) = 25 us; the all_gather of
+        8 MiB on 2 hosts of 1 rank over 100gbit,5us: 1/2 * 8 MiB / 12,500 B/us + 5 us, waited
+        after b: exposed all but the 25 us of compute behind it. Outside: 60 us."""
+        trace = self.trace([0, 100, 230, 330])
+        r = simulate(self.program(), [Layout(2, 1)], inter=NET, compute="trace", trace=trace,
+                     algorithm="ring").results[0]
+        ag_us = 0.5 * 8 * MiB / 12_500.0 + 5.0
+        self.assertAlmostEqual(r.compute_us, 25.0)
+        self.assertAlmostEqual(r.outside_us, 60.0)
+        self.assertAlmostEqual(r.step_us, ag_us + 60.0)
+        given = simulate(self.program(), [Layout(2, 1)], inter=NET, compute="trace",
+                         trace=trace, algorithm="ring", outside=7.5).results[0]
+        self.assertAlmostEqual(given.step_us, ag_us + 7.5)
+        none = simulate(self.program(), [Layout(2, 1)], inter=NET, compute="trace",
+                        trace=trace, algorithm="ring", outside="none").results[0]
+        self.assertAlmostEqual(none.step_us, ag_us)
+
+    def test_without_a_trace_auto_adds_nothing_and_says_so(self):
+        rep = simulate(self.program(), [2])
+        self.assertEqual(rep.results[0].outside_us, 0.0)
+        self.assertIn("not modelled", rep.outside_source)
+        self.assertIn("predicted", rep.compute_source)
+
+    def test_bad_outside_and_too_short_traces_raise_naming_the_argument(self):
+        from fcoll.sim.measured import outside_graphs_us
+
+        with self.assertRaisesRegex(ValueError, "--outside trace: give the trace"):
+            simulate(self.program(), [2], outside="trace")
+        with self.assertRaisesRegex(ValueError, "--outside: expected microseconds >= 0"):
+            simulate(self.program(), [2], outside=-1.0)
+        with self.assertRaisesRegex(ValueError, "--outside: expected 'auto'"):
+            simulate(self.program(), [2], outside="sometimes")
+        with self.assertRaisesRegex(ValueError, "no two in a row; run more steps"):
+            outside_graphs_us(self.trace([0]), load_programs(self.program()))
+        with self.assertRaisesRegex(ValueError, "no compute events of"):
+            outside_graphs_us({"traceEvents": []}, load_programs(self.program()))
+
+
 class TestFromGraphs(unittest.TestCase):
     @classmethod
     def setUpClass(cls):

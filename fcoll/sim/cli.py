@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from fcoll.sim.report import plot_svg
-from fcoll.sim.simulate import ALGORITHM_CHOICES, simulate
+from fcoll.sim.simulate import ALGORITHM_CHOICES, COMPUTE_CHOICES, simulate
 
 __all__ = ["main", "parse_ranks"]
 
@@ -32,6 +32,17 @@ def parse_ranks(text: str) -> list[int]:
                              f"{part!r} in {text!r}")
         out.append(int(part))
     return out
+
+
+def _outside_arg(text: str) -> str | float:
+    """``--outside``: a keyword, or microseconds (ValueError naming ``--outside``)."""
+    if text in ("auto", "trace", "none"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--outside: expected auto, trace, none or microseconds, got "
+                         f"{text!r}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,10 +65,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="collective algorithm (default auto: the fastest per collective)")
     p.add_argument("--rank", type=int, default=0, help="whose graphs to read (default 0)")
     p.add_argument("--graphs", default=None, help="regex: only these graphs' files")
-    p.add_argument("--compute", choices=("predicted", "trace"), default="predicted",
-                   help="compute times: the cost model's (predicted) or measured per node in "
-                        "DIR/traces/rank{R}.json (trace)")
-    p.add_argument("--trace", default=None, help="the trace for --compute trace")
+    p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto",
+                   help="compute times: the cost model's (predicted), measured per node in "
+                        "DIR/traces/rank{R}.json (trace), or trace where there is one (auto, "
+                        "the default)")
+    p.add_argument("--outside", default="auto",
+                   help="step time outside the compiled graphs: auto (measured in the trace "
+                        "where there is one, else 0), trace, none, or microseconds")
+    p.add_argument("--trace", default=None, help="the trace for --compute / --outside")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--plot", default=None, help="write an SVG of step and exposed time here")
     return p
@@ -70,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = simulate(opts.dir, parse_ranks(opts.ranks), intra=opts.intra,
                           inter=opts.inter, algorithm=opts.algorithm,
                           ranks_per_host=opts.hosts_of, rank=opts.rank, graphs=opts.graphs,
-                          compute=opts.compute, trace=opts.trace)
+                          compute=opts.compute, trace=opts.trace,
+                          outside=_outside_arg(opts.outside))
     except ValueError as e:
         print(f"fcoll.sim: {e}", file=sys.stderr)
         return 2

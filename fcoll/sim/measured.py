@@ -21,10 +21,11 @@ import dataclasses
 import os
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from fcoll.inspect.trace_compare import load_trace
 from fcoll.sim.program import Program
 
-__all__ = ["measured_compute_us", "with_measured_compute"]
+__all__ = ["measured_compute_us", "with_measured_compute", "outside_graphs_us", "OutsideGraphs"]
 
 
 def measured_compute_us(trace: str | os.PathLike | dict | list, *, rank: int | None = None,
@@ -85,3 +86,101 @@ def with_measured_compute(program: Program, measured: dict[str, tuple[float, flo
     overhead = statistics.median(gaps) if gaps else 0.0
     return dataclasses.replace(program, nodes=tuple(nodes), by_name={},
                                cost_source="measured (trace)", op_overhead_us=overhead), missing
+
+
+@dataclass(frozen=True)
+class OutsideGraphs:
+    """A step's time outside its compiled graphs, measured in a trace (microseconds; medians
+    over the trace's complete steps, each step = one run of every program, in order).
+
+    Attributes:
+        outside_us: median of (period - sum of the step's graph-run spans) over the steps.
+        period_us: median step period (one step's first graph run start to the next's).
+        graphs_us: median sum of the step's graph-run spans.
+        steps: how many steps (with a following step, so a period) the medians are over.
+    """
+
+    outside_us: float
+    period_us: float
+    graphs_us: float
+    steps: int
+
+
+def _edges(program: Program) -> tuple[set[str], set[str]]:
+    """Names of the collectives ``program`` issues before its first compute node (their issue
+    may start a run) and of those it waits for after its last compute node (their wait's
+    return may end a run)."""
+    order = [n for n in program.nodes if n.cls != "placeholder"]
+    comp = [i for i, n in enumerate(order) if n.cls == "compute"]
+    if not comp:
+        return set(), set()
+    lead = {n.name for n in order[:comp[0]] if n.cls == "collective"}
+    trail = {n.collective for n in order[comp[-1] + 1:] if n.cls == "wait"}
+    return lead, trail
+
+
+def outside_graphs_us(trace: str | os.PathLike | dict | list, programs: list[Program], *,
+                      rank: int | None = None) -> OutsideGraphs:
+    """The step time outside ``programs`` (one step: each program run once, in this order)
+    in ``trace`` (module docstring). ``rank``: only events of that ``pid``.
+
+    The trace's compute events are matched, in order, against the step's compute nodes that
+    appear in the trace (nodes the executor does not trace are skipped); a step is counted
+    when all of its programs' events follow in that order and the next step starts right
+    after it. Nothing is dropped for compilation: the first step's compute runs after its
+    compile (the backend compiles before the first run), and the median absorbs a slow one.
+
+    Raises:
+        ValueError: the trace holds fewer than two consecutive steps of these programs
+            (naming the programs and how many compute events matched).
+    """
+    events = [e for e in load_trace(trace) if rank is None or e.get("pid", rank) == rank]
+    comp = sorted((e for e in events if e.get("cat") == "compute" and e.get("ph") == "X"),
+                  key=lambda e: float(e["ts"]))
+    comm = sorted((e for e in events if e.get("cat") == "comm" and e.get("ph") in ("b", "e")),
+                  key=lambda e: float(e["ts"]))
+    traced = {e["name"] for e in comp}
+    seqs = [[n.name for n in p.nodes if n.cls == "compute" and n.name in traced]
+            for p in programs]
+    step_names = [name for seq in seqs for name in seq]
+    names = [e["name"] for e in comp]
+    size = len(step_names)
+    if not size or any(not seq for seq in seqs):
+        raise ValueError(f"outside the graphs: the trace has no compute events of "
+                         f"{[p.name for p in programs]} (another run's trace?)")
+    starts = [i for i in range(len(names) - size + 1) if names[i:i + size] == step_names]
+    steps = [i for i in starts if i + size in starts]    # complete, with a following step
+    if not steps:
+        raise ValueError(f"outside the graphs: the trace holds {len(starts)} step(s) of "
+                         f"{[p.name for p in programs]} ({size} compute events each) and no "
+                         "two in a row; run more steps")
+    edges = [_edges(p) for p in programs]
+
+    def spans(first: int) -> list[tuple[float, float]]:
+        out, i = [], first
+        for seq, (lead, trail) in zip(seqs, edges):
+            a, b = comp[i], comp[i + len(seq) - 1]
+            lo = float(a["ts"])
+            prev_end = float(comp[i - 1]["ts"]) + float(comp[i - 1].get("dur", 0.0)) \
+                if i > 0 else float("-inf")
+            hi = float(b["ts"]) + float(b.get("dur", 0.0))
+            nxt = float(comp[i + len(seq)]["ts"]) if i + len(seq) < len(comp) else float("inf")
+            for e in comm:
+                ts = float(e["ts"])
+                if e["ph"] == "b" and e["name"] in lead and prev_end <= ts < lo:
+                    lo = ts
+                elif e["ph"] == "e" and e["name"] in trail and hi < ts <= nxt:
+                    hi = ts
+            out.append((lo, hi))
+            i += len(seq)
+        return out
+
+    rows = []
+    for i in steps:
+        runs, after = spans(i), spans(i + size)
+        period = after[0][0] - runs[0][0]
+        inside = sum(hi - lo for lo, hi in runs)
+        rows.append((period - inside, period, inside))
+    return OutsideGraphs(statistics.median(r[0] for r in rows),
+                         statistics.median(r[1] for r in rows),
+                         statistics.median(r[2] for r in rows), len(rows))

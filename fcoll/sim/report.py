@@ -21,21 +21,23 @@ def _algorithms(counts: dict[str, dict[str, int]]) -> str:
 
 
 def report_text(report: Any) -> str:
-    """One row per layout: ranks, hosts x ranks per host, step, compute, communication and
-    exposed time (ms), overlap ratio, peak memory, the algorithms chosen; then the links, the
+    """One row per layout: ranks, hosts x ranks per host, step (graphs plus the time outside
+    them), outside, compute, communication and exposed time (ms), overlap ratio, peak memory, the algorithms chosen; then the links, the
     graphs and the assumptions."""
     rows = []
     for r in report.results:
-        rows.append((r.layout.ranks, str(r.layout), _ms(r.step_us), _ms(r.compute_us),
+        rows.append((r.layout.ranks, str(r.layout), _ms(r.step_us), _ms(r.outside_us),
+                     _ms(r.compute_us),
                      _ms(r.comm_us), _ms(r.exposed_comm_us), f"{r.overlap_ratio:.0%}",
                      fmt_bytes(int(r.peak_bytes)), _algorithms(r.algorithms())))
-    table = text_table(("ranks", "hosts", "step_ms", "compute_ms", "comm_ms", "exposed_ms",
-                        "overlap", "peak_mem", "algorithms"), rows,
-                       (True, True, True, True, True, True, True, True, False))
+    table = text_table(("ranks", "hosts", "step_ms", "outside_ms", "compute_ms", "comm_ms",
+                        "exposed_ms", "overlap", "peak_mem", "algorithms"), rows,
+                       (True, True, True, True, True, True, True, True, True, False))
     lines = [table, "",
              f"graphs: {', '.join(report.programs)} (recorded on "
              f"{report.recorded_world_size} ranks)",
              f"compute: {report.compute_source}",
+             f"outside the graphs: {report.outside_source}",
              f"intra-host: {report.network.intra.describe()}",
              f"inter-host: {report.network.inter.describe()}",
              f"algorithm: {report.network.algorithm}", "assumptions:"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from fcoll.sim import algorithms
-from fcoll.sim.measured import measured_compute_us, with_measured_compute
+from fcoll.sim.measured import measured_compute_us, outside_graphs_us, with_measured_compute
 from fcoll.sim.links import LinkModel, MeasuredLink, parse_link
 from fcoll.sim.program import Program, load_programs
 from fcoll.sim.replay import Replay, replay
@@ -25,7 +25,11 @@ from fcoll.sim.scaling import ASSUMPTIONS, Layout, ScaledCollective, scaled_coll
     shard_names
 
 __all__ = ["simulate", "Network", "collective_us", "GraphResult", "LayoutResult", "SimReport",
-           "ALGORITHM_CHOICES"]
+           "ALGORITHM_CHOICES", "COMPUTE_CHOICES"]
+
+#: ``compute=``: "auto" is "trace" where the source has a trace (an ``fcoll.inspect`` directory
+#: with ``traces/rank{R}.json``, or ``trace=``), else "predicted".
+COMPUTE_CHOICES = ("auto", "predicted", "trace")
 
 #: ``algorithm=``: "auto" picks the fastest per collective (as NCCL's tuner does), the others
 #: force one; "hierarchical" falls back to the flat algorithms on one host.
@@ -104,9 +108,12 @@ class LayoutResult:
 
     Attributes:
         layout: the layout.
-        step_us, compute_us, comm_us, exposed_comm_us: sums over the step's programs.
+        step_us: the programs' replayed times plus ``outside_us``.
+        compute_us, comm_us, exposed_comm_us: sums over the step's programs.
         peak_bytes: the largest program's peak (inputs included).
         graphs: per-program results.
+        outside_us: the step's time outside its compiled graphs (measured on the recording,
+            the same on every layout; 0 when not known).
     """
 
     layout: Layout
@@ -116,6 +123,7 @@ class LayoutResult:
     exposed_comm_us: float
     peak_bytes: float
     graphs: tuple[GraphResult, ...]
+    outside_us: float = 0.0
 
     @property
     def overlap_ratio(self) -> float:
@@ -133,6 +141,7 @@ class LayoutResult:
     def as_dict(self) -> dict[str, Any]:
         return {"ranks": self.layout.ranks, "hosts": self.layout.hosts,
                 "ranks_per_host": self.layout.per_host, "step_us": self.step_us,
+                "graphs_us": self.step_us - self.outside_us, "outside_us": self.outside_us,
                 "compute_us": self.compute_us, "comm_us": self.comm_us,
                 "exposed_comm_us": self.exposed_comm_us, "overlap_ratio": self.overlap_ratio,
                 "peak_bytes": self.peak_bytes, "algorithms": self.algorithms(),
@@ -150,11 +159,12 @@ class SimReport:
     programs: tuple[str, ...]
     recorded_world_size: int
     compute_source: str = "predicted"
+    outside_source: str = "not modelled (0)"
     assumptions: tuple[str, ...] = field(default=ASSUMPTIONS)
 
     def as_dict(self) -> dict[str, Any]:
         return {"graphs": list(self.programs), "recorded_world_size": self.recorded_world_size,
-                "compute": self.compute_source,
+                "compute": self.compute_source, "outside_graphs": self.outside_source,
                 "intra": self.network.intra.describe(), "inter": self.network.inter.describe(),
                 "algorithm": self.network.algorithm, "assumptions": list(self.assumptions),
                 "layouts": [r.as_dict() for r in self.results]}
@@ -199,8 +209,9 @@ def _simulate_program(p: Program, layout: Layout, net: Network) -> GraphResult:
 def simulate(graphs_or_records: Any, layouts: Sequence[Layout | int], *,
              intra: str | LinkModel = "shm", inter: str | LinkModel = "100gbit,5us",
              algorithm: str = "auto", ranks_per_host: int = 8, rank: int = 0,
-             graphs: str | None = None, compute: str = "predicted",
-             trace: str | os.PathLike | None = None) -> SimReport:
+             graphs: str | None = None, compute: str = "auto",
+             trace: str | os.PathLike | dict | None = None,
+             outside: str | float = "auto") -> SimReport:
     """Simulate a compiled step on each layout.
 
     Args:
@@ -214,17 +225,24 @@ def simulate(graphs_or_records: Any, layouts: Sequence[Layout | int], *,
         algorithm: one of :data:`ALGORITHM_CHOICES`.
         ranks_per_host: hosts' size for layouts given as rank counts.
         rank / graphs: which rank's files, and which graphs (regex), of a directory.
-        compute: "predicted" (the times in the schedule: the cost model's) or "trace" (measured
-            per node in a run's trace: :mod:`fcoll.sim.measured`).
-        trace: the trace for ``compute="trace"``; default ``DIR/traces/rank{rank}.json`` of a
-            directory source.
+        compute: "predicted" (the times in the schedule: the cost model's), "trace" (measured
+            per node in a run's trace: :mod:`fcoll.sim.measured`) or "auto" (trace where there
+            is one, else predicted).
+        trace: the trace for ``compute``/``outside``; default ``DIR/traces/rank{rank}.json``
+            of a directory source.
+        outside: the step's time outside its compiled graphs, added to every layout's step:
+            "auto" (measured in the trace,
+            :func:`fcoll.sim.measured.outside_graphs_us`, where there is one; else 0),
+            "trace" (measured; an error without a trace), "none" (0), or microseconds.
 
     Returns:
         A :class:`SimReport`; ``str()`` of it is the table the CLI prints.
 
     Raises:
         ValueError: a bad link spec (naming ``--intra`` / ``--inter``), layout or algorithm,
-            a source with no schedule, or ``compute="trace"`` without a trace.
+            a source with no schedule, ``compute="trace"`` or ``outside="trace"`` without a
+            trace, a trace without two consecutive steps of the graphs (``outside="trace"``),
+            or a negative or unknown ``outside``.
     """
     net = Network(intra if not isinstance(intra, str) else parse_link(intra, "--intra"),
                   inter if not isinstance(inter, str) else parse_link(inter, "--inter"),
@@ -238,19 +256,22 @@ def simulate(graphs_or_records: Any, layouts: Sequence[Layout | int], *,
                                                           net.intra.spec))
     source = "predicted (cost model: " + \
         ", ".join(sorted({p.cost_source for p in programs})) + ")"
-    if compute == "trace":
-        programs, source = _measured(programs, graphs_or_records, trace, rank)
-    elif compute != "predicted":
-        raise ValueError(f"--compute: expected 'predicted' or 'trace', got {compute!r}")
+    if compute not in COMPUTE_CHOICES:
+        raise ValueError(f"--compute: expected one of {COMPUTE_CHOICES}, got {compute!r}")
+    trace = _trace_of(graphs_or_records, trace, rank)
+    if compute == "trace" or (compute == "auto" and trace is not None):
+        programs, source = _measured(programs, trace)
+    outside_us, outside_source = _outside(outside, programs, trace)
     results = []
     for lay in lays:
         per = tuple(_simulate_program(p, lay, net) for p in programs)
         results.append(LayoutResult(
-            lay, sum(g.replay.step_us for g in per), sum(g.replay.compute_us for g in per),
-            sum(g.replay.comm_us for g in per), sum(g.replay.exposed_comm_us for g in per),
-            max(g.replay.peak_bytes for g in per), per))
+            lay, sum(g.replay.step_us for g in per) + outside_us,
+            sum(g.replay.compute_us for g in per), sum(g.replay.comm_us for g in per),
+            sum(g.replay.exposed_comm_us for g in per), max(g.replay.peak_bytes for g in per),
+            per, outside_us))
     return SimReport(tuple(results), net, tuple(p.name for p in programs),
-                     max(p.world_size for p in programs), source)
+                     max(p.world_size for p in programs), source, outside_source)
 
 
 def _recorded_shm(programs: list[Program]) -> dict[tuple[str, int], list]:
@@ -259,23 +280,57 @@ def _recorded_shm(programs: list[Program]) -> dict[tuple[str, int], list]:
             for c in p.comm_curves if c.get("backend") == "fcoll" and c.get("link") == "intra"}
 
 
-def _measured(programs: list[Program], src: Any, trace: Any, rank: int
-              ) -> tuple[list[Program], str]:
+def _trace_of(src: Any, trace: Any, rank: int) -> Any:
+    """The trace to measure from: ``trace`` if given (a path must exist), else
+    ``DIR/traces/rank{rank}.json`` of an ``fcoll.inspect`` directory where it exists, else
+    None."""
+    if trace is not None:
+        if isinstance(trace, (str, os.PathLike)) and not os.path.exists(trace):
+            raise ValueError(f"--trace: no trace at {trace} (fcoll.inspect writes "
+                             "DIR/traces/rank{R}.json)")
+        return trace
+    if isinstance(src, (str, os.PathLike)) and os.path.isdir(src):
+        path = os.path.join(src, "traces", f"rank{rank}.json")
+        return path if os.path.exists(path) else None
+    return None
+
+
+def _where(trace: Any) -> str:
+    return os.fspath(trace) if isinstance(trace, (str, os.PathLike)) else "the given trace"
+
+
+def _measured(programs: list[Program], trace: Any) -> tuple[list[Program], str]:
     """The programs with compute times from the trace, and a line saying so."""
     if trace is None:
-        if not isinstance(src, (str, os.PathLike)) or not os.path.isdir(src):
-            raise ValueError("--compute trace: give the trace (trace=...) when the graphs do "
-                             "not come from an fcoll.inspect directory")
-        trace = os.path.join(src, "traces", f"rank{rank}.json")
-    if isinstance(trace, (str, os.PathLike)) and not os.path.exists(trace):
-        raise ValueError(f"--compute trace: no trace at {trace} (fcoll.inspect writes "
-                         "DIR/traces/rank{R}.json)")
+        raise ValueError("--compute trace: give the trace (trace=...) when the graphs do not "
+                         "come from an fcoll.inspect directory with DIR/traces/rank{R}.json")
     out, missing = [], 0
     for p in programs:
         q, m = with_measured_compute(p, measured_compute_us(trace, graph=p.name))
         out.append(q)
         missing += m
-    where = trace if isinstance(trace, (str, os.PathLike)) else "the given trace"
-    return out, (f"measured in {where} (mean per node after the first step, with the "
+    return out, (f"measured in {_where(trace)} (mean per node after the first step, with the "
                  f"executor's gap before it; {missing} compute node(s) not in the trace keep "
                  "predicted times)")
+
+
+def _outside(outside: str | float, programs: list[Program], trace: Any) -> tuple[float, str]:
+    """(microseconds, a line saying where they come from) of the step outside the graphs."""
+    if isinstance(outside, (int, float)) and not isinstance(outside, bool):
+        if outside < 0:
+            raise ValueError(f"--outside: expected microseconds >= 0, got {outside}")
+        return float(outside), f"{outside:g} us per step, as given (the same on every layout)"
+    if outside == "none" or (outside == "auto" and trace is None):
+        return 0.0, ("not modelled: the step is its compiled graphs only (no trace to measure "
+                     "the rest in)")
+    if outside not in ("auto", "trace"):
+        raise ValueError(f"--outside: expected 'auto', 'trace', 'none' or microseconds, got "
+                         f"{outside!r}")
+    if trace is None:
+        raise ValueError("--outside trace: give the trace (trace=...) when the graphs do not "
+                         "come from an fcoll.inspect directory with DIR/traces/rank{R}.json")
+    m = outside_graphs_us(trace, programs)
+    return m.outside_us, (
+        f"{m.outside_us / 1e3:.3f} ms per step, measured in {_where(trace)}: median over "
+        f"{m.steps} steps of the period between steps ({m.period_us / 1e3:.3f} ms) minus the "
+        f"graph runs' spans ({m.graphs_us / 1e3:.3f} ms); assumed the same on every layout")
