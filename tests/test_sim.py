@@ -437,6 +437,40 @@ class TestOutsideTheGraphs(unittest.TestCase):
             outside_graphs_us({"traceEvents": []}, load_programs(self.program()))
 
 
+class TestLinkProbeFit(unittest.TestCase):
+    def test_exact_ring_times_give_back_alpha_and_bandwidth(self):
+        """4 ranks, alpha 50 us, 100 bytes/us: t = 6 * 50 + 1.5 * S / 100."""
+        from fcoll.sim.linkprobe import fit_alpha_beta
+
+        pts = [(s, 6 * 50.0 + 1.5 * s / 100.0) for s in (64 << 10, 1 << 20, 16 << 20)]
+        alpha, bw = fit_alpha_beta(pts, 4)
+        self.assertAlmostEqual(alpha, 50.0, places=6)
+        self.assertAlmostEqual(bw, 100.0, places=6)
+
+    def test_a_negative_intercept_is_clipped_and_the_bandwidth_refitted_through_zero(self):
+        """2 ranks (x = S): (1000 B, 5 us), (2000 B, 15 us) fit t = 10 x / 1000 - 5; clipped:
+        weights 1/25 and 1/225, slope = (1000*5/25 + 2000*15/225) / (1000**2/25 +
+        2000**2/225) = (200 + 133.33) / (40000 + 17777.8) = 1/173.33 us per byte."""
+        from fcoll.sim.linkprobe import fit_alpha_beta, link_spec
+
+        alpha, bw = fit_alpha_beta([(1000, 5.0), (2000, 15.0)], 2)
+        self.assertEqual(alpha, 0.0)
+        self.assertAlmostEqual(bw, 173.333333, places=4)
+        self.assertEqual(link_spec(alpha, bw), "0.1733GB/s,0us")
+        self.assertEqual(parse_link(link_spec(50.0, 125.0), "--inter"),
+                         Link(125.0, 50.0, "0.125GB/s,50us"))
+
+    def test_bad_points_raise_naming_the_problem(self):
+        from fcoll.sim.linkprobe import fit_alpha_beta
+
+        with self.assertRaisesRegex(ValueError, "two distinct sizes"):
+            fit_alpha_beta([(1000, 5.0), (1000, 6.0)], 2)
+        with self.assertRaisesRegex(ValueError, "ranks must be >= 2"):
+            fit_alpha_beta([(1000, 5.0), (2000, 6.0)], 1)
+        with self.assertRaisesRegex(ValueError, "do not grow with size"):
+            fit_alpha_beta([(1000, 9.0), (2000, 5.0)], 2)
+
+
 class TestFromGraphs(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
