@@ -20,6 +20,11 @@ all_gather: a flat ring 0.75 S (3 of 4 blocks cross each crossing link), hierarc
 where both are link-bound the ratio is at most 1.5 for these two; reduce_scatter can gain more
 because gloo's own reduce_scatter (measured here) takes as long as its all_reduce. At 10 gbit
 the link is rarely the bound on 2 shared cores: the ratio there measures CPU cost.
+
+``--train-step [--parallel ddp fsdp] [--steps 8] [--rounds 1]`` times examples/train_gpt.py's
+functional DDP / FSDP step instead, on the same 2 x 2 layout and rates: fcoll's hierarchical
+group against flat gloo (target: fcoll's step at least 1.3x faster), with fcoll.sim's predicted
+step beside each measured one (:func:`_train_step`).
 """
 
 from __future__ import annotations
@@ -139,6 +144,82 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- the train_gpt step (issue 16: "and the train_gpt DDP and FSDP step") ---------------------
+def _train_step(args: argparse.Namespace) -> list[dict]:
+    """examples/train_gpt.py's functional DDP / FSDP step on 2 emulated hosts x 2 ranks per
+    ``--rates``: fcoll's hierarchical world group (``--dist-backend fcoll``) against flat gloo
+    (``--dist-backend gloo``: the same compiled step, fcoll's ops on a gloo group), runs
+    alternating (``--rounds``), each train_gpt's median step. Beside each, fcoll.sim's
+    prediction from one recording per mode (``fcoll.inspect`` on 4 local ranks: the same 4
+    processes on the same cores; compute per node and the time outside the graphs from its
+    trace) for ``Layout(4, 2)``: ``algorithm="hierarchical"`` for fcoll, ``"ring"`` (flat, every
+    step on the inter-host link) for gloo, the inter-host link as gloo measured it on these
+    hosts (:mod:`fcoll.sim.linkprobe`), fcoll's calibrated shm inside a host."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sim_validation as sv
+
+    from fcoll.sim import Layout, simulate
+
+    rows = []
+    t_out = int(args.step_timeout_s)
+    with tempfile.TemporaryDirectory(prefix="fcoll-multihost-step-") as tmp:
+        for par in args.parallel:
+            rec = os.path.join(tmp, f"{par}-rec")
+            load0 = os.getloadavg()[0]
+            rec_ms = sv.record(par, 4, args.steps, rec, t_out)
+            print(f"[{par}] recording (fcoll.inspect, 1 host x 4 ranks): median step "
+                  f"{rec_ms} ms; load {load0:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+            for rate in args.rates:
+                link = sv.probe_link(rate, t_out)
+                load0 = os.getloadavg()[0]
+                steps: dict[str, list[float]] = {"fcoll": [], "gloo": []}
+                for r in range(args.rounds):
+                    for backend in (("fcoll", "gloo") if r % 2 == 0 else ("gloo", "fcoll")):
+                        ms = sv.run_on_hosts(par, rate, 2, args.steps, t_out, backend)
+                        steps[backend].append(ms)
+                        print(f"[{par} {rate}] {backend}: median step {ms} ms", flush=True)
+                sim = {name: simulate(rec, [Layout(4, 2)], inter=link["spec"],
+                                      algorithm=algo).results[0].as_dict()
+                       for name, algo in (("fcoll", "hierarchical"), ("gloo", "ring"))}
+                meas = {k: statistics.median(v) for k, v in steps.items()}
+                rows.append({"parallel": par, "rate": rate, "link": link,
+                             "recording_step_ms": rec_ms, "measured_ms": meas,
+                             "all_ms": steps, "sim": sim,
+                             "speedup": meas["gloo"] / meas["fcoll"],
+                             "loadavg": (load0, os.getloadavg()[0])})
+    return rows
+
+
+def _train_step_table(rows: list[dict]) -> str:
+    def err(pred_us, meas_ms):
+        return f"{(pred_us / 1e3 - meas_ms) / meas_ms:+.0%}"
+
+    lines = ["| link (effective) | parallel | fcoll ms | sim fcoll ms | err | gloo ms "
+             "| sim gloo ms | err | gloo / fcoll | sim gloo / fcoll | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, s = r["measured_ms"], r["sim"]
+        lines.append(
+            f"| {r['rate']} ({r['link']['spec']}) | {r['parallel']} | {m['fcoll']:.0f} "
+            f"| {s['fcoll']['step_us'] / 1e3:.0f} | {err(s['fcoll']['step_us'], m['fcoll'])} "
+            f"| {m['gloo']:.0f} | {s['gloo']['step_us'] / 1e3:.0f} "
+            f"| {err(s['gloo']['step_us'], m['gloo'])} | {r['speedup']:.2f}x "
+            f"| {s['gloo']['step_us'] / s['fcoll']['step_us']:.2f}x "
+            f"| {r['loadavg'][0]:.1f} -> {r['loadavg'][1]:.1f} |")
+    return "\n".join(lines)
+
+
+def _report_train_step(rows: list[dict]) -> None:
+    print(_train_step_table(rows))
+    print("\nsim: fcoll.sim from one fcoll.inspect recording per mode (1 host x 4 ranks): "
+          "compute and the time outside the graphs measured in its trace, Layout(4, 2), "
+          "hierarchical (fcoll) / flat ring (gloo), the effective link in brackets")
+    print("target: the train_gpt step on fcoll at least 1.3x faster than on flat gloo")
+    for r in rows:
+        verdict = "PASS" if r["speedup"] >= 1.3 else "FAIL"
+        print(f"{verdict} {r['rate']} {r['parallel']}: {r['speedup']:.2f}x")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
@@ -149,9 +230,26 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the results to this file")
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--train-step", action="store_true",
+                   help="time examples/train_gpt.py's step instead of the collectives")
+    p.add_argument("--parallel", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"],
+                   help="--train-step: train_gpt's --parallel modes")
+    p.add_argument("--steps", type=int, default=8, help="--train-step: steps per run")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--train-step: runs per backend, alternating fcoll and gloo")
+    p.add_argument("--step-timeout-s", type=float, default=400.0,
+                   help="--train-step: limit per run")
     args = p.parse_args(argv)
     if args.worker_out:
         _worker(args)
+        return 0
+    if args.train_step:
+        rows = _train_step(args)
+        _report_train_step(rows)
+        print(f"load average now: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"train_step": rows, "argv": sys.argv[1:]}, f, indent=2)
         return 0
     results = []
     for rate in args.rates:

@@ -2,21 +2,27 @@
 
 For each ``--parallel`` mode, in one run:
 
-1. ``1 host``: ``python -m fcoll.inspect`` runs train_gpt on 2 local ranks, writing the graphs'
-   ``*.schedule.json`` and the runtime traces: the recording every prediction starts from.
-2. ``2 hosts @ RATE`` for each ``--rates``: 2 emulated hosts (``fcoll.testing.hosts``, network
+1. ``recording``: ``python -m fcoll.inspect`` runs train_gpt on 2 local ranks, writing the
+   graphs' ``*.schedule.json`` and the runtime traces: what every prediction starts from.
+2. ``1 host plain``: the same on 2 local ranks without inspection or tracing.
+3. ``2 hosts @ RATE`` for each ``--rates``: 2 emulated hosts (``fcoll.testing.hosts``: network
    namespaces joined by ``tc tbf`` links; skipped, with the reason, where the machine cannot make
    them), 1 rank each, the same script with ``--trace-dir``.
 
-Per run it prints the measured step (train_gpt's median), the compiled graph's measured span
-(median over the trace's steps after the first: what the simulator models; the rest of a step
-is Python outside the graph) and two predictions from the 1-host recording: ``sim`` (the cost
-model's compute and calibrated ``shm``; inter-host ``RATE,--alpha``) and ``sim+trace`` (compute
-measured in that run's own trace, so only communication is predicted); with their errors. The
-load average is printed before and after each run. Tracing slows a step, so the 1-host run is
-also timed without it (``plain``).
+Every prediction comes from the recording alone (run 1): compute per node and the step's time
+outside the compiled graphs measured in its trace (``fcoll.sim``'s defaults for an inspect
+directory: ``compute="auto"``, ``outside="auto"``), fcoll's calibrated ``shm`` inside a host, and
+between hosts two link specs: the *effective* link, measured on the same emulated hosts right
+before by :mod:`fcoll.sim.linkprobe` (gloo all_reduce, alpha-beta fit), and the *nominal*
+``RATE,--alpha``. Errors are (predicted - measured) / measured against train_gpt's median step.
+A diagnostic column replays only the graphs with the compute of the run's own trace
+(``sim_graphs``), against the graph spans measured in that trace: what is left there is the
+communication model alone. The load average is printed before and after each run.
 
     python benchmarks/sim_validation.py --parallel ddp fsdp --rates 1gbit 10gbit --json v.json
+
+The helpers (:func:`record`, :func:`run_local`, :func:`run_on_hosts`, :func:`probe_link`) are
+also used by ``benchmarks/multihost.py``'s train-step part.
 """
 
 from __future__ import annotations
@@ -44,19 +50,21 @@ def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parallel", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
     p.add_argument("--rates", nargs="*", default=["1gbit", "10gbit"])
-    p.add_argument("--alpha", default="50us", help="inter-host latency given to the simulator")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--alpha", default="50us", help="latency of the nominal inter-host spec")
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--timeout-s", type=int, default=550)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
-def _script_args(opts, par: str) -> list[str]:
-    return ["--steps", str(opts.steps), "--log-every", str(opts.steps), "--eval-batches", "1",
-            "--parallel", par]
+def script_args(par: str, steps: int, dist_backend: str = "fcoll") -> list[str]:
+    """train_gpt's arguments: ``steps`` steps, one log line and one eval batch at the end."""
+    return ["--steps", str(steps), "--log-every", str(steps), "--eval-batches", "1",
+            "--parallel", par, "--dist-backend", dist_backend]
 
 
-def _median_step_ms(text: str) -> float | None:
+def median_step_ms(text: str) -> float | None:
+    """train_gpt's last printed median step (ms; the first step, which compiles, left out)."""
     found = _STEP.findall(text)
     return float(found[-1]) if found else None
 
@@ -75,40 +83,120 @@ def graph_span_ms(trace: str) -> float | None:
     return statistics.median(spans[1:] or spans)
 
 
-def _run(cmd: list[str], timeout_s: int, env=None) -> str:
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                          env=env)
+def _run(cmd: list[str], timeout_s: int) -> str:
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])}... exited {proc.returncode}: "
                            f"{proc.stderr[-2000:]}")
     return proc.stdout + proc.stderr
 
 
-def _two_hosts(opts, par: str, rate: str, out: str) -> str:
+def record(par: str, nproc: int, steps: int, out: str, timeout_s: int) -> float | None:
+    """Run train_gpt under ``python -m fcoll.inspect`` on ``nproc`` local ranks into ``out``;
+    return its median step (ms)."""
+    return median_step_ms(_run([sys.executable, "-m", "fcoll.inspect", EXAMPLE, "--out", out,
+                                "--nproc", str(nproc), "--timeout-s", str(timeout_s - 20),
+                                "--", *script_args(par, steps)], timeout_s))
+
+
+def run_local(par: str, nproc: int, steps: int, timeout_s: int) -> float | None:
+    """train_gpt on ``nproc`` local ranks, no tracing; its median step (ms)."""
+    return median_step_ms(_run([sys.executable, "-m", "fcoll.launch", "--nproc-per-node",
+                                str(nproc), EXAMPLE, *script_args(par, steps)], timeout_s))
+
+
+def _on_hosts(hosts, per_host: int, target: list[str], timeout_s: int) -> list[str]:
+    procs = hosts.launch(per_host, target, env={"PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    texts = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{hosts.num_hosts} hosts @ {hosts.rate}: exit codes "
+                           f"{[p.returncode for p in procs]}: {texts[0][-2000:]}")
+    return texts
+
+
+def probe_link(rate: str, timeout_s: int) -> dict:
+    """The inter-host link of 2 emulated hosts at ``rate`` as gloo sees it
+    (:mod:`fcoll.sim.linkprobe`, one rank per host): ``{"spec", "alpha_us",
+    "bandwidth_GBps", "points", ...}``."""
     from fcoll.testing.hosts import EmulatedHosts
 
+    with tempfile.TemporaryDirectory(prefix="fcoll-probe-") as tmp:
+        out = os.path.join(tmp, "link.json")
+        with EmulatedHosts(2, rate=rate) as hosts:
+            _on_hosts(hosts, 1, ["-m", "fcoll.sim.linkprobe", "--out", out], timeout_s)
+        with open(out) as f:
+            return json.load(f)
+
+
+def run_on_hosts(par: str, rate: str, per_host: int, steps: int, timeout_s: int,
+                 dist_backend: str = "fcoll", trace_dir: str | None = None) -> float | None:
+    """train_gpt on 2 emulated hosts of ``per_host`` ranks at ``rate``, on
+    ``--dist-backend dist_backend`` (fcoll: hierarchical; gloo: flat); its median step (ms)."""
+    from fcoll.testing.hosts import EmulatedHosts
+
+    extra = ["--trace-dir", trace_dir] if trace_dir else []
     with EmulatedHosts(2, rate=rate) as hosts:
-        procs = hosts.launch(1, [EXAMPLE, *_script_args(opts, par), "--trace-dir",
-                                 os.path.join(out, "traces")], env={"PYTHONPATH": ROOT},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        texts = [p.communicate(timeout=opts.timeout_s)[0] for p in procs]
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"2 hosts @ {rate}: exit codes {[p.returncode for p in procs]}: "
-                               f"{texts[0][-2000:]}")
-    return texts[0]
+        texts = _on_hosts(hosts, per_host,
+                          [EXAMPLE, *script_args(par, steps, dist_backend), *extra], timeout_s)
+    return median_step_ms(texts[0])
 
 
-def _row(label, step, span, sim, sim_trace, load):
-    def err(pred, meas):
-        return f"{(pred - meas) / meas:+.0%}" if pred is not None and meas else "-"
+def _err(pred, meas):
+    return f"{(pred - meas) / meas:+.0%}" if pred is not None and meas else "-"
 
-    def ms(x):
-        return "-" if x is None else f"{x:.0f}"
 
-    return {"run": label, "measured_step_ms": step, "graph_span_ms": span, "sim_ms": sim,
-            "sim_trace_ms": sim_trace, "loadavg": load,
-            "cells": (label, ms(step), ms(span), ms(sim), err(sim, step), ms(sim_trace),
-                      err(sim_trace, span), f"{load[0]:.1f} -> {load[1]:.1f}")}
+def _ms(x):
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _row(label, step, sim, sim_nominal, span, sim_graphs, load, link=None):
+    return {"run": label, "measured_step_ms": step, "sim_ms": sim, "sim_nominal_ms": sim_nominal,
+            "graph_span_ms": span, "sim_graphs_ms": sim_graphs, "loadavg": load, "link": link,
+            "cells": (label, _ms(step), _ms(sim), _err(sim, step), _ms(sim_nominal),
+                      _err(sim_nominal, step), _ms(span), _ms(sim_graphs),
+                      _err(sim_graphs, span), f"{load[0]:.1f} -> {load[1]:.1f}")}
+
+
+def _sim_ms(rec, layout, **kw) -> float:
+    return simulate(rec, [layout], **kw).results[0].step_us / 1e3
+
+
+def _validate(opts, par: str, tmp: str) -> list[dict]:
+    rows = []
+    rec = os.path.join(tmp, f"{par}-rec")
+    load0 = os.getloadavg()[0]
+    step = record(par, 2, opts.steps, rec, opts.timeout_s)
+    one = simulate(rec, [Layout(2, 2)])
+    print(one, flush=True)
+    rows.append(_row(f"{par} 1 host (recording)", step, one.results[0].step_us / 1e3, None,
+                     graph_span_ms(os.path.join(rec, "traces", "rank0.json")),
+                     _sim_ms(rec, Layout(2, 2), outside="none"), (load0, os.getloadavg()[0])))
+    load0 = os.getloadavg()[0]
+    plain = run_local(par, 2, opts.steps, opts.timeout_s)
+    rows.append(_row(f"{par} 1 host (plain)", plain, rows[0]["sim_ms"], None, None, None,
+                     (load0, os.getloadavg()[0])))
+    from fcoll.testing.hosts import netns_unavailable
+
+    why = netns_unavailable() if opts.rates else None
+    if why:
+        print(f"2-host runs skipped: {why}")
+        return rows
+    for rate in opts.rates:
+        link = probe_link(rate, opts.timeout_s)
+        print(f"[{rate}] effective link (gloo all_reduce, 1 rank per host): {link['spec']}; "
+              f"points {[(s, round(t)) for s, t in link['points']]}", flush=True)
+        trace_dir = os.path.join(tmp, f"{par}-{rate}", "traces")
+        load0 = os.getloadavg()[0]
+        step = run_on_hosts(par, rate, 1, opts.steps, opts.timeout_s, trace_dir=trace_dir)
+        lay = Layout(2, 1)
+        own = os.path.join(trace_dir, "rank0.json")
+        rows.append(_row(
+            f"{par} 2 hosts @ {rate}", step, _sim_ms(rec, lay, inter=link["spec"]),
+            _sim_ms(rec, lay, inter=f"{rate},{opts.alpha}"), graph_span_ms(own),
+            _sim_ms(rec, lay, inter=link["spec"], trace=own, outside="none"),
+            (load0, os.getloadavg()[0]), link))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -116,45 +204,21 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="fcoll-simval-") as tmp:
         for par in opts.parallel:
-            rec = os.path.join(tmp, f"{par}-1host")
-            load0 = os.getloadavg()[0]
-            text = _run([sys.executable, "-m", "fcoll.inspect", EXAMPLE, "--out", rec,
-                         "--nproc", "2", "--timeout-s", str(opts.timeout_s - 20), "--",
-                         *_script_args(opts, par)], opts.timeout_s)
-            trace = os.path.join(rec, "traces", "rank0.json")
-            one = simulate(rec, [Layout(2, 2)]).results[0].step_us / 1e3
-            one_t = simulate(rec, [Layout(2, 2)], compute="trace").results[0].step_us / 1e3
-            rows.append(_row(f"{par} 1 host (traced)", _median_step_ms(text),
-                             graph_span_ms(trace), one, one_t, (load0, os.getloadavg()[0])))
-            load0 = os.getloadavg()[0]
-            plain = _run([sys.executable, "-m", "fcoll.launch", "--nproc-per-node", "2", EXAMPLE,
-                          *_script_args(opts, par)], opts.timeout_s)
-            rows.append(_row(f"{par} 1 host (plain)", _median_step_ms(plain), None, one, None,
-                             (load0, os.getloadavg()[0])))
-            from fcoll.testing.hosts import netns_unavailable
-
-            why = netns_unavailable() if opts.rates else None
-            if why:
-                print(f"2-host runs skipped: {why}")
-                continue
-            for rate in opts.rates:
-                out = os.path.join(tmp, f"{par}-{rate}")
-                load0 = os.getloadavg()[0]
-                text = _two_hosts(opts, par, rate, out)
-                trace2 = os.path.join(out, "traces", "rank0.json")
-                inter = f"{rate},{opts.alpha}"
-                lay = [Layout(2, 1)]
-                sim = simulate(rec, lay, inter=inter).results[0].step_us / 1e3
-                sim_t = simulate(rec, lay, inter=inter, compute="trace",
-                                 trace=trace2).results[0].step_us / 1e3
-                rows.append(_row(f"{par} 2 hosts @ {rate}", _median_step_ms(text),
-                                 graph_span_ms(trace2), sim, sim_t,
-                                 (load0, os.getloadavg()[0])))
-    print(text_table(("run", "step_ms", "graph_span_ms", "sim_ms", "sim/step", "sim+trace_ms",
-                      "sim+trace/span", "loadavg"), [r["cells"] for r in rows],
-                     (False, True, True, True, True, True, True, False)))
-    print("sim: cost-model compute, calibrated shm, inter-host RATE," + opts.alpha +
-          "; sim+trace: compute measured in that run's trace; errors are (pred - meas) / meas")
+            rows += _validate(opts, par, tmp)
+    print(text_table(("run", "step_ms", "sim_ms", "sim/step", "sim_nominal_ms",
+                      "nominal/step", "graph_span_ms", "sim_graphs_ms", "graphs/span",
+                      "loadavg"), [r["cells"] for r in rows],
+                     (False, True, True, True, True, True, True, True, True, False)))
+    print("sim: the recording's measured compute and time outside the graphs, calibrated shm, "
+          "the effective inter-host link (fcoll.sim.linkprobe); sim_nominal: the same with "
+          f"RATE,{opts.alpha}; sim_graphs: the graphs only, compute of the run's own trace, "
+          "against its graph span; errors are (pred - meas) / meas")
+    errs = [abs(r["sim_ms"] - r["measured_step_ms"]) / r["measured_step_ms"] for r in rows
+            if r["sim_ms"] and r["measured_step_ms"]]
+    if errs:
+        print(f"target |sim/step| <= 20 %: {sum(e <= 0.2 for e in errs)}/{len(errs)} runs; "
+              f"median {statistics.median(errs):.0%}, worst {max(errs):.0%}")
+    print(f"load average now: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "cells"} for r in rows], f, indent=1)
