@@ -340,3 +340,43 @@ def test_futex_wakes_every_thread_sleeping_on_a_word():
     for t in threads:
         t.join(15)
     assert len(woke) == 8 and max(woke) < 5.0, woke
+
+
+def _local_channel(world: int = 2) -> tuple[Channel, Segment]:
+    mm = mmap.mmap(-1, Layout(world, SLOT).total)
+    seg = Segment(mm, Layout(world, SLOT))
+    return Channel(seg, 0, world, 5.0, list(range(world)), spin_s=0.0), seg
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable CPUs")
+def test_a_rank_on_its_peers_cpu_moves_off_it_and_keeps_its_affinity(monkeypatch):
+    """Two ranks on one CPU never meet by spinning: after a failed spin, a rank whose peer
+    last waited on its CPU moves its thread to another CPU (when one is idle), at most once
+    per SPREAD_INTERVAL_S, and its affinity mask is what it was."""
+    from fcoll.shm.segment import W_CPU
+
+    monkeypatch.setattr(sync, "runnable_tasks", lambda: 1)
+    ch, seg = _local_channel()
+    peer_word = seg.layout.word(1, W_CPU)
+    mask = os.sched_getaffinity(0)
+    getcpu = ctypes.CDLL(None).sched_getcpu
+    moved = False
+    for _ in range(20):  # the thread may migrate on its own between getcpu and _spread
+        ch._spread_at = -sync.SPREAD_INTERVAL_S
+        seg.words[peer_word] = getcpu() + 1
+        if ch._spread():
+            moved = True
+            break
+    assert moved and ch.stats["moved"] == 1
+    assert os.sched_getaffinity(0) == mask
+    assert seg.words[seg.layout.word(0, W_CPU)] != seg.words[peer_word]
+    seg.words[peer_word] = getcpu() + 1
+    assert not ch._spread(), "a second move within SPREAD_INTERVAL_S"
+    ch._spread_at = -sync.SPREAD_INTERVAL_S
+    seg.words[peer_word] = 0  # the peer never waited: nothing known, stay
+    assert not ch._spread()
+    monkeypatch.setattr(sync, "runnable_tasks", lambda: 64)
+    seg.words[peer_word] = getcpu() + 1
+    assert not ch._spread(), "moved although every CPU is busy"
+    assert ch.stats["moved"] == 1

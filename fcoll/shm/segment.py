@@ -42,7 +42,8 @@ Layout (offsets in bytes, every region 4096-aligned)::
 
     control  [world][128]           per rank: arrive counter (u32), pid (u32), start time (u64),
                                     the fence: the collective it gave up (u32) and why (u32),
-                                    one sleep flag (u32) per waiting peer
+                                    one sleep flag (u32) per waiting peer, the CPU it
+                                    last waited on (u32, last word)
     headers  [NSLOTS][world][HEADER] collective headers, one per slot
     data     [NSLOTS][world][slot_bytes] per-rank data slots, used round robin (NSLOTS = 3)
 """
@@ -84,7 +85,8 @@ W_GAVE_UP = 4  # 1 + the sequence number (mod 2**32) of the collective this rank
 W_GAVE_UP_WHY = 5  # why it gave up and on which op (see fcoll.shm.sync.Channel.give_up)
 W_SLEEP = 6  # W_SLEEP + q: rank q is (about to be) blocked in FUTEX_WAIT on this counter
 WORD_BYTES = 4  # control words are u32
-MAX_SLEEP_FLAGS = CONTROL_BYTES // WORD_BYTES - W_SLEEP
+W_CPU = CONTROL_BYTES // WORD_BYTES - 1  # 1 + the CPU this rank last waited on, or 0
+MAX_SLEEP_FLAGS = W_CPU - W_SLEEP
 U32_BITS = 32
 U32_MASK = (1 << U32_BITS) - 1
 
