@@ -30,6 +30,7 @@ The JSON holds ``{"loadavg": [before, after], "nproc": n, "rows": [{"size", "wha
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -43,14 +44,16 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from collectives import fmt_size, parse_size  # noqa: E402
-from fcoll.ops.reduce import reduce_pair_inplace  # noqa: E402
-from fcoll.shm import one_slot  # noqa: E402
-from fcoll.shm.segment import NSLOTS  # noqa: E402
-from fcoll.testing import run_ranks  # noqa: E402
+from collectives import _make_call, fmt_size, parse_size
+
+from fcoll.ops.reduce import reduce_pair_inplace
+from fcoll.shm import one_slot
+from fcoll.shm.segment import NSLOTS
+from fcoll.testing import run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [256 * KiB, 1 * MiB, 4 * MiB]
+PROFILED_OPS = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"]
 
 
 def _faults() -> int:
@@ -141,24 +144,17 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int, reps: int) -> lis
             slot_row.copy_(t)
             peer_row.copy_(t)
             x = torch.zeros(numel)
-            us, _ = _median_us(lambda: slot_row.copy_(t), calls, reps)
+            us, _ = _median_us(functools.partial(slot_row.copy_, t), calls, reps)
             add(size, "ceiling: copy_ into slot", us, size)
             cu = us
-            us, _ = _median_us(lambda: x.add_(peer_row), calls, reps)
+            us, _ = _median_us(functools.partial(x.add_, peer_row), calls, reps)
             add(size, "ceiling: add_ from peer row", us, size)
             add(size, "ceiling: copy + add (all_reduce)", cu + us, size)
             for k, v in _phases(pg, torch.ones(numel), calls, reps).items():
                 add(size, f"all_reduce phase: {k}", v, size)
-        makers = {
-            "all_reduce": lambda: (lambda a: lambda: dist.all_reduce(a))(torch.ones(numel)),
-            "all_gather_into_tensor": lambda: (lambda o, i: lambda: dist.all_gather_into_tensor(
-                o, i))(torch.empty(numel), torch.ones(numel // world)),
-            "reduce_scatter_tensor": lambda: (lambda o, i: lambda: dist.reduce_scatter_tensor(
-                o, i))(torch.empty(numel // world), torch.ones(numel)),
-        }
         factor = {"all_reduce": 2 * (world - 1) / world}
-        for op, make in makers.items():
-            call = make()
+        for op in PROFILED_OPS:
+            call = _make_call(op, size, world, None)
             call()
             s0 = dict(ch.stats)
             us, faults = _median_us(call, calls, reps)
