@@ -378,8 +378,19 @@ class TestOutsideTheGraphs(unittest.TestCase):
         from fcoll.sim.measured import outside_graphs_us
 
         m = outside_graphs_us(self.trace([0, 100, 230, 330]), load_programs(self.program()))
-        self.assertEqual((m.outside_us, m.period_us, m.graphs_us, m.steps),
-                         (60.0, 100.0, 40.0, 3))
+        self.assertEqual((m.outside_us, m.period_us, m.graphs_us, m.steps, m.tracer_us),
+                         (60.0, 100.0, 40.0, 3, 0.0))
+
+    def test_the_tracers_file_writes_are_not_the_steps(self):
+        """Each run followed by a 25 us trace_write (at +45): outside 60 - 25 = 35 us."""
+        trace = self.trace([0, 100, 200, 300])
+        trace["traceEvents"] += [{"name": "trace_write", "cat": "trace", "ph": "X",
+                                  "ts": t0 + 45, "dur": 25.0} for t0 in (0, 100, 200, 300)]
+        from fcoll.sim.measured import outside_graphs_us
+
+        m = outside_graphs_us(trace, load_programs(self.program()))
+        self.assertEqual((m.outside_us, m.period_us, m.graphs_us, m.tracer_us),
+                         (35.0, 100.0, 40.0, 25.0))
 
     def test_two_programs_per_step_each_count_their_own_span(self):
         """Forward f (compute f1, 10 us) then backward g (compute g1, 20 us) per step, steps

@@ -25,6 +25,11 @@ unscattered input for reduce_scatter), the input for all_to_all.
 :func:`fcoll.ops.facts.busbw_factor` (all_reduce ``2(n-1)/n``; all_gather, reduce_scatter,
 all_to_all ``(n-1)/n``; broadcast 1; 0 on one rank), where ``time`` is issue to wait return (so
 it includes time the wait was not yet asked for; it is a lower bound of the bandwidth).
+
+The recorder's own rewrite of the file after a run is an event too, in the files written after
+it: ``{"ph": "X", "cat": "trace", "name": "trace_write", "ts", "dur", "pid": rank,
+"tid": "compute", "args": {"events": n}}`` (tens to hundreds of ms per run for graphs of
+thousands of nodes; :func:`fcoll.sim.measured.outside_graphs_us` subtracts it from a step).
 """
 
 from __future__ import annotations
@@ -126,9 +131,14 @@ class TraceRecorder:
             all_events = [e for run in self._runs for e in run]
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             tmp = f"{self.path}.tmp{os.getpid()}"
+            t0 = now_us()
             with open(tmp, "w") as f:
                 json.dump({"traceEvents": all_events, "displayTimeUnit": "ms"}, f)
             os.replace(tmp, self.path)
+            # in the next rewrite: readers tell the tracer's own cost from the step's
+            events.append({"name": "trace_write", "cat": "trace", "ph": "X", "ts": t0,
+                           "dur": now_us() - t0, "pid": self.rank, "tid": "compute",
+                           "args": {"events": len(all_events)}})
 
 
 _recorders: dict[str, TraceRecorder] = {}  # path -> recorder: one file, one writer per process

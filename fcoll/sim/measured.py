@@ -13,6 +13,16 @@ medians falls well short of the typical step when durations are skewed (measured
 no gap (what precedes it is the previous step, not this graph), and the median gap over all
 nodes becomes the program's fixed per-op cost (``op_overhead_us``: a shard's op is as slow to
 launch as a whole one's).
+
+The time a step spends *outside* its compiled graphs (the training loop's Python, Dynamo's guards
+and wrappers, the autograd engine between a forward and a backward graph, data loading) is
+measured in the same trace by :func:`outside_graphs_us`: the step's period (from one step's first
+graph run to the next step's) minus the spans of its graph runs and minus the tracer's own
+rewrites of the trace file in that period (``"cat": "trace"`` events, :mod:`fcoll.compile.trace`:
+a traced run pays them, an untraced one does not). A graph run is found by its compute events,
+which follow the program's compute nodes in order; its span runs from its first compute event (or
+the issue of a collective the program issues before any compute) to its last (or the return of a
+wait the program runs after all compute).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import os
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+
 from fcoll.inspect.trace_compare import load_trace
 from fcoll.sim.program import Program
 
@@ -94,16 +105,19 @@ class OutsideGraphs:
     over the trace's complete steps, each step = one run of every program, in order).
 
     Attributes:
-        outside_us: median of (period - sum of the step's graph-run spans) over the steps.
+        outside_us: median of (period - graph-run spans - tracer) over the steps.
         period_us: median step period (one step's first graph run start to the next's).
         graphs_us: median sum of the step's graph-run spans.
         steps: how many steps (with a following step, so a period) the medians are over.
+        tracer_us: median time per step the tracer spent rewriting its file (0 in traces
+            written before the recorder recorded it).
     """
 
     outside_us: float
     period_us: float
     graphs_us: float
     steps: int
+    tracer_us: float = 0.0
 
 
 def _edges(program: Program) -> tuple[set[str], set[str]]:
@@ -139,6 +153,8 @@ def outside_graphs_us(trace: str | os.PathLike | dict | list, programs: list[Pro
                   key=lambda e: float(e["ts"]))
     comm = sorted((e for e in events if e.get("cat") == "comm" and e.get("ph") in ("b", "e")),
                   key=lambda e: float(e["ts"]))
+    writes = [(float(e["ts"]), float(e.get("dur", 0.0))) for e in events
+              if e.get("cat") == "trace" and e.get("ph") == "X"]
     traced = {e["name"] for e in comp}
     seqs = [[n.name for n in p.nodes if n.cls == "compute" and n.name in traced]
             for p in programs]
@@ -178,9 +194,9 @@ def outside_graphs_us(trace: str | os.PathLike | dict | list, programs: list[Pro
     rows = []
     for i in steps:
         runs, after = spans(i), spans(i + size)
-        period = after[0][0] - runs[0][0]
+        t0, t1 = runs[0][0], after[0][0]
         inside = sum(hi - lo for lo, hi in runs)
-        rows.append((period - inside, period, inside))
-    return OutsideGraphs(statistics.median(r[0] for r in rows),
-                         statistics.median(r[1] for r in rows),
-                         statistics.median(r[2] for r in rows), len(rows))
+        tracer = sum(d for ts, d in writes if t0 <= ts < t1)
+        rows.append((t1 - t0 - inside - tracer, t1 - t0, inside, tracer))
+    return OutsideGraphs(*(statistics.median(r[k] for r in rows) for k in range(3)),
+                         len(rows), statistics.median(r[3] for r in rows))

@@ -333,4 +333,5 @@ def _outside(outside: str | float, programs: list[Program], trace: Any) -> tuple
     return m.outside_us, (
         f"{m.outside_us / 1e3:.3f} ms per step, measured in {_where(trace)}: median over "
         f"{m.steps} steps of the period between steps ({m.period_us / 1e3:.3f} ms) minus the "
-        f"graph runs' spans ({m.graphs_us / 1e3:.3f} ms); assumed the same on every layout")
+        f"graph runs' spans ({m.graphs_us / 1e3:.3f} ms) and the tracer's file writes "
+        f"({m.tracer_us / 1e3:.3f} ms); assumed the same on every layout")
