@@ -11,8 +11,9 @@ Per backend (fcoll's shared-memory backend, and gloo), on ``--nproc`` ranks of t
    broadcast) at every size (default 4 KiB .. 64 MiB in powers of 2: the calibration's sizes
    and the ones halfway between them in log scale, where the curve interpolates), the median
    of a fixed number of blocking calls after a warm-up, by the same timing loop as the
-   calibration (:func:`fcoll.passes.calibrate.time_collectives`: runs interleaved round robin
-   over the sizes) but in a separate run, with more runs per cell; per kind, fcoll then gloo;
+   calibration (:func:`fcoll.passes.calibrate.time_collectives`: three rounds over the sizes,
+   largest first, a cell's runs back to back after one untimed run below 4 MiB) but in a
+   separate run, with more runs per cell; per kind, fcoll then gloo;
 3. print per cell the predicted time (the calibrated curve), the measured median, the ratio
    predicted / measured and PASS when it is within ``1 +- tolerance`` (default 30 %), beside
    the previous two-point alpha-beta model (fitted through the same sweep's 16 KiB and 4 MiB

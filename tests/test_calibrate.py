@@ -148,6 +148,38 @@ def test_sweep_covers_the_graphs_largest_collective_and_at_least_1_mib():
     assert calibrate.sizes_for(None) == calibrate.SWEEP_BYTES
 
 
+def test_small_cells_are_timed_right_after_an_untimed_run_of_the_same_cell(monkeypatch):
+    """A small collective timed right after a larger one measures that one's exit skew (a
+    4 KiB all_reduce after a 4 MiB one: 4-8x its back-to-back time), so in every round each
+    cell below WARM_UP_BELOW_BYTES runs once untimed, then its timed runs back to back;
+    larger cells get no extra run. Order: largest size first, in every round."""
+    calls: list[tuple[str, int]] = []
+    sizes = (4 * KiB, 256 * KiB, 16 * MiB)
+    cells = [(kind, size) for kind in ("all_reduce", "broadcast") for size in sizes]
+    # a cell's "buffers" are its size; its "collective" records the call
+    monkeypatch.setattr(calibrate, "_buffers", lambda pg, nbytes: nbytes)
+    monkeypatch.setattr(calibrate, "_collective",
+                        lambda kind, pg, nbytes: lambda: calls.append((kind, nbytes)))
+    times = calibrate.time_collectives(object(), cells)
+    assert {cell: len(t) for cell, t in times.items()} == {
+        cell: calibrate.reps_for(cell[1]) for cell in cells}
+    body = calls[len(cells):]                 # after one warm-up run of every cell
+    runs = []                                 # (cell, consecutive calls)
+    for cell in body:
+        if runs and runs[-1][0] == cell:
+            runs[-1][1] += 1
+        else:
+            runs.append([cell, 1])
+    expected = []
+    for r in range(calibrate.ROUNDS):
+        for cell in sorted(cells, key=lambda c: -c[1]):
+            timed = calibrate._runs_in_round(calibrate.reps_for(cell[1]), r)
+            if timed:
+                expected.append([cell, timed + (cell[1] < calibrate.WARM_UP_BELOW_BYTES)])
+    assert runs == expected
+    assert 16 * MiB >= calibrate.WARM_UP_BELOW_BYTES > 256 * KiB
+
+
 # ---------------------------------------------------------------------------------------------
 # The job's cache file
 

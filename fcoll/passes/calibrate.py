@@ -59,8 +59,8 @@ from fcoll.passes.graph import arg_of
 from fcoll.passes.memory import COLLECTIVE, op_class
 
 __all__ = [
-    "SWEEP_BYTES", "MIN_SWEEP_BYTES", "reps_for", "sizes_for", "time_collective",
-    "time_collectives",
+    "SWEEP_BYTES", "MIN_SWEEP_BYTES", "ROUNDS", "WARM_UP_BELOW_BYTES", "reps_for", "sizes_for",
+    "time_collective", "time_collectives",
     "measure_compute_rates", "calibrate_group",
     "fit_alpha_beta", "GroupCalibration", "calibrated_table", "calibration_stats",
     "host_identity", "model_for", "cached_model", "moves_data_on_compute_cores",
@@ -247,23 +247,41 @@ def _collective(kind: str, pg: Any, bufs: tuple[torch.Tensor, ...]) -> Callable[
     return ops[kind]
 
 
+#: Timed runs of a cell are split into this many rounds (the cells interleaved round robin).
+ROUNDS = 3
+
+#: Below this size each round's runs of a cell follow one untimed run of the same cell: the
+#: ranks leave a collective at different times, and the next collective on the faster rank
+#: includes the wait for the slower one. After a 4-16 MiB all_reduce that exit skew was
+#: 0.4-0.5 ms (2 ranks, load 7), and a 4 KiB all_reduce right after it took 0.6-0.8 ms
+#: against 0.1 ms after another 4 KiB one; the untimed run absorbs the skew, so the timed runs
+#: see what back-to-back collectives of one size see (a DDP step's buckets, an FSDP step's
+#: per-layer all_gathers). Above it the skew is small against the collective itself.
+WARM_UP_BELOW_BYTES = 4 << 20
+
+
+def _runs_in_round(reps: int, r: int) -> int:
+    """Timed runs of round ``r`` (of :data:`ROUNDS`) for a cell of ``reps`` runs in all."""
+    return reps * (r + 1) // ROUNDS - reps * r // ROUNDS
+
+
 def time_collectives(pg: Any, cells: list[tuple[str, int]],
                      reps: Callable[[int], int] | None = None) -> dict[tuple[str, int],
                                                                    list[float]]:
     """Times (us) of blocking collectives on ``pg``: ``reps(nbytes)`` runs (default
     :func:`reps_for`) of each ``(kind, nbytes)`` cell, after one warm-up run of each.
 
-    The runs are interleaved, round robin over the cells (round ``r`` runs every cell that
-    still needs an ``r``-th run), so that a burst of load on a shared machine lands on one run
-    of many cells instead of every run of one cell, where it would move the median. Within a
-    round the cells go from the largest size to the smallest: the ranks leave a collective at
-    slightly different times, and the next collective on the faster rank includes the wait for
-    the slower one; after a 64 MiB collective that skew is large against a 4 KiB one (in
-    ascending order every 4 KiB cell followed a 64 MiB one and measured 1.5-2.4x its
-    calibrated time), while each cell here follows one of the same or double its size. The
-    order depends only on the arguments: every rank of ``pg`` issues the same collectives (a
-    collective call; every rank must call it with the same arguments). One set of buffers per
-    size is shared by the kinds.
+    The runs are split into :data:`ROUNDS` rounds, the cells interleaved round robin (largest
+    size first, kinds in the given order), so that a burst of load on a shared machine lands on
+    one round of many cells instead of every run of one cell, where it would move the median.
+    Within a round a cell's runs are back to back, and a cell below
+    :data:`WARM_UP_BELOW_BYTES` first runs once untimed, which absorbs the exit skew the
+    previous (larger) cell left: without it a small cell measures the skew of whatever ran
+    before it (measured: a 4 KiB all_reduce after a 4 MiB one took 4-8x its back-to-back
+    time; the calibration then predicted fcoll's 4-256 KiB collectives 1.4-3.4x too slow).
+    The order depends only on the arguments: every rank of ``pg`` issues the same collectives
+    (a collective call; every rank must call it with the same arguments). One set of buffers
+    per size is shared by the kinds.
     """
     reps = reps or reps_for
     bufs = {size: _buffers(pg, size) for size in sorted({size for _, size in cells})}
@@ -272,9 +290,12 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
     for op in ops.values():
         op()
     times: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
-    for r in range(max((reps(size) for _, size in cells), default=0)):
+    for r in range(ROUNDS):
         for cell, op in ops.items():
-            if r < reps(cell[1]):
+            runs = _runs_in_round(reps(cell[1]), r)
+            if runs and cell[1] < WARM_UP_BELOW_BYTES:
+                op()
+            for _ in range(runs):
                 t0 = time.perf_counter()
                 op()
                 times[cell].append((time.perf_counter() - t0) * 1e6)
