@@ -460,14 +460,14 @@ class TestLinkProbeFit(unittest.TestCase):
 
     def test_a_negative_intercept_is_clipped_and_the_bandwidth_refitted_through_zero(self):
         """2 ranks (x = S): (1000 B, 5 us), (2000 B, 15 us) fit t = 10 x / 1000 - 5; clipped:
-        weights 1/25 and 1/225, slope = (1000*5/25 + 2000*15/225) / (1000**2/25 +
-        2000**2/225) = (200 + 133.33) / (40000 + 17777.8) = 1/173.33 us per byte."""
+        slope through 0 = (1000*5 + 2000*15) / (1000**2 + 2000**2) = 35000 / 5e6 us per byte
+        -> 142.857 bytes/us."""
         from fcoll.sim.linkprobe import fit_alpha_beta, link_spec
 
         alpha, bw = fit_alpha_beta([(1000, 5.0), (2000, 15.0)], 2)
         self.assertEqual(alpha, 0.0)
-        self.assertAlmostEqual(bw, 173.333333, places=4)
-        self.assertEqual(link_spec(alpha, bw), "0.1733GB/s,0us")
+        self.assertAlmostEqual(bw, 142.857142, places=4)
+        self.assertEqual(link_spec(alpha, bw), "0.1429GB/s,0us")
         self.assertEqual(parse_link(link_spec(50.0, 125.0), "--inter"),
                          Link(125.0, 50.0, "0.125GB/s,50us"))
 

@@ -330,6 +330,11 @@ def _outside(outside: str | float, programs: list[Program], trace: Any) -> tuple
         raise ValueError("--outside trace: give the trace (trace=...) when the graphs do not "
                          "come from an fcoll.inspect directory with DIR/traces/rank{R}.json")
     m = outside_graphs_us(trace, programs)
+    if m.outside_us < 0:   # medians of noisy parts: the graphs' median span exceeded the rest
+        return 0.0, (f"0 ms per step: measured {m.outside_us / 1e3:.3f} ms in {_where(trace)} "
+                     f"(period {m.period_us / 1e3:.3f} ms, graph runs {m.graphs_us / 1e3:.3f} "
+                     f"ms, tracer {m.tracer_us / 1e3:.3f} ms; medians over {m.steps} steps), "
+                     "clipped to 0")
     return m.outside_us, (
         f"{m.outside_us / 1e3:.3f} ms per step, measured in {_where(trace)}: median over "
         f"{m.steps} steps of the period between steps ({m.period_us / 1e3:.3f} ms) minus the "
