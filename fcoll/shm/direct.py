@@ -11,7 +11,7 @@ header without its sequence number, the one-slot plan (views of the shared slots
 allocates the output, takes a sequence number and either
 
 - runs at once on the caller's thread through the one-slot kernel
-  (:meth:`Engine.run_fast`) when the executor says its wait comes right after it
+  (:meth:`Engine.run_now`) when the executor says its wait comes right after it
   (``sync=True``: nothing could overlap it), the tensor fits one slot and nothing is queued; or
 - queues a :class:`Job` running :func:`fcoll.shm.reductions.all_reduce` on the group's worker
   (as the c10d path does for an async call) and keeps it for :meth:`DirectAllReduce.wait`.
@@ -183,7 +183,8 @@ class DirectAllReduce(_DirectCall):
 
     Shapes: ``input [*] -> output [*]`` (a fresh contiguous tensor), dtype ``dtype``, CPU.
     A synchronous call that fits one slot runs the one-slot kernel on the caller's thread
-    (:meth:`Engine.run_fast`, no ``Job``). Arguments and errors: :class:`_DirectCall`.
+    (:meth:`Engine.run_now`: no ``Job``, no ``Work``). Arguments and errors:
+    :class:`_DirectCall`.
     """
 
     #: the name FX's generated code gives the call (an executor graph calls the instance)
@@ -213,12 +214,10 @@ class DirectAllReduce(_DirectCall):
         out = torch.empty(self.shape, dtype=self.dtype)
         plan = self.plan
         if plan is not None:
-            work = self.engine.run_fast(plan, _all_reduce_small_into, (input, out), None)
-            if work is not None:
-                error = work._error  # not exception(): Dynamo's eager wrapper costs ~2 us
-                del work  # lets run_fast reuse its Work (it counts references)
-                if error is not None:
-                    raise error
+            done = self.engine.run_now(plan, _all_reduce_small_into, (input, out))
+            if done is not False:
+                if done is not True:
+                    raise done
                 if self.avg_div:
                     divide_for_avg(out, self.size)
                 return out
@@ -289,7 +288,7 @@ class DirectReduceScatter(_DirectCall):
 def _all_reduce_small_into(ch: Any, plan: one_slot.AllReducePlan, src: torch.Tensor,
                            dst: torch.Tensor, payload: bytes, what: str, start: float) -> None:
     """One-slot all_reduce of ``src`` into ``dst`` (same shape, dtype; ``src`` any strides), a
-    kernel for :meth:`Engine.run_fast`: copy in, exchange and check headers, reduce every rank's
+    kernel for :meth:`Engine.run_now`: copy in, exchange and check headers, reduce every rank's
     row into ``dst``. The slot layout and phase of :func:`fcoll.shm.one_slot.all_reduce_small`,
     and the reduction of :func:`fcoll.shm.reductions.all_reduce`'s out-of-place one-chunk case
     (``reduce_rows``), so the result is the c10d path's, bit for bit."""

@@ -39,7 +39,8 @@ from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.phases import Call
 from fcoll.shm.headers import CollectiveMismatchError
 from fcoll.shm.segment import Segment
-from fcoll.shm.sync import GAVE_UP_DESTROYED, GAVE_UP_ERROR, Channel, PeerError
+from fcoll.shm.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, TRANSFER_BYTES_PER_S, Channel,
+                            PeerError)
 
 log = logging.getLogger(__name__)
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -142,22 +143,23 @@ class Engine:
             self._release()
         return True
 
-    def run_fast(self, plan, fn: Callable[..., None], args: tuple,
-                 result: list) -> torch.distributed.Work | None:
-        """Run a one-slot fast path (:mod:`fcoll.shm.one_slot`) on the caller's thread, if
-        nothing is queued or executing; None (nothing done, no sequence number taken)
-        otherwise.
+    def run_now(self, plan, fn: Callable[..., None], args: tuple) -> BaseException | bool:
+        """Run a one-slot kernel (:mod:`fcoll.shm.one_slot`) on the caller's thread, if
+        nothing is queued or executing, and make no ``Work``: the direct path's form of
+        :meth:`run_fast` (a ``Work`` and its checks behind Dynamo's eager wrapper cost about
+        2 us a call).
 
         Args:
-            plan: a :class:`~fcoll.shm.one_slot.OneSlotPlan`: its ``name``, header ``tail``
-                and last ``work`` are used here.
+            plan: a :class:`~fcoll.shm.one_slot.OneSlotPlan`: its ``name`` and header ``tail``
+                are used here.
             fn: the kernel, called ``fn(ch, plan, *args, payload, what, start)``.
-            args: the user's tensors (and the root) for ``fn``.
-            result: the ``Work``'s result (the output tensors).
+            args: the user's tensors (and the root) for ``fn``; ``args[0]`` is what this rank
+                copies in (its bytes set :attr:`Channel.transfer_s`).
 
         Returns:
-            A completed :class:`DoneWork`; failures are in it, handled as :meth:`_execute`
-            handles them (a mismatch leaves the group usable, anything else breaks it).
+            False: not run (the executor is busy, closed or broken; no sequence number taken);
+            True: done; or the exception it failed with, handled as :meth:`_execute` handles
+            failures (a mismatch leaves the group usable, anything else breaks it).
 
         The claim and release of the executor are written out here rather than shared with
         :meth:`run_inline`: each method call saved is measurable on a small collective.
@@ -165,27 +167,40 @@ class Engine:
         lock = self._lock
         with lock:
             if self._running or self._pending or self._closed or self.broken is not None:
-                return None
+                return False
             self._running = True
         ch = self.ch
         ch.spin_iters = ch.spin_sync
+        ch.transfer_s = args[0].nbytes / TRANSFER_BYTES_PER_S  # what a peer copies in first
         seq = self.seq
         self.seq = seq + 1
         ch.seq = seq
-        error = None
         try:
             fn(ch, plan, *args, plan.tail.encode(seq),
                f"{plan.name} (collective #{seq})", time.monotonic())
-        except BaseException as e:  # noqa: BLE001  carried to wait()
-            error = self._failed(plan.name, e, seq)
+        except BaseException as e:  # noqa: BLE001  carried to the caller
+            return self._failed(plan.name, e, seq)
         finally:
             with lock:
                 self._running = False
                 more = bool(self._pending)
             if more:
                 self._wake.release()  # queued meanwhile by another thread: the worker runs it
-        if error is not None:
-            return DoneWork(result, error)
+        return True
+
+    def run_fast(self, plan, fn: Callable[..., None], args: tuple,
+                 result: list) -> torch.distributed.Work | None:
+        """:meth:`run_now` for the c10d path: a completed :class:`DoneWork` (failures in
+        it), or None (nothing done, no sequence number taken).
+
+        Args:
+            plan, fn, args: as for :meth:`run_now`; ``plan.work`` (the plan's last ``Work``)
+                is reused when nothing else refers to it.
+            result: the ``Work``'s result (the output tensors).
+        """
+        done = self.run_now(plan, fn, args)
+        if done is not True:
+            return None if done is False else DoneWork(result, done)
         work = plan.work
         # Reuse the plan's last Work when nothing but the plan refers to it any more (c10d
         # drops a synchronous call's Work after wait()): making one costs about 1 us.
@@ -264,6 +279,7 @@ class Engine:
         self.ch.spin_iters = (self.ch.spin_async if threading.current_thread() is self._thread
                               else self.ch.spin_sync)
         self.ch.seq = job.seq
+        self.ch.transfer_s = 0.0  # the algorithms that move large phases set it
         call = Call(self.ch, job.name, f"{job.name} (collective #{job.seq})", time.monotonic(),
                     job.payload)
         try:

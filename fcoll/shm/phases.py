@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from fcoll.shm import headers as hdr
 from fcoll.shm.segment import NSLOTS
-from fcoll.shm.sync import Channel
+from fcoll.shm.sync import TRANSFER_BYTES_PER_S, Channel
 
 SLICE_ALIGN_ELEMS = 16  # 16-element aligned slices keep vector loads aligned
 
@@ -93,7 +93,9 @@ class Call:
 def pipelined(c: Call, count: int, write, read) -> None:
     """Run ``count`` one-phase chunks: ``write(i, slot)`` fills this rank's slot, and after every
     rank published chunk i, ``read(i, slot)`` consumes it. Chunk i+1 is written before waiting on
-    chunk i (see the module docstring for why that is safe)."""
+    chunk i (see the module docstring for why that is safe). The waits of a spinning rank
+    allow for a peer still writing a whole slot (:attr:`Channel.transfer_s`)."""
+    c.ch.transfer_s = c.ch.seg.layout.slot_bytes / TRANSFER_BYTES_PER_S if count > 1 else 0.0
     slot = c.slot()
     write(0, slot)
     for i in range(count):

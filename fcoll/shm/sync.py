@@ -91,6 +91,9 @@ _TICK_S = 0.1  # longest futex sleep between liveness, closing and timeout check
 _HALF_RANGE = 1 << (U32_BITS - 1)
 SPIN_US = 200.0  # default spin bound in microseconds: about the measured cost of a sleep
 _MAX_SKIP = 63  # at most this many waits sleep at once after a spin ran out (then one probes)
+# A spinning wait spins longer by the time the peers need to write the phase's data at this
+# rate (1 MiB: 262 us more), see Channel.transfer_s
+TRANSFER_BYTES_PER_S = 4e9
 SPREAD_INTERVAL_S = 0.05  # a channel moves its thread off a peer's CPU at most this often
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
@@ -217,6 +220,11 @@ class Channel:
         spin_iters: the bound of the thread now executing (the engine sets it to
             ``spin_sync`` or ``spin_async`` before each collective; the name is historical:
             it is seconds, not polls).
+        transfer_s: seconds a peer may still be writing the current phase's data (its
+            bytes at :data:`TRANSFER_BYTES_PER_S`; set by the engine and the pipelined
+            algorithms, 0 for headers only): a wait that spins at all spins this much
+            longer, so a peer demonstrably busy copying a large phase is polled in rather
+            than slept on (see :meth:`wait_all`).
         closing: set by the owner to make blocked waits give up at the next tick.
     """
 
@@ -250,6 +258,7 @@ class Channel:
         self.spin_sync = spin_bound_s(world) if spin_s is None else spin_s
         self.spin_async = 0.0
         self.spin_iters = self.spin_sync
+        self.transfer_s = 0.0
         self.backoff = 0  # waits to skip spinning after the next spin that runs out
         self.skip = 0  # waits left that sleep at once
         # the full barrier of arrive(): acquiring a threading.Lock ends in an atomic RMW,
@@ -295,8 +304,13 @@ class Channel:
 
     def wait_all(self, what: str, start: float) -> None:
         """Block until every peer arrived at the current phase: poll for at most
-        ``spin_iters`` seconds in all (none in the ``skip`` waits after a spin ran out), then
-        sleep.
+        ``spin_iters + transfer_s`` seconds in all (none in the ``skip`` waits after a spin ran
+        out, none when ``spin_iters`` is 0), then sleep.
+
+        The ``transfer_s`` part: at 1 MiB a rank arrives up to a copy-in and a reduction
+        (about 175 us on the quiet 2-core machine) after its peer, so a fixed 200 us bound ran
+        out now and then, and every run-out put the next 1-63 waits to sleep (each a wake-up
+        of the sleeper and cold caches for its next copy).
 
         Args:
             what: the collective, for error messages (``"all_reduce #12"``).
@@ -321,7 +335,7 @@ class Channel:
             if spin > 0.0:
                 clock = time.perf_counter
                 if deadline == 0.0:
-                    deadline = clock() + spin
+                    deadline = clock() + spin + self.transfer_s
                 while clock() < deadline:
                     if ((words[idx] - k) & 0xFFFFFFFF) < 0x80000000:
                         break
