@@ -380,3 +380,26 @@ def test_a_rank_on_its_peers_cpu_moves_off_it_and_keeps_its_affinity(monkeypatch
     seg.words[peer_word] = getcpu() + 1
     assert not ch._spread(), "moved although every CPU is busy"
     assert ch.stats["moved"] == 1
+
+
+def _late_by(seg, rank, world, spin_s, transfer_s, waits, delay_s):
+    """Rank 1 arrives ``delay_s`` late every phase, as a peer still copying a large phase."""
+    ch = Channel(seg, rank, world, 30.0, [0, 1], spin_s=spin_s)
+    ch.spin_iters = ch.spin_sync
+    ch.transfer_s = transfer_s
+    for _ in range(waits):
+        if rank == 1:
+            time.sleep(delay_s)
+        ch.arrive()
+        ch.wait_all("x", time.monotonic())
+    return dict(ch.stats)
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_spins_through_the_peers_transfer_time():
+    """A peer 20 ms late (still writing a large phase) is polled in when ``transfer_s``
+    covers the delay (200 ms), and slept on when only the 1 ms spin bound applies."""
+    stats = _run_forked(_late_by, 2, timeout_s=30, args=(1e-3, 0.2, 10, 0.02))[0]
+    assert stats["slept"] == 0 and stats["spin_failed"] == 0, stats
+    stats = _run_forked(_late_by, 2, timeout_s=30, args=(1e-3, 0.0, 10, 0.02))[0]
+    assert stats["slept"] >= 8 and stats["spun"] <= 2, stats
