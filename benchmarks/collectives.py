@@ -35,7 +35,8 @@ load average while it ran (``op_loadavg`` in the JSON). With several values the 
 ``background_load`` are the first run's, and ``loaded_targets`` lists the PASS/FAIL lines.
 
 ``--baseline-tree PATH --rounds R`` compares this tree's fcoll with another checkout's (a
-``git worktree`` of an earlier commit) in one run: R rounds, each running the benchmark once
+``git worktree`` of an earlier commit) in one run (with ``--background-load N``, every run
+under N busy processes: the first value only): R rounds, each running the benchmark once
 with ``PYTHONPATH=PATH`` (PATH's own ``benchmarks/collectives.py``) and once with this tree,
 in alternating order; it prints per op and size the median over rounds of fcoll's time in
 each tree, the median of the paired per-round differences (after - before, in us: drift of
@@ -391,7 +392,8 @@ def compare_trees(args) -> dict:
                 path = os.path.join(tmp, "out.json")
                 cmd = [sys.executable, os.path.join(tree, "benchmarks", "collectives.py"),
                        "--nproc", str(args.nproc), "--ops", *args.ops, "--sizes", *sizes,
-                       "--repeat", str(args.repeat), "--json", path]
+                       "--repeat", str(args.repeat), "--json", path,
+                       "--background-load", str(args.background_load[0])]
                 subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=tree), cwd=tree,
                                check=True, stdout=subprocess.DEVNULL, timeout=1800)
                 with open(path) as f:
@@ -409,7 +411,7 @@ def compare_trees(args) -> dict:
         print(f"round {rnd + 1}/{args.rounds} done, 1-min load {loads[-1]:.2f}", flush=True)
     med = statistics.median
     print(f"\n# fcoll before ({args.baseline_tree}) vs after (this tree), {args.nproc} ranks, "
-          f"{args.rounds} rounds, median us per call (slowest rank), 1-min load per round: "
+          f"{args.background_load[0]} busy processes, {args.rounds} rounds, median us per call (slowest rank), 1-min load per round: "
           + ", ".join(f"{x:.1f}" for x in loads))
     print(f"{'op':>22} {'size':>8} | {'before':>8} {'after':>8} {'paired':>8} {'ratio':>6} | "
           f"{'gloo bef':>9} {'gloo aft':>9}")
@@ -427,7 +429,7 @@ def compare_trees(args) -> dict:
                   f"{row['after_us']:>8.1f} {row['paired_diff_us']:>+8.1f} {row['ratio']:>5.2f}x"
                   f" | {row['gloo_before_us']:>9.1f} {row['gloo_after_us']:>9.1f}")
     body = {"baseline": out, "rounds": args.rounds, "loadavg_per_round": loads,
-            "baseline_tree": args.baseline_tree}
+            "baseline_tree": args.baseline_tree, "background_load": args.background_load[0]}
     if args.micro:
         b, a = samples[("before", "micro")], samples[("after", "micro")]
         body["micro_ns"] = micro = {"before": med(b), "after": med(a),
