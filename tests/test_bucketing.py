@@ -210,15 +210,18 @@ graph(%arg0: f32[4], %arg1: f64[3], %arg2: i32[2]):
 
 
 class TestTiming(unittest.TestCase):
-    """Members must become ready, and be first used, within their own communication time of
-    each other: a bucket never waits through compute that could have hidden its members."""
+    """The lane plan (``bucket_rules.lane_segments``): a member joins a bucket unless that makes
+    some communication end later past its first use than issuing them apart (by more than the
+    latency merging saves)."""
 
-    def test_gradients_separated_by_more_compute_than_their_comm_stay_apart(self):
+    def test_gradients_merge_while_the_bucket_still_ends_before_it_is_needed(self):
         # 1 MiB gradients, two 512^3 mms (5.4 ms each at the default 50 GFLOP/s) between
-        # consecutive ones, about 1 ms of communication each (default 1 GB/s): no merge.
+        # consecutive ones, about 1 ms of communication each (default 1 GB/s), and 5.4 ms of
+        # compute (grad_in's mm) after the last: one bucket issued with the last gradient
+        # still ends before the output needs it, so nothing is gained by splitting.
         gm = canonical.ddp_backward(n_layers=4, batch=512, hidden=512)
         plan = plan_buckets(gm, FcollConfig())
-        self.assertEqual(plan, [])
+        self.assertEqual([len(b.members) for b in plan], [4])
 
     def test_same_gradients_merge_when_compute_is_cheap(self):
         # The same graph with compute estimated at 1 us a node: members ready 2-3 us apart.
@@ -241,7 +244,7 @@ class TestTiming(unittest.TestCase):
         waits = [b.wait(b(torch.ops.fcoll.all_reduce.default, g, "sum", "0"))
                  for g in reversed(grads)]   # traced in parameter order: first layer first
         gm = b.module(waits)
-        gm = _bucket(gm)
+        gm = _bucket(gm, bucket_cap_mb=1)     # 1 MiB gradients: no two merge
         order = [n for n in gm.graph.nodes if n.op == "call_function"]
         colls = [n for n in order if is_collective(n)]
         self.assertEqual([c.args[0] for c in colls], grads)        # order of readiness
@@ -260,10 +263,13 @@ class TestTiming(unittest.TestCase):
         check_topological(gm.graph)                  # the first one stayed before its wait
         self.assertEqual(len(collectives(gm)), 2)
 
-    def test_fsdp_forward_gathers_split_by_compute_between_first_uses(self):
-        # Every shard is ready at the start; the layers' first uses are 5 ms of compute apart.
+    def test_fsdp_forward_gather_needed_at_once_goes_alone(self):
+        # Every shard is ready at the start; the layers' first uses are 5.6 ms of compute
+        # apart, each gather about 0.55 ms: the first layer's is needed at once and goes
+        # alone; the other three, merged, still end long before the second layer needs them.
         gm = canonical.fsdp_forward(n_layers=4, batch=512, hidden=512)
-        self.assertEqual(plan_buckets(gm, FcollConfig()), [])
+        self.assertEqual([b.members for b in plan_buckets(gm, FcollConfig())],
+                         [tuple(f"all_gather_into_tensor_{i}" for i in (1, 2, 3))])
         cheap = FcollConfig(estimator=lambda n: 1.0 if not is_collective(n) else None)
         self.assertEqual([len(b.members) for b in plan_buckets(gm, cheap)], [4])
 
@@ -291,6 +297,53 @@ class TestTiming(unittest.TestCase):
         self.assertEqual(self._head_gathers(400.0), [])
         # With 30 us between the first uses, nothing hides the second one either: merge.
         self.assertEqual([len(b.members) for b in self._head_gathers(10.0)], [2])
+
+class TestLanePlan(unittest.TestCase):
+    """``lane_segments`` on hand-made members: ``comm(bytes) = 100 us + 1 us/byte`` (400-byte
+    members: 500 us each alone, 900 us for two), ready and first-use times in us of compute."""
+
+    @staticmethod
+    def _segments(ready: list[float], use: float | list[float], cap: int = 1 << 30) -> list:
+        from types import SimpleNamespace
+
+        from fcoll.passes.bucket_rules import Member, lane_segments
+
+        uses = use if isinstance(use, list) else [use] * len(ready)
+        def comm(nbytes: int) -> float:
+            return 100.0 + nbytes
+
+        members = [Member(node=SimpleNamespace(name=f"g{i}"), wait=None, ready=(2 * i,),
+                          wait_idx=0, first_use=0, last_hide=-1, in_bytes=400, out_bytes=400,
+                          dtype=torch.float32, ready_us=r, use_us=u, comm_us=comm(400),
+                          comm_time=comm)
+                   for i, (r, u) in enumerate(zip(ready, uses))]
+        lane_segments(members, cap)
+        return [m.segment for m in members]
+
+    def test_communication_bound_first_gradient_goes_alone_then_merge_while_lane_busy(self):
+        """Ready 300 us after the first, the second would keep the lane idle longer than the
+        latency it saves: the first goes alone (PyTorch's small first bucket); the rest are
+        ready while the lane is busy and merge."""
+        self.assertEqual(self._segments([0, 300, 350, 400, 450], use=460), [0, 1, 1, 1, 1])
+
+    def test_compute_bound_buckets_grow_until_they_would_end_too_late(self):
+        """1 ms of compute between gradients, 100 us after the last: the first two merge (they
+        end at 1.9 ms, before the rest need the lane); the third would push the bucket to 3.3
+        ms, past its 2.6 ms latest start; the last is exposed whatever is done."""
+        self.assertEqual(self._segments([0, 1000, 2000, 3000], use=3100), [0, 0, 1, 2])
+
+    def test_gradient_needed_first_is_not_held_back(self):
+        """Both ready at once; the first is needed at once, the second 1.6 ms later."""
+        self.assertEqual(self._segments([0, 0], use=[0, 1600]), [0, 1])
+        self.assertEqual(self._segments([0, 0], use=[0, 10]), [0, 0])
+
+    def test_order_of_readiness_not_graph_order(self):
+        """Traced in parameter order (ready last first): the same plan, mirrored."""
+        self.assertEqual(self._segments([3000, 2000, 1000, 0], use=3100), [2, 1, 0, 0])
+
+    def test_cap_starts_a_new_segment(self):
+        self.assertEqual(self._segments([0, 0, 0], use=10_000, cap=800), [0, 0, 1])
+
 
 class TestComposition(unittest.TestCase):
     def test_default_pipeline_buckets_then_schedules(self):

@@ -142,3 +142,70 @@ def test_compiled_autograd_and_ddp_reach_the_passes(backend):
         # lowered from _c10d_functional to fcoll's ops by the passes
         assert sum(counts[k + ":fcoll"] for k in backward) == sum(backward.values()), counts
     assert fcoll_segments() == []
+
+
+# ---- PyTorch DDP's gradients in fcoll's buckets, overlapping the backward ---------------------
+
+def _ddp_buckets_overlap_backward(rank: int, world: int) -> dict:
+    """``examples/train_gpt.py``'s GPT in PyTorch's DDP (python reducer, compiled autograd),
+    3 steps compiled with ``backend="fcoll"`` and 3 steps eagerly from the same start; the
+    compiled backward graph after fcoll's passes, summarised."""
+    import train_gpt as tg
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fcoll.compile.backend import register_compile_listener
+    from fcoll.passes.bucketing import META_BUCKET
+    from fcoll.passes.graph import is_collective
+
+    corpus = tg.Corpus(tg.load_text())
+    cfg = tg.GPTConfig(vocab_size=corpus.vocab_size, seq_len=64, n_layer=2, n_head=4,
+                       d_model=128)
+    params = tg.init_params(cfg, seed=0)
+    batches = [tg.get_batch(corpus.train, 4, cfg.seq_len, seed=0, step=i, rank=rank,
+                            world_size=world) for i in range(3)]
+
+    module = tg.GPTModule(cfg, params)       # the reference: eager DDP, same start and data
+    ddp, opt = DDP(module), tg.torch_adamw(module, tg.AdamW())
+    eager = []
+    for x, y in batches:
+        loss = ddp(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        eager.append(loss.item())
+
+    backward: list = []
+    handle = register_compile_listener(
+        lambda rec: backward.append(rec.after) if "compiled_autograd" in rec.name else None)
+    step = tg.TorchModuleStep(cfg, params, "torch-ddp", tg.AdamW(), torch.device("cpu"))
+    compiled = [step(x, y).item() for x, y in batches]
+    handle.remove()
+
+    (gm,) = backward
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    colls = [n for n in nodes if is_collective(n)]
+    # the gradients: what each bucket's concatenated input is made of (or a lone input)
+    grads = [g for c in colls for g in (c.args[0].all_input_nodes
+                                        if c.args[0].target is torch.ops.aten.cat.default
+                                        else [c.args[0]])]
+    return {"eager": eager, "compiled": compiled,
+            "members": [len(c.meta.get(META_BUCKET, [c.name])) for c in colls],
+            "first_issue": min(pos[c] for c in colls),
+            "last_gradient": max(pos[g] for g in grads)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ddp_gradients_go_out_in_buckets_during_the_backward(backend):
+    """Compiled autograd's backward of PyTorch's DDP (python reducer): fcoll's passes replace the
+    reducer's per-parameter all_reduces with more than one bucket, and the first bucket is
+    issued before the last gradient is computed (it overlaps the rest of the backward), with
+    the loss of eager DDP."""
+    results = run_ranks(_ddp_buckets_overlap_backward, 2, backend=backend, timeout_s=300)
+    assert results[0]["members"] == results[1]["members"]      # the same buckets on both ranks
+    for r in results:
+        torch.testing.assert_close(r["compiled"], r["eager"], rtol=1e-4, atol=1e-5)
+        assert len(r["members"]) > 1, r
+        assert sum(r["members"]) == 2 * 12 + 4, r               # every parameter's gradient
+        assert r["first_issue"] < r["last_gradient"], r
+    assert fcoll_segments() == []

@@ -22,28 +22,28 @@ everything that reads it, so sorting all nodes by key is a topological order: **
 create a cycle**. In particular collectives that depend on each other (``c2`` reads ``wait(c1)``,
 directly or through compute) never share a bucket, because then ``F(c1) <= A``.
 
-Timing rule (buckets and overlap). Merging saves one collective's latency per member, but a
-bucket is issued only when its last member is ready and waited when its first result is needed.
-So members must become ready, and be first used, within their own estimated communication time
-(as separate collectives) of each other, in estimated compute time. The estimates come from
-the pass as :class:`BucketCosts` (:func:`model_costs`: the cost model's
-:func:`~fcoll.passes.calibrate.cached_model`, which never communicates; the user's estimator first);
-the planner itself reads no cost model.
-When compute between members is larger, the earlier members go out alone and that compute hides
-them; when communication dominates (the lane is busy anyway), members merge up to the cap. A DDP
-step whose gradients are all-reduced in parameter order (the first layer first, though it is
-ready last) thus gets one bucket per stretch of backward rather than one bucket issued after the
-whole backward. Second, a merge must not expose more communication than it saves latency: with
-``exposed(B) = max(0, comm(B) - compute between B's last ready member and its first use)``
-(alpha-beta ``comm`` of the merged bytes), a member joins only if ``exposed(merged) <=
-exposed(bucket) + exposed(member) + (comm(bucket) + comm(member) - comm(merged))``. This keeps
-the parameters an FSDP forward needs first out of a large bucket that nothing could hide (the
-first layer's all_gather, issued at the start of the graph), and still merges the gradients
-ready at the very end of a backward, which are exposed whether merged or not. all_to_all has
-no timing rule: its bytes differ between ranks. Nor do groups of fcoll's shared-memory
-backend, whose collectives run on the compute's own cores
-(:func:`~fcoll.passes.calibrate.moves_data_on_compute_cores`, a group fact in :class:`BucketCosts`):
-there few large buckets win.
+Lane plan (buckets and overlap). Merging saves one collective's latency per member, but a
+bucket is issued only when its last member is ready. Before the walk, the timed members of each
+key are segmented by :func:`~fcoll.passes.bucket_rules.lane_segments`, a model of the key's
+communication lane (one collective at a time, each issued once its last member is ready and the
+lane is free) in estimated compute time, from the cost model's times of the merged sizes; a
+member never joins an open bucket of another segment. A member joins when that does not make
+any communication end later past its first use than issuing the bucket and the member apart
+(the rule and its consequences are in that function's docstring): while the lane is busy,
+members merge; when waiting for the next member would leave the lane idle longer than the
+latency merging saves, the bucket goes out, so the first bucket of a communication-bound
+backward holds just the first gradients ready, as PyTorch's reducer's small first bucket; with
+plenty of compute, buckets grow as long as they still end before they are needed and before
+the rest need the lane, and the last one is small. So a DDP backward gets buckets issued as
+their last gradient is ready, each hidden by the backward that remains, whether its
+all_reduces were traced in order of readiness (compiled autograd's ``python_reducer``) or in
+parameter order (the first layer's gradient, ready last, first). The estimates come from the
+pass as :class:`BucketCosts` (:func:`model_costs`: the cost model's
+:func:`~fcoll.passes.calibrate.cached_model`, which never communicates; the user's estimator
+first); the planner itself reads no cost model. all_to_all has no lane plan: its bytes differ
+between ranks. The same rule holds for fcoll's shared-memory groups, whose curve is calibrated
+like any other (their collectives also take time on the compute's cores; where the cost model
+says their communication is cheap, buckets simply grow large).
 
 Invariant (why ranks agree): every decision reads only the graph (order, shapes, dtypes, groups,
 scheduler metadata) and the cost model, whose calibrated numbers are rank 0's on every rank
@@ -70,10 +70,10 @@ import torch
 import torch.fx as fx
 
 from fcoll.passes.bucket_key import BucketKeys, OpArgs
-from fcoll.passes.bucket_rules import Member, OpenBucket, add, join_rejection, rejection, \
-    wait_index
+from fcoll.passes.bucket_rules import Member, OpenBucket, add, join_rejection, lane_segments, \
+    rejection, wait_index
 from fcoll.passes.config import FcollConfig
-from fcoll.passes.graph import META_HIDING, arg_of, tensor_bytes, waits_of
+from fcoll.passes.graph import META_HIDING, tensor_bytes, waits_of
 from fcoll.passes.memory import OTHER, op_class
 
 __all__ = ["Bucket", "BucketCosts", "model_costs", "plan_buckets", "BUCKETABLE_OPS", "MIB"]
@@ -128,31 +128,43 @@ class BucketCosts:
         compute_us: node -> its estimated compute microseconds (asked only of compute nodes:
             collectives and waits run on the communication lane).
         comm_time: collective -> ``bytes -> microseconds`` of one collective of its kind on its
-            group, or None where the group's collectives run on the compute's own cores (no
-            timing rule there, see the module docstring).
+            group, or None: no lane plan for it (only the cap and memory budget bound its
+            buckets).
     """
 
     compute_us: Callable[[fx.Node], float]
     comm_time: Callable[[fx.Node], Callable[[int], float] | None]
 
 
-def model_costs(gm: fx.GraphModule, config: FcollConfig,
-                estimates: dict | None = None) -> BucketCosts:
-    """:class:`BucketCosts` from fcoll's cost model: :func:`~fcoll.passes.calibrate.cached_model`
-    (never communicates; ``config.estimator`` first, ``estimates`` shared by a pipeline run),
-    asked for only once some member is timed, and
-    :func:`~fcoll.passes.calibrate.moves_data_on_compute_cores` once per group name."""
-    from fcoll.passes.calibrate import cached_model, moves_data_on_compute_cores
+def model_costs(gm: fx.GraphModule, config: FcollConfig, estimates: dict | None = None,
+                before_calibration: Callable[[], None] | None = None) -> BucketCosts:
+    """:class:`BucketCosts` from fcoll's cost model (``config.estimator`` first, ``estimates``
+    shared by a pipeline run), built once some member is timed.
 
-    model = functools.cache(lambda: cached_model(gm, config.estimator, estimates))
-    on_compute_cores = functools.cache(moves_data_on_compute_cores)
+    Args:
+        before_calibration: None: :func:`~fcoll.passes.calibrate.cached_model`, which never
+            communicates (defaults for groups not calibrated yet). Given: where the cached
+            model has no calibrated group, this is called and then
+            :func:`~fcoll.passes.calibrate.model_for` calibrates the graph's groups (a
+            collective call on every rank, at a group's first compile): the pass runs the rank
+            check there, so ranks whose graphs differ raise a named error instead of hanging in
+            the calibration. Sizing buckets by the defaults (1 GB/s, 50 GFLOP/s) instead of the
+            link's and cores' own numbers misjudges which communication hides.
+    """
+    from fcoll.passes.calibrate import cached_model, model_for
+
+    @functools.cache
+    def model():
+        cached = cached_model(gm, config.estimator, estimates)
+        if before_calibration is None or cached.source != "default":
+            return cached
+        before_calibration()
+        return model_for(gm, config.estimator, estimates)
 
     def compute_us(node: fx.Node) -> float:
         return model().estimate(node)
 
     def comm_time(node: fx.Node) -> Callable[[int], float] | None:
-        if on_compute_cores(str(arg_of(node, "group_name"))):
-            return None
         return model().comm_params(node).time_us
 
     return BucketCosts(compute_us, comm_time)
@@ -180,6 +192,26 @@ class _Planner:
         self.open_of_wait: dict[fx.Node, OpenBucket] = {}   # member wait -> its open bucket
         self._names: dict[str, int] = {}
         self._elapsed: list[float] | None = None
+        self.lanes: dict[fx.Node, Member] = {}        # timed collective -> its lane-plan record
+
+    def plan_lanes(self) -> None:
+        """Segment the timed members of every key (:func:`lane_segments`) before the walk;
+        their positions are the graph's original ones (no bucket is closed yet)."""
+        by_key: dict[tuple, list[Member]] = {}
+        for node in self.nodes:
+            spec = self.keys.op(node) if node.op == "call_function" else None
+            if spec is None or spec.op not in BUCKETABLE_OPS or spec.kind == "all_to_all":
+                continue
+            waits = waits_of(node)
+            if rejection(node, spec, waits) is not None:
+                continue
+            m = self.member(node, waits[0], timed=True)
+            if m.comm_us is not None:
+                key = self.keys(node, multi_dtype=True) + (node.target.namespace,)
+                by_key.setdefault(key, []).append(m)
+        for members in by_key.values():
+            lane_segments(members, self.cap)
+            self.lanes.update((m.node, m) for m in members)
 
     def visit(self, node: fx.Node, spec: OpArgs) -> None:
         """Plan collective ``node``: close the buckets whose results it reads, then add it to
@@ -199,6 +231,9 @@ class _Planner:
         # must come from one op library.
         key = self.keys(node, multi_dtype=True) + (node.target.namespace,)
         m = self.member(node, waits[0], timed=spec.kind != "all_to_all")
+        planned = self.lanes.get(node)
+        if planned is not None:
+            m.segment, m.cut = planned.segment, planned.cut
         b = self.open_by_key.get(key)
         if b is not None:
             why = join_rejection(b, m, self.cap, self.budget, self.concat)
@@ -213,7 +248,7 @@ class _Planner:
         self.open_of_wait[waits[0]] = b
 
     def member(self, node: fx.Node, wait: fx.Node, timed: bool) -> Member:
-        """``node`` as a :class:`Member`; ``timed``: the timing rule may apply to its kind."""
+        """``node`` as a :class:`Member`; ``timed``: the lane plan may apply to its kind."""
         val, idx = node.args[0].meta["val"], self.idx
         ready = max((self.ready_of(u) for u in node.all_input_nodes), default=(-1,))
         users = [idx[u] for u in wait.users]
@@ -291,8 +326,8 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
     merged bucket stays valid (``W <= F``, see the module docstring), its input bytes stay within
     ``config.bucket_cap_mb`` and the memory it holds while in flight (concat buffer + output in
     "concat" mode, output in "coalesced" mode) within ``config.memory_budget_mb``; otherwise that
-    bucket is closed and a new one opened; the same happens when the timing rule (module
-    docstring) rejects the member. A bucket whose member's wait is read directly by a later
+    bucket is closed and a new one opened; the same happens when the lane plan (module
+    docstring) put the member in another segment. A bucket whose member's wait is read directly by a later
     collective is closed first, so that reader's issue point is known.
 
     Args:
@@ -300,7 +335,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
             ``meta["val"]`` (static shapes; others are left alone, logged at DEBUG).
         config: uses ``bucket_cap_mb``, ``bucket_mode`` and ``memory_budget_mb`` (and, through
             the default ``costs``, ``estimator``).
-        costs: the cost facts of the timing rule, from the pass; default :func:`model_costs`.
+        costs: the cost facts of the lane plan, from the pass; default :func:`model_costs`.
         include_moves: also return one-member buckets ("moves"): the collective goes to its
             issue point, right after its input is ready. With them, every bucketable
             collective is issued in order of readiness (the same order on every rank, as it is
@@ -316,6 +351,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
     config = config if config is not None else FcollConfig()
     costs = costs if costs is not None else model_costs(gm, config)
     planner = _Planner(gm, config, costs, include_moves)
+    planner.plan_lanes()
     keys = planner.keys
     for node in planner.nodes:
         spec = keys.op(node) if node.op == "call_function" else None

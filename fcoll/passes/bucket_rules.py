@@ -1,20 +1,22 @@
 """The rules of bucket planning: who may be a member, and who may join an open bucket.
 
 Positions and keys are those of :mod:`fcoll.passes.bucket_plan` (its module docstring states
-the placement model and the timing rule); these are pure functions of the records below.
+the placement model and the lane plan); these are pure functions of the records below.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from fcoll.passes.bucket_key import OpArgs
 
-__all__ = ["Member", "OpenBucket", "wait_index", "rejection", "join_rejection", "add"]
+__all__ = ["Member", "OpenBucket", "wait_index", "rejection", "join_rejection", "add",
+           "lane_segments"]
 
 
 @dataclass
@@ -31,8 +33,11 @@ class Member:
         dtype: its input's dtype.
         ready_us / use_us: estimated compute microseconds before its inputs are ready, and
             before the first use of its result.
-        comm_us: estimated microseconds as a separate collective; None: no timing rule.
+        comm_us: estimated microseconds as a separate collective; None: no lane plan.
         comm_time: bytes -> microseconds of one collective of its kind and group.
+        segment: the bucket :func:`lane_segments` planned it into (timed members only); a
+            member never joins an open bucket of another segment.
+        cut: why its segment starts at it (``lane_segments``'s reason), for the DEBUG log.
     """
 
     node: fx.Node
@@ -48,6 +53,13 @@ class Member:
     use_us: float = 0.0
     comm_us: float | None = None
     comm_time: Callable[[int], float] | None = None
+    segment: int | None = None
+    cut: str = ""
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes that size its communication: the larger of input and output."""
+        return max(self.in_bytes, self.out_bytes)
 
 
 @dataclass
@@ -62,10 +74,6 @@ class OpenBucket:
     last_hide: int = -1
     in_bytes: int = 0
     out_bytes: int = 0
-    ready_us: tuple[float, float] = (float("inf"), float("-inf"))   # (min, max) over members
-    use_us: tuple[float, float] = (float("inf"), float("-inf"))
-    comm_us: float = 0.0    # the members' estimated time as separate collectives
-    comm_bytes: int = 0     # sum over members of max(input, output) bytes (timed members)
 
 
 def wait_index(ready: tuple, wait_idx: int, last_hide: int) -> int:
@@ -105,7 +113,7 @@ def rejection(node: fx.Node, spec: OpArgs, waits: list[fx.Node]) -> str | None:
 
 def join_rejection(b: OpenBucket, m: Member, cap: int, budget: int, concat: bool) -> str | None:
     """Why ``m`` cannot join ``b``, or None: the byte cap, the memory budget, the dependency
-    rule (``W <= F``) and the timing rule, in that order.
+    rule (``W <= F``) and the lane plan (:func:`lane_segments`), in that order.
 
     all_to_all sizes differ between ranks (MoE routing gives each rank its own splits), so a byte
     cap would split all_to_all buckets differently on different ranks and hang; all_to_all buckets
@@ -124,38 +132,10 @@ def join_rejection(b: OpenBucket, m: Member, cap: int, budget: int, concat: bool
     if w > first_use:
         return (f"dependency: issue point (after key {ready}) and hiding compute need the wait "
                 f"at node #{w}, after the first use of a member result (node #{first_use})")
-    return _timing_rejection(b, m) if m.comm_us is not None else None
-
-
-def _timing_rejection(b: OpenBucket, m: Member) -> str | None:
-    """The timing rule (module docstring of :mod:`fcoll.passes.bucket_plan`): members ready and
-    first used within their communication time of each other, and a merge that exposes no
-    more communication than it saves latency."""
-    comm_us = b.comm_us + m.comm_us
-    ready_spread = max(b.ready_us[1], m.ready_us) - min(b.ready_us[0], m.ready_us)
-    use_spread = max(b.use_us[1], m.use_us) - min(b.use_us[0], m.use_us)
-    if max(ready_spread, use_spread) > comm_us:
-        return (f"timing: members ready {ready_spread:.0f} us and first used "
-                f"{use_spread:.0f} us of compute apart, more than their {comm_us:.0f} us "
-                f"of communication as separate collectives")
-    time_us = m.comm_time
-    alone = time_us(b.comm_bytes)
-    merged = time_us(b.comm_bytes + max(m.in_bytes, m.out_bytes))
-    exposed_merged = _exposed_us(merged, max(b.ready_us[1], m.ready_us),
-                                 min(b.use_us[0], m.use_us))
-    exposed_apart = (_exposed_us(alone, b.ready_us[1], b.use_us[0])
-                     + _exposed_us(m.comm_us, m.ready_us, m.use_us))
-    if exposed_merged > exposed_apart + (alone + m.comm_us - merged):
-        return (f"exposure: merged, {exposed_merged:.0f} us of communication would not be "
-                f"hidden by compute, against {exposed_apart:.0f} us apart, more than the "
-                f"{alone + m.comm_us - merged:.0f} us of latency merging saves")
+    last = b.members[-1].segment if b.members else None
+    if m.segment is not None and last is not None and m.segment != last:
+        return f"lane plan: {m.cut}"
     return None
-
-
-def _exposed_us(comm_us: float, ready_us: float, use_us: float) -> float:
-    """Communication time not covered by the compute between a collective's issue (its inputs
-    ready, ``ready_us`` of compute into the graph) and its first use (``use_us``)."""
-    return max(0.0, comm_us - (use_us - ready_us))
 
 
 def add(b: OpenBucket, m: Member) -> None:
@@ -167,8 +147,77 @@ def add(b: OpenBucket, m: Member) -> None:
     b.last_hide = max(b.last_hide, m.last_hide)
     b.in_bytes += m.in_bytes
     b.out_bytes += m.out_bytes
-    b.ready_us = (min(b.ready_us[0], m.ready_us), max(b.ready_us[1], m.ready_us))
-    b.use_us = (min(b.use_us[0], m.use_us), max(b.use_us[1], m.use_us))
-    if m.comm_us is not None:
-        b.comm_us += m.comm_us
-        b.comm_bytes += max(m.in_bytes, m.out_bytes)
+
+
+def lane_segments(members: Sequence[Member], cap: int) -> None:
+    """Plan which timed members of one bucket key share a bucket: sets each member's
+    ``segment`` (and ``cut``, why a new one starts at it). Pure; O(n log n) for n members.
+
+    Model (times in estimated compute microseconds from the graph's start, as
+    :class:`Member` holds them): member ``k`` is ready at ``r_k`` and first used at ``u_k``;
+    the key's collectives run one at a time on one lane; a bucket is issued once its last
+    member is ready and the lane is free, and takes ``comm(bytes)``, the cost model's time of
+    one collective of the merged size (the alpha-beta curve: merging saves a latency). A wait
+    stalls compute until its collective ends and the stall delays all that follows, so a
+    schedule's exposed communication is its largest lateness ``F - u`` (``F`` = end of the
+    collective), not the sum.
+
+    Members are taken in order of readiness (ties: graph order). Backwards first,
+    ``S_k = min(S_{k+1}, u_k) - comm(k)`` (``S_{n+1} = inf``) is the latest the lane may start
+    member ``k`` if it and every later member went out alone, each finished before its first
+    use and before the next one starts: when the lane must be free for the rest. Then forwards,
+    with an open bucket ``B`` (last member ready at ``r_B``, earliest first use ``u_B``, the lane
+    free at ``L``), member ``k`` either
+
+    - goes apart: ``B`` ends at ``F_B = max(r_B, L) + comm(B)``, ``k`` at
+      ``F_k = max(r_k, F_B) + comm(k)``; lateness ``max(F_B - u_B, F_k - D_k, 0)``;
+    - or joins: ``F = max(r_k, L) + comm(B + k)``; lateness ``max(F - min(u_B, D_k), 0)``;
+
+    with ``D_k = min(u_k, S_{k+1})``. ``k`` joins unless that lateness exceeds apart's by more
+    than the latency merging saves (``comm(B) + comm(k) - comm(B + k)``: a collective's latency
+    is also paid by the ranks that issue and wait it, which lateness does not count), or the
+    bucket would pass ``cap`` bytes of input.
+
+    What follows: while the lane is busy (communication dominates) members merge, since waiting
+    for the lane costs nothing, and a bucket goes out alone as soon as waiting for the next
+    member would leave the lane idle longer than the latency merging saves, so the first
+    bucket holds only the first gradients ready (PyTorch's reducer makes its first bucket small,
+    1 MiB, for the same reason). While compute dominates, buckets grow as long as they still end
+    before their first use and before the rest need the lane: a backward with plenty of
+    compute gets a few large buckets, issued as their last gradient is ready, and a small last
+    one (nothing runs after it to hide it). Every input is the graph's and the cost model's, so
+    every rank plans the same segments.
+    """
+    order = sorted(range(len(members)), key=lambda i: (members[i].ready_us, i))
+    ms = [members[i] for i in order]
+    latest = [math.inf] * (len(ms) + 1)
+    for k in range(len(ms) - 1, -1, -1):
+        latest[k] = min(latest[k + 1], ms[k].use_us) - (ms[k].comm_us or 0.0)
+    segment, lane_free = 0, -math.inf
+    first = ms[0] if ms else None
+    ready, use, nbytes, in_bytes = 0.0, 0.0, 0, 0
+    for k, m in enumerate(ms):
+        comm = m.comm_time
+        if m is not first:
+            due = min(m.use_us, latest[k + 1])
+            end_b = max(ready, lane_free) + comm(nbytes)
+            end_k = max(m.ready_us, end_b) + m.comm_us
+            apart = max(end_b - use, end_k - due, 0.0)
+            end = max(m.ready_us, lane_free) + comm(nbytes + m.comm_bytes)
+            merged = max(end - min(use, due), 0.0)
+            saved = comm(nbytes) + m.comm_us - comm(nbytes + m.comm_bytes)
+            if in_bytes + m.in_bytes > cap:
+                m.cut = f"cap: {in_bytes + m.in_bytes} input bytes > {cap}"
+            elif merged > apart + saved:
+                m.cut = (f"{m.node.name} would keep its bucket waiting: merged, the lane plan's "
+                         f"communication ends {merged:.0f} us after it is needed, apart "
+                         f"{apart:.0f} us, more than the {saved:.0f} us of latency merging "
+                         f"saves")
+            else:
+                ready, use = m.ready_us, min(use, m.use_us)
+                nbytes, in_bytes = nbytes + m.comm_bytes, in_bytes + m.in_bytes
+                m.segment = segment
+                continue
+            lane_free, segment = end_b, segment + 1
+        ready, use, nbytes, in_bytes = m.ready_us, m.use_us, m.comm_bytes, m.in_bytes
+        m.segment = segment

@@ -38,9 +38,9 @@ member's result follow that wait.
 Composition with ``reorder_for_overlap``: the default pipeline is ``lower_c10d_functional ->
 bucket_collectives -> check_rank_consistency -> reorder_for_overlap``. Bucketing first lets the
 scheduler place few large collectives (its cost model sees the merged sizes), and the planner's
-timing rule (:mod:`fcoll.passes.bucket_plan`) keeps buckets from swallowing the overlap the
-scheduler could find: members merge only when they are ready, and first used, within their own
-communication time of compute of each other. Both read one cost model, and share its compute
+lane plan (:mod:`fcoll.passes.bucket_plan`) keeps buckets from swallowing the overlap the
+scheduler could find: a member joins a bucket only if that ends no communication later past its
+first use than issuing them apart. Both read one cost model, and share its compute
 estimates within a pipeline run (``FcollPass.estimates``). When bucketing runs
 after the scheduler instead, the hiding metadata keeps the planned overlap: a bucket's wait is never
 placed before a member's hiding compute, and a member whose hiding compute would force the wait
@@ -68,7 +68,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fcoll.ops.facts import OPS
 from fcoll.passes.bucket_plan import Bucket, model_costs, plan_buckets
 from fcoll.passes.graph import META_HIDING, args_by_name, check_topological, waits_of
-from fcoll.passes.registry import FcollPass, register_pass
+from fcoll.passes.registry import FcollPass, get_pass, register_pass
 from fcoll.passes.config import FcollConfig
 
 __all__ = ["BucketCollectives", "apply_buckets", "plan_buckets", "Bucket", "META_BUCKET"]
@@ -475,6 +475,12 @@ def _insert_groups(g: fx.Graph, nodes: list[fx.Node], buckets: list[Bucket],
 class BucketCollectives(FcollPass):
     """Merge collectives into buckets of at most ``config.bucket_cap_mb`` MiB of input.
 
+    The lane plan needs the groups' real numbers: at a group's first compile the pass
+    calibrates it (:func:`~fcoll.passes.calibrate.model_for`), after running
+    ``check_rank_consistency`` on the unbucketed graph (unless ``config.check_ranks`` is off),
+    since a calibration on ranks whose graphs differ would hang; the pipeline's own check, after
+    this pass, still compares the bucketed sequences.
+
     ``ar(g1) -> wait -> ... ar(g2) -> wait -> out`` becomes
     ``cat(g1, g2) -> ar -> ... wait -> split -> out``. See the module docstring for modes and
     placement.
@@ -486,7 +492,11 @@ class BucketCollectives(FcollPass):
         """Nothing more: :func:`apply_buckets` already ended with :func:`check_topological`."""
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
-        costs = model_costs(graph_module, self.config, self.estimates)
+        def check_ranks() -> None:   # before the first calibration of the graph's groups
+            if self.config.check_ranks:
+                get_pass("check_rank_consistency", self.config)(graph_module)
+
+        costs = model_costs(graph_module, self.config, self.estimates, check_ranks)
         buckets = plan_buckets(graph_module, self.config, costs, include_moves=True)
         merged = [b for b in buckets if len(b.members) > 1]
         if merged:
