@@ -43,7 +43,8 @@ each tree, the median of the paired per-round differences (after - before, in us
 the machine's load cancels within a round), gloo's medians in both (a noise control: gloo's
 code is the same in both), and the load average of every round. The JSON then holds
 ``baseline``: ``{op: {size: {before_us, after_us, paired_diff_us, ratio, gloo_before_us,
-gloo_after_us}}}``, ``rounds`` and ``loadavg_per_round``. On a loaded machine a small call
+gloo_after_us, before_rounds_us, after_rounds_us}}}`` (the last two: fcoll's time in every
+round, which shows a bimodal size), ``rounds`` and ``loadavg_per_round``. On a loaded machine a small call
 varies by several us between runs, more than a sub-microsecond change; ``--micro`` then also
 times, in one process per tree and round, one phase of a 2-rank channel whose peer has already
 arrived (``Channel.arrive`` + ``Channel.wait_all``: the per-phase protocol every collective
@@ -422,7 +423,8 @@ def compare_trees(args) -> dict:
             g_b, g_a = samples[("before", op, size, "gloo")], samples[("after", op, size, "gloo")]
             row = {"before_us": med(f_b), "after_us": med(f_a),
                    "paired_diff_us": med([a - b for a, b in zip(f_a, f_b)]),
-                   "gloo_before_us": med(g_b), "gloo_after_us": med(g_a)}
+                   "gloo_before_us": med(g_b), "gloo_after_us": med(g_a),
+                   "before_rounds_us": f_b, "after_rounds_us": f_a}
             row["ratio"] = row["after_us"] / row["before_us"]
             out.setdefault(op, {})[size] = row
             print(f"{op:>22} {fmt_size(int(size)):>8} | {row['before_us']:>8.1f} "
