@@ -63,7 +63,7 @@ from fcoll.ops.reduce import (
     reduce_op_name,
     reduce_rows_into,
 )
-from fcoll.shm.hierarchical_work import ChainedWork, HierarchicalWork
+from fcoll.shm.hierarchical_work import ChainedWork, HierarchicalWork, OrderedRunner
 from fcoll.shm.hosts import HostLayout
 from fcoll.shm.links import (
     OP_CODES,
@@ -133,7 +133,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             # reduce_scatter: local rank l' receives the rows of ranks (0, l'), ..., (H-1, l')
             self._scatter_order = torch.tensor(
                 [layout.rank_at(h, lq) for lq in range(L) for h in range(H)])
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"fcoll-hier-r{rank}")
+        self._runner = OrderedRunner(f"fcoll-hier-r{rank}")
         self._lock = threading.Lock()
         self._coalescing: list[cf.Future] | None = None
 
@@ -168,12 +168,12 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 f"hosts={hosts}, name={self._group_name!r})")
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._runner.shutdown()
         if self._intra is not None:
             self._intra.shutdown()
 
     def abort(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._runner.shutdown(cancel=True)
         if self._intra is not None:
             self._intra.abort()
 
@@ -188,17 +188,17 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 return fn()
 
         with self._lock:
-            fut = self._pool.submit(run)
+            fut = self._runner.submit(run)
             if self._coalescing is not None:
                 self._coalescing.append(fut)
-        return HierarchicalWork([fut])
+        return HierarchicalWork([fut], self._runner)
 
     def _start_coalescing(self, device=None) -> None:
         self._coalescing = []
 
     def _end_coalescing(self, device=None) -> dist.Work:
         futs, self._coalescing = self._coalescing or [], None
-        return HierarchicalWork(futs)
+        return HierarchicalWork(futs, self._runner)
 
     def _flat_work(self, issue: Callable[[], dist.Work], result) -> HierarchicalWork:
         """Issue a flat gloo op in queue order and wait for it on the worker."""
@@ -430,11 +430,11 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
         works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
-        return HierarchicalWork([f for w in works for f in w._futures])
+        return HierarchicalWork([f for w in works for f in w._futures], self._runner)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
-        return HierarchicalWork([f for w in works for f in w._futures])
+        return HierarchicalWork([f for w in works for f in w._futures], self._runner)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -506,7 +506,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return HierarchicalWork([f for w in works for f in w._futures])
+        return HierarchicalWork([f for w in works for f in w._futures], self._runner)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

@@ -1,8 +1,11 @@
-"""The ``Work`` objects of :class:`fcoll.shm.hierarchical.HierarchicalProcessGroup`."""
+"""The queue and the ``Work`` objects of :class:`fcoll.shm.hierarchical.HierarchicalProcessGroup`."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,7 +13,96 @@ import torch.distributed as dist
 
 from fcoll.compat import run_eagerly_under_dynamo
 
-__all__ = ["ChainedWork", "HierarchicalWork"]
+__all__ = ["ChainedWork", "HierarchicalWork", "OrderedRunner"]
+
+
+class OrderedRunner:
+    """Runs submitted functions one at a time, in submission order, on a worker thread or on
+    the thread that waits for one of them.
+
+    A caller that waits right after issuing an op (a blocking collective, most small ones)
+    would otherwise hand the op to the worker and sleep until it is done: two thread
+    wake-ups per op, which on 4 ranks sharing 2 loaded cores cost milliseconds (measured at
+    1 gbit, load 8: a 64 KiB all_reduce through the worker 6.8 ms, the same steps run on the
+    caller's thread 2.7 ms). :meth:`run_until` instead runs the queue up to that op on the
+    waiting thread, as the shared-memory engine does (``fcoll.shm.engine.Engine.wait``).
+
+    Invariant: a job is taken from the queue and run while holding ``_run_lock``, so jobs run
+    one at a time and in submission order whichever thread runs them; every rank therefore
+    issues the inner groups' collectives in one order.
+    """
+
+    def __init__(self, name: str):
+        self._jobs: collections.deque[tuple[cf.Future, Callable[[], Any]]] = collections.deque()
+        self._cv = threading.Condition()
+        self._run_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> cf.Future:
+        """Queue ``fn``; returns the future of its result (or exception).
+
+        Raises:
+            RuntimeError: the runner was shut down.
+        """
+        fut: cf.Future = cf.Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("fcoll: the hierarchical group was shut down")
+            self._jobs.append((fut, fn))
+            self._cv.notify()
+        return fut
+
+    def _take(self) -> tuple[cf.Future, Callable[[], Any]] | None:
+        with self._cv:
+            return self._jobs.popleft() if self._jobs else None
+
+    @staticmethod
+    def _execute(job: tuple[cf.Future, Callable[[], Any]]) -> None:
+        fut, fn = job
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001  delivered through the future
+            fut.set_exception(e)
+
+    def run_until(self, fut: cf.Future) -> None:
+        """Run queued jobs on this thread until ``fut`` is done (it ran here or elsewhere)."""
+        if fut.done():
+            return
+        with self._run_lock:
+            while not fut.done():
+                job = self._take()
+                if job is None:   # taken and finished by the worker before we held the lock
+                    break
+                self._execute(job)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._jobs:
+                    return
+            with self._run_lock:
+                job = self._take()
+                if job is not None:
+                    self._execute(job)
+
+    def shutdown(self, cancel: bool = False) -> None:
+        """Stop accepting jobs. ``cancel=False``: the worker runs the queued jobs and is joined;
+        ``cancel=True`` (abort): queued jobs are cancelled and nothing is waited for (a job
+        already running finishes or fails on its own)."""
+        with self._cv:
+            self._closed = True
+            if cancel:
+                while self._jobs:
+                    self._jobs.popleft()[0].cancel()
+            self._cv.notify_all()
+        if not cancel and threading.current_thread() is not self._thread:
+            self._thread.join()
 
 
 @run_eagerly_under_dynamo
@@ -20,14 +112,19 @@ class HierarchicalWork(dist.Work):
     ``wait()`` re-raises the op's error; ``result()`` is the list of output tensors.
     """
 
-    def __init__(self, futures: list[cf.Future]):
+    def __init__(self, futures: list[cf.Future], runner: OrderedRunner | None = None):
         super().__init__()
         self._futures = futures
+        self._runner = runner
         self._fut: torch.futures.Future | None = None
 
     def wait(self, timeout=None) -> bool:
+        """Run the group's queue up to this op on this thread if nobody started it, then wait
+        for it and re-raise its error."""
         secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
         for f in self._futures:
+            if self._runner is not None:
+                self._runner.run_until(f)
             f.result(timeout=secs or None)
         return True
 
@@ -76,6 +173,7 @@ class ChainedWork(dist.Work):
         self._issued = issued
 
     def _inner(self) -> dist.Work:
+        self._issued.wait()
         return self._issued._futures[0].result()
 
     def wait(self, timeout=None) -> bool:

@@ -1,0 +1,80 @@
+"""The queue of fcoll.shm.hierarchical's groups (``OrderedRunner``): jobs run one at a time,
+in submission order, whether the worker thread or a waiting thread runs them. One process,
+no collectives; the hierarchical groups themselves are tested in tests/test_hierarchical.py."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import threading
+
+import pytest
+
+from fcoll.shm.hierarchical_work import HierarchicalWork, OrderedRunner
+
+
+def test_jobs_run_in_submission_order_and_one_at_a_time_whoever_waits():
+    runner = OrderedRunner("test-runner")
+    ran: list[int] = []
+    running = threading.Semaphore(1)
+
+    def job(i: int):
+        assert running.acquire(blocking=False), "two jobs ran at once"
+        ran.append(i)
+        running.release()
+        return i
+
+    works = [HierarchicalWork([runner.submit(lambda i=i: job(i))], runner) for i in range(300)]
+    rng = random.Random(0)
+    waiters = [threading.Thread(target=lambda ws=ws: [w.wait() for w in ws])
+               for ws in (rng.sample(works, 100), rng.sample(works, 100))]
+    for t in waiters:
+        t.start()
+    for w in works[::-1]:                 # the last first: runs the queue up to it here
+        w.wait()
+    for t in waiters:
+        t.join(timeout=30)
+    assert ran == list(range(300))
+    assert [w.result() for w in works] == list(range(300))
+    runner.shutdown()
+
+
+def test_a_jobs_error_is_raised_by_its_wait_and_later_jobs_still_run():
+    runner = OrderedRunner("test-runner")
+
+    def boom():
+        raise ValueError("fcoll all_reduce: rank 0: bad argument")
+
+    bad = HierarchicalWork([runner.submit(boom)], runner)
+    good = HierarchicalWork([runner.submit(lambda: [1])], runner)
+    with pytest.raises(ValueError, match="bad argument"):
+        bad.wait()
+    assert good.result() == [1]
+    runner.shutdown()
+
+
+def test_abort_cancels_queued_jobs_and_refuses_new_ones():
+    runner = OrderedRunner("test-runner")
+    release = threading.Event()
+    started = threading.Event()
+
+    def blocker():
+        started.set()
+        assert release.wait(timeout=30)
+
+    runner.submit(blocker)                # the worker runs it (nobody waits for it)
+    assert started.wait(timeout=30)
+    queued = runner.submit(lambda: "never")
+    runner.shutdown(cancel=True)
+    assert queued.cancelled()
+    with pytest.raises(RuntimeError, match="shut down"):
+        runner.submit(lambda: None)
+    release.set()
+
+
+def test_shutdown_runs_what_was_queued():
+    runner = OrderedRunner("test-runner")
+    futs = [runner.submit(lambda i=i: i) for i in range(20)]
+    runner.shutdown()
+    assert [f.result(timeout=0) for f in futs] == list(range(20))
+    assert all(isinstance(f, cf.Future) for f in futs)
