@@ -11,8 +11,10 @@ one 4-rank job times, side by side (alternating, each behind a barrier), every o
 
 Reported per (rate, op, size): rank 0's median time, busbw with nccl-tests' factors
 (:func:`fcoll.ops.facts.busbw_factor`; size = the larger of input and output, as nccl-tests)
-and the ratio fcoll / gloo busbw; the load average before and after each rate. Target (issue
-16): ratio >= 1.8 at 16 MiB and above. Needs root (network namespaces).
+and the ratio fcoll / gloo busbw; each algorithm's bytes on a host's link
+(:func:`link_bytes_per_host`), the ratio they allow when both are link-bound, and the share
+of the link's rate fcoll's median reached; the load average before and after each rate.
+Target (issue 16): ratio >= 1.8 at 16 MiB and above. Needs root (network namespaces).
 
 Bytes on the link per host and direction (S = size, 2 hosts x 2 ranks, ranks numbered host
 by host): all_reduce: a flat ring 1.5 S, hierarchical S (the minimum, 2 (H-1)/H * S);
@@ -131,16 +133,46 @@ def _run_rate(rate: str, args: argparse.Namespace) -> dict:
     return res
 
 
+def link_bytes_per_host(op: str, size: int, hosts: int, per_host: int) -> tuple[float, float]:
+    """Bytes each host sends on its inter-host link for one ``op`` of ``size`` bytes
+    (nccl-tests' size: the larger buffer), as (flat ring, hierarchical).
+
+    Flat: gloo's ring over all n = hosts * per_host ranks numbered host by host crosses each
+    host's link once, and a ring all_reduce sends 2 (n-1)/n * size over every ring link, a
+    ring all_gather (n-1)/n * size (Patarasuk & Yuan 2009). Hierarchical
+    (:mod:`fcoll.shm.hierarchical`): each of the per_host ranks all-reduces a 1/per_host
+    shard among the hosts, 2 (H-1)/H * size in all (the minimum for all_reduce); all_gather
+    and reduce_scatter send (H-1)/H * size. gloo's reduce_scatter is not a ring (measured as
+    slow as its all_reduce): its flat figure is NaN.
+    """
+    n, h = hosts * per_host, hosts
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * size, 2 * (h - 1) / h * size
+    if op == "all_gather":
+        return (n - 1) / n * size, (h - 1) / h * size
+    return float("nan"), (h - 1) / h * size
+
+
 def _table(results: list[dict]) -> str:
-    lines = ["| link | op | size | fcoll ms | gloo ms | fcoll busbw GB/s | gloo busbw GB/s "
-             "| ratio |", "|---|---|---|---|---|---|---|---|"]
+    """Measured medians and busbw side by side, with each algorithm's bytes on a host's link
+    (:func:`link_bytes_per_host`), the ratio those bytes allow when both are link-bound
+    (flat / hierarchical bytes), and the share of the link's rate fcoll's time reached."""
+    from fcoll.testing.hosts import rate_bytes_per_s
+
+    lines = [("| link | op | size | fcoll ms | gloo ms | fcoll busbw GB/s | gloo busbw GB/s "
+              "| ratio | link MiB/host flat | hier | link-bound ratio | fcoll at % of link |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for r in res["rows"]:
+            flat_b, hier_b = link_bytes_per_host(r["op"], r["bytes"], 2, r["world"] // 2)
+            link_s = hier_b / rate_bytes_per_s(res["rate"])
             lines.append(f"| {res['rate']} | {r['op']} | {_fmt_size(r['bytes'])} "
                          f"| {r['fcoll']['median_s'] * 1e3:.1f} "
                          f"| {r['gloo']['median_s'] * 1e3:.1f} "
                          f"| {r['fcoll']['busbw_GBps']:.3f} | {r['gloo']['busbw_GBps']:.3f} "
-                         f"| {r['ratio']:.2f}x |")
+                         f"| {r['ratio']:.2f}x | {flat_b / 2**20:.2f} | {hier_b / 2**20:.2f} "
+                         f"| {flat_b / hier_b:.2f}x "
+                         f"| {100 * link_s / r['fcoll']['median_s']:.0f} % |")
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "PREFIX",
     "EmulatedHosts",
     "netns_unavailable",
+    "rate_bytes_per_s",
     "sweep_stale_namespaces",
 ]
 
@@ -121,12 +122,22 @@ def netns_unavailable() -> str | None:
     return None
 
 
+def rate_bytes_per_s(rate: str) -> float:
+    """A tc rate (``"1gbit"``, ``"500mbit"``) in bytes per second (1gbit -> 1.25e8).
+
+    Raises:
+        ValueError: ``rate`` is not a number followed by bit, kbit, mbit, gbit or tbit.
+    """
+    m = _RATE.match(rate)
+    if m is None:
+        raise ValueError(f"rate must look like '1gbit' or '500mbit', got {rate!r}")
+    return float(rate[:m.start(2)]) * _RATE_BITS[m.group(2)] / 8
+
+
 def _burst_bytes(rate: str) -> int:
     """tbf's bucket: at least 256 KiB (a GSO packet on veth is up to 64 KiB, and a bucket
     smaller than a packet drops it), and 2 ms of traffic at ``rate``."""
-    m = _RATE.match(rate)
-    bits = float(rate[:m.start(2)]) * _RATE_BITS[m.group(2)]
-    return max(256 << 10, int(bits / 8 * 0.002))
+    return max(256 << 10, int(rate_bytes_per_s(rate) * 0.002))
 
 
 class EmulatedHosts:
