@@ -226,8 +226,8 @@ def _train_step_table(rows: list[dict]) -> str:
     def err(pred_us, meas_ms):
         return f"{(pred_us / 1e3 - meas_ms) / meas_ms:+.0%}"
 
-    lines = ["| link (effective) | parallel | fcoll ms | sim fcoll ms | err | gloo ms "
-             "| sim gloo ms | err | gloo / fcoll | sim gloo / fcoll | load |",
+    lines = [("| link (effective) | parallel | fcoll ms | sim fcoll ms | err | gloo ms "
+              "| sim gloo ms | err | gloo / fcoll | sim gloo / fcoll | load |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m, s = r["measured_ms"], r["sim"]

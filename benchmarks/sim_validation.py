@@ -89,7 +89,8 @@ def graph_span_ms(trace: str) -> float | None:
 
 
 def _run(cmd: list[str], timeout_s: int) -> str:
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])}... exited {proc.returncode}: "
                            f"{proc.stderr[-2000:]}")

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["fit_alpha_beta", "link_spec", "main", "PROBE_SIZES"]
+__all__ = ["PROBE_SIZES", "fit_alpha_beta", "link_spec", "main"]
 
 #: Bytes per all_reduce: small enough for a 1 gbit link in seconds, large enough for its rate.
 PROBE_SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from fcoll.inspect.trace_compare import load_trace
 from fcoll.sim.program import Program
 
-__all__ = ["measured_compute_us", "with_measured_compute", "outside_graphs_us", "OutsideGraphs"]
+__all__ = ["OutsideGraphs", "measured_compute_us", "outside_graphs_us", "with_measured_compute"]
 
 
 def measured_compute_us(trace: str | os.PathLike | dict | list, *, rank: int | None = None,
