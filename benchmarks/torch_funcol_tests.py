@@ -2,7 +2,9 @@
 
 PyTorch's test files are not installed with the wheel and are not part of this repository; give
 the path of a copy (``test/distributed/test_functional_api.py`` or
-``test_c10d_functional_native.py`` of the torch version installed)::
+``test_c10d_functional_native.py`` of the torch version installed), kept in a folder beside the
+helpers it loads by path (``test_c10d_functional_native.py`` loads
+``inductor/test_aot_inductor_utils.py``), as in PyTorch's ``test/`` tree::
 
     python benchmarks/torch_funcol_tests.py /path/to/test_functional_api.py
     python benchmarks/torch_funcol_tests.py /path/to/test_functional_api.py --torch  # baseline
@@ -15,8 +17,13 @@ The file is copied into a temporary directory with these rewrites, and run there
 
 ``--torch`` runs the file unchanged (what passes with PyTorch's own funcol). Output: one line per
 test (``PASSED`` / ``FAILED`` / ``SKIPPED`` / ``ERROR``, with the first line of the failure), then
-the counts; ``--json PATH`` writes them too. Nothing else in torch is patched: DTensor, DeviceMesh
-and Dynamo keep using PyTorch's funcol, as they would in a user's process.
+the counts; ``--json PATH`` writes them too. ``--compare`` runs the file both ways, one after
+the other, and prints one row per test: its outcome on torch and on fcoll, and a verdict, where
+a test that passes on torch and not on fcoll is either an fcoll bug or one of the
+:data:`EXCEPTIONS` (tests of funcol's private helpers or of registries inside c10d or Inductor,
+with the reason); the exit status is 1 if any test is an fcoll bug. Nothing else in torch is
+patched: DTensor, DeviceMesh and Dynamo keep using PyTorch's funcol, as they would in a user's
+process.
 """
 
 from __future__ import annotations
@@ -39,6 +46,36 @@ _IMPORTS = (
 _OPS = (re.compile(r"torch\.ops\._c10d_functional\b"), "torch.ops.fcoll")
 
 
+_EXPAND_GROUP = ("reads funcol's private _expand_group (the (tag, ranks, group_size) form of "
+                 "funcol's legacy ops, which fcoll's ops never take)")
+
+#: Tests that pass on PyTorch's funcol and may fail on fcoll, by design, with the reason.
+EXCEPTIONS = {
+    "TestExpand.test_expand_1d_rank_list": _EXPAND_GROUP,
+    "TestExpand.test_expand_2d_rank_list": _EXPAND_GROUP,
+    "TestExpand.test_expand_device_mesh": _EXPAND_GROUP,
+    "TestExpand.test_expand_device_mesh_tuple": _EXPAND_GROUP,
+    "TestExpand.test_expand_process_group": _EXPAND_GROUP,
+    "TestPgTag.test_pg_lookup_roundtrip":
+        _EXPAND_GROUP + " and c10d's (tag, ranks) -> group registry (_find_pg_by_ranks_and_tag)",
+    "TestPgTag.test_pg_lookup_with_tag":
+        _EXPAND_GROUP + " and c10d's (tag, ranks) -> group registry (_find_pg_by_ranks_and_tag)",
+    "CompileTestCPU.test_inductor_all_reduce_cpu":
+        "asserts Inductor's code for _c10d_functional ops: its re-inplacing table "
+        "(all_reduce -> all_reduce_) and AOTInductor's C shims "
+        "(aoti_torch_cpu__c10d_functional_*), both keyed on PyTorch's op namespace",
+}
+
+
+def verdict(test: str, on_torch: str, on_fcoll: str) -> str:
+    """``ok``, ``exception: <reason>`` or ``FCOLL BUG`` for one test's two outcomes."""
+    if on_torch != "PASSED" or on_fcoll == "PASSED":
+        return "ok"
+    if test in EXCEPTIONS:
+        return f"exception: {EXCEPTIONS[test]}"
+    return "FCOLL BUG"
+
+
 def swap(text: str, ops: bool = True) -> str:
     """``text`` with funcol's module imported as fcoll (and, if ``ops``, its op namespace)."""
     for pattern, repl in _IMPORTS:
@@ -57,7 +94,7 @@ def run(path: str, *, torch_baseline: bool, ops: bool, timeout_s: float,
     if not torch_baseline:
         text = swap(text, ops)
     with tempfile.TemporaryDirectory(prefix="fcoll-torch-tests-") as tmp:
-        target = os.path.join(tmp, os.path.basename(path))
+        target = _mirror_test_tree(path, tmp)
         with open(target, "w") as f:
             f.write(text)
         report = os.path.join(tmp, "report.xml")
@@ -67,6 +104,22 @@ def run(path: str, *, torch_baseline: bool, ops: bool, timeout_s: float,
             subprocess.run(cmd, cwd=tmp, timeout=timeout_s, check=False, stdout=log,
                            stderr=subprocess.STDOUT)
         return _parse(report)
+
+
+def _mirror_test_tree(path: str, tmp: str) -> str:
+    """Where to write the copy of ``path`` inside ``tmp``: ``tmp/<its folder's name>/<its name>``,
+    with every sibling folder of its folder linked beside it, so that helpers the file loads
+    from PyTorch's ``test/`` tree by path (``load_test_module("inductor.test_aot_inductor_utils")``
+    looks in ``Path(__file__).parent.parent``) are found as in a checkout."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tree = os.path.dirname(folder)
+    os.mkdir(os.path.join(tmp, os.path.basename(folder)))
+    for name in os.listdir(tree):
+        source = os.path.join(tree, name)
+        if (name != os.path.basename(folder) and os.path.isdir(source)
+                and not os.path.samefile(source, tmp)):
+            os.symlink(source, os.path.join(tmp, name))
+    return os.path.join(tmp, os.path.basename(folder), os.path.basename(path))
 
 
 def _parse(report: str) -> list[dict]:
@@ -93,20 +146,60 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--log", help="write pytest's output here (tracebacks)")
+    ap.add_argument("--compare", action="store_true",
+                    help="run on torch and on fcoll, one row per test with a verdict")
     ap.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = ap.parse_args(argv)
+    if args.compare:
+        return _compare(args)
     rows = run(args.path, torch_baseline=args.torch, ops=not args.keep_ops,
                timeout_s=args.timeout_s, extra=args.pytest_args, log_path=args.log)
     for r in rows:
         print(f"{r['outcome']:8} {r['test']}  {r['message']}")
-    counts = {k: sum(r["outcome"] == k for r in rows)
-              for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    counts = _counts(rows)
     print(" ".join(f"{k.lower()}={v}" for k, v in counts.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"path": args.path, "torch": args.torch, "counts": counts,
                        "tests": rows}, f, indent=1)
     return 0
+
+
+def _counts(rows: list[dict]) -> dict[str, int]:
+    return {k: sum(r["outcome"] == k for r in rows)
+            for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+
+
+def _compare(args: argparse.Namespace) -> int:
+    sides = {}
+    for side in ("torch", "fcoll"):
+        log = f"{args.log}.{side}" if args.log else None
+        sides[side] = {r["test"]: r for r in run(
+            args.path, torch_baseline=side == "torch", ops=not args.keep_ops,
+            timeout_s=args.timeout_s, extra=args.pytest_args, log_path=log)}
+    tests = list(dict.fromkeys([*sides["torch"], *sides["fcoll"]]))
+    rows = []
+    for test in tests:
+        on = {s: sides[s].get(test, {"outcome": "MISSING", "message": ""}) for s in sides}
+        rows.append({"test": test, "torch": on["torch"]["outcome"],
+                     "fcoll": on["fcoll"]["outcome"], "fcoll_message": on["fcoll"]["message"],
+                     "verdict": verdict(test, on["torch"]["outcome"], on["fcoll"]["outcome"])})
+    width = max((len(t) for t in tests), default=4)
+    print(f"{'test':{width}}  {'torch':8} {'fcoll':8} verdict")
+    for r in rows:
+        print(f"{r['test']:{width}}  {r['torch']:8} {r['fcoll']:8} {r['verdict']}"
+              + (f"  ({r['fcoll_message']})" if r["verdict"] == "FCOLL BUG" else ""))
+    counts = {s: _counts(list(sides[s].values())) for s in sides}
+    for s, c in counts.items():
+        print(f"{s:6} " + " ".join(f"{k.lower()}={v}" for k, v in c.items()))
+    bugs = [r["test"] for r in rows if r["verdict"] == "FCOLL BUG"]
+    exceptions = [r["test"] for r in rows if r["verdict"].startswith("exception")]
+    print(f"fcoll bugs: {len(bugs)}, exceptions: {len(exceptions)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"path": args.path, "counts": counts, "bugs": bugs,
+                       "exceptions": exceptions, "tests": rows}, f, indent=1)
+    return 1 if bugs else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """``torch.library.opcheck`` for every ``torch.ops.fcoll`` op over dtypes, shapes, requires_grad.
 
-opcheck runs each op for real, so these tests use a one-rank gloo group (collectives on one rank
-complete inside the op). Multi-rank values are checked in test_ops_multiprocess.py.
+opcheck runs each op for real and reads its output without a ``wait_tensor``. An op calls its
+group's backend on every group size, as PyTorch's ops do, and a backend may complete later (gloo
+does, on its own thread), so these tests use ``_SyncOneRankGroup``: a Python ``ProcessGroup`` of
+one rank whose collectives complete inside the call. Multi-rank values are checked in
+test_ops_multiprocess.py.
 
 ``torch.ops._c10d_functional.wait_tensor`` returns its input buffer, which opcheck's
 ``test_schema`` and ``test_faketensor`` flag (PyTorch exempts its own namespace from the aliasing
@@ -25,12 +28,55 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64
 SHAPES = [(5,), (4, 3), (2, 3, 4)]
 
 
+class _DoneWork(dist.Work):
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class _SyncOneRankGroup(dist.ProcessGroup):
+    """One rank; every method fcoll's ops call completes its copy before returning."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self._name = "sync-one-rank"
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def allreduce(self, tensors, opts=None):
+        return _DoneWork()
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return _DoneWork()
+
+    def broadcast(self, tensors, opts=None):
+        return _DoneWork()
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for out, x in zip(outputs, inputs):
+            out.copy_(x.reshape(out.shape))
+        return _DoneWork()
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        output.copy_(input)
+        return _DoneWork()
+
+
 @pytest.fixture(scope="module")
 def group_name():
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD.group_name
+    local = _SyncOneRankGroup()
+    dist.Backend.register_backend(local.group_name, lambda *args: local, devices=["cpu"])
+    yield dist.new_group(ranks=[0], backend=local.group_name).group_name
     dist.destroy_process_group()
 
 

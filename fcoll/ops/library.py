@@ -7,8 +7,19 @@ Eager kernels validate their arguments, start the collective on the group's back
 ``async_op=True`` and return the output buffer at once; ``wait_tensor`` blocks until it is
 filled (see :mod:`fcoll.ops.pending`) and returns a copy, since a custom op may not return an
 alias of its input (fcoll's executor and ``AsyncCollectiveTensor`` wait without the copy). Any
-``torch.distributed`` backend works: fcoll's shared-memory backend, gloo, nccl. On a group of
-one rank every collective is a local copy and completes before the op returns.
+``torch.distributed`` backend works: fcoll's shared-memory backend, gloo, nccl, a Python
+``ProcessGroup`` subclass.
+
+What an op calls on its group is what torch 2.13's ``_c10d_functional`` op calls (read off a
+recording ``ProcessGroup``): ``allreduce``, ``allreduce_coalesced``, ``broadcast``,
+``alltoall_base`` (``all_to_all_single``), and ``allgather_into_tensor_coalesced`` /
+``reduce_scatter_tensor_coalesced`` for every all_gather and reduce_scatter form (one call per
+op, the single-tensor forms with a list of one). A group of one rank is no exception: its
+backend is called like any other (a backend may count, trace or discard its collectives).
+Deliberate differences: on gloo, reduce_scatter moves its data with ``all_to_all_single`` and
+reduces locally (:func:`start_reduce_scatter`), and dtypes or reduce ops gloo lacks are emulated;
+``all_gather_into_tensor_out`` goes through the same coalesced call (PyTorch's calls the
+device backend's ``_allgather_base``, which a Python ``ProcessGroup`` does not have).
 
 Shapes (per rank, ``n`` = group size):
 
@@ -37,6 +48,13 @@ from fcoll.ops import pending
 from fcoll.ops.groups import group_from_name
 from fcoll.ops.reduce import (DIST_REDUCE_OPS, REDUCE_OPS, divide_for_avg, reduce_rows_into,
                               validate_reduce_op)
+
+
+
+def _allgather_options():
+    opts = torch._C._distributed_c10d.AllgatherOptions()  # not exported by torch.distributed
+    opts.asyncOp = True
+    return opts
 
 __all__ = ["lib", "REDUCE_OPS", "validate_reduce_op"]
 
@@ -231,8 +249,6 @@ def _all_reduce_into(out: torch.Tensor, reduce_op: str, group_name: str) -> None
     """Start an all_reduce that reduces ``out`` in place across the group."""
     validate_reduce_op("all_reduce", reduce_op, out.dtype)
     pg = group_from_name(group_name)
-    if pg.size() == 1:
-        return
     buf, copy_back = _wire_output(pg, out, initialised=True)
     op, fin = _reduce_args(reduce_op, pg, out.dtype, buf)
     work = dist.all_reduce(buf, op=op, group=pg, async_op=True)
@@ -284,7 +300,7 @@ def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str
     for dt in dict.fromkeys(t.dtype for t in (outs if inputs is None else inputs)):
         validate_reduce_op(op_name, reduce_op, dt)
     pg = group_from_name(group_name)
-    if pg.size() == 1 or not outs:
+    if not outs:
         return
     coalesce_dtypes = _backend_name(pg) == "fcoll"
     # A bucket holds hundreds of tensors: the dist op and call key are worked out once per
@@ -346,20 +362,29 @@ def _all_reduce_coalesced_(inputs: list[torch.Tensor], reduce_op: str,
     return list(inputs)
 
 
-def _gather_into(op: str, input: torch.Tensor, out: torch.Tensor, group_size: int,
-                 group_name: str) -> None:
+def _gather_into(op: str, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                 group_size: int, group_name: str) -> None:
+    """Start one all_gather of every ``inputs[i]`` (``[N_i, *]``) into ``outs[i]``
+    (``[n * N_i, *]``): a single ``allgather_into_tensor_coalesced`` call on the group, as
+    torch's ``_c10d_functional`` all_gather ops make. Each output is registered as pending.
+
+    Raises:
+        ValueError: ``group_size`` is not the group's size; an output of the wrong shape or dtype.
+    """
     pg = group_from_name(group_name)
     _check_group_size(op, group_size, pg, group_name)
-    expected = (group_size * input.size(0), *input.shape[1:]) if input.dim() else (group_size,)
-    if tuple(out.shape) != tuple(expected) or out.dtype != input.dtype:
-        raise ValueError(f"fcoll.{op}: out has shape {list(out.shape)} {out.dtype}, expected "
-                         f"{list(expected)} {input.dtype} {_where(group_name, input)}")
-    if group_size == 1:
-        out.copy_(input.reshape(out.shape))
+    for input, out in zip(inputs, outs):
+        expected = _gathered_shape(input, group_size)
+        if list(out.shape) != expected or out.dtype != input.dtype:
+            raise ValueError(f"fcoll.{op}: out has shape {list(out.shape)} {out.dtype}, "
+                             f"expected {expected} {input.dtype} {_where(group_name, input)}")
+    if not outs:
         return
-    buf, copy_back = _wire_output(pg, out, initialised=False)
-    work = compat.all_gather_single(buf, _wire_input(pg, input), group=pg, async_op=True)
-    pending.register(out, work, copy_back)
+    wired = [_wire_output(pg, out, initialised=False) for out in outs]
+    work = pg.allgather_into_tensor_coalesced(
+        [buf for buf, _ in wired], [_wire_input(pg, t) for t in inputs], _allgather_options())
+    for out, (_, copy_back) in zip(outs, wired):
+        pending.register(out, work, copy_back)
 
 
 def _gathered_shape(input: torch.Tensor, group_size: int) -> list:
@@ -372,21 +397,23 @@ def _gathered_shape(input: torch.Tensor, group_size: int) -> list:
 def _all_gather_into_tensor(input: torch.Tensor, group_size: int,
                             group_name: str) -> torch.Tensor:
     out = input.new_empty(_gathered_shape(input, group_size))
-    _gather_into("all_gather_into_tensor", input, out, group_size, group_name)
+    _gather_into("all_gather_into_tensor", [input], [out], group_size, group_name)
     return out
 
 
 @_impl("all_gather_into_tensor_out")
 def _all_gather_into_tensor_out(input: torch.Tensor, group_size: int, group_name: str, *,
                                 out: torch.Tensor) -> torch.Tensor:
-    _gather_into("all_gather_into_tensor_out", input, out, group_size, group_name)
+    _gather_into("all_gather_into_tensor_out", [input], [out], group_size, group_name)
     return out
 
 
 @_impl("all_gather_into_tensor_coalesced")
 def _all_gather_into_tensor_coalesced(inputs: list[torch.Tensor], group_size: int,
                                       group_name: str) -> list[torch.Tensor]:
-    return [_all_gather_into_tensor(t, group_size, group_name) for t in inputs]
+    outs = [t.new_empty(_gathered_shape(t, group_size)) for t in inputs]
+    _gather_into("all_gather_into_tensor_coalesced", inputs, outs, group_size, group_name)
+    return outs
 
 
 def _validate_reduce_scatter(op: str, input: torch.Tensor, reduce_op: str, group_size: int,
@@ -405,20 +432,45 @@ def _reduce_scatter_tensor(input: torch.Tensor, reduce_op: str, group_size: int,
                            group_name: str) -> torch.Tensor:
     pg = _validate_reduce_scatter("reduce_scatter_tensor", input, reduce_op, group_size,
                                   group_name)
-    out = input.new_empty([input.size(0) // group_size, *input.shape[1:]])
-    return _reduce_scatter_into(pg, input, out, reduce_op, group_size)
-
-
-def _reduce_scatter_into(pg: dist.ProcessGroup, input: torch.Tensor, out: torch.Tensor,
-                         reduce_op: str, group_size: int) -> torch.Tensor:
-    """Start the reduce_scatter of a validated ``input`` (``[n * N, *]``) into ``out``
-    (``[N, *]``), registered as pending on ``out``; return ``out``."""
-    if group_size == 1:
-        return out.copy_(input)
-    buf, copy_back = _wire_output(pg, out, initialised=False)
-    work, fin = start_reduce_scatter(pg, buf, _wire_input(pg, input), reduce_op, input.dtype)
-    pending.register(out, work, _chain(fin, copy_back))
+    out = input.new_empty(_scattered_shape(input, group_size))
+    _reduce_scatter_into(pg, [input], [out], reduce_op)
     return out
+
+
+def _scattered_shape(input: torch.Tensor, group_size: int) -> list:
+    return [input.size(0) // group_size, *input.shape[1:]]
+
+
+def _reduce_scatter_into(pg: dist.ProcessGroup, inputs: Sequence[torch.Tensor],
+                         outs: Sequence[torch.Tensor], reduce_op: str) -> None:
+    """Start the reduce_scatter of every validated ``inputs[i]`` (``[n * N_i, *]``) into
+    ``outs[i]`` (``[N_i, *]``), each registered as pending on its output: one
+    ``reduce_scatter_tensor_coalesced`` call per dtype on the group (torch's ops make one call;
+    a dtype's avg emulated as sum, or gloo's path, needs its own finisher), and on gloo one
+    ``all_to_all_single`` per tensor (see :func:`start_reduce_scatter`)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(inputs):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, members in by_dtype.items():
+        wired = [_wire_output(pg, outs[i], initialised=False) for i in members]
+        ins = [_wire_input(pg, inputs[i]) for i in members]
+        if _reduces_scatter_by_all_to_all(pg):
+            started = [start_reduce_scatter(pg, buf, x, reduce_op, dtype)
+                       for (buf, _), x in zip(wired, ins)]
+        else:
+            op, _ = _reduce_args(reduce_op, pg, dtype, ins[0])
+            work = pg.reduce_scatter_tensor_coalesced([buf for buf, _ in wired], ins,
+                                                      _reduce_scatter_options(op))
+            started = [(work, _reduce_args(reduce_op, pg, dtype, buf)[1]) for buf, _ in wired]
+        for i, (_, copy_back), (work, fin) in zip(members, wired, started):
+            pending.register(outs[i], work, _chain(fin, copy_back))
+
+
+def _reduce_scatter_options(op: dist.ReduceOp) -> dist.ReduceScatterOptions:
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = op
+    opts.asyncOp = True
+    return opts
 
 
 def _reduces_scatter_by_all_to_all(pg: dist.ProcessGroup) -> bool:
@@ -437,12 +489,13 @@ def start_reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, input: torch.
     On gloo groups the data moves with ``all_to_all_single`` (each rank sends ``(n-1)/n`` of its
     input, the minimum) into a scratch buffer ``[n, N, *]`` (the input's size, held until the
     work is done), and ``finish`` reduces the ``n`` rows locally; elsewhere it is the backend's
-    ``reduce_scatter_single``. Both paths give every reduce op of :data:`REDUCE_OPS`.
+    ``reduce_scatter_tensor_coalesced`` of one tensor, the call torch's op makes. Both paths
+    give every reduce op of :data:`REDUCE_OPS`.
     """
     n = pg.size()
     if not _reduces_scatter_by_all_to_all(pg):
         op, fin = _reduce_args(reduce_op, pg, dtype, out)
-        return compat.reduce_scatter_single(out, input, op=op, group=pg, async_op=True), fin
+        return pg.reduce_scatter_tensor_coalesced([out], [input], _reduce_scatter_options(op)), fin
     rows = torch.empty((n, *out.shape), dtype=input.dtype, device=input.device)
     work = dist.all_to_all_single(rows.view(input.shape), input, group=pg, async_op=True)
 
@@ -456,21 +509,25 @@ def _reduce_scatter_tensor_out(input: torch.Tensor, reduce_op: str, group_size: 
                                group_name: str, *, out: torch.Tensor) -> torch.Tensor:
     pg = _validate_reduce_scatter("reduce_scatter_tensor_out", input, reduce_op, group_size,
                                   group_name)
-    expected = [input.size(0) // group_size, *input.shape[1:]]
+    expected = _scattered_shape(input, group_size)
     if list(out.shape) != expected or out.dtype != input.dtype:
         raise ValueError(f"fcoll.reduce_scatter_tensor_out: out has shape {list(out.shape)} "
                          f"{out.dtype}, expected {expected} {input.dtype} "
                          f"{_where(group_name, input)}")
-    return _reduce_scatter_into(pg, input, out, reduce_op, group_size)
+    _reduce_scatter_into(pg, [input], [out], reduce_op)
+    return out
 
 
 @_impl("reduce_scatter_tensor_coalesced")
 def _reduce_scatter_tensor_coalesced(inputs: list[torch.Tensor], reduce_op: str,
                                      group_size: int, group_name: str) -> list[torch.Tensor]:
+    pg = group_from_name(group_name)
     for t in inputs:
         _validate_reduce_scatter("reduce_scatter_tensor_coalesced", t, reduce_op, group_size,
                                  group_name)
-    return [_reduce_scatter_tensor(t, reduce_op, group_size, group_name) for t in inputs]
+    outs = [t.new_empty(_scattered_shape(t, group_size)) for t in inputs]
+    _reduce_scatter_into(pg, inputs, outs, reduce_op)
+    return outs
 
 
 @_impl("all_to_all_single")
@@ -485,14 +542,12 @@ def _all_to_all_single(input: torch.Tensor, output_split_sizes: list[int],
                   group_name, input)
     _check_splits("all_to_all_single", "output_split_sizes", output_split_sizes, -1, n,
                   group_name, input)
+    if n == 1 and output_split_sizes[0] != input_split_sizes[0]:
+        raise ValueError(f"fcoll.all_to_all_single: output_split_sizes="
+                         f"{list(output_split_sizes)} != input_split_sizes="
+                         f"{list(input_split_sizes)} on a group of one rank "
+                         f"{_where(group_name, input)}")
     out = input.new_empty([sum(output_split_sizes), *input.shape[1:]])
-    if n == 1:
-        if output_split_sizes[0] != input_split_sizes[0]:
-            raise ValueError(f"fcoll.all_to_all_single: output_split_sizes="
-                             f"{list(output_split_sizes)} != input_split_sizes="
-                             f"{list(input_split_sizes)} on a group of one rank "
-                             f"{_where(group_name, input)}")
-        return out.copy_(input)
     buf, copy_back = _wire_output(pg, out, initialised=False)
     work = dist.all_to_all_single(buf, _wire_input(pg, input), list(output_split_sizes),
                                   list(input_split_sizes), group=pg, async_op=True)
@@ -505,8 +560,6 @@ def _broadcast_into(op: str, out: torch.Tensor, src: int, group_name: str) -> No
     if not 0 <= src < pg.size():
         raise ValueError(f"fcoll.{op}: src={src} is out of range for a group of {pg.size()} "
                          f"ranks {_where(group_name, out)}")
-    if pg.size() == 1:
-        return
     buf, copy_back = _wire_output(pg, out, initialised=True)
     work = dist.broadcast(buf, group=pg, group_src=src, async_op=True)
     pending.register(out, work, copy_back)
@@ -637,7 +690,7 @@ def _(inputs, group_size, group_name):
 
 @_fake("reduce_scatter_tensor")
 def _(input, reduce_op, group_size, group_name):
-    return input.new_empty([input.size(0) // group_size, *input.shape[1:]])
+    return input.new_empty(_scattered_shape(input, group_size))
 
 
 @_fake("reduce_scatter_tensor_out")
@@ -647,7 +700,7 @@ def _(input, reduce_op, group_size, group_name, *, out):
 
 @_fake("reduce_scatter_tensor_coalesced")
 def _(inputs, reduce_op, group_size, group_name):
-    return [t.new_empty([t.size(0) // group_size, *t.shape[1:]]) for t in inputs]
+    return [t.new_empty(_scattered_shape(t, group_size)) for t in inputs]
 
 
 @_fake("all_to_all_single")

@@ -246,7 +246,7 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
         if ins:
             torch.cat(ins, out=seg.rows(slot, dtype)[r, :L])
 
-    scratch = torch.empty(min(per, M), dtype=dtype) if n > 2 else None
+    scratch = torch.empty(min(per, M), dtype=dtype) if n != 2 else None
     if M * e > small_bytes and n > 2:
         _all_reduce_many_two_phase(c, plan, write, dtype, op, scratch)
         return
@@ -258,7 +258,7 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
         if not ins:
             return
         rows = seg.rows(slot, dtype)[:, :L]
-        if n > 2:
+        if n != 2:  # the pair kernels below read the one peer row of a 2-rank group
             reduce_rows(rows, op, scratch[:L])
             torch._foreach_copy_(outs, scratch[:L].split_with_sizes(lens))
             return
