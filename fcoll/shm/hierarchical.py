@@ -38,9 +38,17 @@ whatever the composition, and split sizes differ by rank, so there is nothing to
 gather, scatter and point-to-point. Inter-host all_reduce of a dtype/op gloo cannot reduce
 (complex product, ...) runs as an inter all_gather and a local reduction.
 
-Ops run in issue order on the group's worker thread (one thread: every rank issues the inner
-groups' collectives in the same order); a ``Work`` completes when its op ran. CPU tensors are
-tested; CUDA tensors go through the inner groups' own CUDA support, untested here.
+Ops run in issue order, one at a time, on the group's worker thread or on the thread that
+waits for one (:class:`~fcoll.shm.hierarchical_work.OrderedRunner`: every rank issues the
+inner groups' collectives in the same order); a ``Work`` completes when its op ran. CPU
+tensors are tested; CUDA tensors go through the inner groups' own CUDA support, untested here.
+
+No size threshold switches small ops to ``flat``: gloo aborts on mismatched sizes, so a flat
+op needs the same argument check across the link as a composed one (an intra-host exchange of
+the arguments and one inter-host exchange), and so measured (2 x 2 ranks, 1 and 10 gbit,
+all_reduce 64 KiB, 256 KiB, 1 MiB, 15 alternating runs, load 6-7) check + flat took 4.9-12.9
+ms where the composed steps took 3.3-11.7 ms (less in all six cells). The algorithm therefore
+depends on the layout alone, the same on every rank.
 """
 
 from __future__ import annotations
