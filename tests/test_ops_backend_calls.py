@@ -180,3 +180,29 @@ def _every_op_on_one_rank(rank: int, world_size: int) -> dict[str, bool]:
 def test_every_op_runs_on_a_one_rank_group_of_each_backend(backend):
     (result,) = run_ranks(_every_op_on_one_rank, 1, backend=backend, timeout_s=120)
     assert all(result.values()), result
+
+
+def _coalesced_mixed_dtypes(rank: int, world_size: int) -> list[bool]:
+    """One coalesced all_gather (one backend call) and one coalesced reduce_scatter (one call
+    per dtype) over float32, int64, bool and int16 (gloo carries int16 and bool as wider
+    dtypes), against values computed here."""
+    g, ops = dist.group.WORLD.group_name, torch.ops.fcoll
+    mine = [torch.full((2, 3), float(rank)), torch.full((4,), rank),
+            torch.full((1,), rank % 2 == 0), torch.full((3,), rank, dtype=torch.int16)]
+    gathered = [ops.wait_tensor(t)
+                for t in ops.all_gather_into_tensor_coalesced(mine, world_size, g)]
+    expected = [torch.cat([torch.full_like(x, r % 2 == 0 if x.dtype == torch.bool else r)
+                           for r in range(world_size)]) for x in mine]
+    rows = [torch.full((world_size * 2, 3), rank + 1.0), torch.full((world_size * 2,), rank + 1),
+            torch.full((world_size * 2,), rank + 1, dtype=torch.int16)]
+    scattered = [ops.wait_tensor(t)
+                 for t in ops.reduce_scatter_tensor_coalesced(rows, "sum", world_size, g)]
+    total = world_size * (world_size + 1) // 2
+    return ([torch.equal(o, e) for o, e in zip(gathered, expected)]
+            + [torch.equal(o, torch.full_like(o, total)) for o in scattered])
+
+
+@pytest.mark.parametrize("backend", ["fcoll", "gloo"])
+def test_coalesced_all_gather_and_reduce_scatter_of_mixed_dtypes(backend):
+    for result in run_ranks(_coalesced_mixed_dtypes, 3, backend=backend, timeout_s=240):
+        assert all(result), result
