@@ -44,9 +44,9 @@ the machine's load cancels within a round), gloo's medians in both (a noise cont
 code is the same in both), and the load average of every round. The JSON then holds
 ``baseline``: ``{op: {size: {before_us, after_us, paired_diff_us, ratio, gloo_before_us,
 gloo_after_us, before_rounds_us, after_rounds_us}}}`` (the last two: fcoll's time in every
-round, which shows a bimodal size), ``rounds`` and ``loadavg_per_round``. On a loaded machine a small call
-varies by several us between runs, more than a sub-microsecond change; ``--micro`` then also
-times, in one process per tree and round, one phase of a 2-rank channel whose peer has already
+round, which shows a bimodal size), ``rounds`` and ``loadavg_per_round``. On a loaded
+machine a small call varies by several us between runs, more than a sub-microsecond
+change; ``--micro`` then also times, in one process per tree and round, one phase of a 2-rank channel whose peer has already
 arrived (``Channel.arrive`` + ``Channel.wait_all``: the per-phase protocol every collective
 runs, fence check included), as ``micro_ns`` (median ns per phase, best of 7 repeats).
 """
@@ -412,7 +412,8 @@ def compare_trees(args) -> dict:
         print(f"round {rnd + 1}/{args.rounds} done, 1-min load {loads[-1]:.2f}", flush=True)
     med = statistics.median
     print(f"\n# fcoll before ({args.baseline_tree}) vs after (this tree), {args.nproc} ranks, "
-          f"{args.background_load[0]} busy processes, {args.rounds} rounds, median us per call (slowest rank), 1-min load per round: "
+          f"{args.background_load[0]} busy processes, {args.rounds} rounds, median us per call "
+          "(slowest rank), 1-min load per round: "
           + ", ".join(f"{x:.1f}" for x in loads))
     print(f"{'op':>22} {'size':>8} | {'before':>8} {'after':>8} {'paired':>8} {'ratio':>6} | "
           f"{'gloo bef':>9} {'gloo aft':>9}")

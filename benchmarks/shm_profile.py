@@ -1,4 +1,4 @@
-"""Where a mid-size collective's time goes on fcoll's shared-memory backend, beside the copy ceiling.
+"""Where a mid-size collective's time goes on fcoll's shm backend, beside the copy ceiling.
 
 Usage (one line): ``python benchmarks/shm_profile.py --nproc 2 --json profile.json``
 

@@ -376,9 +376,13 @@ class Channel:
         to the other allowed CPUs (the kernel migrates it at once) and then restores the
         mask it had, so the process's affinity is unchanged and the scheduler stays free to
         place it later. It moves only when the machine has an idle CPU (:func:`runnable_tasks`
-        at most the CPUs this thread may use): on an oversubscribed machine the ranks would
-        only trade the peer for a busy process. Each rank publishes its CPU (``W_CPU``, 1 + cpu) whenever a spin ran
-        out or it goes to sleep; a channel moves at most every :data:`SPREAD_INTERVAL_S`.
+        at most the CPUs this thread may use): on an oversubscribed machine the ranks only
+        trade the peer for a busy process, and one CPU's direct hand-off between sleeping
+        ranks does as well (measured at load 12-14, both ranks started on one CPU, 4 runs of
+        4 x 2000 calls each: with the gate they stayed there, 72-300 us per call; with it
+        forced open they moved, 153-350 us). Each rank publishes its CPU (``W_CPU``,
+        1 + cpu) whenever a spin ran out or it goes to sleep; a channel moves at most every
+        :data:`SPREAD_INTERVAL_S`.
         """
         words = self.words
         cpu = _getcpu()
