@@ -47,8 +47,8 @@ gloo_after_us, before_rounds_us, after_rounds_us}}}`` (the last two: fcoll's tim
 round, which shows a bimodal size), ``rounds`` and ``loadavg_per_round``. On a loaded
 machine a small call varies by several us between runs, more than a sub-microsecond
 change; ``--micro`` then also times, in one process per tree and round, one phase of a
-2-rank channel whose peer has already arrived (``Channel.arrive`` + ``Channel.wait_all``: the per-phase protocol every collective
-runs, fence check included), as ``micro_ns`` (median ns per phase, best of 7 repeats).
+2-rank channel whose peer has already arrived (``Channel.arrive`` + ``Channel.wait_all``:
+the per-phase protocol every collective runs, fence check included), as ``micro_ns`` (median ns per phase, best of 7 repeats).
 """
 
 from __future__ import annotations
