@@ -48,7 +48,8 @@ round, which shows a bimodal size), ``rounds`` and ``loadavg_per_round``. On a l
 machine a small call varies by several us between runs, more than a sub-microsecond
 change; ``--micro`` then also times, in one process per tree and round, one phase of a
 2-rank channel whose peer has already arrived (``Channel.arrive`` + ``Channel.wait_all``:
-the per-phase protocol every collective runs, fence check included), as ``micro_ns`` (median ns per phase, best of 7 repeats).
+the per-phase protocol every collective runs, fence check included), as ``micro_ns``
+(median ns per phase, best of 7 repeats).
 """
 
 from __future__ import annotations
