@@ -78,3 +78,21 @@ def test_shutdown_runs_what_was_queued():
     runner.shutdown()
     assert [f.result(timeout=0) for f in futs] == list(range(20))
     assert all(isinstance(f, cf.Future) for f in futs)
+
+
+def test_a_done_callback_may_wait_for_a_later_op():
+    """A future's done-callback runs on the thread that ran the op (here the worker, under the
+    run lock); if it waits for a later op of the same group, that op runs there next instead
+    of deadlocking."""
+    runner = OrderedRunner("test-runner")
+    release = threading.Event()
+    runner.submit(lambda: release.wait(timeout=30))   # holds the worker until callbacks are set
+    first = HierarchicalWork([runner.submit(lambda: "first")], runner)
+    later = HierarchicalWork([runner.submit(lambda: "later")], runner)
+    seen: list[str] = []
+    done = threading.Event()
+    first.get_future().then(lambda _: (seen.append(later.result()), done.set()))
+    release.set()
+    assert done.wait(timeout=30), "the callback's wait deadlocked"
+    assert seen == ["later"]
+    runner.shutdown()

@@ -35,7 +35,9 @@ class OrderedRunner:
     def __init__(self, name: str):
         self._jobs: collections.deque[tuple[cf.Future, Callable[[], Any]]] = collections.deque()
         self._cv = threading.Condition()
-        self._run_lock = threading.Lock()
+        # re-entrant: a done-callback of one op's future (run inside _execute) may wait for
+        # a later op of the same group, which then runs on this thread after it
+        self._run_lock = threading.RLock()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
