@@ -222,9 +222,9 @@ class Channel:
             it is seconds, not polls).
         transfer_s: seconds a peer may still be writing the current phase's data (its
             bytes at :data:`TRANSFER_BYTES_PER_S`; set by the engine and the pipelined
-            algorithms, 0 for headers only): a wait that spins at all spins this much
-            longer, so a peer demonstrably busy copying a large phase is polled in rather
-            than slept on (see :meth:`wait_all`).
+            algorithms, 0 for headers only): a wait that spins at all, with no recent
+            run-out, spins this much longer, so a peer busy copying a large phase is polled
+            in rather than slept on (see :meth:`wait_all`).
         closing: set by the owner to make blocked waits give up at the next tick.
     """
 
@@ -310,7 +310,9 @@ class Channel:
         The ``transfer_s`` part: at 1 MiB a rank arrives up to a copy-in and a reduction
         (about 175 us on the quiet 2-core machine) after its peer, so a fixed 200 us bound ran
         out now and then, and every run-out put the next 1-63 waits to sleep (each a wake-up
-        of the sleeper and cold caches for its next copy).
+        of the sleeper and cold caches for its next copy). It applies only while the
+        channel's spins succeed (``backoff`` 0): after a run-out, as on an oversubscribed
+        machine where the peer is often descheduled, the probes spin the plain bound.
 
         Args:
             what: the collective, for error messages (``"all_reduce #12"``).
@@ -334,8 +336,8 @@ class Channel:
                 spin = 0.0
             if spin > 0.0:
                 clock = time.perf_counter
-                if deadline == 0.0:
-                    deadline = clock() + spin + self.transfer_s
+                if deadline == 0.0:  # transfer_s only while spins succeed (no backoff)
+                    deadline = clock() + spin + (0.0 if self.backoff else self.transfer_s)
                 while clock() < deadline:
                     if ((words[idx] - k) & 0xFFFFFFFF) < 0x80000000:
                         break
