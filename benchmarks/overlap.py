@@ -24,6 +24,19 @@ timed with ``backend="fcoll"`` (``fcoll``) and with PyTorch's own compiled modul
 (``backend="inductor"``, ``pytorch``), beside the hand-written step of the same kind when it ran
 in the same invocation; ``pytorch/fcoll`` is the speed-up (target >= 1.3).
 
+``torch-ddp`` is timed in ``--rounds`` rounds (the variants' order reversed every other round,
+each variant compiled afresh: compiled autograd's cache is process-wide), against every way
+PyTorch compiles DDP: ``ca-inductor`` / ``ca-aot_eager`` (python reducer + compiled autograd,
+the all_reduces in the backward graph, Inductor's passes or none) and ``ddpopt-inductor`` /
+``ddpopt-aot_eager`` (the default ``optimize_ddp``: graphs split at DDP's buckets, the C++
+reducer's 25 MiB buckets, its first one 1 MiB, all_reduced by autograd hooks as gradients are
+ready). Beside them: ``compute`` (the module without DDP, compiled the same way: no
+communication), ``comm`` (the gradients' all_reduces alone, bucketed at 25 MiB, back to back),
+``forward`` (the compiled loss alone); ``exposed = fcoll - compute``, ``overlap = 1 - exposed /
+comm`` and the one-step floor ``max(compute, forward + comm)`` (gradients, and so their
+all_reduces, exist only after the forward). Medians over every timed step of every round; the
+ratios are medians of the per-round ratios. The load average is printed before and after.
+
 The ranks talk over gloo inside a network namespace whose loopback is rate-limited with
 ``tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 100ms`` (0.125 GB/s; NOTES.md).
 Without root, ``ip`` or ``tc`` it falls back to plain loopback, and says so in the table and
@@ -59,6 +72,7 @@ def _parse(argv=None):
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--no-inductor", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--rounds", type=int, default=2, help="torch-ddp: rounds of every variant")
     p.add_argument("--network", choices=["auto", "tbf", "loopback"], default="auto")
     p.add_argument("--json", default="overlap.json")
     p.add_argument("--timeout-s", type=float, default=3000)
@@ -219,6 +233,106 @@ def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int,
     return res
 
 
+class _PlainModuleStep:
+    """The GPT module without DDP, compiled as :class:`TorchModuleStep` compiles DDP's (forward
+    by ``torch.compile``, backward by compiled autograd, ``torch.optim.AdamW``): the same
+    compute with no communication. ``forward_only``: the compiled loss alone."""
+
+    def __init__(self, T, cfg, backend: str, options, forward_only: bool = False) -> None:
+        import torch
+
+        self.module = T.GPTModule(cfg, T.init_params(cfg, 0))
+        self.optimizer = T.torch_adamw(self.module, T.AdamW())
+        self.forward = torch.compile(self.module, backend=backend, options=options)
+        self.backward_compiler = torch.compile(backend=backend, options=options)
+        self.forward_only = forward_only
+
+    def __call__(self, x, y):
+        import torch
+        from torch._dynamo import compiled_autograd
+
+        if self.forward_only:
+            with torch.no_grad():
+                return self.forward(x, y)
+        loss = self.forward(x, y)
+        with compiled_autograd._enable(self.backward_compiler):
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+class _DDPOptimizerStep:
+    """PyTorch's default compiled DDP: ``torch.compile(DDP(module))`` with ``optimize_ddp=True``
+    (the graph split at DDP's bucket boundaries), the backward run eagerly by autograd with
+    DDP's C++ reducer (``bucket_cap_mb=25``, first bucket 1 MiB), ``torch.optim.AdamW``."""
+
+    def __init__(self, T, cfg, backend: str) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.module = T.GPTModule(cfg, T.init_params(cfg, 0))
+        self.optimizer = T.torch_adamw(self.module, T.AdamW())
+        with torch._dynamo.config.patch(optimize_ddp=True):   # read by DDP's constructor too
+            self.forward = torch.compile(DDP(self.module), backend=backend)
+
+    def __call__(self, x, y):
+        import torch
+
+        with torch._dynamo.config.patch(optimize_ddp=True):
+            loss = self.forward(x, y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _torch_ddp_variants(T, cfg, corpus, rank: int, world: int, barrier, group, a: dict) -> dict:
+    """Step times (seconds, every timed step of every round) of PyTorch's DDP compiled with
+    fcoll and in every way PyTorch compiles it, plus compute-only, forward-only and comm-only
+    times (module docstring); ``rounds``: per round, the median of each variant."""
+    import torch
+
+    def batch(i):
+        return T.get_batch(corpus.train, a["batch_size"], a["seq_len"], seed=0, step=i,
+                           rank=rank, world_size=world)
+
+    cpu = torch.device("cpu")
+    fcoll_options = {"compute": "inductor"}
+    makers = {
+        "fcoll": lambda: T.TorchModuleStep(cfg, T.init_params(cfg, 0), "torch-ddp", T.AdamW(),
+                                           cpu, "fcoll", fcoll_options),
+        "compute": lambda: _PlainModuleStep(T, cfg, "fcoll", fcoll_options),
+        "forward": lambda: _PlainModuleStep(T, cfg, "fcoll", fcoll_options, forward_only=True),
+    }
+    if not a["no_inductor"]:
+        for b in ("inductor", "aot_eager"):
+            makers[f"ca-{b}"] = (lambda b=b: T.TorchModuleStep(
+                cfg, T.init_params(cfg, 0), "torch-ddp", T.AdamW(), cpu, b, None))
+            makers[f"ddpopt-{b}"] = lambda b=b: _DDPOptimizerStep(T, cfg, b)
+    times: dict = {name: [] for name in makers}
+    rounds: list[dict] = []
+    params = T.init_params(cfg, 0)
+    for r in range(a["rounds"]):
+        names = list(makers) if r % 2 == 0 else list(makers)[::-1]
+        per_round = {}
+        for name in names:
+            torch._dynamo.reset()
+            try:
+                t = _time_steps(makers[name](), batch, a["warmup"], a["steps"], barrier)
+            except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
+                times[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                continue
+            if isinstance(times[name], list):
+                times[name] += t
+                per_round[name] = statistics.median(t)
+        per_round["comm"] = statistics.median(_comm_only(params, "ddp", world, 25 * 2 ** 20,
+                                                         group, a["steps"]))
+        times.setdefault("comm", []).append(per_round["comm"])
+        rounds.append(per_round)
+    return {"times": times, "rounds": rounds}
+
+
 def _rank(rank: int, world: int, a: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -234,6 +348,10 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     results: dict = {}
     barrier = lambda: dist.barrier(group)  # noqa: E731
     for parallel in a["parallel"]:
+        if parallel == "torch-ddp":
+            results[parallel] = _torch_ddp_variants(T, cfg, corpus, rank, world, barrier, group,
+                                                    a)
+            continue
         if parallel.startswith("torch-"):
             results[parallel] = _torch_module_variants(T, cfg, corpus, parallel, rank, world,
                                                        barrier, a)
@@ -287,8 +405,12 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
              f"{'exp_off':>9} {'exp_on':>9} {'exp_on/comm':>11} {'on/max':>7} {'floor':>7} "
              f"{'on/floor':>8}  targets"]
     summary = {}
+    ddp_lines: list[str] = []
     module_lines = []
     for mode, r in results.items():
+        if mode == "torch-ddp":
+            ddp_lines = _torch_ddp_rows(r, summary)
+            continue
         if mode.startswith("torch-"):
             module_lines.append(_module_row(mode, r, results.get(mode[len("torch-"):]), summary))
             continue
@@ -334,7 +456,40 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
                   "with fcoll",
                   f"{'mode':12} {'fcoll':>9} {'pytorch':>9} {'hand':>9} {'pytorch/fcoll':>13} "
                   f"{'collectives in graphs':>22}  target pytorch/fcoll >= 1.3"] + module_lines
-    return "\n".join(lines), summary
+    return "\n".join(lines + ddp_lines), summary
+
+
+def _torch_ddp_rows(r: dict, summary: dict) -> list[str]:
+    """The torch-ddp table: each variant's median step, its ratio to fcoll's (median of the
+    per-round ratios), and fcoll's exposed communication, overlap and floor."""
+    times, rounds = r["times"], r["rounds"]
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()
+           if isinstance(v, list) and v}
+    paired = {k: [x[k] / x["fcoll"] for x in rounds if k in x and "fcoll" in x]
+              for k in med if k != "fcoll"}
+    ratios = {k: statistics.median(v) for k, v in paired.items() if v}
+    s: dict = {"step_ms": med, "over_fcoll": ratios,
+               "errors": {k: v for k, v in times.items() if isinstance(v, str)}}
+    lines = ["", (f"torch-ddp (PyTorch's DDP module), {len(rounds)} round(s), median step ms; "
+                  "ratio = variant / fcoll, median of per-round ratios"),
+             f"{'variant':18} {'step_ms':>9} {'ratio':>7}"]
+    for k, v in med.items():
+        ratio = 1.0 if k == "fcoll" else ratios.get(k, float("nan"))
+        lines.append(f"{k:18} {v:9.1f} {ratio:7.2f}")
+    if {"fcoll", "compute", "comm", "forward"} <= med.keys():
+        exposed = med["fcoll"] - med["compute"]
+        s.update(exposed_comm_ms=exposed, overlap_ratio=1 - max(exposed, 0.0) / med["comm"],
+                 floor_ms=max(med["compute"], med["forward"] + med["comm"]))
+        s["fcoll_over_floor"] = med["fcoll"] / s["floor_ms"]
+        baselines = [k for k in ratios if k.startswith(("ca-", "ddpopt-"))]
+        s["target_met"] = bool(baselines) and min(ratios[k] for k in baselines) >= 1.3
+        lines.append(f"fcoll: exposed communication {exposed:.1f} ms of {med['comm']:.1f} ms "
+                     f"(overlap {100 * s['overlap_ratio']:.0f} %); floor max(compute, forward + "
+                     f"comm) = {s['floor_ms']:.1f} ms, fcoll/floor {s['fcoll_over_floor']:.2f}; "
+                     f"target every PyTorch variant / fcoll >= 1.3: {s['target_met']}")
+    lines += [f"{k}: {v}" for k, v in s["errors"].items()]
+    summary["torch-ddp"] = s
+    return lines
 
 
 def _module_row(mode: str, r: dict, hand: dict | None, summary: dict) -> str:
@@ -367,14 +522,18 @@ def main(argv=None) -> int:
     sys.path.insert(0, ROOT)
     from fcoll.testing import run_ranks
 
-    t0 = time.time()
+    t0, load_before = time.time(), os.getloadavg()
     r0 = run_ranks(_rank, 2, backend="gloo", args=(vars(a),), timeout_s=a.timeout_s,
                    pg_timeout_s=a.timeout_s)[0]
     text, summary = _table(r0, network)
+    load_after = os.getloadavg()
     print(text)
+    print(f"load average (1, 5, 15 min): before {load_before}, after {load_after} "
+          f"({os.cpu_count()} cores)")
     with open(a.json, "w") as f:
         json.dump({"network": network, "args": vars(a), "results": summary,
-                   "raw_seconds": r0, "wall_s": time.time() - t0}, f, indent=2)
+                   "raw_seconds": r0, "wall_s": time.time() - t0,
+                   "load_average": {"before": load_before, "after": load_after}}, f, indent=2)
     print(f"wrote {a.json}")
     return 0
 
