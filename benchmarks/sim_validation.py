@@ -24,6 +24,13 @@ each run.
 
     python benchmarks/sim_validation.py --parallel ddp fsdp --rates 1gbit 10gbit --json v.json
 
+Measured 2026-11-23 (12 steps; the shared 2-core machine at load 3-13), |sim/step| of the
+untraced runs: load 3-8 (DDP): 3/3 within 20 % (-2, +11, -6 %); load 5-6 (FSDP): 3/3 (+0, -9,
+-8 %); where the recording and the runs saw different load (DDP at 12 then 8; both modes at
+6-12 in another round) 1/6 to 1/3, up to +101 %: the same untraced step measured 386-925 ms
+(DDP, 1 host) between runs. The graphs-only column (communication model alone) was -4 % to
+-21 %. Effective links (linkprobe): 1gbit tbf 0.114-0.120 GB/s; 10gbit tbf 0.35-0.63 GB/s.
+
 The helpers (:func:`record`, :func:`run_local`, :func:`run_on_hosts`, :func:`probe_link`) are
 also used by ``benchmarks/multihost.py``'s train-step part.
 """
