@@ -395,10 +395,11 @@ def _gather_into(op: str, inputs: Sequence[torch.Tensor], outs: Sequence[torch.T
 
 
 def _gathers_one_by_one(pg: dist.ProcessGroup) -> bool:
-    """gloo's ``allgather_into_tensor_coalesced`` is slower than its ``_allgather_base`` of the
-    same tensor (2 ranks, one tensor, medians of 50 alternating runs, load 4-7: 4 KiB 165 vs
-    132 us, 64 KiB 222 vs 159 us, 1 MiB 1.86 vs 1.82 ms, 16 MiB 161 vs 154 ms), so there each
-    tensor is gathered on its own, as fcoll did before it mirrored torch's call."""
+    """gloo's ``allgather_into_tensor_coalesced`` copies its tensors through one flat buffer
+    and was never faster than ``_allgather_base`` of the same tensor
+    (``benchmarks/gloo_all_gather_forms.py``, 2 ranks, 3 runs at load 4-7, ratio coalesced /
+    base: 4 KiB 0.98-1.25, 64 KiB 1.01-1.40, 1 MiB 0.92-1.32, 16 MiB 1.00-1.05), so there
+    each tensor is gathered on its own, as fcoll did before it mirrored torch's call."""
     return _backend_name(pg) == "gloo"
 
 
