@@ -318,11 +318,16 @@ def _torch_ddp_variants(T, cfg, corpus, rank: int, world: int, barrier, group, a
         per_round = {}
         for name in names:
             torch._dynamo.reset()
+            counts, stop = T.count_compiled_collectives()
             try:
                 t = _time_steps(makers[name](), batch, a["warmup"], a["steps"], barrier)
             except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
                 times[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 continue
+            finally:
+                stop()
+            if name == "fcoll":
+                per_round["fcoll_collectives"] = sum(counts.values())
             if isinstance(times[name], list):
                 times[name] += t
                 per_round[name] = statistics.median(t)
@@ -467,11 +472,13 @@ def _torch_ddp_rows(r: dict, summary: dict) -> list[str]:
            if isinstance(v, list) and v}
     paired = {k: [x[k] / x["fcoll"] for x in rounds if k in x and "fcoll" in x]
               for k in med if k != "fcoll"}
+    s_colls = sorted({x["fcoll_collectives"] for x in rounds if "fcoll_collectives" in x})
     ratios = {k: statistics.median(v) for k, v in paired.items() if v}
-    s: dict = {"step_ms": med, "over_fcoll": ratios,
+    s: dict = {"step_ms": med, "over_fcoll": ratios, "fcoll_collectives": s_colls,
                "errors": {k: v for k, v in times.items() if isinstance(v, str)}}
     lines = ["", (f"torch-ddp (PyTorch's DDP module), {len(rounds)} round(s), median step ms; "
-                  "ratio = variant / fcoll, median of per-round ratios"),
+                  "ratio = variant / fcoll, median of per-round ratios; collectives in "
+                  f"fcoll's compiled graphs: {s_colls}"),
              f"{'variant':18} {'step_ms':>9} {'ratio':>7}"]
     for k, v in med.items():
         ratio = 1.0 if k == "fcoll" else ratios.get(k, float("nan"))
