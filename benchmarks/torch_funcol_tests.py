@@ -17,7 +17,8 @@ The file is copied into a temporary directory with these rewrites, and run there
 
 ``--torch`` runs the file unchanged (what passes with PyTorch's own funcol). Output: one line per
 test (``PASSED`` / ``FAILED`` / ``SKIPPED`` / ``ERROR``, with the first line of the failure), then
-the counts; ``--json PATH`` writes them too. ``--compare`` runs the file both ways, one after
+the counts; ``--json PATH`` writes them too; arguments after ``--`` go to pytest
+(``-- -k "not TestWithNCCL"``). ``--compare`` runs the file both ways, one after
 the other, and prints one row per test: its outcome on torch and on fcoll, and a verdict, where
 a test that passes on torch and not on fcoll is either an fcoll bug or one of the
 :data:`EXCEPTIONS` (tests of funcol's private helpers or of registries inside c10d or Inductor,
@@ -148,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", help="write pytest's output here (tracebacks)")
     ap.add_argument("--compare", action="store_true",
                     help="run on torch and on fcoll, one row per test with a verdict")
-    ap.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
-    args = ap.parse_args(argv)
+    args, pytest_args = ap.parse_known_args(argv)
+    args.pytest_args = [a for a in pytest_args if a != "--"]
     if args.compare:
         return _compare(args)
     rows = run(args.path, torch_baseline=args.torch, ops=not args.keep_ops,
