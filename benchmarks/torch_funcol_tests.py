@@ -39,9 +39,9 @@ import tempfile
 import xml.etree.ElementTree as ET
 
 _IMPORTS = (
-    (re.compile(r"^(\s*)import torch\.distributed\._functional_collectives as (\w+)", re.M),
+    (re.compile(r"^(\s*)import torch\.distributed\._functional_collectives as (\w+)", re.MULTILINE),
      r"\1import fcoll as \2"),
-    (re.compile(r"^(\s*)from torch\.distributed import _functional_collectives as (\w+)", re.M),
+    (re.compile(r"^(\s*)from torch\.distributed import _functional_collectives as (\w+)", re.MULTILINE),
      r"\1import fcoll as \2"),
 )
 _OPS = (re.compile(r"torch\.ops\._c10d_functional\b"), "torch.ops.fcoll")
