@@ -158,10 +158,14 @@ def _ddp_buckets_overlap_backward(rank: int, world: int) -> dict:
     from fcoll.passes.graph import is_collective
 
     corpus = tg.Corpus(tg.load_text())
-    cfg = tg.GPTConfig(vocab_size=corpus.vocab_size, seq_len=64, n_layer=2, n_head=4,
-                       d_model=128)
+    # Large enough that a block's backward (tens of ms of estimated compute) outweighs a
+    # collective's latency on any backend: with a tiny model, the lane plan rightly merges
+    # every gradient into one bucket when gloo's calibrated latency exceeds the compute between
+    # gradients.
+    cfg = tg.GPTConfig(vocab_size=corpus.vocab_size, seq_len=128, n_layer=2, n_head=4,
+                       d_model=256)
     params = tg.init_params(cfg, seed=0)
-    batches = [tg.get_batch(corpus.train, 4, cfg.seq_len, seed=0, step=i, rank=rank,
+    batches = [tg.get_batch(corpus.train, 8, cfg.seq_len, seed=0, step=i, rank=rank,
                             world_size=world) for i in range(3)]
 
     module = tg.GPTModule(cfg, params)       # the reference: eager DDP, same start and data
