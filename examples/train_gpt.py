@@ -456,12 +456,22 @@ class TorchModuleStep:
             self.traced_comms = (device.type == "cuda"
                                  and "skip_fsdp_hooks" in torch._dynamo.config._config)
             if self.traced_comms:
+                from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+                # FSDP2's hooks log with logger.debug, which Dynamo refuses unless told to
+                # skip it (torch 2.11, checked on CPU up to the CPU-stream limit)
                 self._patches = {"skip_fsdp_hooks": False, "inline_inbuilt_nn_modules": True,
-                                 "compiled_autograd_kwargs_override": {"fullgraph": True}}
+                                 "compiled_autograd_kwargs_override": {"fullgraph": True},
+                                 "ignore_logging_functions": {_fsdp_param_group.logger.debug}}
         self.module, self.wrapped = module, wrapped
         self.optimizer = torch_adamw(module, opt)
         self.forward = torch.compile(wrapped, backend=backend, options=options)
-        self.backward_compiler = torch.compile(backend=backend, options=options)
+        # traced FSDP2 queues autograd callbacks, which compiled autograd accepts only from a
+        # fullgraph compile; compiled_autograd_kwargs_override applies only to compilers made
+        # while it is set, so the backward compiler asks for fullgraph itself
+        self.backward_compiler = torch.compile(
+            backend=backend, options=options,
+            fullgraph=self.parallel == "torch-fsdp2" and self.traced_comms)
         self.steps = 0
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
