@@ -253,11 +253,13 @@ def test_closing_group_ends_a_blocked_wait_at_the_next_tick():
     assert 0.25 <= elapsed < 0.8, elapsed
 
 
-def _slow_peer(seg, rank, world, spin_s, waits, delay_s, worker=False):
+def _slow_peer(seg, rank, world, spin_s, waits, delay_s, worker=False, transfer_s=0.0):
     """Rank 1 arrives ``delay_s`` late every phase: rank 0's spins run out. ``worker``: the
-    waits run with the worker thread's bound, as the engine sets it."""
+    waits run with the worker thread's bound, as the engine sets it; ``transfer_s``: the
+    channel's allowance for a peer still copying a large phase."""
     ch = Channel(seg, rank, world, 30.0, [0, 1], spin_s=spin_s)
     ch.spin_iters = ch.spin_async if worker else ch.spin_sync
+    ch.transfer_s = transfer_s
     for _ in range(waits):
         if rank == 1:
             time.sleep(delay_s)
@@ -382,24 +384,11 @@ def test_a_rank_on_its_peers_cpu_moves_off_it_and_keeps_its_affinity(monkeypatch
     assert ch.stats["moved"] == 1
 
 
-def _late_by(seg, rank, world, spin_s, transfer_s, waits, delay_s):
-    """Rank 1 arrives ``delay_s`` late every phase, as a peer still copying a large phase."""
-    ch = Channel(seg, rank, world, 30.0, [0, 1], spin_s=spin_s)
-    ch.spin_iters = ch.spin_sync
-    ch.transfer_s = transfer_s
-    for _ in range(waits):
-        if rank == 1:
-            time.sleep(delay_s)
-        ch.arrive()
-        ch.wait_all("x", time.monotonic())
-    return dict(ch.stats)
-
-
 @pytest.mark.timeout(60)
 def test_a_wait_spins_through_the_peers_transfer_time():
     """A peer 20 ms late (still writing a large phase) is polled in when ``transfer_s``
     covers the delay (200 ms), and slept on when only the 1 ms spin bound applies."""
-    stats = _run_forked(_late_by, 2, timeout_s=30, args=(1e-3, 0.2, 10, 0.02))[0]
+    stats = _run_forked(_slow_peer, 2, timeout_s=30, args=(1e-3, 10, 0.02, False, 0.2))[0]
     assert stats["slept"] == 0 and stats["spin_failed"] == 0, stats
-    stats = _run_forked(_late_by, 2, timeout_s=30, args=(1e-3, 0.0, 10, 0.02))[0]
+    stats = _run_forked(_slow_peer, 2, timeout_s=30, args=(1e-3, 10, 0.02, False, 0.0))[0]
     assert stats["slept"] >= 8 and stats["spun"] <= 2, stats

@@ -51,13 +51,6 @@ from fcoll.ops.groups import group_from_name
 from fcoll.ops.reduce import (DIST_REDUCE_OPS, REDUCE_OPS, divide_for_avg, reduce_rows_into,
                               validate_reduce_op)
 
-
-
-def _allgather_options():
-    opts = torch._C._distributed_c10d.AllgatherOptions()  # not exported by torch.distributed
-    opts.asyncOp = True
-    return opts
-
 __all__ = ["lib", "REDUCE_OPS", "validate_reduce_op"]
 
 lib = torch.library.Library("fcoll", "DEF")  # noqa: TOR901  (ops defined once, at import)
@@ -480,6 +473,12 @@ def _reduce_scatter_into(pg: dist.ProcessGroup, inputs: Sequence[torch.Tensor],
             started = [(work, _reduce_args(reduce_op, pg, dtype, buf)[1]) for buf, _ in wired]
         for i, (_, copy_back), (work, fin) in zip(members, wired, started):
             pending.register(outs[i], work, _chain(fin, copy_back))
+
+
+def _allgather_options():
+    opts = torch._C._distributed_c10d.AllgatherOptions()  # not exported by torch.distributed
+    opts.asyncOp = True
+    return opts
 
 
 def _reduce_scatter_options(op: dist.ReduceOp) -> dist.ReduceScatterOptions:
