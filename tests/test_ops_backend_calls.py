@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fcoll
-from fcoll.testing import run_ranks
+from fcoll.testing import one_rank_group, run_ranks
 
 _METHODS = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
             "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
@@ -76,14 +76,9 @@ for _method in _METHODS:
 
 @pytest.fixture(scope="module")
 def recording():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     group = _RecordingGroup()
-    dist.Backend.register_backend(group.group_name, lambda *args: group, devices=["cpu"])
-    dist.new_group(ranks=[0], backend=group.group_name)
-    yield group
-    dist.destroy_process_group()
+    with one_rank_group(group):
+        yield group
 
 
 def _op_calls(group: _RecordingGroup):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.library import opcheck
 
 import fcoll  # noqa: F401
+from fcoll.testing import one_rank_group
 
 ops = torch.ops.fcoll
 
@@ -71,13 +72,8 @@ class _SyncOneRankGroup(dist.ProcessGroup):
 
 @pytest.fixture(scope="module")
 def group_name():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    local = _SyncOneRankGroup()
-    dist.Backend.register_backend(local.group_name, lambda *args: local, devices=["cpu"])
-    yield dist.new_group(ranks=[0], backend=local.group_name).group_name
-    dist.destroy_process_group()
+    with one_rank_group(_SyncOneRankGroup()) as group:
+        yield group.group_name
 
 
 def make(shape, dtype, requires_grad=False):

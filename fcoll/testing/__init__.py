@@ -13,6 +13,7 @@ machine, so tests batch many checks into one ``run_ranks`` call.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -20,9 +21,10 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["RankFailure", "run_ranks", "fcoll_segments", "SHM_DIR", "SEGMENT_PREFIX"]
+__all__ = ["RankFailure", "run_ranks", "fcoll_segments", "one_rank_group", "SHM_DIR",
+           "SEGMENT_PREFIX"]
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "fcoll-"
@@ -45,6 +47,25 @@ def fcoll_segments() -> list[str]:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX))
     except FileNotFoundError:
         return []
+
+
+@contextlib.contextmanager
+def one_rank_group(backend: Any) -> Iterator[Any]:
+    """In this process, a one-rank default group (gloo on a ``HashStore``) and a group of that
+    one rank whose backend is ``backend`` (a Python ``torch.distributed.ProcessGroup``
+    subclass instance, registered under its ``group_name``); yields that group. Any process
+    group already initialised here is destroyed first, and both are destroyed on exit."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.Backend.register_backend(backend.group_name, lambda *args: backend,
+                                      devices=["cpu"])
+        yield dist.new_group(ranks=[0], backend=backend.group_name)
+    finally:
+        dist.destroy_process_group()
 
 
 def _dumps(obj: Any) -> bytes:
