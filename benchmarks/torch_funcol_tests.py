@@ -12,7 +12,8 @@ helpers it loads by path (``test_c10d_functional_native.py`` loads
 The file is copied into a temporary directory with these rewrites, and run there with pytest:
 
 * ``import torch.distributed._functional_collectives as X`` (and ``from
-  torch.distributed import _functional_collectives as X``) import ``fcoll`` as ``X``;
+  torch.distributed import _functional_collectives as X``) import ``fcoll`` as ``X``, and
+  ``from torch.distributed._functional_collectives import NAMES`` imports them from ``fcoll``;
 * ``torch.ops._c10d_functional`` becomes ``torch.ops.fcoll`` (``--keep-ops`` leaves it);
 
 ``--torch`` runs the file unchanged (what passes with PyTorch's own funcol). Output: one line per
@@ -43,6 +44,8 @@ _IMPORTS = (
      r"\1import fcoll as \2"),
     (re.compile(r"^(\s*)from torch\.distributed import _functional_collectives as (\w+)", re.MULTILINE),
      r"\1import fcoll as \2"),
+    (re.compile(r"^(\s*)from torch\.distributed\._functional_collectives import\b", re.MULTILINE),
+     r"\1from fcoll import"),
 )
 _OPS = (re.compile(r"torch\.ops\._c10d_functional\b"), "torch.ops.fcoll")
 

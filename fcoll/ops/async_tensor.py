@@ -5,6 +5,13 @@ around the collective's output buffer. View ops (``view``, slicing, ``transpose`
 buffer without waiting and return another ``AsyncCollectiveTensor``; any other op, a custom op
 included, first calls ``fcoll.wait_tensor`` on every wrapped input. ``tolist()``, ``numpy()``,
 ``repr()`` and dtype or device casts (``aten._to_copy``) wait too.
+
+It is a subclass of PyTorch's ``AsyncCollectiveTensor``, so every place in torch that recognises
+an un-waited funcol result by ``isinstance`` treats fcoll's results alike: AOTAutograd waits for
+one passed into a compiled function before tracing and at each call (torch 2.13's
+``frontend_utils``; without that a view of it returned from the compiled function made autograd
+expect an ``AsyncCollectiveTensor`` tangent and fail in backward), and DTensor, FSDP2, the state
+dict utilities and ``LocalTensorMode`` call ``.wait()`` on it. Only the waiting is fcoll's own.
 """
 
 from __future__ import annotations
@@ -13,13 +20,14 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as _funcol
 from torch._dynamo.external_utils import is_compiling as _dynamo_is_compiling
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._pytree import tree_map_only
 
 from fcoll.ops import pending
 
-__all__ = ["AsyncCollectiveTensor", "complete", "is_tracing", "wrap_async"]
+__all__ = ["AsyncCollectiveTensor", "TorchACT", "complete", "is_tracing", "wrap_async"]
 
 
 def is_tracing() -> bool:
@@ -64,17 +72,19 @@ def _is_view_op(func) -> bool:
     return bool(args) and args[0].alias_info is not None and not args[0].alias_info.is_write
 
 
-class AsyncCollectiveTensor(torch.Tensor):
+#: PyTorch's class, the base of fcoll's: ``isinstance(t, TorchACT)`` holds for both.
+TorchACT = _funcol.AsyncCollectiveTensor
+
+
+class AsyncCollectiveTensor(TorchACT):
     """A tensor whose values arrive when the collective that produces them completes.
 
-    Attributes:
+    Attributes (PyTorch's ``__slots__``):
         elem: the collective's output buffer (same shape, dtype, strides).
         completed: True once ``wait_tensor`` has run on it.
     """
 
-    elem: torch.Tensor
-    completed: bool
-    __slots__ = ["elem", "completed"]
+    __slots__ = ()
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor):
@@ -127,11 +137,11 @@ class AsyncCollectiveTensor(torch.Tensor):
             return AsyncCollectiveTensor(func(args[0].elem, args[1]))
         is_view = _is_view_op(func)
 
-        def unwrap(e: AsyncCollectiveTensor) -> torch.Tensor:
+        def unwrap(e: TorchACT) -> torch.Tensor:   # PyTorch's among the arguments too
             return e.elem if is_view else e.trigger_wait()
 
-        out = func(*tree_map_only(AsyncCollectiveTensor, unwrap, args),
-                   **tree_map_only(AsyncCollectiveTensor, unwrap, kwargs or {}))
+        out = func(*tree_map_only(TorchACT, unwrap, args),
+                   **tree_map_only(TorchACT, unwrap, kwargs or {}))
         if is_view:
             out = tree_map_only(torch.Tensor, AsyncCollectiveTensor, out)
         return out

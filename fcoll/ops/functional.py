@@ -22,7 +22,8 @@ import math
 import torch
 
 from fcoll.ops import autograd as _autograd  # noqa: F401  registers backward formulas
-from fcoll.ops.async_tensor import AsyncCollectiveTensor, complete, is_tracing, wrap_async
+from fcoll.ops.async_tensor import AsyncCollectiveTensor, TorchACT, complete, is_tracing, \
+    wrap_async
 from fcoll.ops.groups import GroupLike, group_size, resolve_group_name
 
 __all__ = [
@@ -60,17 +61,19 @@ def _finish(t: torch.Tensor) -> torch.Tensor:
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """Wait for ``t`` if it is an ``AsyncCollectiveTensor``; a collective needs real values."""
-    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
+    """Wait for ``t`` if it is an ``AsyncCollectiveTensor`` (fcoll's or PyTorch's); a
+    collective needs real values."""
+    return t.trigger_wait() if isinstance(t, TorchACT) else t
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Wait for the collective that produces ``tensor`` and return its values.
 
-    Works on an ``AsyncCollectiveTensor``, or on the raw output of a ``torch.ops.fcoll`` op.
+    Works on an ``AsyncCollectiveTensor`` (fcoll's, or PyTorch's), or on the raw output of a
+    ``torch.ops.fcoll`` (or ``_c10d_functional``) op.
     """
-    if isinstance(tensor, AsyncCollectiveTensor):
-        return tensor.wait()
+    if isinstance(tensor, TorchACT):
+        return tensor.trigger_wait()
     return complete(tensor)
 
 
