@@ -124,6 +124,17 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _describe_exit(code: int) -> str:
+    """``'status 1'`` for an exit, ``'signal SIGSEGV (status 139)'`` for a death by signal."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"signal {name} (status {_status(code)})"
+    return f"status {code}"
+
+
 def _sweep(err: IO[bytes]) -> None:
     """Remove dead fcoll segment names; say which on ``err``. Never fails the launch."""
     try:
@@ -163,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = first_rank + local
         env = dict(os.environ, **rank_env(local, nproc, ns.master_addr, port, run_id,
                                           ns.node_rank, ns.nnodes))
+        # a rank killed by SIGSEGV, SIGBUS, SIGFPE or SIGABRT prints every thread's Python
+        # stack (faulthandler) before it dies, so a crash names where it happened
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         procs.append(p)
@@ -190,8 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if code is not None and code != 0:
                         first_failure = _status(code)
                         with lock:
-                            err.write(f"[fcoll.launch] rank {r} exited with status "
-                                      f"{first_failure}; stopping the other ranks\n".encode())
+                            err.write(f"[fcoll.launch] rank {r} exited with "
+                                      f"{_describe_exit(code)}; stopping the other ranks\n"
+                                      .encode())
                             err.flush()
                         for q in procs:
                             if q.poll() is None:

@@ -69,6 +69,23 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path):
     assert "rank 1 exited with status 3" in proc.stderr
 
 
+def test_rank_killed_by_a_signal_is_named_with_its_python_stack(tmp_path):
+    """A segfault in a rank (here a read of address 0) is reported as ``signal SIGSEGV`` with
+    the rank's Python stack (faulthandler, on by default in ranks), not a bare status 139."""
+    proc, _ = _launch(tmp_path, """
+        import ctypes, os, time
+        def crash_here():
+            ctypes.string_at(0)
+        if os.environ["RANK"] == "1":
+            crash_here()
+        time.sleep(120)
+        """, "--nproc-per-node", "2", "--grace-s", "1", "script.py", timeout=60)
+    assert proc.returncode == 139, (proc.stdout, proc.stderr)
+    assert "rank 1 exited with signal SIGSEGV (status 139)" in proc.stderr
+    assert "[rank 1] Fatal Python error: Segmentation fault" in proc.stderr
+    assert "in crash_here" in proc.stderr
+
+
 def test_module_mode_and_default_single_rank(tmp_path):
     (tmp_path / "mymod.py").write_text("import os, sys\nprint('mod', os.environ['WORLD_SIZE'], "
                                        "sys.argv[1:])\n")
