@@ -1,9 +1,11 @@
 """torch.profiler shows every collective and every wait of a graph fcoll's executor runs.
 
-2 gloo ranks compile ``all_reduce -> mm -> wait`` (and an all_gather) with the fcoll backend and
-profile one call: the profile holds ``fcoll::all_reduce``, ``fcoll::all_gather_into_tensor`` and
-one ``fcoll::wait_tensor`` range per wait, as it holds ``_c10d_functional::wait_tensor`` for
-PyTorch's own eager waits.
+2 ranks compile ``all_reduce -> mm -> wait`` (and an all_gather) with the fcoll backend and
+profile one call: the profile holds one ``fcoll::all_reduce``, one
+``fcoll::all_gather_into_tensor`` and one ``fcoll::wait_tensor`` range per wait, as it holds
+``_c10d_functional::wait_tensor`` for PyTorch's own eager waits. On gloo the executor runs the
+ops; on fcoll's backend it issues both collectives on the direct path
+(``fcoll.compile.direct_calls``), which records the same ranges.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ def _profiled(rank, world_size):
 
 
 @pytest.mark.timeout(200)
-def test_profile_names_every_collective_and_wait_of_a_compiled_graph():
-    for value, counts in run_ranks(_profiled, 2, backend="gloo", timeout_s=180):
+@pytest.mark.parametrize("backend", ["gloo", "fcoll"])
+def test_profile_names_every_collective_and_wait_of_a_compiled_graph(backend):
+    for value, counts in run_ranks(_profiled, 2, backend=backend, timeout_s=180):
         assert value == 64 ** 3 + 2 * 64 * 64 + 2 * 64 * 64
-        assert counts.get("fcoll::all_reduce", 0) >= 1, counts
-        assert counts.get("fcoll::all_gather_into_tensor", 0) >= 1, counts
-        assert counts.get("fcoll::wait_tensor", 0) >= 2, counts
+        assert counts == {"fcoll::all_reduce": 1, "fcoll::all_gather_into_tensor": 1,
+                          "fcoll::wait_tensor": 2}, counts

@@ -17,7 +17,9 @@ here. A node qualifies when all of these hold, read from the graph once:
 - every user of the node is a ``wait_tensor`` in this graph (an output that leaves the graph
   un-waited is waited through the in-flight registry, which only the c10d path fills).
 
-The node's waits get the call's ``wait``. A call whose first wait is the very next step of the
+The node's waits get the call's ``wait``. Both show in ``torch.profiler`` as the ops they stand
+for would (``fcoll::all_reduce``, ``fcoll::wait_tensor``), so a profile of a compiled step shows
+where it waits whichever path ran (:func:`_in_profile`). A call whose first wait is the very next step of the
 executor's plan runs synchronously (nothing could overlap it). Each call carries a call-site tag
 in its header: the first 12 hex digits of the group's collective-sequence digest
 (:func:`fcoll.passes.consistency.fingerprint`, the rank check's) and the call's index in that
@@ -30,6 +32,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.autograd.profiler as _profiler
 import torch.fx as fx
 
 from fcoll.ops.groups import group_from_name
@@ -84,6 +87,17 @@ def _prepare(node: fx.Node, pg: Any, val: torch.Tensor, tag: str, sync: bool) ->
     return direct.DirectReduceScatter(pg, val.dtype, shape, a[1], tag=tag, sync=sync)
 
 
+def _in_profile(range_name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run inside a ``torch.profiler`` range ``range_name`` while a profiler records
+    (the op the direct path replaces would be one); one attribute read more otherwise."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _profiler._is_profiler_enabled:
+            with torch.profiler.record_function(range_name):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
 def _same_size(group_size: Any, pg: Any) -> None:
     if group_size != pg.size():
         raise ValueError(f"group_size={group_size} but the group has {pg.size()} ranks")
@@ -130,9 +144,10 @@ def direct_impls(gm: fx.GraphModule, items: Sequence[Any], name: str
         except ValueError as e:  # the op raises its own error, on every rank
             log.debug("%s: %s keeps the c10d path: %s", name, node.name, e)
             continue
-        impls[node] = call
+        impls[node] = _in_profile(node.target.name(), call)
+        wait = _in_profile(torch.ops.fcoll.wait_tensor.default.name(), call.wait)
         for u in users:
-            impls[u] = call.wait
+            impls[u] = wait
     log.debug("%s: %d of %d collectives on the direct path", name,
               sum(1 for n in impls if n in targets), len(targets))
     return impls
