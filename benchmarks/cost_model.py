@@ -9,17 +9,21 @@ Per backend (fcoll's shared-memory backend, and gloo), on ``--nproc`` ranks of t
    (:func:`fcoll.passes.calibrate.calibrate_group`, the job cache file off), timing it;
 2. measure each collective kind (all_reduce, all_gather, reduce_scatter, all_to_all,
    broadcast) at every size (default 4 KiB .. 64 MiB in powers of 2: the calibration's sizes
-   and the ones halfway between them in log scale, where the curve interpolates), the median
-   of a fixed number of blocking calls after a warm-up, by the same timing loop as the
-   calibration (:func:`fcoll.passes.calibrate.time_collectives`: three rounds over the sizes,
-   largest first, a cell's runs back to back after one untimed run below 4 MiB) but in a
-   separate run, with more runs per cell; per kind, fcoll then gloo;
-3. print per cell the predicted time (the calibrated curve), the measured median, the ratio
+   and the ones halfway between them in log scale, where the curve interpolates) by this
+   script's own loop (:func:`measure`), not the calibration's: per kind, three rounds over the
+   sizes (largest first), in each round one untimed call of the cell then its timed calls back
+   to back, as a step's buckets of one kind run (each timed call follows one of the same size,
+   at every size); each rank's median per cell, and the slowest rank's median is the measured
+   time (a step waits for its slowest rank; the root of a broadcast, for one, returns before
+   its peers have copied the data out). The collectives are the calibration's calls
+   (:func:`fcoll.passes.calibrate._collective`: the blocking c10d call of each kind; on gloo,
+   reduce_scatter is fcoll's all_to_all plus a local sum). Per kind, fcoll then gloo;
+3. print per cell the predicted time (the calibrated curve), the measured time, the ratio
    predicted / measured and PASS when it is within ``1 +- tolerance`` (default 30 %), beside
    the previous two-point alpha-beta model (fitted through the same sweep's 16 KiB and 4 MiB
    medians) for comparison.
 
-Times are rank 0's (the calibration uses rank 0's numbers on every rank). Sizes are
+The curves are the same on every rank (checked). Sizes are
 nccl-tests' (:func:`fcoll.ops.facts.comm_bytes`): the larger buffer of one rank. The 1-minute
 load average is printed before and after, and per backend and kind while it ran; on a shared
 machine a cell can fail for noise alone (compare the load), so the verdict is stated per cell
@@ -46,9 +50,31 @@ KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB << i for i in range(15)]  # 4 KiB .. 64 MiB
 
 
-def reps(size: int) -> int:
-    """Measured calls per cell (after a warm-up): more for small, cheap, noisy sizes."""
-    return 15 if size <= 256 * KiB else 7 if size <= 4 * MiB else 5
+ROUNDS = 3
+
+
+def runs_per_round(size: int) -> int:
+    """Timed calls per cell and round (after one untimed call): more for small, cheap, noisy
+    sizes (15 / 9 / 6 in all)."""
+    return 5 if size <= 256 * KiB else 3 if size <= 4 * MiB else 2
+
+
+def measure(pg, kind: str, sizes: list[int]) -> dict[int, float]:
+    """This rank's median time (us) of a blocking ``kind`` collective at each size (the
+    module docstring's loop). A collective call: every rank calls it with the same arguments."""
+    from fcoll.passes import calibrate as cal
+
+    ops = {size: cal._collective(kind, pg, cal._buffers(pg, size))
+           for size in sorted(sizes, reverse=True)}
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(ROUNDS):
+        for size, op in ops.items():
+            op()
+            for _ in range(runs_per_round(size)):
+                t0 = time.perf_counter()
+                op()
+                times[size].append((time.perf_counter() - t0) * 1e6)
+    return {size: statistics.median(ts) for size, ts in times.items()}
 
 
 def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
@@ -66,9 +92,8 @@ def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
     for kind in ops:
         load0 = os.getloadavg()[0]
         for backend, pg in groups.items():
-            times = cal.time_collectives(pg, [(kind, size) for size in sizes], reps)
-            for (_, size), runs in times.items():
-                out["measured"][(backend, kind, size)] = statistics.median(runs)
+            for size, us in measure(pg, kind, sizes).items():
+                out["measured"][(backend, kind, size)] = us
         out["loadavg"][kind] = (load0, os.getloadavg()[0])
     return out
 
@@ -81,7 +106,11 @@ def _two_point(curve, size: int) -> float:
     return fit_alpha_beta(b1, curve.time_us(b1), b2, curve.time_us(b2)).time_us(size)
 
 
-def report(r0: dict, ops: list[str], sizes: list[int], tol: float) -> dict:
+def report(results: list[dict], ops: list[str], sizes: list[int], tol: float) -> dict:
+    """The table and summary; ``results`` are every rank's (measured: the slowest rank's)."""
+    r0 = results[0]
+    if any(r["curves"] != r0["curves"] for r in results):
+        print("WARNING: the ranks' calibrated curves differ (they must not)")
     cells, lines = [], []
     head = (f"{'backend':7} {'op':14} {'size':>7} {'pred_us':>10} {'meas_us':>10} "
             f"{'ratio':>6} {'':4}  {'2pt_us':>10} {'ratio':>6} {'':4}")
@@ -90,11 +119,13 @@ def report(r0: dict, ops: list[str], sizes: list[int], tol: float) -> dict:
         for kind in ops:
             curve = r0["curves"][backend][kind]
             for size in sizes:
-                meas = r0["measured"][(backend, kind, size)]
+                per_rank = [r["measured"][(backend, kind, size)] for r in results]
+                meas = max(per_rank)
                 pred, old = curve.time_us(size), _two_point(curve, size)
                 ok, old_ok = abs(pred / meas - 1) <= tol, abs(old / meas - 1) <= tol
                 cells.append({"backend": backend, "op": kind, "bytes": size,
                               "predicted_us": pred, "measured_us": meas, "ratio": pred / meas,
+                              "measured_us_per_rank": per_rank,
                               "pass": ok, "two_point_us": old, "two_point_pass": old_ok})
                 lines.append(f"{backend:7} {kind:14} {fmt_size(size):>7} {pred:10.1f} "
                              f"{meas:10.1f} {pred / meas:6.2f} {'PASS' if ok else 'FAIL':4}  "
@@ -115,8 +146,8 @@ def report(r0: dict, ops: list[str], sizes: list[int], tol: float) -> dict:
             "two_point_pass": sum(c["two_point_pass"] for c in mine),
             "median_abs_error": statistics.median(errs), "max_abs_error": errs[-1],
             "calibration_s": r0["calibration_s"][backend]}
-    print(f"\nwithin +-{tol:.0%} of the measured median (piecewise curve | previous two-point "
-          f"alpha-beta):")
+    print(f"\nwithin +-{tol:.0%} of the slowest rank's measured median (piecewise curve | "
+          f"previous two-point alpha-beta):")
     for backend, s in summary.items():
         print(f"  {backend:6} {s['pass']:3}/{s['cells']} | {s['two_point_pass']:3}/{s['cells']}"
               f"   median |pred/meas - 1| {s['median_abs_error']:.0%}, worst "
@@ -143,7 +174,7 @@ def main(argv=None) -> int:
           f" ({os.cpu_count()} cores), {args.nproc} ranks")
     results = run_ranks(_rank, args.nproc, backend="fcoll", args=(args.ops, args.sizes),
                         timeout_s=args.timeout_s)
-    out = report(results[0], args.ops, args.sizes, args.tolerance)
+    out = report(results, args.ops, args.sizes, args.tolerance)
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     out["loadavg"] = {"before": load_before, "after": load_after,

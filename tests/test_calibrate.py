@@ -148,11 +148,15 @@ def test_sweep_covers_the_graphs_largest_collective_and_at_least_1_mib():
     assert calibrate.sizes_for(None) == calibrate.SWEEP_BYTES
 
 
-def test_small_cells_are_timed_right_after_an_untimed_run_of_the_same_cell(monkeypatch):
-    """A small collective timed right after a larger one measures that one's exit skew (a
-    4 KiB all_reduce after a 4 MiB one: 4-8x its back-to-back time), so in every round each
-    cell below WARM_UP_BELOW_BYTES runs once untimed, then its timed runs back to back;
-    larger cells get no extra run. Order: largest size first, in every round."""
+def test_cells_are_timed_kind_by_kind_each_after_an_untimed_run_of_the_same_cell(monkeypatch):
+    """In every round the kinds come in order and each kind's sizes largest first, so a
+    cell's neighbours are its own kind (a step's buckets; interleaving the kinds made fcoll's
+    small collectives 1.15-1.3x slower); each cell below WARM_UP_BELOW_BYTES runs once untimed,
+    then its timed runs back to back (a small collective timed right after a larger one
+    measures that one's exit skew); larger cells get no extra run.
+
+    all_reduce 16M, 256K, 4K; broadcast 16M, 256K, 4K (round 0)
+    -> ar16M x1 | ar256K x(1+3) | ar4K x(1+3) | bc16M x1 | bc256K x(1+3) | bc4K x(1+3) | ..."""
     calls: list[tuple[str, int]] = []
     sizes = (4 * KiB, 256 * KiB, 16 * MiB)
     cells = [(kind, size) for kind in ("all_reduce", "broadcast") for size in sizes]
@@ -172,12 +176,27 @@ def test_small_cells_are_timed_right_after_an_untimed_run_of_the_same_cell(monke
             runs.append([cell, 1])
     expected = []
     for r in range(calibrate.ROUNDS):
-        for cell in sorted(cells, key=lambda c: -c[1]):
-            timed = calibrate._runs_in_round(calibrate.reps_for(cell[1]), r)
-            if timed:
-                expected.append([cell, timed + (cell[1] < calibrate.WARM_UP_BELOW_BYTES)])
+        for kind in ("all_reduce", "broadcast"):
+            for size in sorted(sizes, reverse=True):
+                timed = calibrate._runs_in_round(calibrate.reps_for(size), r)
+                if timed:
+                    expected.append([(kind, size),
+                                     timed + (size < calibrate.WARM_UP_BELOW_BYTES)])
     assert runs == expected
-    assert 16 * MiB >= calibrate.WARM_UP_BELOW_BYTES > 256 * KiB
+    assert expected[:3] == [[("all_reduce", 16 * MiB), 1], [("all_reduce", 256 * KiB), 4],
+                            [("all_reduce", 4 * KiB), 4]]
+    assert 16 * MiB >= calibrate.WARM_UP_BELOW_BYTES > 4 * MiB
+
+
+def test_reps_are_a_function_of_the_size_alone_and_fill_every_round():
+    """Every rank issues the same collectives (the count never depends on a clock), and up to
+    4 MiB each of the three rounds times a cell three times back to back."""
+    for size in calibrate.SWEEP_BYTES:
+        reps = calibrate.reps_for(size)
+        per_round = [calibrate._runs_in_round(reps, r) for r in range(calibrate.ROUNDS)]
+        assert sum(per_round) == reps and min(per_round) >= 1
+        if size <= 4 * MiB:
+            assert per_round == [3, 3, 3]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +321,49 @@ def _calibrate_with_job_cache(rank, world_size, cache_dir, inject):
             "fcoll", world_size, "0.0", "intra", cost.DEFAULT_COMPUTE, points, {})
     rates, comm = cal.calibrate_group(dist.group.WORLD, 64 * KiB)
     return {"curves": _curves(comm), "rates": rates, "stats": cal.calibration_stats()}
+
+
+def _rank_dependent_times(rank, world_size):
+    """Calibrate with a stand-in timing loop in which rank r measures 10 * (r + 1) us (and
+    an outlier run of 1000 us) for every cell."""
+    import torch.distributed as dist
+
+    from fcoll.passes import calibrate as cal
+
+    os.environ["FCOLL_CALIBRATION_CACHE"] = "0"
+    cal.time_collectives = lambda pg, cells, reps=None: {
+        cell: [10.0 * (rank + 1), 1000.0, 10.0 * (rank + 1)] for cell in cells}
+    _, comm = cal.calibrate_group(dist.group.WORLD, 64 * KiB)
+    return _curves(comm)
+
+
+def test_every_rank_gets_the_slowest_ranks_median_of_each_cell():
+    """Each cell's number is the largest of the ranks' medians (a step waits for its slowest
+    rank; a broadcast's root returns before its peers copied the data out): rank 0 measured
+    10 us, rank 1 20 us, so every rank's curves go through 20 us at every timed size."""
+    r0, r1 = run_ranks(_rank_dependent_times, 2, backend="fcoll", timeout_s=150)
+    assert r0 == r1
+    assert len(r0) == len(cost.KINDS)
+    for pts in r0.values():
+        assert pts == [[s, 20.0] for s in calibrate.sizes_for(64 * KiB)]
+
+
+def test_fcoll_reduce_scatter_is_timed_by_the_single_tensor_call(monkeypatch):
+    """Off gloo, reduce_scatter is timed as the other kinds are, by the backend's single-tensor
+    c10d call (``dist.reduce_scatter_tensor``), not by the one-tensor coalesced call that
+    ``fcoll.ops`` makes eagerly (fcoll's general path, 4-7x slower at 4-64 KiB, and not what
+    compiled graphs run); gloo keeps fcoll's all_to_all plus a local sum."""
+    import torch.distributed as dist
+
+    import fcoll.ops.library as library
+
+    seen = []
+    monkeypatch.setattr(dist, "reduce_scatter_tensor",
+                        lambda out, inp, group=None: seen.append((out.numel(), inp.numel())))
+    monkeypatch.setattr(library, "start_reduce_scatter", lambda *a, **k: seen.append("coalesced"))
+    world = dist.group.WORLD      # the fake process group
+    calibrate._collective("reduce_scatter", world, calibrate._buffers(world, 4 * KiB))()
+    assert seen == [(512, 1024)]
 
 
 def test_calibration_is_reused_across_processes_of_one_job(tmp_path):

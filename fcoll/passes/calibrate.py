@@ -7,8 +7,9 @@ Everything here measures or looks up live process groups; the model itself
   median time of a transformer-sized matmul (FLOPs/us), the fastest large copy (bytes/us), and a
   tiny aten op called as the executor calls it (us per op).
 - Communication (:func:`calibrate_group`): every collective kind timed on the real backend at
-  the sizes of :data:`SWEEP_BYTES` (4 KiB .. 64 MiB, powers of 4), the median of a fixed number
-  of runs per size (:func:`reps_for`), fitted to a piecewise alpha-beta curve
+  the sizes of :data:`SWEEP_BYTES` (4 KiB .. 64 MiB, powers of 4), kind by kind, a fixed number
+  of back-to-back runs per size (:func:`reps_for`, :func:`time_collectives`); per cell the
+  slowest rank's median, fitted to a piecewise alpha-beta curve
   (:class:`~fcoll.passes.comm_cost.CommCurve`) per ``(backend, kind, group size, link)``.
 
 Budget: a graph needs its collectives' sizes, so a group is timed only up to the first sweep
@@ -25,8 +26,10 @@ whole sweep for a job). Results are reused, without timing again:
    (:mod:`fcoll.passes.calibration_cache`), one broadcast.
 
 Determinism: whether to time and what to time is decided by the group's rank 0 alone and
-broadcast, and the numbers every rank uses are rank 0's (broadcast in the same message), so
-every rank builds the same model and plans the same schedule; the number of runs per size is
+broadcast; the numbers every rank uses are rank 0's where it knew them (broadcast in the same
+message) and, where the group timed them, the slowest rank's medians (one all_reduce MAX,
+identical on every rank), so every rank builds the same model and plans the same schedule;
+the number of runs per size is
 fixed by the size (never "until stable" on one rank's clock, which would make the ranks issue
 different numbers of collectives and hang).
 
@@ -78,14 +81,23 @@ MIN_SWEEP_BYTES = 1 << 20
 
 
 def reps_for(nbytes: int) -> int:
-    """Timed runs per size (after one warm-up): 9 up to 256 KiB, 5 up to 4 MiB, 3 above. A
-    function of the size only, so every rank issues the same collectives."""
-    return 9 if nbytes <= 256 << 10 else 5 if nbytes <= 4 << 20 else 3
+    """Timed runs per size (after one warm-up): 9 up to 4 MiB (three back to back in each of
+    the :data:`ROUNDS` rounds), 3 above. A function of the size only, so every rank issues the
+    same collectives.
+
+    Three per round, not one or two, at 1-4 MiB too: the first runs after a change of size
+    are slower on fcoll's backend (its waits adapt to their recent history), and with 5 runs
+    (1, 2, 2 per round) the calibrated 1-4 MiB medians were 1.25-1.45x what the same cells
+    measure in a longer back-to-back run (2 ranks, load 4-5, 3 paired repeats); with 9, and
+    the untimed run at 4 MiB as well (:data:`WARM_UP_BELOW_BYTES`), 0.96-1.24x, at about
+    the same calibration time (fcoll 0.5 s, gloo 1.8-3 s for 4 KiB .. 64 MiB).
+    """
+    return 9 if nbytes <= 4 << 20 else 3
 
 
 @dataclass(frozen=True)
 class GroupCalibration:
-    """Calibrated numbers of one group (rank 0's, the same on every rank).
+    """Calibrated numbers of one group (the same on every rank).
 
     Attributes:
         backend: the group's backend name.
@@ -94,7 +106,7 @@ class GroupCalibration:
             (``"0.0.1.1"``: ranks 0-1 on one host, 2-3 on another).
         link: "intra" (one host) or "inter" (the group spans hosts).
         rates: compute rates (rank 0's).
-        points: kind -> {bytes: median us} as measured.
+        points: kind -> {bytes: us}, the slowest rank's median as measured.
         comm: ``CommKey -> CommCurve`` fitted from ``points``.
     """
 
@@ -212,11 +224,26 @@ def _quiet(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def _reduce_scatter_as_fcoll_does(pg: Any, out: torch.Tensor, input: torch.Tensor) -> None:
-    """One blocking reduce_scatter by the algorithm ``fcoll.reduce_scatter_tensor`` picks for
-    ``pg``'s backend (on gloo: all_to_all_single and a local sum)."""
-    from fcoll.ops.library import start_reduce_scatter
+def _reduce_scatter(pg: Any, out: torch.Tensor, input: torch.Tensor) -> None:
+    """One blocking reduce_scatter of ``input [n * N]`` into ``out [N]``: on gloo by the
+    algorithm fcoll's ops pick there (``all_to_all_single`` and a local sum,
+    :func:`fcoll.ops.library.start_reduce_scatter`); elsewhere the backend's single-tensor
+    ``reduce_scatter_tensor``, the call the other kinds are timed by (``dist.all_reduce``,
+    ``dist.all_gather_into_tensor``).
 
+    Not ``start_reduce_scatter`` on fcoll's backend: there it is the backend's
+    ``reduce_scatter_tensor_coalesced`` of one tensor, which takes the general path, and
+    compiled graphs do not run it (static shapes take the executor's direct path). Measured
+    (2 ranks, load 5, slowest rank's median): 4 KiB 343 us coalesced, 52 us single-tensor,
+    85-125 us direct; 64 KiB 277 / 55 / 91-169 us; 1 MiB 388 / 132 / 175-250 us.
+    """
+    import torch.distributed as dist
+
+    from fcoll.ops.library import _reduces_scatter_by_all_to_all, start_reduce_scatter
+
+    if not _reduces_scatter_by_all_to_all(pg):
+        _quiet(dist.reduce_scatter_tensor, out, input, group=pg)
+        return
     work, finish = start_reduce_scatter(pg, out, input, "sum", input.dtype)
     work.wait()
     if finish is not None:
@@ -240,7 +267,7 @@ def _collective(kind: str, pg: Any, bufs: tuple[torch.Tensor, ...]) -> Callable[
     ops = {
         "all_reduce": lambda: dist.all_reduce(big, group=pg),
         "all_gather": lambda: _quiet(dist.all_gather_into_tensor, big, small, group=pg),
-        "reduce_scatter": lambda: _reduce_scatter_as_fcoll_does(pg, small, big),
+        "reduce_scatter": lambda: _reduce_scatter(pg, small, big),
         "all_to_all": lambda: dist.all_to_all_single(out, big, group=pg),
         "broadcast": lambda: dist.broadcast(big, group=pg, group_src=0),
     }
@@ -256,8 +283,9 @@ ROUNDS = 3
 #: 0.4-0.5 ms (2 ranks, load 7), and a 4 KiB all_reduce right after it took 0.6-0.8 ms
 #: against 0.1 ms after another 4 KiB one; the untimed run absorbs the skew, so the timed runs
 #: see what back-to-back collectives of one size see (a DDP step's buckets, an FSDP step's
-#: per-layer all_gathers). Above it the skew is small against the collective itself.
-WARM_UP_BELOW_BYTES = 4 << 20
+#: per-layer all_gathers). Above it (16 and 64 MiB) the skew is small against the collective
+#: itself, and an untimed run would add a third to the calibration's time.
+WARM_UP_BELOW_BYTES = 16 << 20
 
 
 def _runs_in_round(reps: int, r: int) -> int:
@@ -271,21 +299,33 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
     """Times (us) of blocking collectives on ``pg``: ``reps(nbytes)`` runs (default
     :func:`reps_for`) of each ``(kind, nbytes)`` cell, after one warm-up run of each.
 
-    The runs are split into :data:`ROUNDS` rounds, the cells interleaved round robin (largest
-    size first, kinds in the given order), so that a burst of load on a shared machine lands on
-    one round of many cells instead of every run of one cell, where it would move the median.
-    Within a round a cell's runs are back to back, and a cell below
-    :data:`WARM_UP_BELOW_BYTES` first runs once untimed, which absorbs the exit skew the
-    previous (larger) cell left: without it a small cell measures the skew of whatever ran
-    before it (measured: a 4 KiB all_reduce after a 4 MiB one took 4-8x its back-to-back
-    time; the calibration then predicted fcoll's 4-256 KiB collectives 1.4-3.4x too slow).
+    The runs are split into :data:`ROUNDS` rounds, so that a burst of load on a shared machine
+    lands on one round of many cells instead of every run of one cell, where it would move
+    the median. In a round the kinds come in the order of their first cell, and each kind's
+    sizes largest first: a cell's neighbours are collectives of its own kind, as a step's
+    buckets are (a DDP step's all_reduces, an FSDP step's per-layer all_gathers). Within a round
+    a cell's runs are back to back, and a cell below :data:`WARM_UP_BELOW_BYTES` first runs
+    once untimed, which absorbs the exit skew the previous (larger) cell left: without it a
+    small cell measures the skew of whatever ran before it (measured: a 4 KiB all_reduce after
+    a 4 MiB one took 4-8x its back-to-back time).
+
+    Why kind by kind: with the five kinds interleaved at each size (the order before), every
+    cell followed another kind's, and fcoll's small collectives measured 1.15-1.3x their
+    back-to-back time in a run of their own kind even after the untimed run (2 ranks, load
+    4-5, 4 repeats each, slowest rank's median of 9: all_reduce 4-256 KiB 1.17-1.31x,
+    all_gather and all_to_all 4-64 KiB 1.13-1.32x, broadcast 1.07-1.47x); kind by kind,
+    0.88-1.09x, in the same time (0.61 s for 4 KiB .. 64 MiB). fcoll's waits adapt to their
+    recent history (the spin backoff of :mod:`fcoll.shm.sync`), so what ran before a cell
+    matters.
+
     The order depends only on the arguments: every rank of ``pg`` issues the same collectives
     (a collective call; every rank must call it with the same arguments). One set of buffers
     per size is shared by the kinds.
     """
     reps = reps or reps_for
     bufs = {size: _buffers(pg, size) for size in sorted({size for _, size in cells})}
-    ordered = sorted(dict.fromkeys(cells), key=lambda cell: -cell[1])   # stable: kinds in order
+    kinds = list(dict.fromkeys(kind for kind, _ in cells))
+    ordered = sorted(dict.fromkeys(cells), key=lambda cell: (kinds.index(cell[0]), -cell[1]))
     ops = {cell: _collective(cell[0], pg, bufs[cell[1]]) for cell in ordered}
     for op in ops.values():
         op()
@@ -388,10 +428,23 @@ def _known_on_rank_0(backend: str, n: int, layout: str) -> GroupCalibration | No
 
 
 def _sweep(pg: Any, sizes: list[int], into: torch.Tensor) -> None:
-    """Time every kind at ``sizes`` on every rank; rank 0's medians go into ``into``."""
+    """Time every kind at ``sizes`` on every rank; the slowest rank's median of each cell goes
+    into ``into`` on every rank (one all_reduce MAX of the medians).
+
+    The slowest rank, not rank 0: a step waits for its slowest rank, and one rank's clock can
+    miss most of a collective (the root of a broadcast returns once its peers arrived, before
+    they copied the data out). The MAX is the same on every rank, so every rank builds the
+    same model.
+    """
+    import torch.distributed as dist
+
     times = time_collectives(pg, [(kind, size) for kind in KINDS for size in sizes])
-    for (kind, size), runs in times.items():
-        into[_S + 3 + KINDS.index(kind) * _S + SWEEP_BYTES.index(size)] = statistics.median(runs)
+    cells = sorted(times, key=lambda cell: (KINDS.index(cell[0]), cell[1]))
+    medians = torch.tensor([statistics.median(times[cell]) for cell in cells],
+                           dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=pg)
+    for (kind, size), us in zip(cells, medians.tolist()):
+        into[_S + 3 + KINDS.index(kind) * _S + SWEEP_BYTES.index(size)] = us
     _CACHE.stats["sweeps"] += 1
     _CACHE.stats["timed_sizes"] += len(sizes)
 
@@ -410,7 +463,8 @@ def sizes_for(max_bytes: int | None) -> tuple[int, ...]:
 def calibrate_group(pg: Any, max_bytes: int | None = None,
                     ) -> tuple[ComputeRates, dict[CommKey, CommCurve]]:
     """Calibrate ``pg``: every collective kind timed at the sweep sizes up to ``max_bytes``
-    (:func:`sizes_for`; None: the whole sweep), fitted per kind, rank 0's numbers on every rank.
+    (:func:`sizes_for`; None: the whole sweep), fitted per kind, the same numbers on every
+    rank (rank 0's known ones, the slowest rank's median for the ones timed now).
 
     The first call for ``pg`` is a collective call: every rank of ``pg`` must make it at the
     same point (the first compile of a graph on ``pg``, which every rank makes). Rank 0 decides
@@ -451,8 +505,7 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
         mask = message[:_S].tolist()
         todo = [s for j, s in enumerate(SWEEP_BYTES) if mask[j] == 1.0]
         if todo:
-            _sweep(pg, todo, message)
-            dist.broadcast(message, group=pg, group_src=0)
+            _sweep(pg, todo, message)   # every rank then holds the same message
     result = _decode(message.tolist(), backend, n, layout)
     _CACHE.groups[pg] = result
     if pg.rank() == 0:
