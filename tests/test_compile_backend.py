@@ -335,3 +335,25 @@ def test_two_ranks_results_c10d_graphs_and_trace(tmp_path):
         compute = [e for e in events if e["cat"] == "compute"]
         assert compute and all(e["ph"] == "X" and e["tid"] == "compute" and e["dur"] >= 0
                                and "target" in e["args"] for e in compute)
+
+
+def test_trace_file_is_valid_after_every_run_bounded_and_appended(tmp_path):
+    """Each run is appended (valid JSON after every run); at ``2 * keep_runs`` runs the file is
+    rewritten with the last ``keep_runs``; a file removed by someone else is written anew; each
+    write is recorded as a ``trace_write`` event with the next run."""
+    path = tmp_path / "rank0.json"
+    rec = TraceRecorder(str(path), 0, keep_runs=3)
+
+    def run(i):
+        rec.add_run([{"name": f"n{i}", "cat": "compute", "ph": "X", "ts": i, "dur": 1}])
+        return json.loads(path.read_text())["traceEvents"]
+
+    names = [[e["name"] for e in run(i) if e["cat"] == "compute"] for i in range(8)]
+    assert names[:6] == [[f"n{j}" for j in range(i + 1)] for i in range(6)]  # appended
+    assert names[6] == ["n4", "n5", "n6"]  # 7 > 2 * 3 runs: rewritten with the last 3
+    assert names[7] == ["n4", "n5", "n6", "n7"]
+    writes = [e for e in run(8) if e["cat"] == "trace"]
+    # run 6's rewrite: 3 runs, each with the write before it; run 7's append: n7 + that write
+    assert [e["args"]["events"] for e in writes[-2:]] == [6, 2]
+    path.unlink()
+    assert [e["name"] for e in run(9) if e["cat"] == "compute"] == ["n7", "n8", "n9"]

@@ -1,10 +1,13 @@
 """Chrome/Perfetto traces of real runs of compiled graphs, one JSON file per rank.
 
 When ``trace_dir`` is set (``options={"trace_dir": ...}`` or the ``FCOLL_TRACE_DIR`` environment
-variable), every run of a compiled graph appends its events to ``{trace_dir}/rank{R}.json``, which
-is rewritten (atomically: temporary file, then ``os.replace``) at the end of each run and holds
-the events of the last :data:`KEEP_RUNS` graph runs of this process (a training step is usually two
-runs: forward and backward). The format, which ``fcoll.inspect.compare(trace, gm)`` reads:
+variable), every run of a compiled graph appends its events to ``{trace_dir}/rank{R}.json``. The
+file is valid JSON after every run: a run's events are written in place of the closing ``]}``
+(cost proportional to the run, not to the file), and once the file holds ``2 * KEEP_RUNS`` runs
+it is rewritten (atomically: temporary file, then ``os.replace``) with the last
+:data:`KEEP_RUNS` graph runs of this process (a training step is usually two runs: forward and
+backward), so the cost per run is amortized O(run) and the file stays bounded. The format,
+which ``fcoll.inspect.compare(trace, gm)`` reads:
 
 - ``{"traceEvents": [...]}``, times in microseconds (``ts``, ``dur``) on the host's monotonic
   clock (``time.perf_counter_ns``, CLOCK_MONOTONIC on Linux), so the ranks of one host line up.
@@ -26,10 +29,12 @@ unscattered input for reduce_scatter), the input for all_to_all.
 all_to_all ``(n-1)/n``; broadcast 1; 0 on one rank), where ``time`` is issue to wait return (so
 it includes time the wait was not yet asked for; it is a lower bound of the bandwidth).
 
-The recorder's own rewrite of the file after a run is an event too, in the files written after
-it: ``{"ph": "X", "cat": "trace", "name": "trace_write", "ts", "dur", "pid": rank,
-"tid": "compute", "args": {"events": n}}`` (tens to hundreds of ms per run for graphs of
-thousands of nodes; :func:`fcoll.sim.measured.outside_graphs_us` subtracts it from a step).
+The recorder's own write after a run is an event too, in the next run's events:
+``{"ph": "X", "cat": "trace", "name": "trace_write", "ts", "dur", "pid": rank,
+"tid": "compute", "args": {"events": n}}`` (``n``: events written; an append writes one run, a
+rewrite the kept runs; :func:`fcoll.sim.measured.outside_graphs_us` subtracts it from a step).
+A reader that opens the file while a run is being appended can see it cut short; read it after
+the runs (or between steps).
 """
 
 from __future__ import annotations
@@ -107,38 +112,85 @@ class RunTrace:
 
 
 class TraceRecorder:
-    """The trace file of one rank: keeps the last ``keep_runs`` runs and rewrites the file.
+    """The trace file of one rank: appends each run, keeps the last ``keep_runs`` runs.
 
     Args:
         path: the JSON file (``{trace_dir}/rank{R}.json``).
         rank: the global rank (the events' ``pid``).
-        keep_runs: graph runs kept.
+        keep_runs: graph runs kept at a rewrite (the file holds between ``keep_runs`` and
+            ``2 * keep_runs`` runs).
     """
+
+    _HEAD = b'{"displayTimeUnit": "ms", "traceEvents": ['
+    _TAIL = b"]}"
 
     def __init__(self, path: str, rank: int, keep_runs: int = KEEP_RUNS) -> None:
         self.path = path
         self.rank = rank
         self.ids = itertools.count(rank << 32)  # unique across ranks too
         self._runs: collections.deque[list[dict[str, Any]]] = collections.deque(maxlen=keep_runs)
+        self._runs_in_file = 0
+        self._file_size: int | None = None  # what this recorder last left there (None: nothing)
+        self._last_write: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
     def start_run(self) -> RunTrace:
         return RunTrace(self)
 
     def add_run(self, events: list[dict[str, Any]]) -> None:
+        """Add one run's events to the file: append them, or rewrite the file with the last
+        ``keep_runs`` runs once it holds ``2 * keep_runs`` (or was changed by someone else)."""
         with self._lock:
+            if self._last_write is not None:
+                # the previous write, with this run: readers tell the tracer's cost from a step's
+                events.insert(0, self._last_write)
             self._runs.append(events)
-            all_events = [e for run in self._runs for e in run]
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            tmp = f"{self.path}.tmp{os.getpid()}"
             t0 = now_us()
-            with open(tmp, "w") as f:
-                json.dump({"traceEvents": all_events, "displayTimeUnit": "ms"}, f)
-            os.replace(tmp, self.path)
-            # in the next rewrite: readers tell the tracer's own cost from the step's
-            events.append({"name": "trace_write", "cat": "trace", "ph": "X", "ts": t0,
-                           "dur": now_us() - t0, "pid": self.rank, "tid": "compute",
-                           "args": {"events": len(all_events)}})
+            written = self._append(events)
+            if written is None:
+                written = self._rewrite()
+            self._last_write = {"name": "trace_write", "cat": "trace", "ph": "X", "ts": t0,
+                                "dur": now_us() - t0, "pid": self.rank, "tid": "compute",
+                                "args": {"events": written}}
+
+    def _append(self, events: list[dict[str, Any]]) -> int | None:
+        """Write ``events`` in place of the file's closing ``]}``; the count, or None when the
+        file must be rewritten instead (full, missing, or not as this recorder left it)."""
+        if self._file_size is None or self._runs_in_file + 1 > 2 * self._runs.maxlen:
+            return None
+        try:
+            with open(self.path, "r+b") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() != self._file_size:
+                    return None
+                f.seek(self._file_size - len(self._TAIL))
+                if f.read(len(self._TAIL)) != self._TAIL:
+                    return None
+                body = ",".join(json.dumps(e) for e in events).encode()
+                if not body:
+                    return 0
+                f.seek(self._file_size - len(self._TAIL))
+                sep = b"" if self._file_size == len(self._HEAD) + len(self._TAIL) else b","
+                f.write(sep + body + self._TAIL)
+                self._file_size = f.tell()
+        except OSError:
+            return None
+        self._runs_in_file += 1
+        return len(events)
+
+    def _rewrite(self) -> int:
+        """Write the kept runs to a temporary file and move it over the trace; the count."""
+        all_events = [e for run in self._runs for e in run]
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(self._HEAD + ",".join(json.dumps(e) for e in all_events).encode()
+                    + self._TAIL)
+            size = f.tell()
+        os.replace(tmp, self.path)
+        self._file_size = size
+        self._runs_in_file = len(self._runs)
+        return len(all_events)
 
 
 _recorders: dict[str, TraceRecorder] = {}  # path -> recorder: one file, one writer per process
