@@ -15,10 +15,14 @@ import torch.distributed._functional_collectives as funcol
 
 import fcoll
 from fcoll import compat
-from fcoll.testing import run_ranks
+from fcoll.testing import one_rank_group, run_ranks
 
-# Names of funcol's module that are not API: imports, autograd registration helpers, the
-# legacy op library and Dynamo's remap table.
+# Names of funcol's module that are not its API, by kind: imports (modules, typing, helpers of
+# other modules), the legacy ``c10d_functional`` op library and its loop variables, and Dynamo's
+# remap table (fcoll remaps through polyfills, fcoll/ops/remaps.py). Funcol's autograd
+# registration helpers (``*_backward`` / ``*_setup_context``, the formulas registered for
+# ``_c10d_functional`` ops with ``torch.library.register_autograd``) are left out by suffix:
+# fcoll registers its own for its own ops (fcoll/ops/autograd.py).
 _NOT_API = ("Any", "DeviceMesh", "TYPE_CHECKING", "Union", "backend_impl", "c10d", "cast",
             "contextlib", "dist", "fun_col_impl", "get_proxy_mode", "is_torchdynamo_compiling",
             "lib_impl", "lib_impl_autograd", "legacy_lib", "legacy_lib_impl", "math",
@@ -27,34 +31,49 @@ _NOT_API = ("Any", "DeviceMesh", "TYPE_CHECKING", "Union", "backend_impl", "c10d
 
 
 def _torch_api() -> list[str]:
+    """The installed torch's funcol API: its public names less :data:`_NOT_API`, the
+    ``legacy_*`` functions and the autograd registration helpers."""
     return sorted(n for n in dir(funcol)
                   if not n.startswith("_") and n not in _NOT_API and not n.startswith("legacy_")
                   and not n.endswith(("_backward", "_setup_context")))
 
 
+def _params(fn) -> list[tuple]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
 def test_every_public_name_of_torch_funcol_is_in_fcoll_with_its_signature():
-    for name in _torch_api():
-        assert hasattr(fcoll, name), name
+    """Every name of the installed torch's funcol API is exported by fcoll (``__all__`` too):
+    functions with the same parameters (names, kinds, defaults), the same constants, and an
+    ``AsyncCollectiveTensor`` that is PyTorch's subclass (torch's ``isinstance`` checks,
+    AOTAutograd's wait for one passed into a compiled function among them, see fcoll's)."""
+    api = _torch_api()
+    assert len(api) >= 25, api   # the enumeration itself still finds torch's API
+    for name in api:
+        assert name in fcoll.__all__ and hasattr(fcoll, name), name
         theirs, ours = getattr(funcol, name), getattr(fcoll, name)
         if inspect.isfunction(theirs):
-            assert (list(inspect.signature(ours).parameters)
-                    == list(inspect.signature(theirs).parameters)), name
-            for p, q in zip(inspect.signature(ours).parameters.values(),
-                            inspect.signature(theirs).parameters.values()):
-                assert p.default == q.default or q.default is None, (name, p.name)
+            assert _params(ours) == _params(theirs), (name, inspect.signature(ours),
+                                                      inspect.signature(theirs))
+    assert fcoll.REDUCE_OP_TO_STR == funcol.REDUCE_OP_TO_STR
+    assert issubclass(fcoll.AsyncCollectiveTensor, funcol.AsyncCollectiveTensor)
 
 
 def _schemas(ns: str) -> dict[str, str]:
-    return {s.name.split("::")[1]: str(s).split("::", 1)[1]
+    return {s.name.split("::")[1] + (f".{s.overload_name}" if s.overload_name else ""):
+            str(s).split("::", 1)[1]
             for s in torch._C._jit_get_all_schemas() if s.name.startswith(ns + "::")}
 
 
 def test_every_c10d_functional_op_has_an_fcoll_op_with_the_same_schema():
+    """Every public op overload of the installed torch's ``_c10d_functional`` namespace has an
+    ``fcoll`` twin with the same schema string: argument names, types, defaults and alias
+    annotations (``Tensor(a!)`` in, ``Tensor(a!)`` out)."""
     theirs, ours = _schemas("_c10d_functional"), _schemas("fcoll")
-    for name, schema in theirs.items():
-        if name.startswith("_"):
-            continue
-        assert ours.get(name) == schema, name
+    public = {k: v for k, v in theirs.items() if not k.startswith("_")}
+    assert len(public) >= 15, sorted(theirs)
+    for name, schema in public.items():
+        assert ours.get(name) == schema, (name, ours.get(name), schema)
 
 
 def test_compat_group_name_type_follows_torch():
@@ -63,135 +82,324 @@ def test_compat_group_name_type_follows_torch():
     assert str(arg.type) == str(theirs.type) and compat.GROUP_NAME_TYPE in ("Any", "str")
 
 
+def _aliasing_calls(g: str) -> dict[str, tuple]:
+    """For each op of fcoll whose schema returns an alias, eager arguments on a one-rank group
+    ``g`` and which argument the result must be."""
+    x = lambda: torch.arange(4.0)  # noqa: E731
+    pair = [x(), x()]
+    out4 = torch.empty(4)
+    return {
+        "all_reduce_": ((x(), "sum", g), {}, 0),
+        "broadcast_": ((x(), 0, g), {}, 0),
+        "all_reduce_coalesced_": ((pair, "sum", g), {}, 0),
+        "all_gather_into_tensor_out": ((x(), 1, g), {"out": out4}, "out"),
+        "reduce_scatter_tensor_out": ((x(), "sum", 1, g), {"out": torch.empty(4)}, "out"),
+    }
+
+
+def test_ops_whose_schema_aliases_return_that_argument_itself():
+    """Every ``_c10d_functional`` op whose schema returns an alias (``-> Tensor(a!)``) returns
+    the very tensor (or list of tensors) it aliases in fcoll too, and it holds the result."""
+    aliasing = [name.split(".")[0] for name, schema in _schemas("_c10d_functional").items()
+                if not name.startswith("_") and "(a!)" in schema.split("->")[1]]
+    with one_rank_group(_OneRankGroup()) as group:
+        calls = _aliasing_calls(group.group_name)
+        assert sorted(aliasing) == sorted(calls), (aliasing, sorted(calls))
+        for name, (args, kwargs, which) in calls.items():
+            target = kwargs[which] if which == "out" else args[which]
+            result = getattr(torch.ops.fcoll, name)(*args, **kwargs)
+            if isinstance(target, list):
+                assert isinstance(result, list) and all(r is t for r, t in zip(result, target))
+                waited = [fcoll.wait_tensor(t) for t in target]
+            else:
+                assert result is target, name
+                waited = [fcoll.wait_tensor(target)]
+            for t in waited:
+                torch.testing.assert_close(t, torch.arange(4.0), msg=name)
+
+
+class _DoneWork(torch.distributed.Work):
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class _OneRankGroup(torch.distributed.ProcessGroup):
+    """One rank whose collectives complete in the call (the result is the input)."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self._name = "funcol-api-one-rank"
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def allreduce(self, tensors, opts=None):
+        return _DoneWork()
+
+    allreduce_coalesced = broadcast = allreduce
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for out, x in zip(outputs, inputs):
+            out.copy_(x.reshape(out.shape))
+        return _DoneWork()
+
+    reduce_scatter_tensor_coalesced = allgather_into_tensor_coalesced
+
+
+def test_numpy_is_a_dependency_so_torch_never_warns_that_it_failed_to_initialize_numpy():
+    """A user who followed the README has numpy (fcoll requires it), so importing torch and
+    fcoll and using ``.numpy()`` prints no "Failed to initialize NumPy" (torch's warning when
+    numpy is missing, which every run of the main job used to print)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    required = [r.split(";")[0].strip() for r in importlib.metadata.requires("fcoll")
+                if "extra ==" not in r]
+    assert "numpy" in required, required
+    run = subprocess.run([sys.executable, "-W", "default", "-c",
+                          "import torch, fcoll; print(torch.ones(2).numpy().sum())"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert "NumPy" not in run.stderr and "numpy" not in run.stderr.lower(), run.stderr
+    assert run.stdout.strip() == "2.0"
+
+
 # ---------------------------------------------------------------------------------------------
 # 2 ranks
 
+# Aliasing aten ops applied to an un-waited result: views stay async (PyTorch's rule), every
+# other op (in-place and out= ones too) waits first. name -> op on a [4, 6] tensor.
+VIEWS = {
+    "view": lambda t: t.view(24), "reshape": lambda t: t.reshape(6, 4), "t": lambda t: t.t(),
+    "transpose": lambda t: t.transpose(0, 1), "slice": lambda t: t[1:3],
+    "select": lambda t: t.select(0, 2), "narrow": lambda t: t.narrow(1, 1, 3),
+    "unsqueeze": lambda t: t.unsqueeze(0), "expand": lambda t: t.unsqueeze(0).expand(2, 4, 6),
+    "permute": lambda t: t.permute(1, 0), "unflatten": lambda t: t.unflatten(1, (2, 3)),
+    "diagonal": lambda t: t.diagonal(), "detach": lambda t: t.detach(),
+    "alias": lambda t: torch.ops.aten.alias(t), "view_dtype": lambda t: t.view(torch.float64),
+    "as_strided": lambda t: t.as_strided((2, 2), (6, 1)), "split": lambda t: t.split(2),
+    "unbind": lambda t: t.unbind(0), "chunk": lambda t: t.chunk(3, 1),
+}
+WRITES = {
+    "add_": lambda t: t.add_(1), "mul_": lambda t: t.mul_(2), "zero_": lambda t: t.zero_(),
+    "copy_": lambda t: t.copy_(torch.ones(4, 6, dtype=t.dtype)),
+    "out=": lambda t: torch.add(torch.ones(4, 6, dtype=t.dtype), 1, out=t),
+    "index_put_": lambda t: t.index_put_((torch.tensor([0]),), torch.tensor(7, dtype=t.dtype)),
+}
+
+
+def _materialize(r):
+    return [x.clone() for x in r] if isinstance(r, (list, tuple)) else r.clone()
+
+
 def _missed_waits(rank, world_size):
+    """Every place an un-waited result can go, on 2 ranks. The results are int64 averages:
+    every backend sums integers and divides when the collective is waited
+    (``fcoll.ops.pending`` finishers), so a missed wait reads the sum (2x the value) and leaves
+    the collective registered (``pending.num_pending()`` > 0)."""
     import torch.distributed as dist
+
+    from fcoll.ops import pending
 
     W = dist.group.WORLD
     out = {}
+
+    def fresh():   # ranks 0, 1 give 10, 20: the average is 15, the sum 30
+        return fcoll.all_reduce(torch.full((4, 6), 10 * (rank + 1)), "avg", W)
+
     # pytorch#133421: aten.to under inference_mode must wait (it decomposes into _to_copy)
     with torch.inference_mode():
-        y = fcoll.all_reduce(torch.full((1024,), float(rank + 1)), "sum", W)
-        out["cast"] = y.to(torch.bfloat16)
-    # gather_dim != 0: async when the rearrangement is a view, waited otherwise
-    a = fcoll.all_gather_tensor(torch.full((1, 3), float(rank)), 1, W)
-    out["gather_dim_view"] = (type(a).__name__, a.wait())
-    b = fcoll.all_gather_single(torch.arange(4.0).reshape(2, 2) + rank, 1, W)
-    out["gather_dim_copy"] = b
-    # an AsyncCollectiveTensor as input (and as tangent) of compiled functions
+        y = fresh().to(torch.bfloat16)
+        out["cast_inference_mode"] = (type(y) is torch.Tensor, y, pending.num_pending())
+        g = fcoll.all_gather_single(torch.full((2, 2), 10 * (rank + 1)), 0, W).to(torch.float64)
+        out["gather_cast_inference_mode"] = (type(g) is torch.Tensor, g, pending.num_pending())
+    for name, op in VIEWS.items():
+        r = op(fresh())
+        kinds = {type(x).__name__ for x in (r if isinstance(r, (list, tuple)) else [r])}
+        out[f"view {name}"] = (kinds, pending.num_pending(), _materialize(r),
+                               pending.num_pending())
+    for name, op in WRITES.items():
+        t = fresh()
+        r = op(t)
+        out[f"write {name}"] = (r.clone(), t.clone(), pending.num_pending())
+    # a view of an un-waited result fed to a fcoll op (its schema reads it): waited first
+    v = fresh()[1:3]
+    z = fcoll.all_reduce(v, "sum", W).wait()
+    out["view into collective"] = (z, pending.num_pending())
+    # gather_dim != 0: async when the rearrangement is a view (PyTorch's rule), waited otherwise
+    a = fcoll.all_gather_single(torch.full((1, 3), rank), 1, W)
+    out["gather_dim_view"] = (type(a).__name__, pending.num_pending(), a.clone())
+    b = fcoll.all_gather_tensor(torch.arange(4).reshape(2, 2) + rank, 1, W)
+    out["gather_dim_copy"] = (type(b).__name__, pending.num_pending(), b)
+    # an un-waited result as the input, and as the tangent, of compiled functions (forward and
+    # backward), returned as a plain value or as a view of itself
     res = {}
-    for backend in ("aot_eager", "fcoll"):
-        torch._dynamo.reset()
-        w = torch.ones(4, requires_grad=True)
-        act = fcoll.all_reduce(w * (rank + 1), "sum", W)
-        p = torch.compile(lambda t: t * 2, backend=backend, fullgraph=True)(act)
-        p.backward(fcoll.all_reduce(torch.ones(4), "sum", W))
-        res[backend] = (p.detach(), w.grad)
+    for backend in ("aot_eager", "inductor", "fcoll"):
+        for ret, fn in (("value", lambda t: t * 2), ("view", lambda t: t.unsqueeze(0))):
+            torch._dynamo.reset()
+            w = torch.ones(4, requires_grad=True)
+            act = fcoll.all_reduce(w * (rank + 1), "avg", W)
+            p = torch.compile(fn, backend=backend, fullgraph=True)(act)
+            p.backward(fcoll.all_reduce(torch.ones_like(p), "sum", W))
+            res[f"{backend} {ret}"] = (p.detach().reshape(4).clone(), w.grad,
+                                       pending.num_pending())
     out["act_compiled"] = res
     return out
 
 
-@pytest.mark.timeout(200)
-def test_no_missed_wait_on_gloo():
-    for rank, out in enumerate(run_ranks(_missed_waits, 2, backend="gloo", timeout_s=180)):
-        torch.testing.assert_close(out["cast"], torch.full((1024,), 3.0, dtype=torch.bfloat16))
-        kind, value = out["gather_dim_view"]
-        assert kind == "AsyncCollectiveTensor"
-        torch.testing.assert_close(value, torch.tensor([[0.0, 0, 0, 1, 1, 1]]))
-        torch.testing.assert_close(out["gather_dim_copy"],
-                                   torch.tensor([[0.0, 1, 1, 2], [2, 3, 3, 4]]))
-        for backend, (p, grad) in out["act_compiled"].items():
-            torch.testing.assert_close(p, torch.full((4,), 6.0), msg=backend)
-            # d/dw of 2 * sum_k (k+1) w: the tangent 2 (an all_reduce of ones), times 2, all
-            # reduced again (4 * 2 = 8), times this rank's factor
-            torch.testing.assert_close(grad, torch.full((4,), 8.0 * (rank + 1)), msg=backend)
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", ["gloo", "fcoll"])
+def test_no_missed_wait_anywhere_an_async_result_flows(backend):
+    avg = torch.full((4, 6), 15)
+    for rank, out in enumerate(run_ranks(_missed_waits, 2, backend=backend, timeout_s=380)):
+        plain, y, left = out["cast_inference_mode"]
+        assert plain and left == 0
+        torch.testing.assert_close(y, avg.to(torch.bfloat16))
+        plain, g, left = out["gather_cast_inference_mode"]
+        assert plain and left == 0
+        torch.testing.assert_close(g, torch.cat([torch.full((2, 2), 10.0),
+                                                 torch.full((2, 2), 20.0)]).double())
+        for name, op in VIEWS.items():
+            kinds, in_flight, value, left = out[f"view {name}"]
+            assert kinds == {"AsyncCollectiveTensor"} and in_flight == 1, (name, kinds)
+            assert left == 0, name
+            torch.testing.assert_close(value, _materialize(op(avg.clone())), msg=name)
+        for name, op in WRITES.items():
+            r, t, left = out[f"write {name}"]
+            want = avg.clone()
+            op(want)
+            assert left == 0, name
+            torch.testing.assert_close((r, t), (want, want), msg=name)
+        z, left = out["view into collective"]
+        torch.testing.assert_close(z, torch.full((2, 6), 30))
+        assert left == 0
+        kind, in_flight, value = out["gather_dim_view"]
+        assert (kind, in_flight) == ("AsyncCollectiveTensor", 1)
+        torch.testing.assert_close(value, torch.tensor([[0, 0, 0, 1, 1, 1]]))
+        kind, left, value = out["gather_dim_copy"]
+        assert (kind, left) == ("Tensor", 0)
+        torch.testing.assert_close(value, torch.tensor([[0, 1, 1, 2], [2, 3, 3, 4]]))
+        for key, (p, grad, left) in out["act_compiled"].items():
+            # p = s * avg_k (k+1) w with s = 2 (value) or 1 (view): 3 or 1.5. The tangent is 2
+            # (a sum of ones); avg's adjoint averages s * 2 over the ranks (equal): s * 2, times
+            # this rank's factor (rank + 1)
+            s = 2.0 if key.endswith("value") else 1.0
+            torch.testing.assert_close(p, torch.full((4,), 1.5 * s), msg=key)
+            torch.testing.assert_close(grad, torch.full((4,), 2 * s * (rank + 1)), msg=key)
+            assert left == 0, key
+
+
+def _every_function(x, rank, g):
+    """Each function of the funcol API that takes a group, called with group ``g``; returns
+    its results, waited."""
+    F = torch.ops.fcoll
+    peer = 1 - rank
+    out = {
+        "all_reduce": fcoll.all_reduce(x, "sum", g),
+        "all_reduce_coalesced": fcoll.all_reduce_coalesced([x, 2 * x], "max", g),
+        "all_gather_single dim 0": fcoll.all_gather_single(x, 0, g),
+        "all_gather_single dim 1": fcoll.all_gather_single(x.view(2, 2), 1, g),
+        "all_gather_single_autograd": fcoll.all_gather_single_autograd(x, 0, g),
+        "all_gather_single_coalesced": fcoll.all_gather_single_coalesced([x, x[:1]], g),
+        "reduce_scatter_single": fcoll.reduce_scatter_single(x, "sum", 0, g),
+        "reduce_scatter_single dim 1": fcoll.reduce_scatter_single(x.view(2, 2), "sum", 1, g),
+        "reduce_scatter_single_coalesced":
+            fcoll.reduce_scatter_single_coalesced([x, x[:2]], "sum", [0, 0], g),
+        "all_to_all_single": fcoll.all_to_all_single(x, None, None, g),
+        "all_to_all_single uneven": fcoll.all_to_all_single(
+            x, [1, 2] if rank == 0 else [3, 2], [1, 3] if rank == 0 else [2, 2], g),
+        "broadcast": fcoll.broadcast(x, 1, g),
+        "permute_tensor": fcoll.permute_tensor(x, [1, 0], g),
+    }
+    t = x.clone()
+    fcoll.all_reduce_inplace(t, "max", g)
+    out["all_reduce_inplace"] = t
+    o = torch.empty(8)
+    fcoll.all_gather_tensor_inplace(o, x, g)
+    out["all_gather_tensor_inplace"] = o
+    lst = [torch.empty(4), torch.empty(4)]
+    fcoll.all_gather_inplace(lst, x, g)
+    out["all_gather_inplace"] = lst
+    o = torch.empty(2)
+    fcoll.reduce_scatter_tensor_inplace(o, x, "sum", g)
+    out["reduce_scatter_tensor_inplace"] = o
+    o = torch.empty(4)
+    fcoll.all_to_all_inplace(o, x, group=g)
+    out["all_to_all_inplace"] = o
+    if rank == 0:
+        fcoll.wait_tensor(fcoll.isend_inplace(x, 1, group=g))
+    else:
+        buf = torch.zeros(4)
+        fcoll.wait_tensor(fcoll.irecv_inplace(buf, 0, group=g))
+        out["irecv_inplace"] = buf
+    recv = torch.zeros(4)
+    for r in fcoll.batch_p2p_ops_inplace(["isend", "irecv"], [peer, peer], [0, 0], [x, recv], g):
+        fcoll.wait_tensor(r)
+    out["batch_p2p_ops_inplace"] = recv
+    return {k: ([fcoll.wait_tensor(t) for t in v] if isinstance(v, list) else fcoll.wait_tensor(v))
+            for k, v in out.items()}
+
+
+def _expected(rank: int) -> dict:
+    xs = [torch.arange(4.0), torch.arange(4.0) + 10]
+    total, mine, other = xs[0] + xs[1], slice(2 * rank, 2 * rank + 2), xs[1 - rank]
+    two = [x.view(2, 2) for x in xs]
+    return {
+        "all_reduce": total, "all_reduce_coalesced": [xs[1], 2 * xs[1]],
+        "all_gather_single dim 0": torch.cat(xs), "all_gather_single dim 1": torch.cat(two, 1),
+        "all_gather_single_autograd": torch.cat(xs),
+        "all_gather_single_coalesced": [torch.cat(xs), torch.cat([xs[0][:1], xs[1][:1]])],
+        "reduce_scatter_single": total[mine], "reduce_scatter_single dim 1":
+            (two[0] + two[1])[:, rank:rank + 1],
+        "reduce_scatter_single_coalesced": [total[mine], total[:2][rank:rank + 1]],
+        "all_to_all_single": torch.cat([xs[0][mine], xs[1][mine]]),
+        "all_to_all_single uneven": (torch.cat([xs[0][:1], xs[1][:2]]) if rank == 0 else
+                                     torch.cat([xs[0][1:], xs[1][2:]])),
+        "broadcast": xs[1], "permute_tensor": other, "all_reduce_inplace": xs[1],
+        "all_gather_tensor_inplace": torch.cat(xs), "all_gather_inplace": xs,
+        "reduce_scatter_tensor_inplace": total[mine],
+        "all_to_all_inplace": torch.cat([xs[0][mine], xs[1][mine]]),
+        "batch_p2p_ops_inplace": other, **({"irecv_inplace": xs[0]} if rank == 1 else {}),
+    }
 
 
 def _ops_and_forms(rank, world_size):
+    """Every function with each group form PyTorch accepts, and the ops' own forms."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     W = dist.group.WORLD
     F = torch.ops.fcoll
     x = torch.arange(4.0) + 10 * rank
-    out = {}
-    mesh = init_device_mesh("cpu", (2,))
-    for form, group in (("name", W.group_name), ("object", W), ("ranks", [0, 1]),
-                        ("mesh", mesh), ("mesh_dim", (mesh, 0))):
-        out[f"form_{form}"] = fcoll.all_reduce(x, "sum", group).wait()
-    if compat.GROUP_NAME_TYPE == "Any":
+    mesh, mesh2 = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2, 1))
+    forms = {"name": W.group_name, "object": W, "ranks": [0, 1], "mesh": mesh,
+             "mesh_dim": (mesh, 0), "2-D mesh_dim": (mesh2, 0)}
+    out = {form: _every_function(x, rank, g) for form, g in forms.items()}
+    if compat.GROUP_NAME_TYPE == "Any":   # 2.13: the ops take a ProcessGroup as group_name
         out["op_group_object"] = F.wait_tensor(F.all_reduce(x, "sum", W))
-    ts = [x.clone(), x.clone() * 2]
-    ret = F.all_reduce_coalesced_(ts, "sum", W.group_name)
-    out["coalesced_inplace_returns_inputs"] = [r is t for r, t in zip(ret, ts)]
-    fcoll.wait_tensor(ts[0])
-    out["coalesced_inplace"] = ts
-    o = torch.empty(2)
-    r = F.reduce_scatter_tensor_out(x, "sum", 2, W.group_name, out=o)
-    out["rs_out"] = (r is o, fcoll.wait_tensor(o).clone())
-    out["permute"] = fcoll.permute_tensor(x, [1, 0], W).wait()
-    # the in-place helpers (what Dynamo's remaps trace dist.* calls into)
-    t = x.clone()
-    fcoll.all_reduce_inplace(t, dist.ReduceOp.MAX)
-    out["all_reduce_inplace"] = t
-    g = torch.empty(8)
-    fcoll.all_gather_tensor_inplace(g, x)
-    out["all_gather_tensor_inplace"] = g
-    lst = [torch.empty(4), torch.empty(4)]
-    fcoll.all_gather_inplace(lst, x)
-    out["all_gather_inplace"] = lst
-    rs = torch.empty(2)
-    fcoll.reduce_scatter_tensor_inplace(rs, x, "sum")
-    out["reduce_scatter_tensor_inplace"] = rs
-    a2a = torch.empty(4)
-    fcoll.all_to_all_inplace(a2a, x)
-    out["all_to_all_inplace"] = a2a
-    # point-to-point
-    peer = 1 - rank
-    if rank == 0:
-        fcoll.wait_tensor(fcoll.isend_inplace(x, 1))
-    else:
-        buf = torch.zeros(4)
-        got = fcoll.irecv_inplace(buf, 0)
-        out["irecv"] = (fcoll.wait_tensor(got).clone(), buf)
-    recv = torch.zeros(4)
-    res = fcoll.batch_p2p_ops_inplace(["isend", "irecv"], [peer, peer], [0, 0], [x, recv], W)
-    for t in res:
-        fcoll.wait_tensor(t)
-    out["batch"] = recv
     return out
 
 
-@pytest.mark.timeout(200)
-def test_ops_group_forms_inplace_helpers_and_p2p_on_gloo():
-    results = run_ranks(_ops_and_forms, 2, backend="gloo", timeout_s=180)
-    xs = [torch.arange(4.0), torch.arange(4.0) + 10]
-    total = xs[0] + xs[1]
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["gloo", "fcoll"])
+def test_every_function_takes_every_group_form(backend):
+    """Group as name, ProcessGroup, list of ranks, 1-D DeviceMesh and (mesh, dim) of a 1-D and
+    a 2-D mesh, wherever PyTorch's funcol takes a group: the collectives, the ``*_inplace``
+    helpers, ``permute_tensor`` and point-to-point; values against ones computed here."""
+    results = run_ranks(_ops_and_forms, 2, backend=backend, timeout_s=280)
     for rank, out in enumerate(results):
-        for key in [k for k in out if k.startswith("form_")] + (
-                ["op_group_object"] if "op_group_object" in out else []):
-            torch.testing.assert_close(out[key], total, msg=key)
-        assert out["coalesced_inplace_returns_inputs"] == [True, True]
-        torch.testing.assert_close(out["coalesced_inplace"], [total, total * 2])
-        same, value = out["rs_out"]
-        assert same
-        torch.testing.assert_close(value, total[2 * rank:2 * rank + 2])
-        torch.testing.assert_close(out["permute"], xs[1 - rank])
-        torch.testing.assert_close(out["all_reduce_inplace"], xs[1])
-        torch.testing.assert_close(out["all_gather_tensor_inplace"], torch.cat(xs))
-        torch.testing.assert_close(out["all_gather_inplace"], xs)
-        torch.testing.assert_close(out["reduce_scatter_tensor_inplace"],
-                                   total[2 * rank:2 * rank + 2])
-        torch.testing.assert_close(out["all_to_all_inplace"],
-                                   torch.cat([xs[0][2 * rank:2 * rank + 2],
-                                              xs[1][2 * rank:2 * rank + 2]]))
-        if rank == 1:
-            got, buf = out["irecv"]
-            torch.testing.assert_close(got, xs[0])
-            torch.testing.assert_close(buf, xs[0])
-        torch.testing.assert_close(out["batch"], xs[1 - rank])
+        expected = _expected(rank)
+        if "op_group_object" in out:
+            torch.testing.assert_close(out.pop("op_group_object"), expected["all_reduce"])
+        assert len(out) == 6
+        for form, got in out.items():
+            assert sorted(got) == sorted(expected), form
+            for key, want in expected.items():
+                torch.testing.assert_close(got[key], want, msg=f"{form}: {key} rank {rank}")
 
 
 def _compiled_p2p(rank, world_size):

@@ -100,6 +100,52 @@ def test_explain_reports_no_graph_break_for_all_calls_in_one_function(fake_pg):
     assert (ex.graph_count, ex.graph_break_count) == (1, 0)
 
 
+def test_aot_eager_and_inductor_see_pytorchs_own_ops_with_fcoll_imported(fake_pg):
+    """``import fcoll`` changes nothing for other backends: the graph AOTAutograd hands a
+    backend (aot_eager, Inductor) after every remapped call and a PyTorch funcol call holds
+    PyTorch's ``_c10d_functional`` ops and none of fcoll's, and Inductor applies its own
+    rewrite to them (re-inplacing ``all_reduce`` of a buffer it allocated into
+    ``all_reduce_``), as without fcoll."""
+    import torch.distributed._functional_collectives as funcol
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import run_and_get_code
+
+    def every_call(x, i, g):
+        for call in CALLS.values():
+            call(x, i, g)
+        return funcol.all_reduce(x + 1, "sum", g) * 2
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(every_call, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(
+        torch.ones(4, 3), torch.arange(4), fake_pg)
+    (gm,) = graphs
+    ops = [n.target for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)]
+    namespaces = {op.namespace for op in ops}
+    assert "fcoll" not in namespaces, namespaces
+    starts = [op for op in ops if op.namespace == "_c10d_functional" and
+              op is not torch.ops._c10d_functional.wait_tensor.default]
+    waits = [op for op in ops if op is torch.ops._c10d_functional.wait_tensor.default]
+    assert len(starts) == len(CALLS) + 1 == len(waits), (len(starts), len(waits))
+
+    def g(x):
+        y = x + 1
+        dist.all_reduce(y)
+        return y * 2
+
+    torch._dynamo.reset()
+    _, (code,) = run_and_get_code(torch.compile(g, backend="inductor", fullgraph=True),
+                                  torch.ones(4))
+    assert "torch.ops._c10d_functional.all_reduce_.default" in code
+    assert "torch.ops._c10d_functional.wait_tensor.default" in code
+    assert "fcoll" not in code
+
+
 def test_group_forms_resolve_to_the_group_name(fake_pg):
 
     def f(x):

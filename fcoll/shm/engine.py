@@ -283,9 +283,14 @@ class Engine:
         call = Call(self.ch, job.name, f"{job.name} (collective #{job.seq})", time.monotonic(),
                     job.payload)
         try:
-            job.run(call)
-            if job.finish is not None:
-                job.finish()
+            # Below autograd, as a C++ backend writes its buffers: the output may be an
+            # inference tensor (made under torch.inference_mode), which autograd forbids
+            # updating from a thread outside that mode, the worker's (the op's own call
+            # already bumped the version counters of what it mutates).
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                job.run(call)
+                if job.finish is not None:
+                    job.finish()
         except BaseException as e:  # noqa: BLE001  carried to wait()
             job.complete(self._failed(job.name, e, job.seq))
             return
