@@ -428,6 +428,71 @@ def test_p2p_ops_trace_and_run_compiled(backend):
         torch.testing.assert_close(got, (torch.arange(3.0) + 10 * (1 - rank)) * 2 + 1)
 
 
+def _pytorchs_p2p_ops(rank, world_size):
+    """PyTorch's own ``_c10d_functional`` p2p ops and funcol wrappers on this rank's group,
+    eager, and PyTorch's wrapper compiled by fcoll's backend (which lowers the ops to fcoll's)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as torch_funcol
+
+    C, W, peer = torch.ops._c10d_functional, dist.group.WORLD, 1 - rank
+    x = torch.arange(3.0) + 10 * rank
+    out = {}
+    if rank == 0:
+        C.wait_tensor(C.isend(x, 1, 3, W.group_name))
+        torch_funcol.wait_tensor(torch_funcol.isend_inplace(x * 2, 1, tag=4))
+    else:
+        a, b = torch.zeros(3), torch.zeros(3)
+        C.wait_tensor(C.irecv(a, 0, 3, W.group_name))
+        torch_funcol.wait_tensor(torch_funcol.irecv_inplace(b, 0, tag=4))
+        out["irecv"], out["irecv_inplace"] = a, b
+    recv = torch.zeros(3)
+    try:
+        for t in C.batch_p2p_ops(["isend", "irecv"], [peer, peer], [5, 5], [x, recv],
+                                 W.group_name):
+            C.wait_tensor(t)
+        out["batch_p2p_ops"] = recv
+    except RuntimeError as e:   # PyTorch's C++ op asks the group for a C++ device backend
+        out["batch_p2p_ops"] = str(e)
+    sent, got = torch.ops.fcoll.batch_p2p_ops(["isend", "irecv"], [peer, peer], [7, 7],
+                                              [x, torch.zeros(3)], W.group_name)
+    fcoll.wait_tensor(sent)
+    out["fcoll batch_p2p_ops"] = fcoll.wait_tensor(got)   # fcoll's receive: a new tensor
+
+    def swap(x, buf):
+        outs = torch_funcol.batch_p2p_ops_inplace(["isend", "irecv"], [peer, peer], [6, 6],
+                                                  [x * 2, buf], W)
+        torch_funcol.wait_tensor(outs[0])
+        return torch_funcol.wait_tensor(outs[1]) + 1
+
+    torch._dynamo.reset()
+    out["compiled"] = torch.compile(swap, backend="fcoll", fullgraph=True)(x, torch.zeros(3))
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", ["gloo", "fcoll"])
+def test_pytorchs_own_p2p_ops_run_on_the_group(backend):
+    """``torch.ops._c10d_functional.isend / irecv`` and PyTorch's funcol p2p wrappers run on a
+    group of fcoll's backend (its send/recv), as on gloo, and a function calling PyTorch's
+    ``batch_p2p_ops_inplace`` compiles with fcoll's backend (which lowers the op to fcoll's).
+
+    The one exception: PyTorch's eager C++ ``_c10d_functional.batch_p2p_ops`` asks the group
+    for its C++ device backend, which a Python ``ProcessGroup`` (fcoll's) cannot have
+    (c10d's ``Backend`` has no Python constructor), so it raises there; fcoll's own
+    ``torch.ops.fcoll.batch_p2p_ops`` runs on both."""
+    for rank, out in enumerate(run_ranks(_pytorchs_p2p_ops, 2, backend=backend, timeout_s=180)):
+        other = torch.arange(3.0) + 10 * (1 - rank)
+        if rank == 1:
+            torch.testing.assert_close(out["irecv"], other)
+            torch.testing.assert_close(out["irecv_inplace"], other * 2)
+        if backend == "gloo":
+            torch.testing.assert_close(out["batch_p2p_ops"], other)
+        else:
+            assert "No backend type associated with device type cpu" in out["batch_p2p_ops"]
+        torch.testing.assert_close(out["fcoll batch_p2p_ops"], other)
+        torch.testing.assert_close(out["compiled"], other * 2 + 1)
+
+
 def test_local_tensor_mode_simulates_fcolls_collectives_and_their_gradients():
     """Under PyTorch's LocalTensorMode (ranks simulated in one process, on the fake process
     group) fcoll's functions give the simulated collective's values and gradients, as PyTorch's

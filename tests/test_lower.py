@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 
 import expecttest
 import pytest
@@ -206,8 +207,32 @@ def test_fcoll_op_given_a_process_group_gets_its_name_and_str_names_are_untouche
 
 @pytest.mark.skipif(not hasattr(_C, "isend"),
                     reason="torch.ops._c10d_functional.isend is missing (added after torch 2.11)")
-def test_wait_on_point_to_point_op_stays_in_torch_namespace():
-    """isend has no fcoll twin; its wait must stay torch's, or it would not wait."""
+def test_point_to_point_ops_and_their_waits_lower_to_fcoll():
+    """isend / irecv / batch_p2p_ops have fcoll twins of the same schema: they and their waits
+    (through getitem for the batch) become fcoll's."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    send = graph.call_function(_C.isend.default, (x, 1, 0, "0"))
+    w = graph.call_function(_C.wait_tensor.default, (send,))
+    recv = graph.call_function(_C.irecv.default, (x, 1, 0, "0"))
+    w2 = graph.call_function(_C.wait_tensor.default, (recv,))
+    batch = graph.call_function(_C.batch_p2p_ops.default,
+                                (["isend", "irecv"], [1, 1], [0, 0], [x, x], "0"))
+    got = graph.call_function(operator.getitem, (batch, 1))
+    w3 = graph.call_function(_C.wait_tensor.default, (got,))
+    graph.output((w, w2, w3))
+    _lower(fx.GraphModule(torch.nn.Module(), graph))
+    assert (send.target, recv.target, batch.target) == (
+        _F.isend.default, _F.irecv.default, _F.batch_p2p_ops.default)
+    assert w.target is w2.target is w3.target is _F.wait_tensor.default
+
+
+def test_wait_on_an_op_without_fcoll_twin_stays_in_torch_namespace(monkeypatch):
+    """An op the table does not lower (here isend, its rule removed) keeps its wait torch's,
+    or the wait would not wait."""
+    from fcoll.passes import lower
+
+    monkeypatch.delitem(lower.RULES, _C.isend.default)
     graph = fx.Graph()
     x = graph.placeholder("x")
     send = graph.call_function(_C.isend.default, (x, 1, 0, "0"))

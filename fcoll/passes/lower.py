@@ -17,6 +17,11 @@ coalesced, ``wait_tensor``)                 ``Any group_name``)
 ``_c10d_functional_autograd.<op>``          the fcoll op (fcoll ops carry their own autograd)
 ``fcoll.<op>`` given a ``ProcessGroup``     the same node, ``group_name`` normalised to the
 (their ``group_name`` is ``Any`` too)       group's name (only then is the node changed)
+``_c10d_functional.isend`` / ``irecv`` /    the fcoll op (same schema; both declare no
+``batch_p2p_ops``                           alias, so the graph reads a receive through the
+                                            op's result, which fcoll's op returns as a new
+                                            tensor; PyTorch's C++ ``batch_p2p_ops`` cannot
+                                            run on a Python process group such as fcoll's)
 ``_c10d_functional.all_reduce_coalesced_``  one ``fcoll.all_reduce_`` per tensor (fcoll's
                                             coalesced in-place op returns ``()``, and waits
                                             must stay linked to their collective; the
@@ -35,9 +40,8 @@ in-place or ``_out`` collective             is a whole (non-view) contiguous bas
 ==========================================  =================================================
 
 A ``wait_tensor`` is lowered unless the tensor it waits on comes from an op this pass leaves in
-PyTorch's namespace (point-to-point ``isend``/``irecv``/``batch_p2p_ops`` have no fcoll twin): a
-wait must belong to the same registry as its collective, or it would return before the data
-arrives.
+PyTorch's namespace: a wait must belong to the same registry as its collective, or it would
+return before the data arrives.
 
 Invariants: the pass never reorders nodes (every replacement is inserted where its source was),
 so collective order, which must be equal on every rank, is unchanged; it is deterministic (one
@@ -75,6 +79,9 @@ _SPECIAL = frozenset({"all_reduce_coalesced_", "reduce_scatter_tensor_out"})
 #: Ops whose schema is the same in ``_c10d_functional`` and ``fcoll``: every collective of the
 #: facts table but those with a rewrite of their own.
 _SAME_SCHEMA = tuple(name for name in OPS if name not in _SPECIAL)
+
+#: Point-to-point ops (not collectives of the facts table), same schemas in both namespaces.
+_P2P = ("isend", "irecv", "batch_p2p_ops")
 
 #: Mutating op name -> its functional fcoll twin (facts table), for auto_functionalized.
 _FUNCTIONAL_TWIN = {name: f.functional for name, f in OPS.items() if f.mutates}
@@ -401,6 +408,10 @@ def _build_rules() -> dict[Any, Rewrite]:
             src = _op(ns, name)
             if src is not None:
                 rules[src] = _swap(src, getattr(_F, name).default)
+    for name in _P2P:   # same schemas; fcoll's irecv returns a new tensor (see the table)
+        src = _op("_c10d_functional", name)
+        if src is not None:
+            rules[src] = _swap(src, getattr(_F, name).default)
     for src, rewrite in ((_op("_c10d_functional", "all_reduce_coalesced_"),
                           _all_reduce_coalesced_inplace),
                          (_op("_c10d_functional", "reduce_scatter_tensor_out"),
