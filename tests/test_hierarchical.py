@@ -82,13 +82,12 @@ def test_every_op_dtype_and_form_matches_gloo_and_the_reference_on_2x2_hosts():
                                 "across": "HierarchicalProcessGroup"}
         errors, after = res["invalid"]
         assert "BAND" in errors["band"] and f"rank {rank}" in errors["band"]
-        assert "all_gather_into_tensor" in errors["gather"] and "(5,)" in errors["gather"]
+        assert "all_gather_into_tensor" in errors["gather"] and "5 elements" in errors["gather"]
         assert "different arguments" in errors["hosts_differ"], errors
         assert "numel=6" in errors["hosts_differ"] and "numel=8" in errors["hosts_differ"]
-        if rank < 2:  # host 0: fcoll's own mismatch error
-            assert "rank 1 has input shape [16]" in errors["rank_differs"], errors
-        else:         # host 1: told across the link
-            assert "other side of the link" in errors["rank_differs"], errors
+        # host 0: fcoll's own header check; host 1: the same words, told across the link
+        assert "ValueError" in errors["rank_differs"] or "MismatchError" in errors["rank_differs"]
+        assert "rank 1 has input shape [16]" in errors["rank_differs"], errors
         assert after == [6.0] * 4  # the group is still usable
     expected = tom._expected_forward(4)
     for rank, res in enumerate(results):
@@ -153,7 +152,7 @@ def _invalid_calls(rank, world):
     except ValueError as e:
         errors["hosts_differ"] = str(e)
     # rank 1 differs from rank 0 on host 0: fcoll's header check raises there, and host 1
-    # hears of it across the link
+    # hears of it (the same message) across the link
     try:
         dist.reduce_scatter_tensor(torch.empty(3 if rank != 1 else 4),
                                    torch.ones(12 if rank != 1 else 16))

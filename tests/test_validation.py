@@ -2,7 +2,9 @@
 deliverable 2).
 
 A table-generated matrix of malformed calls (every op x every bad-argument kind, each made on
-every rank and on rank 1 only) runs at 2 ranks in one ``run_ranks`` call. For every call:
+every rank and on rank 1 only) runs in one ``run_ranks`` call per layout: 2 ranks on one host,
+and 2 emulated hosts x 2 ranks (a hierarchical group, where the bad rank's peers on the other
+host must hear of it across the gloo link). For every call:
 
 - every rank raises ``ValueError`` or ``TypeError`` naming the op, the argument and the rank
   (the rank whose arguments were bad: its peer raises the same message, sent in the header);
@@ -85,9 +87,9 @@ def _rop(name: str):
     return getattr(dist.ReduceOp, name)
 
 
-def _cases(rank: int) -> list[tuple[str, str, str, object]]:
-    """``(case name, op named in the message, argument named, call(pg) -> Work)``."""
-    n = WORLD
+def _cases(rank: int, n: int = WORLD) -> list[tuple[str, str, str, object]]:
+    """``(case name, op named in the message, argument named, call(pg) -> Work)`` for a group
+    of ``n`` ranks."""
     cases = []
 
     def add(name, op, arg, call):
@@ -207,7 +209,8 @@ def _cases(rank: int) -> list[tuple[str, str, str, object]]:
     add("all_to_all/list_len", "all_to_all", "input_tensors",
         lambda pg: pg.alltoall([_out(2)] * n, [torch.ones(2)] * (n + 1)))
     add("all_to_all/dtypes", "all_to_all", "dtype",
-        lambda pg: pg.alltoall([_out(2) for _ in range(n)], [torch.ones(2), i64[:2]]))
+        lambda pg: pg.alltoall([_out(2) for _ in range(n)],
+                               [torch.ones(2)] * (n - 1) + [i64[:2]]))
     for root in (-1, n, 1 << 40):
         add(f"broadcast/root{root}", "broadcast", "root",
             lambda pg, r=root: pg.broadcast([torch.ones(4)], _opts("BroadcastOptions",
@@ -237,21 +240,25 @@ def _cases(rank: int) -> list[tuple[str, str, str, object]]:
     add("scatter/inputs_len", "scatter", "input_tensors",
         lambda pg: pg.scatter([_out()], [[torch.ones(4)] * (n + 1)],
                               _opts("ScatterOptions", rootRank=1)))
-    add("scatter/inputs_size", "scatter", "input_tensors[1]",
-        lambda pg: pg.scatter([_out()], [[torch.ones(4), torch.ones(5)]],
+    add("scatter/inputs_size", "scatter", f"input_tensors[{n - 1}]",
+        lambda pg: pg.scatter([_out()], [[torch.ones(4)] * (n - 1) + [torch.ones(5)]],
                               _opts("ScatterOptions", rootRank=1)))
     return cases
 
 
 def _fcoll_pg():
     g = dist.group.WORLD
-    return g if hasattr(g, "_engine") else g._get_backend(torch.device("cpu"))
+    from fcoll.shm.hierarchical import HierarchicalProcessGroup
+
+    if hasattr(g, "_engine") or isinstance(g, HierarchicalProcessGroup):
+        return g
+    return g._get_backend(torch.device("cpu"))
 
 
-def _usable(pg, rank: int) -> bool:
+def _usable(pg, rank: int, n: int = WORLD) -> bool:
     t = torch.full((8,), float(rank + 1))
     pg.allreduce([t], _opts("AllreduceOptions")).wait()
-    return bool((t == sum(range(1, WORLD + 1))).all())
+    return bool((t == sum(range(1, n + 1))).all())
 
 
 def _matrix(rank: int, world: int) -> list:
@@ -260,24 +267,23 @@ def _matrix(rank: int, world: int) -> list:
     warnings.simplefilter("ignore")  # quantized and complex32 tensors warn on creation
     pg = _fcoll_pg()
     out = []
-    for (name, op, arg, call), who in itertools.product(_cases(rank), ("all", "rank1")):
+    for (name, op, arg, call), who in itertools.product(_cases(rank, world), ("all", "rank1")):
         bad_here = who == "all" or rank == 1
         err = None
         try:
-            work = call(pg) if bad_here else _valid_twin(op, pg)
+            work = call(pg) if bad_here else _valid_twin(op, pg, world)
             if work is not None:
                 work.wait()
         except (ValueError, TypeError) as e:  # CollectiveMismatchError is a ValueError
             err = ("ValueError" if isinstance(e, ValueError) else "TypeError", str(e))
         except Exception as e:  # noqa: BLE001  reported, not raised: the matrix goes on
             err = (f"unexpected {type(e).__name__}", str(e)[:400])
-        out.append((name, who, op, arg, err, _usable(pg, rank)))
+        out.append((name, who, op, arg, err, _usable(pg, rank, world)))
     return out
 
 
-def _valid_twin(op: str, pg):
+def _valid_twin(op: str, pg, n: int = WORLD):
     """A valid call of ``op``: what the good rank does while its peer passes a bad one."""
-    n = WORLD
     o = _opts
     calls = {
         "all_reduce": lambda: pg.allreduce([torch.ones(4)], o("AllreduceOptions")),
@@ -331,7 +337,7 @@ def _zero_size(rank: int, world: int) -> dict:
             res[name] = None
         except Exception as ex:  # noqa: BLE001
             res[name] = f"{type(ex).__name__}: {ex}"[:300]
-        res[name + "/usable"] = _usable(pg, rank)
+        res[name + "/usable"] = _usable(pg, rank, n)
     return res
 
 
@@ -345,9 +351,16 @@ def _all(rank: int, world: int) -> dict:
     return {"matrix": _matrix(rank, world), "zero_size": _zero_size(rank, world)}
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks(_all, WORLD, timeout_s=RUN_TIMEOUT_S, pg_timeout_s=GROUP_TIMEOUT_S)
+# one host (shared memory), and 2 emulated hosts x 2 ranks (HierarchicalProcessGroup: shared
+# memory inside a host, gloo between), where rank 1's bad call must reach the other host too
+LAYOUTS = {"one_host": (WORLD, None), "2x2_hosts": (4, [0, 0, 1, 1])}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def results(request):
+    world, hosts = LAYOUTS[request.param]
+    return run_ranks(_all, world, hosts=hosts, timeout_s=RUN_TIMEOUT_S * world / WORLD,
+                     pg_timeout_s=GROUP_TIMEOUT_S)
 
 
 def test_matrix_has_at_least_300_malformed_calls(results):
@@ -377,7 +390,7 @@ def test_group_is_usable_after_every_rejected_call(results):
 
 
 def test_zero_size_calls_are_valid_and_work(results):
-    for rank in range(WORLD):
+    for rank in range(len(results)):
         failed = {k: v for k, v in results[rank]["zero_size"].items() if v not in (None, True)}
         assert not failed, (rank, failed)
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import threading
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -66,11 +67,12 @@ from torch._C._distributed_c10d import AllgatherOptions
 from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.ops.reduce import (
     DIST_REDUCE_OPS,
-    check_reduce_op,
     divide_for_avg,
     reduce_op_name,
     reduce_rows_into,
 )
+from fcoll.shm import arg_checks as checks
+from fcoll.shm import movement
 from fcoll.shm.hierarchical_work import ChainedWork, HierarchicalWork, OrderedRunner
 from fcoll.shm.hosts import HostLayout
 from fcoll.shm.links import (
@@ -87,8 +89,16 @@ from fcoll.shm.links import (
     make_opts,
 )
 from fcoll.shm.process_group import FcollProcessGroup
+from fcoll.shm.validate import check_all_gather
 
 __all__ = ["HierarchicalProcessGroup", "HierarchicalWork"]
+
+#: The pre-flight's op code of each public op name (:data:`fcoll.shm.links.OP_CODES`).
+_KIND = {"all_reduce": "all_reduce", "reduce": "reduce", "all_reduce_coalesced": "all_reduce",
+         "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+         "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+         "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
+         "broadcast": "broadcast", "gather": "gather", "scatter": "scatter"}
 
 
 @run_eagerly_under_dynamo
@@ -201,6 +211,55 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 self._coalescing.append(fut)
         return HierarchicalWork([fut], self._runner)
 
+    def _preflight(self, name: str, x: torch.Tensor | None, code: int = 0,
+                   error: str | None = None, reduce_op: str = "", on_flat: bool = False) -> None:
+        """The first step of every composed op: every rank learns whether any rank's arguments
+        are invalid (``error``: this rank's) or differ from the others', before data moves.
+
+        Even layout: an intra-host header exchange (fcoll's own: op, dtype, shape, reduce op,
+        ``code``; an invalid rank's header carries its message), then :func:`agree` on
+        ``inter`` (op, dtype, numel, ``code``; a rank whose host failed sends the error), so a
+        failure anywhere reaches every host: its own host through the header, each other host
+        through the column of every rank of the failing host. Uneven layout: :func:`agree` on
+        ``flat`` (also for the ops that run on ``flat``: ``on_flat``). Every rank makes the same
+        calls whatever failed, so the group stays in step and usable after a refused call.
+
+        Raises:
+            ValueError: some rank's arguments are invalid (that rank's message), or ranks
+                passed different arguments.
+        """
+        numbers = [OP_CODES[_KIND[name]], dtype_code(x.dtype) if x is not None else -1,
+                   x.numel() if x is not None else -1, code]
+        failure: BaseException | None = self._error(name, error) if error else None
+        if on_flat or not self.layout.even:
+            agree(self._flat, name, self._rank, numbers, SIGNATURE, failure)
+            return
+        if self._intra is not None:
+            try:
+                self._intra._submit(name, x, reduce_op=reduce_op, extra=("preflight", code),
+                                    error=error, run=movement.barrier).wait()
+            except Exception as e:  # noqa: BLE001  the hosts across the link must hear of it
+                failure = e
+        agree(self._inter, name, self._rank, numbers, SIGNATURE, failure)
+
+    def _op(self, name: str, x, error: str | None, run: Callable[[], Any], code: int = 0,
+            reduce_op: str = "", on_flat: bool = False) -> HierarchicalWork:
+        """Queue op ``name``: its pre-flight (:meth:`_preflight`), then ``run``.
+
+        Raises:
+            ValueError: ``error`` (this rank's arguments are invalid), at once, after queueing
+                the pre-flight that tells the peers (they raise the same message).
+        """
+        x = checks.tensor_or_none(x)
+        if error is not None:
+            self._submit(lambda: self._preflight(name, x, code, error, reduce_op, on_flat))
+            raise self._error(name, error)
+
+        def body():
+            self._preflight(name, x, code, None, reduce_op, on_flat)
+            return run()
+        return self._submit(body)
+
     def _start_coalescing(self, device=None) -> None:
         self._coalescing = []
 
@@ -208,45 +267,14 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         futs, self._coalescing = self._coalescing or [], None
         return HierarchicalWork(futs, self._runner)
 
-    def _flat_work(self, issue: Callable[[], dist.Work], result) -> HierarchicalWork:
-        """Issue a flat gloo op in queue order and wait for it on the worker."""
-        def run():
-            issue().wait()
-            return result
-        return self._submit(run)
-
     # ---- all_reduce -----------------------------------------------------------------------
-    def _check_reduce(self, name: str, op: str, t: torch.Tensor) -> None:
-        err = check_reduce_op(op, t.dtype)
-        if err:
-            raise self._error(name, f"{err} (tensor {tuple(t.shape)} {t.dtype})")
-
-    def _agree(self, group: dist.ProcessGroup, name: str, x: torch.Tensor, extra: int = 0,
-               error: BaseException | None = None) -> None:
-        """:func:`agree` on (op, dtype, numel, extra) over ``group`` (inter or flat)."""
-        agree(group, name, self._rank, [OP_CODES[name], dtype_code(x.dtype), x.numel(),
-                                        extra], SIGNATURE, error)
-
-    def _intra_then_agree(self, name: str, step: Callable[[], None], x: torch.Tensor,
-                          extra: int) -> None:
-        """Run the intra-host ``step``, then :meth:`_agree` on ``inter`` (telling the other
-        hosts if ``step`` failed)."""
-        try:
-            step()
-        except Exception as e:  # noqa: BLE001  the peers across the link must hear of it
-            self._agree(self._inter, name, x, extra, error=e)
-        self._agree(self._inter, name, x, extra)
-
-    def _all_reduce_flat(self, flat: torch.Tensor, op: str, name: str = "all_reduce") -> None:
+    def _all_reduce_flat(self, flat: torch.Tensor, op: str) -> None:
         """The composed all_reduce of a 1-D contiguous tensor, in place (uneven layouts: on
-        ``flat``)."""
+        ``flat``); after the op's pre-flight."""
         step = "sum" if op == "avg" else op
-        code = REDUCE_CODES[op]
         if not self.layout.even:
-            self._agree(self._flat, name, flat, code)
             gloo_all_reduce(self._flat, flat, step)
         elif self._intra is None:
-            self._agree(self._inter, name, flat, code)
             gloo_all_reduce(self._inter, flat, step)
         else:
             L = self._intra.size()
@@ -263,7 +291,6 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             # shard is all-reduced
             scattered = [self._intra.reduce_scatter_single(sh, p, rs)
                          for sh, p in zip(shards, pieces)]
-            self._intra_then_agree(name, scattered[0].wait, buf, code)
             finishes = []
             for work, shard in zip(scattered, shards):
                 work.wait()
@@ -295,38 +322,34 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None) -> dist.Work:
         op = reduce_op_name((opts or dist.AllreduceOptions()).reduceOp)
-        if len(tensors) != 1:
-            raise self._error("all_reduce", f"expects 1 tensor, got {len(tensors)}")
-        t = tensors[0]
-        self._check_reduce("all_reduce", op, t)
-        return self._submit(lambda: self._all_reduce_into(t, op))
+        err = checks.all_reduce_error(tensors, op, self._size)
+        t = tensors[0] if checks.is_seq(tensors) and tensors else None
+        return self._op("all_reduce", t, err, lambda: self._all_reduce_into(t, op),
+                        REDUCE_CODES.get(op, -1), op)
 
     def allreduce_out_of_place(self, input: torch.Tensor, output: torch.Tensor,
                                op: dist.ReduceOp) -> dist.Work:
         """All-reduce ``input`` into ``output`` (same shape and dtype), input untouched."""
-        if output.shape != input.shape or output.dtype != input.dtype:
-            raise self._error("all_reduce", f"output {tuple(output.shape)} {output.dtype} does "
-                              f"not match input {tuple(input.shape)} {input.dtype}")
         name = reduce_op_name(op)
-        self._check_reduce("all_reduce", name, input)
-        return self._submit(lambda: self._all_reduce_into(input, name, output))
+        err = checks.coalesced_all_reduce_error([input], [output], name)
+        return self._op("all_reduce", input, err,
+                        lambda: self._all_reduce_into(input, name, output),
+                        REDUCE_CODES.get(name, -1), name)
 
     def reduce(self, tensors, opts=None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceOptions()
         op, root = reduce_op_name(opts.reduceOp), opts.rootRank
-        t = tensors[0]
-        self._check_reduce("reduce", op, t)
-        if not 0 <= root < self._size:
-            raise self._error("reduce", f"root {root} is out of range for a group of size "
-                              f"{self._size}")
+        err = checks.all_reduce_error(tensors, op, self._size, root)
+        t = tensors[0] if checks.is_seq(tensors) and tensors else None
 
         def run():
             scratch = t.detach().reshape(-1).clone()
-            self._all_reduce_flat(scratch, op, "reduce")
+            self._all_reduce_flat(scratch, op)
             if self._rank == root:
                 t.copy_(scratch.view(t.shape))
             return [t]
-        return self._submit(run)
+        code = REDUCE_CODES.get(op, -1) * (1 << 32) + (root if not err else 0)
+        return self._op("reduce", t, err, run, code, op)
 
     def _coalesced_run(self, tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -341,46 +364,45 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 off += t.numel()
         return list(tensors)
 
+    @staticmethod
+    def _coalesced_code(tensors, op: str) -> int:
+        """The pre-flight code of a coalesced call: the reduce op and a digest of every
+        tensor's dtype and shape (crc32: the same in every process)."""
+        sig = zlib.crc32(repr([(str(t.dtype), tuple(t.shape)) for t in tensors]).encode())
+        return REDUCE_CODES.get(op, -1) * (1 << 32) + sig
+
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
         """All-reduce every tensor in place in one op (dtypes may mix: one composed
         all_reduce per dtype, over the tensors of that dtype concatenated)."""
         op = reduce_op_name((opts or dist.AllreduceCoalescedOptions()).reduceOp)
-        for t in tensors:
-            self._check_reduce("all_reduce_coalesced", op, t)
-        return self._submit(lambda: self._coalesced_run(list(tensors), op))
+        err = checks.coalesced_all_reduce_error(tensors, None, op)
+        code = 0 if err else self._coalesced_code(tensors, op)
+        return self._op("all_reduce_coalesced", None, err,
+                        lambda: self._coalesced_run(list(tensors), op), code, op)
 
     def allreduce_coalesced_out_of_place(self, inputs, outputs, op) -> dist.Work:
         """``outputs[i] = all_reduce(inputs[i])`` for every i, in one op; inputs untouched."""
-        if len(inputs) != len(outputs):
-            raise self._error("all_reduce_coalesced", f"{len(outputs)} outputs for "
-                              f"{len(inputs)} inputs")
         name = reduce_op_name(op)
-        for i, (x, y) in enumerate(zip(inputs, outputs)):
-            if y.shape != x.shape or y.dtype != x.dtype:
-                raise self._error("all_reduce_coalesced", f"outputs[{i}] {tuple(y.shape)} "
-                                  f"{y.dtype} does not match inputs[{i}] {tuple(x.shape)} "
-                                  f"{x.dtype}")
-            self._check_reduce("all_reduce_coalesced", name, x)
+        err = checks.coalesced_all_reduce_error(inputs, outputs, name)
+        code = 0 if err else self._coalesced_code(inputs, name)
 
         def run():
-            for x, y in zip(inputs, outputs):
-                y.copy_(x)
+            for a, b in zip(inputs, outputs):
+                b.copy_(a)
             return self._coalesced_run(list(outputs), name)
-        return self._submit(run)
+        return self._op("all_reduce_coalesced", None, err, run, code, name)
 
     # ---- all_gather -----------------------------------------------------------------------
     def _all_gather_run(self, output: torch.Tensor, input: torch.Tensor):
         x = input.detach().reshape(-1).contiguous()
         N = x.numel()
         if not self.layout.even:
-            self._agree(self._flat, "all_gather", x)
             buf = output if output.is_contiguous() else x.new_empty(self._size * N)
             self._flat._allgather_base(as_bytes(buf), as_bytes(x)).wait()
             if buf is not output:
                 output.copy_(buf.view(output.shape))
             return [output]
         H = self.layout.num_hosts
-        self._agree(self._inter, "all_gather", x)
         spans = chunk_spans(N, x.element_size() * self._size)
         # pipeline: every piece's inter all_gather is queued at once; each intra all_gather
         # starts when its piece arrived; each reordering copy when that is done
@@ -408,25 +430,21 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             output.copy_(out.view(output.shape))
         return [output]
 
-    def _check_gather(self, name: str, output: torch.Tensor,
-                      input: torch.Tensor) -> None:
-        if output.dtype != input.dtype or output.numel() != self._size * input.numel():
-            raise self._error(name, f"output {tuple(output.shape)} {output.dtype} must hold "
-                              f"{self._size} x input {tuple(input.shape)} {input.dtype}")
-
     def all_gather_single(self, output, input, opts=None) -> dist.Work:
-        self._check_gather("all_gather_into_tensor", output, input)
-        return self._submit(lambda: self._all_gather_run(output, input))
+        err = check_all_gather(input, output, self._size, self._rank)
+        return self._op("all_gather_into_tensor", input, err,
+                        lambda: self._all_gather_run(output, input))
 
     _allgather_base = all_gather_single
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """List form: ``output_tensors[0][r]`` receives rank r's ``input_tensors[0]``."""
-        inp, outs = input_tensors[0], list(output_tensors[0])
-        if len(outs) != self._size or any(o.shape != inp.shape or o.dtype != inp.dtype
-                                          for o in outs):
-            raise self._error("all_gather", f"expects {self._size} outputs of "
-                              f"{tuple(inp.shape)} {inp.dtype}")
+        err = checks.all_gather_list_error(output_tensors, input_tensors, self._size,
+                                           self._rank)
+        inp = input_tensors[0] if checks.is_seq(input_tensors) and input_tensors else None
+        if err:
+            return self._op("all_gather", inp, err, list)
+        outs = list(output_tensors[0])
         stacked = inp.new_empty((self._size, *inp.shape))
 
         def run():
@@ -434,13 +452,19 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             for o, s in zip(outs, stacked.unbind(0)):
                 o.copy_(s)
             return [outs]
-        return self._submit(run)
+        return self._op("all_gather", inp, None, run)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
+        err = checks.pairs_error("output_lists", output_lists, "input_list", input_list)
+        if err:
+            return self._op("all_gather", None, err, list)
         works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
         return HierarchicalWork([f for w in works for f in w._futures], self._runner)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        err = checks.pairs_error("outputs", outputs, "inputs", inputs)
+        if err:
+            return self._op("all_gather_into_tensor", None, err, list)
         works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
         return HierarchicalWork([f for w in works for f in w._futures], self._runner)
 
@@ -451,9 +475,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         N = output.numel()
         H = self.layout.num_hosts
         step = "sum" if op == "avg" else op
-        code = REDUCE_CODES[op]
         if not self.layout.even:
-            self._agree(self._flat, "reduce_scatter", output, code)
             res = gloo_reduce_scatter_rows(
                 self._flat, input.detach().reshape(self._size, N).contiguous(), step)
             if op == "avg":
@@ -472,10 +494,8 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             shards = [p.new_empty((H, p.shape[1])) for p in pieces]
             scattered = [self._intra.reduce_scatter_single(sh, p.view(-1), rs)
                          for sh, p in zip(shards, pieces)]
-            self._intra_then_agree("reduce_scatter", scattered[0].wait, output, code)
         else:
             shards, scattered = pieces, []
-            self._agree(self._inter, "reduce_scatter", output, code)
         exchanged = []
         for c, shard in enumerate(shards):
             if scattered:
@@ -495,24 +515,30 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = reduce_op_name(opts.reduceOp)
-        name = "reduce_scatter_tensor"
-        self._check_reduce(name, op, input)
-        if input.dtype != output.dtype or input.numel() != self._size * output.numel():
-            raise self._error(name, f"input {tuple(input.shape)} {input.dtype} must hold "
-                              f"{self._size} x output {tuple(output.shape)} {output.dtype}")
-        return self._submit(lambda: self._reduce_scatter_run(output, input, op))
+        err = checks.reduce_scatter_tensor_error(output, input, op, self._size)
+        return self._op("reduce_scatter_tensor", input, err,
+                        lambda: self._reduce_scatter_run(output, input, op),
+                        REDUCE_CODES.get(op, -1), op)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
         """List form: ``output_tensors[0]`` = reduction of every rank's ``input_lists[0][me]``."""
-        ins = input_lists[0]
-        if len(ins) != self._size:
-            raise self._error("reduce_scatter", f"expects {self._size} inputs, got {len(ins)}")
-        stacked = torch.stack([i.detach().reshape(-1) for i in ins])
-        return self.reduce_scatter_single(output_tensors[0], stacked.view(-1), opts)
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = reduce_op_name(opts.reduceOp)
+        err = checks.reduce_scatter_list_error(output_tensors, input_lists, op, self._size)
+        out = output_tensors[0] if checks.is_seq(output_tensors) and output_tensors else None
+        if err:
+            return self._op("reduce_scatter", out, err, list)
+        stacked = torch.stack([i.detach().reshape(-1) for i in input_lists[0]]).view(-1)
+        return self._op("reduce_scatter", out, None,
+                        lambda: self._reduce_scatter_run(out, stacked, op),
+                        REDUCE_CODES.get(op, -1), op)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        err = checks.pairs_error("outputs", outputs, "inputs", inputs)
+        if err:
+            return self._op("reduce_scatter_tensor", None, err, list)
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return HierarchicalWork([f for w in works for f in w._futures], self._runner)
 
@@ -523,13 +549,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                           opts=None) -> dist.Work:
         """On ``flat`` (see the module docstring)."""
         o_s, i_s = list(output_split_sizes or []), list(input_split_sizes or [])
-        for name, s, t in (("input", i_s, input), ("output", o_s, output)):
-            if s and (len(s) != self._size or sum(s) != (t.shape[0] if t.dim() else 1)):
-                raise self._error("all_to_all_single", f"{name}_split_sizes {s} do not split "
-                                  f"{name} {tuple(t.shape)} into {self._size} parts")
-        if input.dtype != output.dtype:
-            raise self._error("all_to_all_single", f"output dtype {output.dtype} != input "
-                              f"dtype {input.dtype}")
+        err = checks.all_to_all_single_error(output, input, o_s, i_s, self._size)
 
         def run():
             self._check_splits(input, output, o_s, i_s)
@@ -543,7 +563,9 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             if dst is not output:
                 output.copy_(dst)
             return [output]
-        return self._submit(run)
+        # split sizes differ by rank: the splits are compared in run(), the dtype here
+        code = 0 if err else dtype_code(input.dtype)
+        return self._op("all_to_all_single", None, err, run, code, on_flat=True)
 
     alltoall_base = all_to_all_single
 
@@ -562,15 +584,16 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         got = torch.empty((n, mine.numel()), dtype=torch.int64)
         self._flat._allgather_base(got.view(-1), mine).wait()
         sent, recv = got[:, 2:2 + n], got[:, 2 + n:]
-        if not (bool((got[:, :1] == got[0, :1]).all()) and bool((sent == recv.t()).all())):
+        if not (bool((got[:, :2] == got[0, :2]).all()) and bool((sent == recv.t()).all())):
             raise ValueError(f"fcoll all_to_all_single: rank {self._rank}: ranks disagree on "
-                             f"dtype or split sizes (per rank: dtype code, row elements, input "
-                             f"splits, output splits: {got.tolist()})")
+                             f"dtype, row size or split sizes (per rank: dtype code, row "
+                             f"elements, input splits, output splits: {got.tolist()})")
 
     def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """List form, via ``all_to_all_single`` on flattened, concatenated tensors."""
-        if len(output_tensors) != self._size or len(input_tensors) != self._size:
-            raise self._error("all_to_all", f"expects {self._size} inputs and outputs")
+        err = checks.all_to_all_error(output_tensors, input_tensors, self._size)
+        if err:
+            return self._op("all_to_all", None, err, list, on_flat=True)
         src = torch.cat([t.detach().reshape(-1) for t in input_tensors])
         dst = src.new_empty(sum(o.numel() for o in output_tensors))
 
@@ -585,24 +608,22 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 o.copy_(dst[off:off + o.numel()].view(o.shape))
                 off += o.numel()
             return [list(output_tensors)]
-        return self._submit(run)
+        return self._op("all_to_all", None, None, run, dtype_code(src.dtype), on_flat=True)
 
     def broadcast(self, tensors, opts=None) -> dist.Work:
         root = (opts or dist.BroadcastOptions()).rootRank
-        t = tensors[0]
-        if not 0 <= root < self._size:
-            raise self._error("broadcast", f"root {root} is out of range for a group of size "
-                              f"{self._size}")
+        err = checks.broadcast_error(tensors, root, self._size)
+        t = tensors[0] if checks.is_seq(tensors) and tensors else None
+        if err:
+            return self._op("broadcast", t, err, list)
         root_host, root_local = self.layout.host_of(root), self.layout.local_rank_of(root)
 
         def run():
             buf = t if t.is_contiguous() else t.contiguous()
             if not self.layout.even:
-                self._agree(self._flat, "broadcast", buf, root)
                 self._flat.broadcast([as_bytes(buf)], make_opts(dist.BroadcastOptions,
                                                           rootRank=root)).wait()
             elif self.local_rank == root_local:
-                self._agree(self._inter, "broadcast", buf, root)
                 self._inter.broadcast([as_bytes(buf)], make_opts(dist.BroadcastOptions,
                                                            rootRank=root_host)).wait()
             if self._intra is not None and self.layout.even:
@@ -611,7 +632,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             if buf is not t:
                 t.copy_(buf)
             return [t]
-        return self._submit(run)
+        return self._op("broadcast", t, None, run, root)
 
     def barrier(self, opts=None) -> dist.Work:
         def run():
@@ -626,12 +647,24 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
 
     # ---- on ``flat``: gather, scatter, point-to-point -------------------------------------
     def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
-        return self._flat_work(lambda: self._flat.gather(output_lists, input_tensors, opts),
-                               output_lists)
+        root = (opts or dist.GatherOptions()).rootRank
+        err = checks.gather_error(output_lists, input_tensors, root, self._rank, self._size)
+        x = input_tensors[0] if checks.is_seq(input_tensors) and input_tensors else None
+
+        def run():
+            self._flat.gather(output_lists, input_tensors, opts).wait()
+            return output_lists
+        return self._op("gather", x, err, run, 0 if err else root, on_flat=True)
 
     def scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
-        return self._flat_work(lambda: self._flat.scatter(output_tensors, input_lists, opts),
-                               output_tensors)
+        root = (opts or dist.ScatterOptions()).rootRank
+        err = checks.scatter_error(output_tensors, input_lists, root, self._rank, self._size)
+        x = output_tensors[0] if checks.is_seq(output_tensors) and output_tensors else None
+
+        def run():
+            self._flat.scatter(output_tensors, input_lists, opts).wait()
+            return output_tensors
+        return self._op("scatter", x, err, run, 0 if err else root, on_flat=True)
 
     def send(self, tensors, dstRank, tag=0) -> dist.Work:
         """Point-to-point on ``flat``, issued in queue order; the Work waits for gloo's."""

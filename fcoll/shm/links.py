@@ -20,6 +20,7 @@ from fcoll.ops.reduce import DIST_REDUCE_OPS, logical_op, reduce_rows_into
 
 __all__ = [
     "MAX_CHUNKS",
+    "MAX_MESSAGE_BYTES",
     "OP_CODES",
     "PIPELINE_CHUNK_BYTES",
     "REDUCE_CODES",
@@ -59,7 +60,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 OP_CODES = {name: i + 1 for i, name in enumerate(
-    ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce"))}
+    ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce",
+     "gather", "scatter"))}
 CODED_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
            torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
            torch.complex128]
@@ -73,29 +75,54 @@ def dtype_code(dtype: torch.dtype) -> int:
     return 100 + zlib.crc32(str(dtype).encode())
 
 
+#: Bytes of a failing rank's message that :func:`agree` carries to the other side of a link.
+MAX_MESSAGE_BYTES = 1024
+_ARGUMENT_ERROR, _OTHER_ERROR = 1, 2
+
+
 def agree(group: dist.ProcessGroup, name: str, rank: int, numbers: list[int],
           fields: tuple[str, ...], error: BaseException | None = None) -> None:
     """Check that every rank of a gloo ``group`` passes the same ``numbers`` before data moves.
 
     gloo does not check its peers' shapes: a mismatch aborts the process or returns garbage
     (docs: NOTES, "gloo under faults"). Each rank sends ``[failed, *numbers]`` (int64) in one
-    all_gather; ``error`` (this rank's host already failed the op, e.g. in its intra-host
-    step) is re-raised after telling the peers, which then raise too.
+    all_gather. ``error``: this rank already failed the op (its arguments are invalid, or its
+    host's intra-host step failed); it is re-raised after telling the peers. When any rank
+    failed, every rank then sends its message (at most :data:`MAX_MESSAGE_BYTES` bytes, UTF-8)
+    in a second all_gather, so the peers raise the failing rank's own words, as fcoll's
+    shared-memory groups do with the message in a header. Every rank makes the same number of
+    gloo calls either way (the first all_gather tells all of them whether a second follows).
 
     Raises:
-        RuntimeError: a peer reported a failure.
-        ValueError: the ranks' numbers differ (message: op, this rank, each rank's fields).
+        ValueError: a rank's arguments were invalid (``ValueError`` or ``TypeError`` there;
+            the message is that rank's), or the ranks' numbers differ (message: op, this rank,
+            each rank's fields).
+        RuntimeError: a rank failed otherwise (its message follows "the op failed on the
+            other side of the link").
+        error: this rank's own ``error``, after the peers were told.
     """
     k = group.size()
-    mine = torch.tensor([1 if error is not None else 0, *numbers], dtype=torch.int64)
+    kind = 0 if error is None else (
+        _ARGUMENT_ERROR if isinstance(error, (ValueError, TypeError)) else _OTHER_ERROR)
+    mine = torch.tensor([kind, *numbers], dtype=torch.int64)
     rows = torch.empty((k, mine.numel()), dtype=torch.int64)
     group._allgather_base(rows.view(-1), mine).wait()
-    if error is not None:
-        raise error
     failed = [p for p in range(k) if rows[p, 0]]
     if failed:
+        text = str(error).encode("utf-8", "replace")[:MAX_MESSAGE_BYTES] if error else b""
+        buf = torch.zeros(MAX_MESSAGE_BYTES, dtype=torch.uint8)
+        if text:
+            buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        said = torch.empty((k, MAX_MESSAGE_BYTES), dtype=torch.uint8)
+        group._allgather_base(said.view(-1), buf).wait()
+        if error is not None:
+            raise error
+        first = failed[0]
+        words = bytes(said[first].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+        if int(rows[first, 0]) == _ARGUMENT_ERROR:
+            raise ValueError(words)
         raise RuntimeError(f"fcoll {name}: rank {rank}: the op failed on the other side of "
-                           f"the link (sub-group ranks {failed}); see their error")
+                           f"the link (sub-group rank {first}): {words}")
     if not bool((rows[:, 1:] == rows[0, 1:]).all()):
         says = "; ".join(f"[{p}] " + ", ".join(f"{f}={int(v)}" for f, v in zip(fields, row[1:]))
                          for p, row in enumerate(rows.tolist()))
