@@ -28,6 +28,9 @@ import torch.distributed as dist
 from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.ops.reduce import check_reduce_op, reduce_op_name
 from fcoll.shm import movement, reductions
+from fcoll.shm.arg_checks import is_seq as _is_seq
+from fcoll.shm.arg_checks import list_error as _list_error
+from fcoll.shm.arg_checks import pairs_error as _pairs_error
 from fcoll.shm.cuda import CudaGroup, CudaStaging, IpcBuffers, device_error, header_dtype
 from fcoll.shm.engine import Engine, FcollWork, Job
 from fcoll.shm.fast_paths import FastPaths, plain
@@ -824,28 +827,6 @@ class FcollProcessGroup(dist.ProcessGroup):
             stacked = torch.empty((n, *out.shape), dtype=out.dtype)
         return self._broadcast([stacked], root, name="scatter",
                                post=lambda: out.copy_(stacked[self._rank]), result=[out])
-
-
-def _is_seq(x) -> bool:
-    return isinstance(x, (list, tuple))
-
-
-def _pairs_error(a: str, xs, b: str, ys) -> str | None:
-    """Why ``xs`` and ``ys`` are not two lists of one length (a coalesced call), or None."""
-    if not (_is_seq(xs) and _is_seq(ys)):
-        return f"{a} and {b} must be lists, got {type(xs).__name__} and {type(ys).__name__}"
-    if len(xs) != len(ys):
-        return f"{a} has {len(xs)} entries but {b} has {len(ys)}"
-    return None
-
-
-def _list_error(arg: str, x, n: int) -> str | None:
-    """Why ``x`` is not a list (or tuple) of ``n`` items, or None."""
-    if not _is_seq(x):
-        return f"{arg} must be a list of {n} tensors, got {type(x).__name__}"
-    if len(x) != n:
-        return f"{arg} has {len(x)} entries, expected {n}"
-    return None
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
