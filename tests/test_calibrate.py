@@ -141,8 +141,10 @@ def test_cost_model_looks_up_the_groups_link():
 
 def test_sweep_covers_the_graphs_largest_collective_and_at_least_1_mib():
     assert calibrate.SWEEP_BYTES[0] == 4 * KiB and calibrate.SWEEP_BYTES[-1] == 64 * MiB
+    assert 2 * MiB in calibrate.SWEEP_BYTES      # a 2-rank all_gather's last one-phase size
     assert calibrate.sizes_for(100)[-1] == MiB
-    assert calibrate.sizes_for(MiB + 1)[-1] == 4 * MiB
+    assert calibrate.sizes_for(MiB + 1)[-1] == 2 * MiB
+    assert calibrate.sizes_for(2 * MiB + 1)[-1] == 4 * MiB
     assert calibrate.sizes_for(4 * MiB)[-1] == 4 * MiB
     assert calibrate.sizes_for(1 << 30) == calibrate.SWEEP_BYTES
     assert calibrate.sizes_for(None) == calibrate.SWEEP_BYTES
@@ -269,7 +271,7 @@ def _curves(comm):
 def _reuse_in_one_process(rank, world_size):
     """Calibrate the fcoll world group up to 64 KiB (1 MiB covered), then the same group again
     and for 4 MiB (cached, never communicates), then a new fcoll group of the same size for
-    4 MiB (rank 0's numbers reused, only 4 MiB timed)."""
+    4 MiB (rank 0's numbers reused, only 2 and 4 MiB timed)."""
     import torch.distributed as dist
 
     from fcoll.passes import calibrate as cal
@@ -297,11 +299,11 @@ def test_calibration_is_reused_within_a_process_and_every_rank_has_rank_0s_curve
     for s in (s0, s1):
         assert s["first"]["sweeps"] == 1 and s["first"]["timed_sizes"] == 5   # 4 KiB .. 1 MiB
         assert s["again"] == s["first"] and s["larger"] == s["first"]
-        assert s["other_group"]["sweeps"] == 2 and s["other_group"]["timed_sizes"] == 6
+        assert s["other_group"]["sweeps"] == 2 and s["other_group"]["timed_sizes"] == 7
     assert s0["other_group"]["key_hits"] == 1                 # rank 0 reused its numbers
     assert r0["a"] == r0["b"]
     assert {len(p) for p in r0["b"].values()} == {5}
-    assert {len(p) for p in r0["c"].values()} == {6}          # + 4 MiB
+    assert {len(p) for p in r0["c"].values()} == {7}          # + 2 MiB and 4 MiB
     assert len(r0["a"]) == len(cost.KINDS)
     assert all("link='intra'" in k for k in r0["table"])
 

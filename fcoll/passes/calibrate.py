@@ -7,9 +7,9 @@ Everything here measures or looks up live process groups; the model itself
   median time of a transformer-sized matmul (FLOPs/us), the fastest large copy (bytes/us), and a
   tiny aten op called as the executor calls it (us per op).
 - Communication (:func:`calibrate_group`): every collective kind timed on the real backend at
-  the sizes of :data:`SWEEP_BYTES` (4 KiB .. 64 MiB, powers of 4), kind by kind, a fixed number
-  of back-to-back runs per size (:func:`reps_for`, :func:`time_collectives`); per cell the
-  slowest rank's median, fitted to a piecewise alpha-beta curve
+  the sizes of :data:`SWEEP_BYTES` (4 KiB .. 64 MiB: powers of 4 and 2 MiB), kind by kind, a
+  fixed number of back-to-back runs per size (:func:`reps_for`, :func:`time_collectives`); per
+  cell the slowest rank's median, fitted to a piecewise alpha-beta curve
   (:class:`~fcoll.passes.comm_cost.CommCurve`) per ``(backend, kind, group size, link)``.
 
 Budget: a graph needs its collectives' sizes, so a group is timed only up to the first sweep
@@ -71,10 +71,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Message sizes (bytes) of the calibration sweep: 4 KiB .. 64 MiB, powers of 4; they span
-#: fcoll's shared-memory regimes (one-slot fast path, chunking through the slots, caches, DRAM)
-#: and a token-bucket link's burst and sustained rate.
-SWEEP_BYTES = tuple(4096 * 4 ** i for i in range(8))
+#: Message sizes (bytes) of the calibration sweep: 4 KiB .. 64 MiB, powers of 4, and 2 MiB;
+#: they span fcoll's shared-memory regimes (one-slot fast path, chunking through the slots,
+#: caches, DRAM) and a token-bucket link's burst and sustained rate. 2 MiB because an
+#: all_gather (or broadcast) of 2 ranks moves up to 2 x 1 MiB slots in one phase and chunks
+#: above: measured 1 / 2 / 4 MiB all_gather 148-358 / 269-438 / 678-1124 us (2 ranks, load
+#: 4-11, 6 runs), and the line from 1 to 4 MiB put 2 MiB at 1.19-1.56x in 11 of 12
+#: ``benchmarks/cost_model.py`` runs.
+SWEEP_BYTES = tuple(sorted({4096 * 4 ** i for i in range(8)} | {2 << 20}))
 
 #: The sweep always covers sizes up to here (cheap: about 25 ms for all kinds on fcoll).
 MIN_SWEEP_BYTES = 1 << 20

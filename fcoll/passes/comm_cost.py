@@ -14,7 +14,7 @@ NCCL's tuner, which keeps one alpha-beta per protocol and picks by size, each si
 its own alpha-beta:
 
 - the calibration measures the median time ``t_i`` at sizes ``s_0 < s_1 < ... < s_k``
-  (:data:`fcoll.passes.calibrate.SWEEP_BYTES`: 4 KiB .. 64 MiB, powers of 4);
+  (:data:`fcoll.passes.calibrate.SWEEP_BYTES`: 4 KiB .. 64 MiB, powers of 4 and 2 MiB);
 - the times are made non-decreasing in size by their lower envelope from the right, ``t_i :=
   min(t_j for j >= i)``, so that noise never makes a larger message cheaper (the bucket planner
   compares ``t(a) + t(b)`` with ``t(a + b)``); the minimum, not a least-squares (isotonic)
