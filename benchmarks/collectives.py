@@ -22,6 +22,9 @@ average before and after the run; on a shared machine ratios are only comparable
 load). ``--repeat K`` runs K times the repetitions per size, for steadier medians on a noisy
 machine; ``--ops`` and ``--sizes`` (bytes, or with a K / M suffix: ``4K 128M``) restrict the
 run for quick iterations, and ``--quick`` runs fewer sizes (and, on CUDA, repetitions).
+``--torch-threads N`` sets torch's intra-op threads in every rank (default 1, as torchrun's
+``OMP_NUM_THREADS=1``; torch's own default is one per core): fcoll's collectives then run
+their copies and reductions with at most cores / ranks threads, gloo its own loops.
 
 ``--background-load N [N ...]`` measures an oversubscribed machine: during the measurement N
 busy processes run (:class:`BackgroundLoad`: each bounded in time, ending by itself if the
@@ -183,10 +186,12 @@ def _timed(call, k: int, barrier) -> float:
     return (time.perf_counter() - t0) / k * 1e6
 
 
-def _bench(rank: int, world: int, ops: list[str], sizes: list[int], repeat: int = 1):
+def _bench(rank: int, world: int, ops: list[str], sizes: list[int], repeat: int = 1,
+           torch_threads: int = 1):
     import warnings
 
     warnings.filterwarnings("ignore")
+    torch.set_num_threads(torch_threads)  # run_ranks starts every rank at 1
     gloo = dist.new_group(backend="gloo")
     barrier = dist.barrier  # fcoll's barrier: microseconds, so it does not blur small sizes
     res = {}
@@ -241,6 +246,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cuda: which of fcoll-ipc, fcoll-staged, gloo to run")
     p.add_argument("--repeat", type=int, default=1,
                    help="multiply the repetitions per size by this (steadier medians)")
+    p.add_argument("--torch-threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads per rank (default 1, as torchrun sets; "
+                        "torch's own default is the number of cores)")
     p.add_argument("--background-load", type=int, nargs="+", default=[0], metavar="N",
                    help="run N busy processes during the measurement (an oversubscribed "
                         "machine); several values: one run each, then a comparison")
@@ -257,6 +265,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--background-load must be at least 0")
     if args.nproc < 1:
         p.error("--nproc must be at least 1")
+    if args.torch_threads < 1:
+        p.error("--torch-threads must be at least 1")
     if args.sizes is None:
         cuda = args.device == "cuda"
         args.sizes = (cc.QUICK_SIZES if cuda else QUICK_SIZES) if args.quick else \
@@ -345,13 +355,14 @@ def _run_once(args, load: int) -> dict:
         if cuda:
             per_rank = cc.run(n, args.ops, args.sizes, args.reps, args.configs)
         else:
-            per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat),
-                                 timeout_s=timeout_s)
+            per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat,
+                                                  args.torch_threads), timeout_s=timeout_s)
         load_after = os.getloadavg()[0]
-    out: dict = {"background_load": load,
+    out: dict = {"background_load": load, "torch_threads": args.torch_threads,
                  "loadavg": {"before": load_before, "after": load_after}}
     print(f"\n# {'CUDA tensors: fcoll ipc / staged' if cuda else 'fcoll shm'} vs gloo, {n} ranks, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{args.torch_threads if not cuda else '-'} intra-op threads per rank, "
           f"{load} background busy processes, "
           f"1-min load {load_before:.2f} before, {load_after:.2f} after")
     out.update(cc.report(per_rank, args.ops, args.sizes, n) if cuda else
@@ -396,6 +407,8 @@ def compare_trees(args) -> dict:
                        "--nproc", str(args.nproc), "--ops", *args.ops, "--sizes", *sizes,
                        "--repeat", str(args.repeat), "--json", path,
                        "--background-load", str(args.background_load[0])]
+                if args.torch_threads != 1:  # a tree older than the option refuses it
+                    cmd += ["--torch-threads", str(args.torch_threads)]
                 subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=tree), cwd=tree,
                                check=True, stdout=subprocess.DEVNULL, timeout=1800)
                 with open(path) as f:

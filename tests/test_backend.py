@@ -11,6 +11,8 @@ avg, the rule of :mod:`fcoll.ops.reduce`).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -584,3 +586,39 @@ def _cuda(rank, world):
 def test_cuda_tensors_are_staged_through_host_memory():
     res = run_ranks(_cuda, 2, timeout_s=120)
     assert res == [([3.0, 3.0], "cuda")] * 2
+
+
+def _threads_in_collectives(rank, world):
+    """Synchronous collectives (one-slot fast path, chunked general path) with torch at 2
+    intra-op threads: the kernels run with ``collective_threads`` threads, seen from inside a
+    reduce op patched to record ``torch.get_num_threads()``, and the caller's count is back
+    afterwards; results are gloo's."""
+    from fcoll.ops import reduce as reduce_mod
+    from fcoll.shm import engine, one_slot, reductions
+
+    torch.set_num_threads(2)
+    seen = []
+    real = reduce_mod.reduce_pair_inplace
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return real(*a, **k)
+
+    one_slot.reduce_pair_inplace = reductions.reduce_pair_inplace = spy
+    gl = dist.new_group(backend="gloo")
+    out = []
+    for numel in (1 << 18, 3 << 18):  # 1 MiB: one slot; 3 MiB: three chunks
+        a = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+        b = a.clone()
+        dist.all_reduce(a)
+        dist.all_reduce(b, group=gl)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        out.append(torch.get_num_threads())
+    return seen, out, engine.collective_threads(world)
+
+
+def test_synchronous_collectives_run_with_the_collectives_threads_and_restore_the_callers():
+    for seen, after, limit in run_ranks(_threads_in_collectives, 2, timeout_s=120):
+        assert limit == max(1, len(os.sched_getaffinity(0)) // 2)
+        assert seen and set(seen) == {min(2, limit)}, seen
+        assert after == [2, 2]
