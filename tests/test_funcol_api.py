@@ -48,7 +48,7 @@ def test_every_public_name_of_torch_funcol_is_in_fcoll_with_its_signature():
     ``AsyncCollectiveTensor`` that is PyTorch's subclass (torch's ``isinstance`` checks,
     AOTAutograd's wait for one passed into a compiled function among them, see fcoll's)."""
     api = _torch_api()
-    assert len(api) >= 25, api   # the enumeration itself still finds torch's API
+    assert len(api) >= 20, api   # the enumeration itself still finds torch's API (2.11: 22)
     for name in api:
         assert name in fcoll.__all__ and hasattr(fcoll, name), name
         theirs, ours = getattr(funcol, name), getattr(fcoll, name)
@@ -71,7 +71,7 @@ def test_every_c10d_functional_op_has_an_fcoll_op_with_the_same_schema():
     annotations (``Tensor(a!)`` in, ``Tensor(a!)`` out)."""
     theirs, ours = _schemas("_c10d_functional"), _schemas("fcoll")
     public = {k: v for k, v in theirs.items() if not k.startswith("_")}
-    assert len(public) >= 15, sorted(theirs)
+    assert len(public) >= 12, sorted(theirs)   # 2.11: 14, 2.13: 17
     for name, schema in public.items():
         assert ours.get(name) == schema, (name, ours.get(name), schema)
 
@@ -470,6 +470,8 @@ def _pytorchs_p2p_ops(rank, world_size):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.skipif(not hasattr(torch.ops._c10d_functional, "isend"),
+                    reason="this torch's _c10d_functional has no p2p ops (2.11)")
 @pytest.mark.parametrize("backend", ["gloo", "fcoll"])
 def test_pytorchs_own_p2p_ops_run_on_the_group(backend):
     """``torch.ops._c10d_functional.isend / irecv`` and PyTorch's funcol p2p wrappers run on a
@@ -491,6 +493,52 @@ def test_pytorchs_own_p2p_ops_run_on_the_group(backend):
             assert "No backend type associated with device type cpu" in out["batch_p2p_ops"]
         torch.testing.assert_close(out["fcoll batch_p2p_ops"], other)
         torch.testing.assert_close(out["compiled"], other * 2 + 1)
+
+
+def test_every_group_form_compiles_with_no_graph_break():
+    """Inside ``torch.compile(fullgraph=True)`` every function takes every group form (a rank
+    list or DeviceMesh once graph-broke on torch 2.13: a ``c10d.GroupName`` NewType call),
+    and each form names the same group in the graph. Fake process group, 2 ranks, rank 0."""
+    import torch._dynamo.testing
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("needs a process without a default process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh, mesh2 = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2, 1))
+        W = dist.group.WORLD
+        forms = {"name": W.group_name, "object": W, "ranks": [0, 1], "mesh": mesh,
+                 "mesh_dim": (mesh, 0), "2-D mesh_dim": (mesh2, 0)}
+
+        def every(x, g):
+            return [fcoll.all_reduce(x, "sum", g), *fcoll.all_reduce_coalesced([x], "sum", g),
+                    fcoll.all_gather_single(x, 0, g), fcoll.all_gather_tensor(x, 1, g),
+                    *fcoll.all_gather_single_coalesced([x], g),
+                    fcoll.reduce_scatter_single(x, "sum", 0, g),
+                    *fcoll.reduce_scatter_tensor_coalesced([x], "sum", [0], g),
+                    fcoll.all_to_all_single(x, None, None, g), fcoll.broadcast(x, 1, g),
+                    fcoll.permute_tensor(x, [1, 0], g)]
+
+        names = {}
+        for form, g in forms.items():
+            counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+            torch._dynamo.reset()
+            torch.compile(lambda x: every(x, g), backend=counter, fullgraph=True)(
+                torch.ones(4, 2))
+            (gm,) = counter.graphs
+            starts = [n for n in gm.graph.nodes if n.op == "call_function"   # op packets
+                      and str(n.target).startswith("fcoll.") and "wait" not in str(n.target)]
+            assert len(starts) == 10, (form, [n.target for n in starts])
+            names[form] = {n.args[-1] for n in starts}
+        mesh_name = mesh.get_group(0).group_name
+        assert names["name"] == names["object"] == names["ranks"] == {W.group_name}, names
+        assert names["mesh"] == names["mesh_dim"] == {mesh_name}, names
+        assert len(names["2-D mesh_dim"]) == 1, names
+    finally:
+        dist.destroy_process_group()
 
 
 def test_local_tensor_mode_simulates_fcolls_collectives_and_their_gradients():

@@ -205,8 +205,12 @@ def test_fcoll_op_given_a_process_group_gets_its_name_and_str_names_are_untouche
                for n in (ar, ag))
 
 
-@pytest.mark.skipif(not hasattr(_C, "isend"),
-                    reason="torch.ops._c10d_functional.isend is missing (added after torch 2.11)")
+_NEEDS_P2P = pytest.mark.skipif(
+    not hasattr(_C, "isend"),
+    reason="torch.ops._c10d_functional.isend is missing (added after torch 2.11)")
+
+
+@_NEEDS_P2P
 def test_point_to_point_ops_and_their_waits_lower_to_fcoll():
     """isend / irecv / batch_p2p_ops have fcoll twins of the same schema: they and their waits
     (through getitem for the batch) become fcoll's."""
@@ -227,6 +231,7 @@ def test_point_to_point_ops_and_their_waits_lower_to_fcoll():
     assert w.target is w2.target is w3.target is _F.wait_tensor.default
 
 
+@_NEEDS_P2P
 def test_wait_on_an_op_without_fcoll_twin_stays_in_torch_namespace(monkeypatch):
     """An op the table does not lower (here isend, its rule removed) keeps its wait torch's,
     or the wait would not wait."""

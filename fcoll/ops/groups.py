@@ -40,9 +40,17 @@ def resolve_group_name(group: GroupLike, tag: str = "") -> str:
     if isinstance(group, dist.ProcessGroup):
         return group.group_name
     try:
-        return str(_funcol._resolve_group_name(group, tag))
+        resolved = _resolve(group, tag)
     except (ValueError, AssertionError, TypeError) as e:
         raise ValueError(f"group: cannot resolve {group!r} to a process group: {e}") from e
+    return resolved if isinstance(resolved, str) else resolved.group_name
+
+
+# torch 2.13's funcol resolves a group form to a group or a name in ``_resolve_group``; its
+# ``_resolve_group_name`` then wraps a name in ``c10d.GroupName(...)``, a NewType call Dynamo
+# cannot trace (a rank list or DeviceMesh given to fcoll inside torch.compile graph-broke).
+# torch 2.11 has ``_resolve_group_name`` alone, which returns the name as it is.
+_resolve = getattr(_funcol, "_resolve_group", _funcol._resolve_group_name)
 
 
 def group_from_name(group_name: "str | dist.ProcessGroup") -> "dist.ProcessGroup":

@@ -26,7 +26,8 @@ import torch.distributed.distributed_c10d as c10d
 from fcoll.ops.async_tensor import complete, is_tracing, wrap_async
 from fcoll.ops.functional import all_gather_single, all_reduce, all_to_all_single, \
     reduce_scatter_single
-from fcoll.ops.groups import GroupLike, group_from_name, resolve_group_name
+from fcoll.ops.groups import GroupLike, group_size, resolve_group_name
+from fcoll.ops.remaps import _rank_in
 from fcoll.ops.reduce import DIST_REDUCE_OPS
 
 __all__ = [
@@ -144,8 +145,7 @@ def permute_tensor(self: torch.Tensor, src_dst: list[int], group: GroupLike,
         ValueError: ``src_dst`` is not a permutation of the group's ranks.
     """
     name = resolve_group_name(group, tag)
-    pg = group_from_name(name)
-    n, me = pg.size(), pg.rank()
+    n, me = group_size(name), _rank_in(name)   # both fold to constants under Dynamo
     if sorted(src_dst) != list(range(n)):
         raise ValueError(f"fcoll.permute_tensor: src_dst={list(src_dst)} is not a permutation "
                          f"of range({n})")
