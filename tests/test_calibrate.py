@@ -191,14 +191,16 @@ def test_cells_are_timed_kind_by_kind_each_after_an_untimed_run_of_the_same_cell
 
 
 def test_reps_are_a_function_of_the_size_alone_and_fill_every_round():
-    """Every rank issues the same collectives (the count never depends on a clock), and up to
-    4 MiB each of the three rounds times a cell three times back to back."""
+    """Every rank issues the same collectives (the count never depends on a clock), and each of
+    the three rounds times a cell back to back: three times up to 256 KiB, twice up to 4 MiB."""
     for size in calibrate.SWEEP_BYTES:
         reps = calibrate.reps_for(size)
         per_round = [calibrate._runs_in_round(reps, r) for r in range(calibrate.ROUNDS)]
         assert sum(per_round) == reps and min(per_round) >= 1
-        if size <= 4 * MiB:
+        if size <= 256 * KiB:
             assert per_round == [3, 3, 3]
+        elif size <= 4 * MiB:
+            assert per_round == [2, 2, 2]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,18 +85,18 @@ MIN_SWEEP_BYTES = 1 << 20
 
 
 def reps_for(nbytes: int) -> int:
-    """Timed runs per size (after one warm-up): 9 up to 4 MiB (three back to back in each of
-    the :data:`ROUNDS` rounds), 3 above. A function of the size only, so every rank issues the
-    same collectives.
+    """Timed runs per size (after one warm-up): 9 up to 256 KiB, 6 up to 4 MiB (three and two
+    back to back in each of the :data:`ROUNDS` rounds), 3 above. A function of the size only,
+    so every rank issues the same collectives.
 
-    Three per round, not one or two, at 1-4 MiB too: the first runs after a change of size
-    are slower on fcoll's backend (its waits adapt to their recent history), and with 5 runs
-    (1, 2, 2 per round) the calibrated 1-4 MiB medians were 1.25-1.45x what the same cells
-    measure in a longer back-to-back run (2 ranks, load 4-5, 3 paired repeats); with 9, and
-    the untimed run at 4 MiB as well (:data:`WARM_UP_BELOW_BYTES`), 0.96-1.24x, at about
-    the same calibration time (fcoll 0.5 s, gloo 1.8-3 s for 4 KiB .. 64 MiB).
+    At least two per round at 1-4 MiB, not one or two (5 runs: 1, 2, 2): the first runs after a
+    change of size are slower on fcoll's backend (its waits adapt to their recent history), and
+    with 5 runs the calibrated 1 MiB medians were 1.27-1.44x what the same cells measure in a
+    longer back-to-back run (2 ranks, load 4-5, 3 paired repeats, five kinds); with 6, and the
+    untimed run at 4 MiB as well (:data:`WARM_UP_BELOW_BYTES`), 1.14-1.26x (9 runs: 1.00-1.24x,
+    no better within the noise, and 50 % more time at 4 MiB).
     """
-    return 9 if nbytes <= 4 << 20 else 3
+    return 9 if nbytes <= 256 << 10 else 6 if nbytes <= 4 << 20 else 3
 
 
 @dataclass(frozen=True)
