@@ -13,6 +13,14 @@ which costs no CPU. A synchronous call runs on the caller's thread at once when 
 idle: a queued ``Job`` through :meth:`Engine.run_inline`, a fast path's one-slot kernel through
 :meth:`Engine.run_fast` (no ``Job`` at all).
 
+Threads: a collective executed on the caller's thread runs its torch kernels with at most
+:func:`collective_threads` intra-op threads (the CPUs divided among the ranks), whatever
+``torch.set_num_threads`` says, and gives the caller its count back afterwards: every rank
+copies and reduces at once, and an OpenMP team that needs a core the peer holds stalls the
+collective (2 ranks, 2 cores, torch's default of 2 threads: all_reduce 1 MiB 54 ms, 1 thread
+286 us). The worker's collectives keep the caller's count: the setting acts process-wide and
+would throttle the compute they overlap.
+
 Failure model: a header mismatch or invalid input raises on every rank at the same phase, so the
 group stays usable. A dead peer, a timeout or an unexpected error leaves the ranks at different
 phases: the group is marked broken and every later collective fails at once with that error, and
