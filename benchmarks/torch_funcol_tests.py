@@ -89,14 +89,39 @@ def swap(text: str, ops: bool = True) -> str:
     return text
 
 
+_ACCELERATOR_ONLY = (
+    (re.compile(r'^DEVICE = "cuda"$', re.MULTILINE), 'DEVICE = "cpu"'),
+    (re.compile(r"^BACKEND = dist\.Backend\.NCCL$", re.MULTILINE), "BACKEND = {backend!r}"),
+)
+
+
+def on_cpu_backend(text: str, backend: str) -> str:
+    """``text`` with its accelerator-only classes on a real backend (``DistributedTestBase``,
+    ``DEVICE``, ``BACKEND``, as ``test_functional_api.py`` has them) run on CPU with process
+    group ``backend`` ("gloo" or "fcoll"): ``DEVICE`` becomes "cpu", ``BACKEND`` the backend,
+    and ``DistributedTestBase.backend`` answers it for every device (fcoll imported first, so
+    the backend is registered in each spawned rank; the funcol module stays what the rest of
+    the rewrite makes it)."""
+    for pattern, repl in _ACCELERATOR_ONLY:
+        text = pattern.sub(repl.format(backend=backend), text)
+    patch = ("import fcoll as _fcoll_registers_its_backend  # noqa: E402,F401\n"
+             "from torch.testing._internal.common_distributed import DistributedTestBase\n"
+             f"DistributedTestBase.backend = lambda self, device: {backend!r}\n\n\n")
+    main = text.find('if __name__ == "__main__":')   # before run_tests() spawns anything
+    return text + "\n\n" + patch if main < 0 else text[:main] + patch + text[main:]
+
+
 def run(path: str, *, torch_baseline: bool, ops: bool, timeout_s: float,
-        extra: list[str], log_path: str | None = None) -> list[dict]:
+        extra: list[str], log_path: str | None = None,
+        cpu_backend: str | None = None) -> list[dict]:
     """Run the (rewritten) file with pytest (its output to ``log_path``, if given); one dict
-    per test: name, outcome, message."""
+    per test: name, outcome, message. ``cpu_backend``: see :func:`on_cpu_backend`."""
     with open(path) as f:
         text = f.read()
     if not torch_baseline:
         text = swap(text, ops)
+    if cpu_backend:
+        text = on_cpu_backend(text, cpu_backend)
     with tempfile.TemporaryDirectory(prefix="fcoll-torch-tests-") as tmp:
         target = _mirror_test_tree(path, tmp)
         with open(target, "w") as f:
@@ -148,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-ops", action="store_true",
                     help="leave torch.ops._c10d_functional as it is")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument("--cpu-backend", choices=("gloo", "fcoll"),
+                    help="run the accelerator-only classes on CPU with this process group "
+                         "backend (see on_cpu_backend)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--log", help="write pytest's output here (tracebacks)")
     ap.add_argument("--compare", action="store_true",
@@ -157,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         return _compare(args)
     rows = run(args.path, torch_baseline=args.torch, ops=not args.keep_ops,
-               timeout_s=args.timeout_s, extra=args.pytest_args, log_path=args.log)
+               timeout_s=args.timeout_s, extra=args.pytest_args, log_path=args.log,
+               cpu_backend=args.cpu_backend)
     for r in rows:
         print(f"{r['outcome']:8} {r['test']}  {r['message']}")
     counts = _counts(rows)
@@ -180,7 +209,8 @@ def _compare(args: argparse.Namespace) -> int:
         log = f"{args.log}.{side}" if args.log else None
         sides[side] = {r["test"]: r for r in run(
             args.path, torch_baseline=side == "torch", ops=not args.keep_ops,
-            timeout_s=args.timeout_s, extra=args.pytest_args, log_path=log)}
+            timeout_s=args.timeout_s, extra=args.pytest_args, log_path=log,
+            cpu_backend=args.cpu_backend)}
     tests = list(dict.fromkeys([*sides["torch"], *sides["fcoll"]]))
     rows = []
     for test in tests:
