@@ -13,8 +13,9 @@ default 256 KiB, 1 MiB, 4 MiB of float32 per rank):
 * **all_reduce phases** of the one-slot kernel (:func:`fcoll.shm.one_slot.all_reduce_small`,
   the sizes up to one slot), timed step by step with the kernel's own pieces: ``copy_in``
   (``mine.copy_(t)``), ``exchange`` (header, ``arrive``, ``wait_all``, header check: includes
-  waiting for the slower rank), ``reduce`` (``reduce_pair_inplace``). Sizes above a slot have
-  no one-slot kernel and show the whole call only.
+  waiting for the slower rank; the wait's spin allowance, ``Channel.transfer_s``, is the one
+  ``Engine.run_now`` gives the kernel), ``reduce`` (``reduce_pair_inplace``). Sizes above a
+  slot have no one-slot kernel and show the whole call only.
 * **whole calls** through c10d (``dist.all_reduce``, ``all_gather_into_tensor``,
   ``reduce_scatter_tensor``), with per call the minor page faults (``getrusage``) and the
   channel's waits that spun, slept, or ran out of spin (:attr:`Channel.stats`).
@@ -49,6 +50,7 @@ from collectives import _make_call, fmt_size, parse_size
 from fcoll.ops.reduce import reduce_pair_inplace
 from fcoll.shm import one_slot
 from fcoll.shm.segment import NSLOTS
+from fcoll.shm.sync import TRANSFER_BYTES_PER_S
 from fcoll.testing import run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -92,6 +94,7 @@ def _phases(pg, t: torch.Tensor, calls: int, reps: int) -> dict[str, float]:
                 eng.seq += 1
                 ch.seq = seq
                 ch.spin_iters = ch.spin_sync
+                ch.transfer_s = t.nbytes / TRANSFER_BYTES_PER_S  # as Engine.run_now sets it
                 slot = ch.use % NSLOTS
                 ch.use += 1
                 mine, peer, _, _ = plan.views[slot]
