@@ -166,6 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = sys.stdout.buffer
     err = sys.stderr.buffer
     _sweep(err)
+    # as torchrun: several ranks of one host each default to one intra-op thread, not one per
+    # core (2 ranks x 2 threads on 2 cores made fcoll's collectives 20-40x slower than gloo's)
+    omp_default = "OMP_NUM_THREADS" not in os.environ and nproc > 1
+    if omp_default:
+        err.write(f"[fcoll.launch] OMP_NUM_THREADS=1 for each of the {nproc} ranks (as torchrun "
+                  "does); set it to tune\n".encode())
+        err.flush()
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -177,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a rank killed by SIGSEGV, SIGBUS, SIGFPE or SIGABRT prints every thread's Python
         # stack (faulthandler) before it dies, so a crash names where it happened
         env.setdefault("PYTHONFAULTHANDLER", "1")
+        if omp_default:
+            env["OMP_NUM_THREADS"] = "1"
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         procs.append(p)

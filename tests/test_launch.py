@@ -69,6 +69,27 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path):
     assert "rank 1 exited with status 3" in proc.stderr
 
 
+def test_ranks_default_to_one_intra_op_thread_as_under_torchrun(tmp_path):
+    script = """
+        import os, torch
+        print("threads", os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())
+        """
+    env_before = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        proc, _ = _launch(tmp_path, script, "--nproc-per-node", "2", "script.py")
+        os.environ["OMP_NUM_THREADS"] = "3"  # a user's setting is kept
+        kept, _ = _launch(tmp_path, script, "--nproc-per-node", "2", "script.py")
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+        if env_before is not None:
+            os.environ["OMP_NUM_THREADS"] = env_before
+    assert proc.returncode == 0 and kept.returncode == 0, (proc.stderr, kept.stderr)
+    assert "[rank 1] threads 1 1" in proc.stdout.splitlines()
+    assert "OMP_NUM_THREADS=1" in proc.stderr
+    assert "[rank 1] threads 3 " in kept.stdout  # torch may cap the count at the cores
+    assert "OMP_NUM_THREADS" not in kept.stderr
+
+
 def test_rank_killed_by_a_signal_is_named_with_its_python_stack(tmp_path):
     """A segfault in a rank (here a read of address 0) is reported as ``signal SIGSEGV`` with
     the rank's Python stack (faulthandler, on by default in ranks), not a bare status 139."""
