@@ -22,6 +22,26 @@ CASES = ("broadcast", "gather", "scatter", "reduce", "reduce_scatter", "all_gath
          "all_to_all", "all_to_all_single", "all_reduce")
 
 
+def test_same_names_and_signatures_as_torch_distributed_nn_functional():
+    """Every public function of the installed torch's ``torch.distributed.nn.functional`` is in
+    ``fcoll.nn.functional`` (and its ``__all__``) with the same parameters (names, kinds,
+    defaults), and :data:`CASES` runs every one of them."""
+    import inspect
+
+    import torch.distributed.nn.functional as ref
+
+    import fcoll.nn.functional as ours
+
+    names = sorted(n for n, f in vars(ref).items() if inspect.isfunction(f)
+                   and f.__module__ == ref.__name__ and not n.startswith("_"))
+    assert names and sorted(CASES) == names, names
+    for name in names:
+        assert name in ours.__all__, name
+        theirs, mine = inspect.signature(getattr(ref, name)), inspect.signature(getattr(ours, name))
+        assert ([(p.name, p.kind, p.default) for p in mine.parameters.values()]
+                == [(p.name, p.kind, p.default) for p in theirs.parameters.values()]), name
+
+
 def _program(M, case: str, xs: list[torch.Tensor], rank: int, group, ranks: list[int]):
     """Call ``case`` of module ``M`` (torch's or fcoll's nn.functional) on leaves ``xs`` over
     ``group`` (global ranks ``ranks``; roots are given as global ranks); return (outputs, a
