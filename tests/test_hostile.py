@@ -221,10 +221,38 @@ print(flips, flush=True)
 """
 
 
-def _flipped(rank, world, calls):
-    """Small one-phase collectives while a third process flips bits in the headers."""
+def _one_small_collective(i: int, rank: int, world: int) -> None:
+    """Call ``i`` of the flipped run: one of four one-phase collectives, its result checked."""
+    kind = i % 4
+    if kind == 0:
+        t = torch.full((8,), float(rank + i))
+        dist.all_reduce(t)
+        assert t.tolist() == [float(2 * i + 1)] * 8
+    elif kind == 1:
+        t = torch.full((4,), float(i)) if rank == 1 else torch.zeros(4)
+        dist.broadcast(t, src=1)
+        assert t.tolist() == [float(i)] * 4
+    elif kind == 2:
+        out = torch.empty(2 * world)
+        dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
+        assert out.tolist() == [float(r) for r in range(world) for _ in range(2)]
+    else:
+        out = torch.empty(world)
+        dist.all_to_all_single(out, torch.arange(world, dtype=torch.float32) + 10 * rank)
+        assert out.tolist() == [float(rank + 10 * r) for r in range(world)]
+
+
+def _flipped(rank, world, min_calls, min_seconds, max_calls):
+    """Small one-phase collectives while a third process flips bits in the headers.
+
+    The run lasts at least ``min_calls`` calls and ``min_seconds`` (the flipper flips one byte
+    every 0.5 ms, so a fast run of a few hundred calls could see only a handful of flips):
+    rank 0 decides after every 100 calls whether to go on and tells rank 1 through the store
+    (not a collective, which a flip could hit), so both ranks make the same calls.
+    """
     lay = Layout(world, default_slot_bytes())
     flipper = None
+    store = dist.distributed_c10d._get_default_store()
     dist.barrier()  # before the flips start: from then on every call may be hit
     if rank == 0:
         flipper = subprocess.Popen(
@@ -232,32 +260,27 @@ def _flipped(rank, world, calls):
              str(lay.header_off + NSLOTS * world * HEADER_BYTES), "96"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert flipper.stdout.readline().strip() == "ready"
-    ok = errors = 0
-    for i in range(calls):
-        try:
-            kind = i % 4
-            if kind == 0:
-                t = torch.full((8,), float(rank + i))
-                dist.all_reduce(t)
-                assert t.tolist() == [float(2 * i + 1)] * 8
-            elif kind == 1:
-                t = torch.full((4,), float(i)) if rank == 1 else torch.zeros(4)
-                dist.broadcast(t, src=1)
-                assert t.tolist() == [float(i)] * 4
-            elif kind == 2:
-                out = torch.empty(2 * world)
-                dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
-                assert out.tolist() == [float(r) for r in range(world) for _ in range(2)]
-            else:
-                out = torch.empty(world)
-                dist.all_to_all_single(out, torch.arange(world, dtype=torch.float32) + 10 * rank)
-                assert out.tolist() == [float(rank + 10 * r) for r in range(world)]
-            ok += 1
-        except ValueError as e:  # CollectiveMismatchError, as it comes out of c10d
-            errors += 1
-            assert str(e).startswith("fcoll ") and len(str(e)) <= MAX_MESSAGE_CHARS, str(e)
+    ok = errors = calls = 0
+    t0 = time.monotonic()
+    for batch in range(max_calls // 100):
+        for i in range(calls, calls + 100):
+            try:
+                _one_small_collective(i, rank, world)
+                ok += 1
+            except ValueError as e:  # CollectiveMismatchError, as it comes out of c10d
+                errors += 1
+                assert str(e).startswith("fcoll ") and len(str(e)) <= MAX_MESSAGE_CHARS, str(e)
+        calls += 100
+        key = f"test/more/{batch}"
+        if rank == 0:
+            more = calls < min_calls or time.monotonic() - t0 < min_seconds
+            store.set(key, "1" if more else "0")
+        else:
+            store.wait([key])
+            more = store.get(key) == b"1"
+        if not more:
+            break
     flips = 0
-    store = dist.distributed_c10d._get_default_store()
     if flipper is not None:
         flipper.stdin.close()
         flips = int(flipper.stdout.readline())
@@ -268,16 +291,16 @@ def _flipped(rank, world, calls):
     store.wait(["test/flipper_stopped"])
     t = torch.ones(3)
     dist.all_reduce(t)  # the group is usable after the flips
-    return ok, errors, flips, t.tolist()
+    return ok, errors, flips, t.tolist(), calls
 
 
 def test_byte_flips_in_live_headers_give_right_results_or_clear_errors():
-    res = run_ranks(_flipped, 2, args=(400,), timeout_s=240, pg_timeout_s=30)
+    res = run_ranks(_flipped, 2, args=(400, 1.0, 40000), timeout_s=240, pg_timeout_s=30)
     flips = res[0][2]
     errors = sum(r[1] for r in res)
     assert flips > 0
-    for ok, err, _, last in res:
-        assert ok + err == 400 and last == [2.0, 2.0, 2.0]
+    for ok, err, _, last, calls in res:
+        assert calls == res[0][4] and ok + err == calls and last == [2.0, 2.0, 2.0]
     assert errors > 0, res  # the flips were seen, and rejected
     assert fcoll_segments() == []
 
