@@ -16,6 +16,7 @@ import torch.distributed._functional_collectives as funcol
 import fcoll
 from fcoll import compat
 from fcoll.testing import one_rank_group, run_ranks
+from fcoll.testing.one_rank import SyncOneRankGroup
 
 # Names of funcol's module that are not its API, by kind: imports (modules, typing, helpers of
 # other modules), the legacy ``c10d_functional`` op library and its loop variables, and Dynamo's
@@ -102,7 +103,7 @@ def test_ops_whose_schema_aliases_return_that_argument_itself():
     the very tensor (or list of tensors) it aliases in fcoll too, and it holds the result."""
     aliasing = [name.split(".")[0] for name, schema in _schemas("_c10d_functional").items()
                 if not name.startswith("_") and "(a!)" in schema.split("->")[1]]
-    with one_rank_group(_OneRankGroup()) as group:
+    with one_rank_group(SyncOneRankGroup("funcol-api-one-rank")) as group:
         calls = _aliasing_calls(group.group_name)
         assert sorted(aliasing) == sorted(calls), (aliasing, sorted(calls))
         for name, (args, kwargs, which) in calls.items():
@@ -116,38 +117,6 @@ def test_ops_whose_schema_aliases_return_that_argument_itself():
                 waited = [fcoll.wait_tensor(target)]
             for t in waited:
                 torch.testing.assert_close(t, torch.arange(4.0), msg=name)
-
-
-class _DoneWork(torch.distributed.Work):
-    def wait(self, timeout=None) -> bool:
-        return True
-
-
-class _OneRankGroup(torch.distributed.ProcessGroup):
-    """One rank whose collectives complete in the call (the result is the input)."""
-
-    def __init__(self) -> None:
-        super().__init__(0, 1)
-        self._name = "funcol-api-one-rank"
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    def _set_group_name(self, name: str) -> None:
-        self._name = name
-
-    def allreduce(self, tensors, opts=None):
-        return _DoneWork()
-
-    allreduce_coalesced = broadcast = allreduce
-
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        for out, x in zip(outputs, inputs):
-            out.copy_(x.reshape(out.shape))
-        return _DoneWork()
-
-    reduce_scatter_tensor_coalesced = allgather_into_tensor_coalesced
 
 
 def test_numpy_is_a_dependency_so_torch_never_warns_that_it_failed_to_initialize_numpy():

@@ -2,8 +2,8 @@
 
 opcheck runs each op for real and reads its output without a ``wait_tensor``. An op calls its
 group's backend on every group size, as PyTorch's ops do, and a backend may complete later (gloo
-does, on its own thread), so these tests use ``_SyncOneRankGroup``: a Python ``ProcessGroup`` of
-one rank whose collectives complete inside the call. Multi-rank values are checked in
+does, on its own thread), so these tests use ``fcoll.testing.one_rank.SyncOneRankGroup``: a
+Python ``ProcessGroup`` of one rank whose collectives complete inside the call. Multi-rank values are checked in
 test_ops_multiprocess.py.
 
 ``torch.ops._c10d_functional.wait_tensor`` returns its input buffer, which opcheck's
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.library import opcheck
 
 import fcoll  # noqa: F401
 from fcoll.testing import one_rank_group
+from fcoll.testing.one_rank import SyncOneRankGroup
 
 ops = torch.ops.fcoll
 
@@ -29,50 +29,9 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64
 SHAPES = [(5,), (4, 3), (2, 3, 4)]
 
 
-class _DoneWork(dist.Work):
-    def wait(self, timeout=None) -> bool:
-        return True
-
-
-class _SyncOneRankGroup(dist.ProcessGroup):
-    """One rank; every method fcoll's ops call completes its copy before returning."""
-
-    def __init__(self) -> None:
-        super().__init__(0, 1)
-        self._name = "sync-one-rank"
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    def _set_group_name(self, name: str) -> None:
-        self._name = name
-
-    def allreduce(self, tensors, opts=None):
-        return _DoneWork()
-
-    def allreduce_coalesced(self, tensors, opts=None):
-        return _DoneWork()
-
-    def broadcast(self, tensors, opts=None):
-        return _DoneWork()
-
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        for out, x in zip(outputs, inputs):
-            out.copy_(x.reshape(out.shape))
-        return _DoneWork()
-
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self.allgather_into_tensor_coalesced(outputs, inputs)
-
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        output.copy_(input)
-        return _DoneWork()
-
-
 @pytest.fixture(scope="module")
 def group_name():
-    with one_rank_group(_SyncOneRankGroup()) as group:
+    with one_rank_group(SyncOneRankGroup("sync-one-rank")) as group:
         yield group.group_name
 
 
