@@ -27,7 +27,9 @@ __all__ = [
     "all_to_all_single_error",
     "broadcast_error",
     "coalesced_all_reduce_error",
+    "first",
     "gather_error",
+    "inputs_like_error",
     "is_seq",
     "list_error",
     "pairs_error",
@@ -40,6 +42,12 @@ __all__ = [
 
 def is_seq(x) -> bool:
     return isinstance(x, (list, tuple))
+
+
+def first(xs):
+    """``xs[0]`` when ``xs`` is a non-empty list or tuple, else None (the tensor a call's
+    header describes, whatever the user passed)."""
+    return xs[0] if is_seq(xs) and xs else None
 
 
 def list_error(arg: str, x, n: int) -> str | None:
@@ -133,6 +141,20 @@ def reduce_scatter_tensor_error(output, input, op: str, n: int) -> str | None:  
     return check_reduce_scatter(input, output, n) or check_reduce_op(op, input.dtype)
 
 
+def inputs_like_error(xs, out, arg: str = "input_tensors",
+                      out_arg: str = "output_tensors[0]") -> str | None:
+    """Why some ``xs[i]`` (argument ``arg[i]``, read) is not a tensor of ``out``'s dtype and
+    number of elements (the list inputs of reduce_scatter and scatter), or None."""
+    for i, x in enumerate(xs):
+        name = f"{arg}[{i}]"
+        err = (check_tensor(x, name) or Staging.check_same_dtype(x, out)
+               or (None if x.numel() == out.numel() else
+                   f"{name} has {x.numel()} elements, {out_arg} has {out.numel()}"))
+        if err:
+            return err
+    return None
+
+
 def reduce_scatter_list_error(output_tensors, input_lists, op: str, n: int) -> str | None:
     """reduce_scatter (list form): ``output_tensors == [out]``, ``input_lists == [[x_0 ..
     x_n-1]]``, each ``x_i`` of ``out``'s dtype and number of elements."""
@@ -143,15 +165,12 @@ def reduce_scatter_list_error(output_tensors, input_lists, op: str, n: int) -> s
     if err:
         return err
     out = output_tensors[0]
-    for i, x in enumerate(input_lists[0]):
-        arg = f"input_tensors[{i}]"
-        err = (check_tensor(x, arg) or Staging.check_same_dtype(x, out)
-               or (None if x.numel() == out.numel() else
-                   f"{arg} has {x.numel()} elements, output_tensors[0] has {out.numel()}")
-               or check_no_overlap(x, out))
+    err = inputs_like_error(input_lists[0], out)
+    for x in input_lists[0] if err is None else ():
+        err = check_no_overlap(x, out)
         if err:
-            return err
-    return check_reduce_op(op, out.dtype)
+            break
+    return err or check_reduce_op(op, out.dtype)
 
 
 def all_to_all_single_error(output, input, output_split_sizes, input_split_sizes,  # noqa: A002
@@ -211,17 +230,9 @@ def scatter_error(output_tensors, input_lists, root: int, rank: int, n: int) -> 
     err = err or check_tensor(output_tensors[0], "output_tensors[0]", True)
     err = err or _root_error(root, n, "root (src)")
     if err is None and rank == root:
-        err = list_error("input_tensors", input_lists, 1) or list_error(
-            "input_tensors", input_lists[0], n)
-        out = output_tensors[0]
-        for i, x in enumerate(input_lists[0] if err is None else []):
-            arg = f"input_tensors[{i}]"
-            err = (check_tensor(x, arg) or Staging.check_same_dtype(x, out)
-                   or (None if x.numel() == out.numel() else
-                       f"{arg} has {x.numel()} elements, output_tensors[0] has "
-                       f"{out.numel()}"))
-            if err:
-                break
+        err = (list_error("input_tensors", input_lists, 1)
+               or list_error("input_tensors", input_lists[0], n)
+               or inputs_like_error(input_lists[0], output_tensors[0]))
     return err
 
 

@@ -323,7 +323,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None) -> dist.Work:
         op = reduce_op_name((opts or dist.AllreduceOptions()).reduceOp)
         err = checks.all_reduce_error(tensors, op, self._size)
-        t = tensors[0] if checks.is_seq(tensors) and tensors else None
+        t = checks.first(tensors)
         return self._op("all_reduce", t, err, lambda: self._all_reduce_into(t, op),
                         REDUCE_CODES.get(op, -1), op)
 
@@ -340,7 +340,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceOptions()
         op, root = reduce_op_name(opts.reduceOp), opts.rootRank
         err = checks.all_reduce_error(tensors, op, self._size, root)
-        t = tensors[0] if checks.is_seq(tensors) and tensors else None
+        t = checks.first(tensors)
 
         def run():
             scratch = t.detach().reshape(-1).clone()
@@ -441,7 +441,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         """List form: ``output_tensors[0][r]`` receives rank r's ``input_tensors[0]``."""
         err = checks.all_gather_list_error(output_tensors, input_tensors, self._size,
                                            self._rank)
-        inp = input_tensors[0] if checks.is_seq(input_tensors) and input_tensors else None
+        inp = checks.first(input_tensors)
         if err:
             return self._op("all_gather", inp, err, list)
         outs = list(output_tensors[0])
@@ -527,7 +527,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = reduce_op_name(opts.reduceOp)
         err = checks.reduce_scatter_list_error(output_tensors, input_lists, op, self._size)
-        out = output_tensors[0] if checks.is_seq(output_tensors) and output_tensors else None
+        out = checks.first(output_tensors)
         if err:
             return self._op("reduce_scatter", out, err, list)
         stacked = torch.stack([i.detach().reshape(-1) for i in input_lists[0]]).view(-1)
@@ -613,7 +613,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None) -> dist.Work:
         root = (opts or dist.BroadcastOptions()).rootRank
         err = checks.broadcast_error(tensors, root, self._size)
-        t = tensors[0] if checks.is_seq(tensors) and tensors else None
+        t = checks.first(tensors)
         if err:
             return self._op("broadcast", t, err, list)
         root_host, root_local = self.layout.host_of(root), self.layout.local_rank_of(root)
@@ -649,7 +649,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
         root = (opts or dist.GatherOptions()).rootRank
         err = checks.gather_error(output_lists, input_tensors, root, self._rank, self._size)
-        x = input_tensors[0] if checks.is_seq(input_tensors) and input_tensors else None
+        x = checks.first(input_tensors)
 
         def run():
             self._flat.gather(output_lists, input_tensors, opts).wait()
@@ -659,7 +659,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     def scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
         root = (opts or dist.ScatterOptions()).rootRank
         err = checks.scatter_error(output_tensors, input_lists, root, self._rank, self._size)
-        x = output_tensors[0] if checks.is_seq(output_tensors) and output_tensors else None
+        x = checks.first(output_tensors)
 
         def run():
             self._flat.scatter(output_tensors, input_lists, opts).wait()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.ops.reduce import check_reduce_op, reduce_op_name
 from fcoll.shm import movement, reductions
+from fcoll.shm.arg_checks import inputs_like_error
 from fcoll.shm.arg_checks import is_seq as _is_seq
 from fcoll.shm.arg_checks import list_error as _list_error
 from fcoll.shm.arg_checks import pairs_error as _pairs_error
@@ -604,16 +605,7 @@ class FcollProcessGroup(dist.ProcessGroup):
             "input_tensors", input_lists, 1)
         err = err or _list_error("input_tensors", input_lists[0], n) or check_tensor(
             output_tensors[0], "output_tensors[0]", True)
-        if not err:
-            out = output_tensors[0]
-            for i, x in enumerate(input_lists[0]):
-                arg = f"input_tensors[{i}]"
-                err = (check_tensor(x, arg) or Staging.check_same_dtype(x, out)
-                       or (None if x.numel() == out.numel() else
-                           f"{arg} has {x.numel()} elements, output_tensors[0] has "
-                           f"{out.numel()}"))
-                if err:
-                    break
+        err = err or inputs_like_error(input_lists[0], output_tensors[0])
         if err:
             return self._submit(name, None, reduce_op=op, error=err)
         stacked = torch.stack([i.detach().reshape(-1).cpu() for i in input_lists[0]])
