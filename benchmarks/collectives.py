@@ -58,6 +58,7 @@ the per-phase protocol every collective runs, fence check included), as ``micro_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -136,13 +137,23 @@ class BackgroundLoad:
         self.procs = []
 
 
-def _sigterm_raises() -> None:
-    """Make SIGTERM raise SystemExit in the main thread, so ``with`` blocks (the background
-    load) clean up as they do on Ctrl-C."""
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Inside the block, SIGTERM raises SystemExit in the main thread, so ``with`` blocks (the
+    background load) clean up as they do on Ctrl-C; the previous handler is restored on exit
+    (``main`` also runs inside test processes). Off the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
     def raise_exit(signum, frame):
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, raise_exit)
+    previous = signal.signal(signal.SIGTERM, raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _make_call(op: str, size: int, n: int, group):
@@ -469,9 +480,8 @@ def main(argv=None) -> int:
         print(f"--device cuda: torch.cuda.is_available() is False (torch {torch.__version__})",
               file=sys.stderr)
         return 2
-    if threading.current_thread() is threading.main_thread():
-        _sigterm_raises()
-    runs = [_run_once(args, load) for load in args.background_load]
+    with _sigterm_raises():
+        runs = [_run_once(args, load) for load in args.background_load]
     out: dict = {"nproc": args.nproc, "device": args.device,
                  "units": {"time": "us", "bw": "GB/s (1e9 B/s)"}}
     out.update(runs[0])

@@ -30,8 +30,8 @@ Phases, per rank, in seconds (the table shows rank 0's, the median over reps):
   backward at its first run); ``aot`` = backend - fcoll compile_graph inside it; each pass
   (``lower_c10d_functional``, ``bucket_collectives``, ``check_rank_consistency`` (the rank
   check), ``reorder_for_overlap``, ...); ``calibration`` (the cost model's
-  ``calibrate_group``, timed by wrapping it; it runs inside ``reorder_for_overlap``, whose row
-  excludes it); ``executor`` (building the executor, direct calls included); ``listeners``.
+  ``calibrate_group``, timed by wrapping it; it runs inside whichever pass first needs the cost
+  model, and that pass's row excludes it); ``executor`` (building the executor, direct calls included); ``listeners``.
 
 Printed: the table, the ratio fcoll / aot_eager of the first call (target <= 1.3x, issue
 #17.4), and the load average (1, 5, 15 min) before and after. JSON: every rep's numbers.
@@ -83,15 +83,30 @@ def _rank_fn(rank: int, world_size: int, backend: str) -> dict:
             setattr(run, k, v)
         return run
 
-    real_calibrate = cal.calibrate_group
+    from fcoll.passes.registry import FcollPass
+
+    real_calibrate, real_pass_call = cal.calibrate_group, FcollPass.__call__
+    running_pass: list[str] = []
+    calibration_in: dict[str, float] = {}  # pass name -> calibration seconds inside it
+
+    def pass_call(self, *args, **kwargs):
+        running_pass.append(self.name)
+        try:
+            return real_pass_call(self, *args, **kwargs)
+        finally:
+            running_pass.pop()
 
     def calibrate_group(*args, **kwargs):
         t0 = time.perf_counter()
         try:
             return real_calibrate(*args, **kwargs)
         finally:
-            add("calibration", time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            add("calibration", seconds)
+            where = running_pass[-1] if running_pass else ""
+            calibration_in[where] = calibration_in.get(where, 0.0) + seconds
     cal.calibrate_group = calibrate_group
+    FcollPass.__call__ = pass_call
 
     real_compile_graph = fb.compile_graph
     in_backend = [False]
@@ -153,8 +168,9 @@ def _rank_fn(rank: int, world_size: int, backend: str) -> dict:
     phases["dynamo+eager"] = first - backend_s - phases.get("first runs", 0.0)
     if backend == "fcoll":
         phases["aot"] = backend_s - phases.get("fcoll compile_graph", 0.0)
-        if "calibration" in phases and "pass reorder_for_overlap" in phases:
-            phases["pass reorder_for_overlap"] -= phases["calibration"]
+        for name, seconds in calibration_in.items():
+            if f"pass {name}" in phases:
+                phases[f"pass {name}"] -= seconds
     phases["loss"] = float(loss.detach())
     return phases
 
@@ -197,9 +213,9 @@ def main() -> None:
     names = _order(set().union(*(set(m) for m in med.values())))
     print(f"\nfirst call by phase, rank 0, median of {args.reps} fresh {args.nproc}-rank runs "
           f"(seconds)")
-    print(f"{'phase':34s}" + "".join(f"{b:>12s}" for b in args.backends))
+    print(f"{'phase':40s}" + "".join(f"{b:>12s}" for b in args.backends))
     for n in names:
-        print(f"{n:34s}" + "".join(f"{med[b][n]:12.3f}" if n in med[b] else f"{'-':>12s}"
+        print(f"{n:40s}" + "".join(f"{med[b][n]:12.3f}" if n in med[b] else f"{'-':>12s}"
                                    for b in args.backends))
     ratio = None
     if "fcoll" in med and "aot_eager" in med:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -197,6 +198,7 @@ def test_loaded_targets_need_10x_at_4_to_64_kib_and_1x_elsewhere():
 @pytest.mark.timeout(300)
 def test_quiet_and_loaded_runs_side_by_side(tmp_path, capsys):
     path = tmp_path / "out.json"
+    handler = signal.getsignal(signal.SIGTERM)
     assert bench.main(["--ops", "all_reduce", "--sizes", "4K", "--background-load", "0", "1",
                        "--json", str(path)]) == 0
     out = json.loads(path.read_text())
@@ -210,3 +212,5 @@ def test_quiet_and_loaded_runs_side_by_side(tmp_path, capsys):
         "load 1: all_reduce 4 KiB: fcoll >= 10x gloo"]
     text = capsys.readouterr().out
     assert "# comparison" in text and "1-min load" in text
+    # main's SIGTERM handler (which ends the background load) does not outlive the call
+    assert signal.getsignal(signal.SIGTERM) is handler
