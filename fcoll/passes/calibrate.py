@@ -62,7 +62,7 @@ from fcoll.passes.graph import arg_of
 from fcoll.passes.memory import COLLECTIVE, op_class
 
 __all__ = [
-    "SWEEP_BYTES", "MIN_SWEEP_BYTES", "ROUNDS", "WARM_UP_BELOW_BYTES", "reps_for", "sizes_for",
+    "SWEEP_BYTES", "MIN_SWEEP_BYTES", "ROUNDS", "reps_for", "sizes_for",
     "time_collective", "time_collectives",
     "measure_compute_rates", "calibrate_group",
     "fit_alpha_beta", "GroupCalibration", "calibrated_table", "calibration_stats",
@@ -93,7 +93,7 @@ def reps_for(nbytes: int) -> int:
     change of size are slower on fcoll's backend (its waits adapt to their recent history), and
     with 5 runs the calibrated 1 MiB medians were 1.27-1.44x what the same cells measure in a
     longer back-to-back run (2 ranks, load 4-5, 3 paired repeats, five kinds); with 6, and the
-    untimed run at 4 MiB as well (:data:`WARM_UP_BELOW_BYTES`), 1.14-1.26x (9 runs: 1.00-1.24x,
+    untimed run at 4 MiB as well, 1.14-1.26x (9 runs: 1.00-1.24x,
     no better within the noise, and 50 % more time at 4 MiB).
     """
     return 9 if nbytes <= 256 << 10 else 6 if nbytes <= 4 << 20 else 3
@@ -281,15 +281,17 @@ def _collective(kind: str, pg: Any, bufs: tuple[torch.Tensor, ...]) -> Callable[
 #: Timed runs of a cell are split into this many rounds (the cells interleaved round robin).
 ROUNDS = 3
 
-#: Below this size each round's runs of a cell follow one untimed run of the same cell: the
-#: ranks leave a collective at different times, and the next collective on the faster rank
-#: includes the wait for the slower one. After a 4-16 MiB all_reduce that exit skew was
-#: 0.4-0.5 ms (2 ranks, load 7), and a 4 KiB all_reduce right after it took 0.6-0.8 ms
-#: against 0.1 ms after another 4 KiB one; the untimed run absorbs the skew, so the timed runs
-#: see what back-to-back collectives of one size see (a DDP step's buckets, an FSDP step's
-#: per-layer all_gathers). Above it (16 and 64 MiB) the skew is small against the collective
-#: itself, and an untimed run would add a third to the calibration's time.
-WARM_UP_BELOW_BYTES = 16 << 20
+# Each round's runs of a cell follow one untimed run of the same cell: the ranks leave a
+# collective at different times, and the next collective on the faster rank includes the wait
+# for the slower one. After a 4-16 MiB all_reduce that exit skew was 0.4-0.5 ms (2 ranks, load
+# 7), and a 4 KiB all_reduce right after it took 0.6-0.8 ms against 0.1 ms after another 4 KiB
+# one; the untimed run absorbs the skew, so the timed runs see what back-to-back collectives of
+# one size see (a DDP step's buckets, an FSDP step's per-layer all_gathers). 16 and 64 MiB
+# cells once went without it (a third more calibration time there), but the skew is not small
+# against them for broadcast, whose root returns before its peers have copied the data out:
+# a 16 MiB broadcast timed right after a 64 MiB one measured 1.35-1.48x its back-to-back time
+# (fcoll and gloo, 2 ranks, load 1.5, benchmarks/cost_model.py), 1.03-1.09x with the untimed
+# run; a full sweep to 64 MiB then took 0.44 s on fcoll (0.32-0.35 s) and 2.2 s on gloo (1.5 s).
 
 
 def _runs_in_round(reps: int, r: int) -> int:
@@ -308,10 +310,10 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
     the median. In a round the kinds come in the order of their first cell, and each kind's
     sizes largest first: a cell's neighbours are collectives of its own kind, as a step's
     buckets are (a DDP step's all_reduces, an FSDP step's per-layer all_gathers). Within a round
-    a cell's runs are back to back, and a cell below :data:`WARM_UP_BELOW_BYTES` first runs
-    once untimed, which absorbs the exit skew the previous (larger) cell left: without it a
-    small cell measures the skew of whatever ran before it (measured: a 4 KiB all_reduce after
-    a 4 MiB one took 4-8x its back-to-back time).
+    a cell's runs are back to back, after one untimed run of the cell, which absorbs the exit
+    skew the previous cell left: without it a cell measures the skew of whatever ran before it
+    (measured: a 4 KiB all_reduce after a 4 MiB one took 4-8x its back-to-back time; a 16 MiB
+    broadcast after a 64 MiB one 1.35-1.48x).
 
     Why kind by kind: with the five kinds interleaved at each size (the order before), every
     cell followed another kind's, and fcoll's small collectives measured 1.15-1.3x their
@@ -337,7 +339,7 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
     for r in range(ROUNDS):
         for cell, op in ops.items():
             runs = _runs_in_round(reps(cell[1]), r)
-            if runs and cell[1] < WARM_UP_BELOW_BYTES:
+            if runs:
                 op()
             for _ in range(runs):
                 t0 = time.perf_counter()
