@@ -8,8 +8,12 @@ cost per compile is printed by ``benchmarks/passes_scaling.py --rank-costs``.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import time
 import unittest
+import zlib
 from unittest import mock
 
 import torch
@@ -17,8 +21,9 @@ import torch.fx as fx
 
 import canonical  # noqa: E402
 from graphs_bucketing import Builder  # noqa: E402
+from fcoll.passes import consistency  # noqa: E402
 from fcoll.passes.consistency import (  # noqa: E402
-    CheckRankConsistency, RankMismatchError, RankTimeoutError, fingerprint,
+    CheckRankConsistency, Fingerprint, RankMismatchError, RankTimeoutError, fingerprint,
 )
 from fcoll.passes.config import FcollConfig  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
@@ -74,6 +79,83 @@ class TestFingerprint(unittest.TestCase):
                 mock.patch("fcoll.passes.consistency.compare_across_ranks") as compare:
             CheckRankConsistency()(_graph("0"))
         compare.assert_not_called()
+
+
+def _fp(group: str, text: str) -> Fingerprint:
+    entries = (text,)
+    return Fingerprint(group, entries, hashlib.sha256(text.encode()).hexdigest())
+
+
+class _PeerActsBetweenLooks:
+    """A store (``HashStore``) in which rank 1 runs some steps at one chosen moment: right after
+    rank 0 looked for ``trigger`` and did not find it (a rank 0 preempted between two looks at
+    the store, as on a loaded machine)."""
+
+    def __init__(self, trigger: str, peer_steps: list[tuple]) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.HashStore()
+        self.trigger, self.peer_steps = trigger, peer_steps
+
+    def check(self, keys: list[str]) -> bool:
+        found = self.store.check(keys)
+        if keys == [self.trigger] and not found and self.peer_steps:
+            for key, value in self.peer_steps:
+                self.store.set(key, value)
+            self.peer_steps = []
+        return found
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+
+def _publish(w: consistency._Wait, rank: int, entries: tuple[str, ...]) -> list[tuple]:
+    """What ``compare_across_ranks`` writes when ``rank`` starts checking ``w``."""
+    return [(consistency._seq_key(w), zlib.compress(json.dumps(entries).encode())),
+            (consistency._has_key(w, rank), "1"), (consistency._waiting_key(rank), w.text())]
+
+
+class TestDeadlockDetection(unittest.TestCase):
+    """Rank 0 of 2 (fake process group) checks sequence A on the world group; rank 1 is played
+    by the store."""
+
+    def setUp(self) -> None:
+        canonical.ensure_fake_pg()
+        import torch.distributed as dist
+
+        self.pg = dist.group.WORLD
+        self.g = self.pg.group_name
+        self.a, self.b = _fp(self.g, "all_reduce(A)"), _fp(self.g, "all_reduce(B)")
+        self.wa = consistency._Wait(self.g, self.a.digest, "peer-a")
+        self.wb = consistency._Wait(self.g, self.b.digest, "peer-b")
+
+    def test_peer_that_publishes_and_moves_on_between_two_looks_is_no_mismatch(self):
+        """Rank 0 finds no ``has`` of rank 1 for A; before rank 0 reads ``waiting/1``, rank 1
+        publishes A, passes (rank 0's ``has`` is there), leaves and starts checking B. Rank 0
+        then reads "rank 1 waits for B", which rank 0 has not published: a deadlock only if rank 1
+        never published A. It did, so the check passes. Before the fix it raised
+        ``RankMismatchError`` (on the 2-rank gloo test under load: "compiled collectives on a
+        different group", the two groups of one graph checked back to back)."""
+        steps = (_publish(self.wa, 1, self.a.entries) + [(consistency._waiting_key(1), "")]
+                 + _publish(self.wb, 1, self.b.entries))
+        store = _PeerActsBetweenLooks(consistency._has_key(self.wa, 1), steps)
+        digest = consistency.compare_across_ranks(self.a, self.pg, 5.0, store=store)
+        self.assertEqual(digest, self.a.digest)
+        self.assertEqual(store.peer_steps, [])        # rank 1 did act between the looks
+
+    def test_peer_waiting_for_another_sequence_without_publishing_this_one_is_a_mismatch(self):
+        """The same looks, but rank 1 goes straight to B without ever publishing A: a real
+        divergence, raised at once (not at the timeout)."""
+        store = _PeerActsBetweenLooks(consistency._has_key(self.wa, 1),
+                                      _publish(self.wb, 1, self.b.entries))
+        t0 = time.monotonic()
+        with self.assertRaisesRegex(RankMismatchError, re.escape(
+                "collective #0: rank 0: all_reduce(A); rank 1: all_reduce(B)")):
+            consistency.compare_across_ranks(self.a, self.pg, 30.0, store=store)
+        self.assertLess(time.monotonic() - t0, 10.0)
 
 
 def _check(gm: fx.GraphModule, timeout_s: float = 20.0) -> None:

@@ -23,8 +23,11 @@ the *content* of the sequence, never on a count of compiles:
    blocked in this check compiles nothing else). This rank writes ``verdict/<p>/<p's token>``
    (``p`` may not look before this rank leaves; the token keeps it from any later check) and
    raises; ``p`` raises on reading it. A ``waiting/p`` that already has a verdict is stale (``p``
-   is leaving that check) and is skipped. Both raise the same :class:`RankMismatchError`, naming
-   the first differing collective, or both groups, within a poll or two of the later arrival.
+   is leaving that check) and is skipped, and so is one read while ``p`` has meanwhile published
+   this sequence: ``p`` passed this check and went on to its next one (this rank reads
+   ``waiting/p`` first and ``<g>/has/<digest>/<p>`` again after it; ``p`` wrote them in the
+   other order). Both raise the same :class:`RankMismatchError`, naming the first differing
+   collective, or both groups, within a poll or two of the later arrival.
 4. A rank that never publishes this sequence (dead, slow, running something else, or waiting
    behind a longer cycle of three ranks or more) gives :class:`RankTimeoutError` at
    ``config.check_timeout_s``, naming the missing ranks and what they wait for.
@@ -386,6 +389,10 @@ def _wait_for_peers(store: dist.Store, me: _Wait, fp: Fingerprint, rank: int,
             if store.check([_verdict_key(p, theirs)]):
                 continue  # p has a verdict on that check (this rank's, from an earlier check
                 # that raised): p is about to leave it, so it is stale, not a deadlock
+            if store.check([_has_key(me, p)]):
+                continue  # p published ``me`` after ``missing`` was read and went on to its
+                # next check: not blocked. Read after ``waiting/p``: p sets its ``has`` before
+                # any later ``waiting``, so absent here, p waits without having published it.
             # p waits for ``theirs`` from this rank, which waits for ``me`` from p: neither
             # can go on. Tell p (it may not look at this rank's key before this rank leaves).
             store.set(_verdict_key(p, theirs), f"{rank}\n{me.text()}")
