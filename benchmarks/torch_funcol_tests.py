@@ -50,20 +50,8 @@ _IMPORTS = (
 _OPS = (re.compile(r"torch\.ops\._c10d_functional\b"), "torch.ops.fcoll")
 
 
-_EXPAND_GROUP = ("reads funcol's private _expand_group (the (tag, ranks, group_size) form of "
-                 "funcol's legacy ops, which fcoll's ops never take)")
-
 #: Tests that pass on PyTorch's funcol and may fail on fcoll, by design, with the reason.
 EXCEPTIONS = {
-    "TestExpand.test_expand_1d_rank_list": _EXPAND_GROUP,
-    "TestExpand.test_expand_2d_rank_list": _EXPAND_GROUP,
-    "TestExpand.test_expand_device_mesh": _EXPAND_GROUP,
-    "TestExpand.test_expand_device_mesh_tuple": _EXPAND_GROUP,
-    "TestExpand.test_expand_process_group": _EXPAND_GROUP,
-    "TestPgTag.test_pg_lookup_roundtrip":
-        _EXPAND_GROUP + " and c10d's (tag, ranks) -> group registry (_find_pg_by_ranks_and_tag)",
-    "TestPgTag.test_pg_lookup_with_tag":
-        _EXPAND_GROUP + " and c10d's (tag, ranks) -> group registry (_find_pg_by_ranks_and_tag)",
     "CompileTestCPU.test_inductor_all_reduce_cpu":
         "asserts Inductor's code for _c10d_functional ops: its re-inplacing table "
         "(all_reduce -> all_reduce_) and AOTInductor's C shims "

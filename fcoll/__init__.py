@@ -12,6 +12,11 @@ from fcoll.ops import API as _API
 
 __all__ = list(_API)
 
+# funcol's private (tag, ranks, group_size) expansion of a group, which code written against
+# funcol's legacy API (and PyTorch's own funcol tests) calls through the module: PyTorch's own
+# function, since the expansion is c10d's (tags, the rank registry), not fcoll's.
+from torch.distributed._functional_collectives import _expand_group  # noqa: E402,F401
+
 from fcoll.shm import register_backend as _register_shm_backend
 _register_shm_backend()
 

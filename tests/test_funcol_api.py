@@ -58,6 +58,11 @@ def test_every_public_name_of_torch_funcol_is_in_fcoll_with_its_signature():
                                                       inspect.signature(theirs))
     assert fcoll.REDUCE_OP_TO_STR == funcol.REDUCE_OP_TO_STR
     assert issubclass(fcoll.AsyncCollectiveTensor, funcol.AsyncCollectiveTensor)
+    # the private group expansion that funcol-era code (PyTorch's TestExpand, TestPgTag) calls
+    # through the module is PyTorch's own, and stays out of __all__
+    assert fcoll._expand_group is funcol._expand_group
+    assert "_expand_group" not in fcoll.__all__
+    assert fcoll._expand_group([[0, 1], [2, 3]], "t") == ("t", [0, 1, 2, 3], 2)
 
 
 def _schemas(ns: str) -> dict[str, str]:
