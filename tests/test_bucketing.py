@@ -17,6 +17,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
 
 import canonical  # noqa: E402
+import fcoll  # noqa: E402
 from graphs_bucketing import Builder, random_graph, reachable, real_inputs  # noqa: E402
 from fcoll.inspect import format_graph  # noqa: E402
 from fcoll.passes.bucket_plan import MIB, plan_buckets
@@ -482,6 +483,61 @@ class TestRandomGraphs(unittest.TestCase):
             out = run_pipeline(gm, FcollConfig(), ["bucket_collectives"])
             check_topological(out.graph)
         self.assertGreater(moves, 100)      # moves are exercised, not vacuous
+
+
+class _Group:
+    """Stands in for a process group object (a key of the calibration cache)."""
+
+
+class TestRankAgreement(unittest.TestCase):
+    """What the plan reads from the cost model is the same on every rank of the collective's
+    group."""
+
+    def _plan_as_seen_by(self, gm: fx.GraphModule, rates: dict) -> list:
+        """The plan of ``gm`` on a rank whose calibration cache holds ``rates`` (group name ->
+        the compute rates that group's calibration carries) for its calibrated groups."""
+        from unittest import mock
+
+        from fcoll.passes import calibrate as cal
+
+        cache, pgs = cal._Cache(), {name: _Group() for name in rates}
+        for name, r in rates.items():
+            cache.groups[pgs[name]] = cal.GroupCalibration("gloo", 2, "0.0", "intra", r, {}, {})
+        with mock.patch.object(cal, "_CACHE", cache), mock.patch.object(cal, "_real_group",
+                                                                       pgs.get):
+            return [b.members for b in plan_buckets(gm, FcollConfig())]
+
+    def test_a_groups_lane_plan_reads_that_groups_compute_rates_on_every_rank(self):
+        """Ranks 0 and 1 share a TP group; each is also in a DP group created before it
+        (rank 0: {0, 2}, rank 1: {1, 3}). A group's compute rates are its rank 0's measurement,
+        so rank 0's DP group carries process 0's rates and rank 1's carries process 1's, while
+        the TP group carries process 0's on both. The model's ``compute`` is the graph's first
+        group's rates: the two ranks timed the TP lane with different rates and planned
+        different TP buckets (3 of the 4 gathers merged on rank 0, all 4 on rank 1 with its
+        faster rates): a hang, or check_rank_consistency's error. One process plays both ranks
+        (the same graph, each rank's calibration cache).
+
+        ``all_gather(s_i, tp) -> wait -> mm -> relu`` per layer, then ``all_reduce(x, dp)``.
+        """
+        import torch.distributed as dist
+
+        from fcoll.passes.cost import DEFAULT_COMPUTE, ComputeRates
+
+        dp, tp = dist.new_group([0, 1]).group_name, dist.new_group([0, 1]).group_name
+
+        def step(x, *shards):
+            for sh in shards:
+                x = torch.relu(torch.mm(x, fcoll.all_gather_tensor(sh, 0, tp).t()))
+            return fcoll.all_reduce(x, "avg", dp)
+
+        gm = canonical.trace(step, [(512, 512)] + [(256, 512)] * 4)
+        p0, p1 = DEFAULT_COMPUTE, ComputeRates(1e8, 1e8, 0.1)   # processes 0 and 1
+        on_rank_0 = self._plan_as_seen_by(gm, {dp: p0, tp: p0})
+        on_rank_1 = self._plan_as_seen_by(gm, {dp: p1, tp: p0})
+        self.assertEqual(on_rank_0, on_rank_1)
+        self.assertEqual([len(m) for m in on_rank_0], [3])
+        # not vacuous: with process 1's rates on the TP group itself the plan differs
+        self.assertEqual([len(m) for m in self._plan_as_seen_by(gm, {dp: p1, tp: p1})], [4])
 
 
 def _values_on_ranks(rank: int, world_size: int, runs: list[tuple[str, int]], min_split: int):

@@ -46,11 +46,19 @@ like any other (their collectives also take time on the compute's cores; where t
 says their communication is cheap, buckets simply grow large).
 
 Invariant (why ranks agree): every decision reads only the graph (order, shapes, dtypes, groups,
-scheduler metadata) and the cost model, whose calibrated numbers are rank 0's on every rank
-(defaults before calibration, which happens at the same compile on every rank), never
-rank-local state, so every rank that compiled the same graph gets the same buckets and the same
-collective order (a user ``estimator`` must keep that promise too). Different orders on
-different ranks would hang.
+scheduler metadata) and the cost model's numbers of the collective's own group: its curves
+(the slowest rank's medians, or what its rank 0 already knew) and its compute rates (its rank
+0's measurement, sent in the same message), the same on every rank of the group (defaults
+before calibration, which happens at the same compile on every rank). Not the model's
+``compute``, the rates of the graph's first group, which on a rank of two groups (TP and DP)
+may be another process's measurement than on its TP peer
+(:meth:`~fcoll.passes.cost.CostModel.for_group`). Never rank-local state, so every rank that
+compiled the same graph gets the same buckets and the same collective order (a user
+``estimator`` must keep that promise too). Different orders on different ranks would hang.
+Ranks whose graphs differ in compute (rank-dependent code: ``dist.reduce``'s copy on its
+destination only, uneven all_to_all sizes downstream) time their lanes on their own graphs
+and can plan differently where a lane decision is close; the pipeline's
+``check_rank_consistency`` then raises, naming the first differing collective.
 
 Complexity: one pass over the nodes plus one over the collectives, O(N + E); there is no
 reachability query, because graph order already answers "does c2 depend on c1?" for the only
@@ -125,14 +133,16 @@ class BucketCosts:
     """The cost facts planning needs, gathered by the pass (the planner reads no cost model).
 
     Attributes:
-        compute_us: node -> its estimated compute microseconds (asked only of compute nodes:
-            collectives and waits run on the communication lane).
+        compute_us: (node, group name) -> the node's estimated compute microseconds with the
+            compute rates of that group, the same on every rank of the group (asked only of
+            compute nodes: collectives and waits run on the communication lane; the group is
+            the one whose lane is being planned).
         comm_time: collective -> ``bytes -> microseconds`` of one collective of its kind on its
             group, or None: no lane plan for it (only the cap and memory budget bound its
             buckets).
     """
 
-    compute_us: Callable[[fx.Node], float]
+    compute_us: Callable[[fx.Node, str], float]
     comm_time: Callable[[fx.Node], Callable[[int], float] | None]
 
 
@@ -161,8 +171,14 @@ def model_costs(gm: fx.GraphModule, config: FcollConfig, estimates: dict | None 
         before_calibration()
         return model_for(gm, config.estimator, estimates)
 
-    def compute_us(node: fx.Node) -> float:
-        return model().estimate(node)
+    @functools.cache
+    def group_model(group: str):
+        # The group's own rates, not the model's ``compute`` (its first group's): on two ranks
+        # of this group those may be two processes' measurements (CostModel.compute).
+        return model().for_group(group)
+
+    def compute_us(node: fx.Node, group: str) -> float:
+        return group_model(group).estimate(node)
 
     def comm_time(node: fx.Node) -> Callable[[int], float] | None:
         return model().comm_params(node).time_us
@@ -191,7 +207,7 @@ class _Planner:
         self.open_by_key: dict[tuple, OpenBucket] = {}
         self.open_of_wait: dict[fx.Node, OpenBucket] = {}   # member wait -> its open bucket
         self._names: dict[str, int] = {}
-        self._elapsed: list[float] | None = None
+        self._elapsed: dict[str, list[float]] = {}     # group name -> elapsed compute
         self.lanes: dict[fx.Node, Member] = {}        # timed collective -> its lane-plan record
 
     def plan_lanes(self) -> None:
@@ -205,9 +221,9 @@ class _Planner:
             waits = waits_of(node)
             if rejection(node, spec, waits) is not None:
                 continue
-            m = self.member(node, waits[0], timed=True)
+            key = self.keys(node, multi_dtype=True) + (node.target.namespace,)
+            m = self.member(node, waits[0], key, timed=True)
             if m.comm_us is not None:
-                key = self.keys(node, multi_dtype=True) + (node.target.namespace,)
                 by_key.setdefault(key, []).append(m)
         for members in by_key.values():
             lane_segments(members, self.cap)
@@ -230,7 +246,7 @@ class _Planner:
         # The multi-dtype bucket key plus the namespace: a merged collective and its wait
         # must come from one op library.
         key = self.keys(node, multi_dtype=True) + (node.target.namespace,)
-        m = self.member(node, waits[0], timed=spec.kind != "all_to_all")
+        m = self.member(node, waits[0], key, timed=spec.kind != "all_to_all")
         planned = self.lanes.get(node)
         if planned is not None:
             m.segment, m.cut = planned.segment, planned.cut
@@ -247,8 +263,9 @@ class _Planner:
         add(b, m)
         self.open_of_wait[waits[0]] = b
 
-    def member(self, node: fx.Node, wait: fx.Node, timed: bool) -> Member:
-        """``node`` as a :class:`Member`; ``timed``: the lane plan may apply to its kind."""
+    def member(self, node: fx.Node, wait: fx.Node, key: tuple, timed: bool) -> Member:
+        """``node`` (bucket ``key``) as a :class:`Member`; ``timed``: the lane plan may apply
+        to its kind."""
         val, idx = node.args[0].meta["val"], self.idx
         ready = max((self.ready_of(u) for u in node.all_input_nodes), default=(-1,))
         users = [idx[u] for u in wait.users]
@@ -260,7 +277,7 @@ class _Planner:
                    out_bytes=tensor_bytes(node.meta["val"]), dtype=val.dtype)
         comm_time = self.costs.comm_time(node) if timed else None
         if comm_time is not None:
-            elapsed = self.elapsed()
+            elapsed = self.elapsed(key[1])
             m.ready_us, m.use_us = elapsed[max(ready[0], -1) // 2 + 1], elapsed[first_use]
             m.comm_time = comm_time
             m.comm_us = comm_time(max(m.in_bytes, m.out_bytes))
@@ -278,17 +295,19 @@ class _Planner:
             self._names.update((n.name, i) for i, n in enumerate(self.nodes))
         return self._names
 
-    def elapsed(self) -> list[float]:
-        """``elapsed[i]``: estimated compute microseconds of nodes ``0 .. i-1`` (collectives
-        and waits count 0: they run on the communication lane); built on first use."""
-        if self._elapsed is None:
+    def elapsed(self, group: str) -> list[float]:
+        """``elapsed[i]``: estimated compute microseconds of nodes ``0 .. i-1`` with the
+        compute rates of ``group`` (collectives and waits count 0: they run on the
+        communication lane); built on first use per group."""
+        out = self._elapsed.get(group)
+        if out is None:
             compute_us, total = self.costs.compute_us, 0.0
-            self._elapsed = [0.0]
+            out = self._elapsed[group] = [0.0]
             for n in self.nodes:
                 if n.op == "call_function" and op_class(n) == OTHER:
-                    total += compute_us(n)
-                self._elapsed.append(total)
-        return self._elapsed
+                    total += compute_us(n, group)
+                out.append(total)
+        return out
 
     def close(self, b: OpenBucket) -> None:
         """Close ``b``: record it as a :class:`Bucket` if it merges, or moves, anything."""

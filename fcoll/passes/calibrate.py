@@ -606,7 +606,7 @@ def _largest_collectives(gm: fx.GraphModule) -> dict[str, int]:
 
 def _assemble(gm: fx.GraphModule, estimator, calibrate: bool,
               estimates: dict | None = None) -> CostModel:
-    compute, comm, backends, links = None, {}, {}, {}
+    compute, comm, backends, links, rates = None, {}, {}, {}, {}
     largest = _largest_collectives(gm) if calibrate else {}
     for name in _group_names(gm):
         pg = _real_group(name)
@@ -618,10 +618,10 @@ def _assemble(gm: fx.GraphModule, estimator, calibrate: bool,
         if rec is None:
             log.debug("group %s is not calibrated yet: default costs", name)
             continue
-        backends[name], links[name] = rec.backend, rec.link
+        backends[name], links[name], rates[name] = rec.backend, rec.link, rec.rates
         comm.update(rec.comm)
         compute = compute or rec.rates
-    return assemble_model(compute, comm, backends, estimator, estimates, links)
+    return assemble_model(compute, comm, backends, estimator, estimates, links, rates)
 
 
 def model_for(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | None = None,

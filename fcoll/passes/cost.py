@@ -208,11 +208,17 @@ class CostModel:
     """Estimated node times in microseconds.
 
     Attributes:
-        compute: machine rates for compute nodes.
+        compute: machine rates for compute nodes: the rates of the graph's first calibrated
+            group (creation order). Each group's rates are its rank 0's measurement, so two
+            ranks whose first groups differ (a DP and a TP group: rank 1's DP group is not
+            rank 0's) may hold different ``compute``; a decision every rank of a group must
+            share reads :meth:`for_group` instead.
         comm: ``CommKey(backend, kind, group_size, link) -> CommCurve | CommParams``;
             missing entries use :func:`default_comm`.
         group_backends: group name -> backend name, for looking up ``comm``.
         group_links: group name -> link ("intra" or "inter"); missing names are "intra".
+        group_compute: group name -> the compute rates that group's calibration carries (the
+            same on every rank of the group); missing names use ``compute``.
         estimator: a user estimator ``node -> float | None`` (microseconds), asked first.
         source: "default" or "calibrated" (for logs and reports).
     """
@@ -221,6 +227,7 @@ class CostModel:
     comm: Mapping[CommKey, Comm] = field(default_factory=dict)
     group_backends: Mapping[str, str] = field(default_factory=dict)
     group_links: Mapping[str, str] = field(default_factory=dict)
+    group_compute: Mapping[str, ComputeRates] = field(default_factory=dict)
     estimator: Callable[[Any], float | None] | None = field(default=None, compare=False)
     source: str = "default"
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -228,6 +235,24 @@ class CostModel:
     #: run (see :func:`assemble_model`); an entry counts only while the node's args, kwargs and
     #: value are the very objects it was computed from.
     by_node: dict | None = field(default=None, compare=False, repr=False)
+    #: the ``estimates`` dict of :func:`assemble_model` (for :meth:`for_group`'s models).
+    _estimates: dict | None = field(default=None, compare=False, repr=False)
+    #: group name -> its :meth:`for_group` model, built on first use.
+    _by_group: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def for_group(self, group_name: str) -> "CostModel":
+        """This model with ``compute`` set to the rates of group ``group_name``
+        (``group_compute``; ``compute`` for a group without its own), itself when they are
+        equal. Every rank of the group gets the same rates, whatever its other groups are."""
+        rates = self.group_compute.get(group_name, self.compute)
+        if rates == self.compute:
+            return self
+        model = self._by_group.get(group_name)
+        if model is None:
+            model = self._by_group[group_name] = assemble_model(
+                rates, self.comm, self.group_backends, self.estimator, self._estimates,
+                self.group_links, self.group_compute)
+        return model
 
     def __call__(self, node: fx.Node) -> float:
         return self.estimate(node)
@@ -388,7 +413,8 @@ def assemble_model(compute: ComputeRates | None, comm: Mapping[CommKey, Comm],
                    group_backends: Mapping[str, str],
                    estimator: Callable[[Any], float | None] | None = None,
                    estimates: dict | None = None,
-                   group_links: Mapping[str, str] | None = None) -> CostModel:
+                   group_links: Mapping[str, str] | None = None,
+                   group_compute: Mapping[str, ComputeRates] | None = None) -> CostModel:
     """The :class:`CostModel` of given parameters.
 
     Args:
@@ -401,9 +427,13 @@ def assemble_model(compute: ComputeRates | None, comm: Mapping[CommKey, Comm],
             compute estimates are kept in it per compute rates, then per node, so that a later
             pass does not estimate a node again.
         group_links: group name -> "intra" | "inter" of the calibrated groups.
+        group_compute: group name -> compute rates of the calibrated groups
+            (:meth:`CostModel.for_group`).
     """
     compute = compute or DEFAULT_COMPUTE
     return CostModel(compute=compute, comm=dict(comm), group_backends=dict(group_backends),
                      group_links=dict(group_links or {}),
+                     group_compute=dict(group_compute or {}),
                      estimator=estimator, source="calibrated" if group_backends else "default",
-                     by_node=estimates.setdefault(compute, {}) if estimates is not None else None)
+                     by_node=estimates.setdefault(compute, {}) if estimates is not None else None,
+                     _estimates=estimates)
