@@ -52,13 +52,15 @@ def test_curve_extrapolates_with_the_end_segments():
     assert c.alpha_us == pytest.approx(alpha_first)
 
 
-def test_below_the_smallest_size_alpha_is_floored_at_zero():
-    """A first segment steeper than proportional would give a negative latency: the line then
-    goes through the origin and the smallest point."""
+def test_below_the_smallest_size_a_negative_latency_becomes_the_smallest_sizes_time():
+    """A first segment steeper than proportional would give a negative latency: below the
+    smallest measured size the curve is then flat at that size's time (a message smaller than
+    any measured costs at least the latency; a line through the origin priced a 48-byte
+    collective at about 1 us from a noisy 16 KiB median), and stays non-decreasing."""
     c = CommCurve.fit([(1000, 10.0), (2000, 100.0)])
-    assert c.alpha_us == 0.0
-    assert c.time_us(500) == pytest.approx(5.0)
-    assert c.time_us(0) == 0.0
+    assert c.alpha_us == 10.0
+    assert c.time_us(500) == c.time_us(0) == c.time_us(48) == 10.0
+    assert c.time_us(1000) == 10.0 and c.time_us(1500) == pytest.approx(55.0)
 
 
 def test_fit_never_makes_a_larger_message_cheaper():

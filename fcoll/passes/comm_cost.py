@@ -23,8 +23,11 @@ its own alpha-beta:
   neighbours (measured at load 11: one 20 ms median pooled over six sizes put a 4 KiB gloo
   all_reduce at 3.7 ms);
 - between ``s_i`` and ``s_{i+1}``: ``t = alpha_i + beta_i * bytes`` through the two points;
-- below ``s_0``: the first segment's alpha-beta, alpha floored at 0 (a line from
-  ``(0, max(alpha_0, 0))`` to ``(s_0, t_0)``);
+- below ``s_0``: the first segment's alpha-beta if its alpha is >= 0; else ``t_0`` flat (a
+  message smaller than the smallest one measured costs at least the latency, not less: with
+  a line through the origin, a noisy first segment (the 16 KiB median over 4x the 4 KiB one,
+  easy under load) priced a 48-byte collective at about 1 us, and such near-free collectives
+  tipped bucket plans);
 - above ``s_k``: the last segment's alpha-beta (bandwidth-bound extrapolation).
 
 ``bytes`` is :func:`fcoll.ops.facts.comm_bytes`' (nccl-tests') size of one collective: the
@@ -132,13 +135,14 @@ class CommCurve:
 
     def segment(self, nbytes: int) -> CommParams:
         """The alpha-beta in force at ``nbytes``: the segment of the two measured sizes around
-        it, the first (alpha floored at 0) below the smallest, the last above the largest."""
+        it, the first below the smallest (the smallest size's time, flat, where the first
+        segment's alpha is negative), the last above the largest."""
         s, t = self.sizes, self.times_us
         i = min(max(bisect.bisect_right(s, nbytes) - 1, 0), len(s) - 2)
         beta = (t[i + 1] - t[i]) / (s[i + 1] - s[i])
         alpha = t[i] - beta * s[i]
         if i == 0 and nbytes < s[0] and alpha < 0:
-            return CommParams(0.0, t[0] / s[0])
+            return CommParams(t[0], 0.0)
         return CommParams(alpha, beta)
 
     def time_us(self, nbytes: int) -> float:
@@ -147,7 +151,8 @@ class CommCurve:
 
     @property
     def alpha_us(self) -> float:
-        """Latency: the first segment's alpha (floored at 0), the time of an empty message."""
+        """Latency, the time of an empty message: the first segment's alpha, or the smallest
+        size's time where that alpha is negative."""
         return self.segment(0).alpha_us
 
     @property
