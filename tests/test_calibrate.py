@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 
 import pytest
 
@@ -453,3 +454,27 @@ def test_ranks_asking_for_different_sizes_time_what_rank_0_asks():
     assert a0 == a1 == b0 == b1
     assert {len(p) for p in a0.values()} == {len(calibrate.sizes_for(64 * KiB))}
     assert s0["sweeps"] == s1["sweeps"] == 1
+
+
+def test_needs_calibration_is_decided_per_group(monkeypatch):
+    """A graph whose other group was calibrated by an earlier graph still needs calibrating
+    for its new group (the bucket planner then calibrates at the same pass as for a graph of
+    new groups only, on every rank), not the defaults; fake groups never need it."""
+    class Group:  # weak-referenceable stand-in for a process group
+        pass
+
+    old, new = Group(), Group()
+    groups = {"old": old, "new": new, "fake": None}
+    names: list[str] = []
+    monkeypatch.setattr(calibrate, "_group_names", lambda gm: list(names))
+    monkeypatch.setattr(calibrate, "_real_group", groups.get)
+    monkeypatch.setattr(calibrate._CACHE, "groups", weakref.WeakKeyDictionary({old: None}))
+    names[:] = ["old"]
+    assert not calibrate.needs_calibration(None)
+    names[:] = ["old", "new"]
+    assert calibrate.needs_calibration(None)
+    names[:] = ["fake", "old"]
+    assert not calibrate.needs_calibration(None)
+    calibrate._CACHE.groups[new] = None
+    names[:] = ["old", "new"]
+    assert not calibrate.needs_calibration(None)

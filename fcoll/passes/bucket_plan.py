@@ -153,21 +153,21 @@ def model_costs(gm: fx.GraphModule, config: FcollConfig, estimates: dict | None 
 
     Args:
         before_calibration: None: :func:`~fcoll.passes.calibrate.cached_model`, which never
-            communicates (defaults for groups not calibrated yet). Given: where the cached
-            model has no calibrated group, this is called and then
+            communicates (defaults for groups not calibrated yet). Given: where a group of the
+            graph is not calibrated yet (:func:`~fcoll.passes.calibrate.needs_calibration`,
+            decided per group), this is called and then
             :func:`~fcoll.passes.calibrate.model_for` calibrates the graph's groups (a
             collective call on every rank, at a group's first compile): the pass runs the rank
             check there, so ranks whose graphs differ raise a named error instead of hanging in
             the calibration. Sizing buckets by the defaults (1 GB/s, 50 GFLOP/s) instead of the
             link's and cores' own numbers misjudges which communication hides.
     """
-    from fcoll.passes.calibrate import cached_model, model_for
+    from fcoll.passes.calibrate import cached_model, model_for, needs_calibration
 
     @functools.cache
     def model():
-        cached = cached_model(gm, config.estimator, estimates)
-        if before_calibration is None or cached.source != "default":
-            return cached
+        if before_calibration is None or not needs_calibration(gm):
+            return cached_model(gm, config.estimator, estimates)
         before_calibration()
         return model_for(gm, config.estimator, estimates)
 

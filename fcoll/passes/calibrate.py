@@ -66,7 +66,8 @@ __all__ = [
     "time_collective", "time_collectives",
     "measure_compute_rates", "calibrate_group",
     "fit_alpha_beta", "GroupCalibration", "calibrated_table", "calibration_stats",
-    "host_identity", "model_for", "cached_model", "moves_data_on_compute_cores",
+    "host_identity", "model_for", "cached_model", "needs_calibration",
+    "moves_data_on_compute_cores",
 ]
 
 log = logging.getLogger(__name__)
@@ -632,6 +633,16 @@ def model_for(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | Non
     ``estimates``: see :func:`fcoll.passes.cost.assemble_model`.
     """
     return _assemble(gm, estimator, calibrate=True, estimates=estimates)
+
+
+def needs_calibration(gm: fx.GraphModule) -> bool:
+    """Whether :func:`model_for` would communicate for ``gm``: some real group of its
+    collectives is not calibrated yet in this process (each group's first calibration is a
+    collective call; later ones are not). Decided per group, so a graph whose other groups were
+    calibrated by earlier graphs still calibrates its new group where a graph with only new
+    groups would (the same pass on every rank), instead of taking the defaults for it."""
+    return any(pg is not None and pg not in _CACHE.groups
+               for pg in map(_real_group, _group_names(gm)))
 
 
 def cached_model(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | None = None,
