@@ -21,7 +21,9 @@ Per backend (fcoll's shared-memory backend, and gloo), on ``--nproc`` ranks of t
 3. print per cell the predicted time (the calibrated curve), the measured time, the ratio
    predicted / measured and PASS when it is within ``1 +- tolerance`` (default 30 %), beside
    the previous two-point alpha-beta model (fitted through the same sweep's 16 KiB and 4 MiB
-   medians) for comparison.
+   medians) for comparison, and on fcoll each rank's waits in the cell's timed runs that
+   spun / slept (a sleeping wait costs a wake-up: a cell measured in that mode is slower than
+   one whose waits spun).
 
 The curves are the same on every rank (checked). Sizes are
 nccl-tests' (:func:`fcoll.ops.facts.comm_bytes`): the larger buffer of one rank. The 1-minute
@@ -59,22 +61,39 @@ def runs_per_round(size: int) -> int:
     return 5 if size <= 256 * KiB else 3 if size <= 4 * MiB else 2
 
 
-def measure(pg, kind: str, sizes: list[int]) -> dict[int, float]:
+def _wait_stats(pg) -> dict | None:
+    """The wait counters of fcoll's channel for ``pg`` (spun / slept / spin_failed, see
+    :mod:`fcoll.shm.sync`), or None on other backends."""
+    ch = getattr(getattr(pg, "_engine", None), "ch", None)
+    return dict(ch.stats) if ch is not None else None
+
+
+def measure(pg, kind: str, sizes: list[int]) -> tuple[dict[int, float], dict[int, dict]]:
     """This rank's median time (us) of a blocking ``kind`` collective at each size (the
-    module docstring's loop). A collective call: every rank calls it with the same arguments."""
+    module docstring's loop), and on fcoll's backend how its timed runs' waits went (the
+    increments of the channel's ``spun`` / ``slept`` / ``spin_failed`` counters: a cell whose
+    waits slept pays a wake-up per wait, tens of microseconds, where a spinning one does not).
+    A collective call: every rank calls it with the same arguments."""
     from fcoll.passes import calibrate as cal
 
     ops = {size: cal._collective(kind, pg, cal._buffers(pg, size))
            for size in sorted(sizes, reverse=True)}
     times: dict[int, list[float]] = {size: [] for size in sizes}
+    waits: dict[int, dict] = {}
     for _ in range(ROUNDS):
         for size, op in ops.items():
             op()
+            before = _wait_stats(pg)
             for _ in range(runs_per_round(size)):
                 t0 = time.perf_counter()
                 op()
                 times[size].append((time.perf_counter() - t0) * 1e6)
-    return {size: statistics.median(ts) for size, ts in times.items()}
+            after = _wait_stats(pg)
+            if before is not None:
+                cell = waits.setdefault(size, {})
+                for k in ("spun", "slept", "spin_failed"):
+                    cell[k] = cell.get(k, 0) + after[k] - before[k]
+    return {size: statistics.median(ts) for size, ts in times.items()}, waits
 
 
 def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
@@ -83,7 +102,8 @@ def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
     from fcoll.passes import calibrate as cal
 
     groups = {"fcoll": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
-    out: dict = {"curves": {}, "calibration_s": {}, "measured": {}, "loadavg": {}}
+    out: dict = {"curves": {}, "calibration_s": {}, "measured": {}, "waits": {},
+                 "loadavg": {}}
     for backend, pg in groups.items():
         t0 = time.perf_counter()
         _, comm = cal.calibrate_group(pg)   # the whole sweep
@@ -92,8 +112,11 @@ def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
     for kind in ops:
         load0 = os.getloadavg()[0]
         for backend, pg in groups.items():
-            for size, us in measure(pg, kind, sizes).items():
+            medians, waits = measure(pg, kind, sizes)
+            for size, us in medians.items():
                 out["measured"][(backend, kind, size)] = us
+                if size in waits:
+                    out["waits"][(backend, kind, size)] = waits[size]
         out["loadavg"][kind] = (load0, os.getloadavg()[0])
     return out
 
@@ -113,7 +136,7 @@ def report(results: list[dict], ops: list[str], sizes: list[int], tol: float) ->
         print("WARNING: the ranks' calibrated curves differ (they must not)")
     cells, lines = [], []
     head = (f"{'backend':7} {'op':14} {'size':>7} {'pred_us':>10} {'meas_us':>10} "
-            f"{'ratio':>6} {'':4}  {'2pt_us':>10} {'ratio':>6} {'':4}")
+            f"{'ratio':>6} {'':4}  {'2pt_us':>10} {'ratio':>6} {'':4}  waits spun/slept")
     for backend in ("fcoll", "gloo"):
         lines.append(head)
         for kind in ops:
@@ -123,13 +146,16 @@ def report(results: list[dict], ops: list[str], sizes: list[int], tol: float) ->
                 meas = max(per_rank)
                 pred, old = curve.time_us(size), _two_point(curve, size)
                 ok, old_ok = abs(pred / meas - 1) <= tol, abs(old / meas - 1) <= tol
+                waits = [r.get("waits", {}).get((backend, kind, size)) for r in results]
                 cells.append({"backend": backend, "op": kind, "bytes": size,
                               "predicted_us": pred, "measured_us": meas, "ratio": pred / meas,
-                              "measured_us_per_rank": per_rank,
+                              "measured_us_per_rank": per_rank, "waits_per_rank": waits,
                               "pass": ok, "two_point_us": old, "two_point_pass": old_ok})
+                spun_slept = " ".join(f"{w['spun']}/{w['slept']}" for w in waits if w)
                 lines.append(f"{backend:7} {kind:14} {fmt_size(size):>7} {pred:10.1f} "
                              f"{meas:10.1f} {pred / meas:6.2f} {'PASS' if ok else 'FAIL':4}  "
-                             f"{old:10.1f} {old / meas:6.2f} {'PASS' if old_ok else 'FAIL':4}")
+                             f"{old:10.1f} {old / meas:6.2f} {'PASS' if old_ok else 'FAIL':4}"
+                             f"  {spun_slept}")
             la = r0["loadavg"][kind]
             lines.append(f"  ({backend} {kind}: load average {la[0]:.2f} -> {la[1]:.2f})")
     print("\n".join(lines))
