@@ -18,6 +18,8 @@ check_rank_consistency     compare collective fingerprints across ranks (raises,
 
 from fcoll.passes.bucket_plan import Bucket, plan_buckets
 from fcoll.passes.bucketing import BucketCollectives, apply_buckets
+from fcoll.passes.group_plan import BucketPlanError
+from fcoll.passes.shared_plan import BucketPlanTimeoutError
 from fcoll.passes.consistency import (
     CheckRankConsistency, RankMismatchError, RankTimeoutError, fingerprint,
 )
@@ -31,7 +33,8 @@ from fcoll.passes.registry import (
 )
 
 __all__ = [
-    "Bucket", "plan_buckets", "apply_buckets", "BucketCollectives", "CheckRankConsistency",
+    "Bucket", "plan_buckets", "apply_buckets", "BucketCollectives", "BucketPlanError",
+    "BucketPlanTimeoutError", "CheckRankConsistency",
     "RankMismatchError", "RankTimeoutError", "fingerprint", "LowerC10dFunctional",
     "PredictedEvent", "RaiseCollectives", "ReorderForOverlap", "SinkWaits", "SinkOutputWaits",
     "predict", "FcollPass", "PassFailed", "get_pass", "register_pass", "registered_passes", "run_pipeline",

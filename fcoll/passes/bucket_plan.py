@@ -56,9 +56,15 @@ may be another process's measurement than on its TP peer
 compiled the same graph gets the same buckets and the same collective order (a user
 ``estimator`` must keep that promise too). Different orders on different ranks would hang.
 Ranks whose graphs differ in compute (rank-dependent code: ``dist.reduce``'s copy on its
-destination only, uneven all_to_all sizes downstream) time their lanes on their own graphs
-and can plan differently where a lane decision is close; the pipeline's
-``check_rank_consistency`` then raises, naming the first differing collective.
+destination only, uneven all_to_all sizes downstream) would time their lanes on their own
+graphs and could plan differently where a lane decision is close (the determinism audit: 1 in
+1000 random cost settings). So ``bucket_collectives`` does not let each rank decide: the
+group's lowest rank plans and every rank applies that plan (:mod:`fcoll.passes.shared_plan`),
+given here as ``forced`` (:class:`~fcoll.passes.group_plan.GroupPlan`: buckets as indices into
+the group's collective sequence). A forced group is not timed; its members join exactly their
+planned buckets, each join still checked against this graph's dependencies, and a plan this
+graph cannot follow raises :class:`~fcoll.passes.group_plan.BucketPlanError`. Issue and wait
+points (and moves) are always this graph's own; they never change what is issued.
 
 Complexity: one pass over the nodes plus one over the collectives, O(N + E); there is no
 reachability query, because graph order already answers "does c2 depend on c1?" for the only
@@ -72,7 +78,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -81,10 +87,12 @@ from fcoll.passes.bucket_key import BucketKeys, OpArgs
 from fcoll.passes.bucket_rules import Member, OpenBucket, add, join_rejection, lane_segments, \
     rejection, wait_index
 from fcoll.passes.config import FcollConfig
+from fcoll.passes.group_plan import BucketPlanError, ForcedPlans, GroupPlan
 from fcoll.passes.graph import META_HIDING, tensor_bytes, waits_of
 from fcoll.passes.memory import OTHER, op_class
 
-__all__ = ["Bucket", "BucketCosts", "model_costs", "plan_buckets", "BUCKETABLE_OPS", "MIB"]
+__all__ = ["Bucket", "BucketCosts", "model_costs", "plan_buckets", "BUCKETABLE_OPS", "MIB",
+           "GroupPlan", "BucketPlanError"]
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +148,14 @@ class BucketCosts:
         comm_time: collective -> ``bytes -> microseconds`` of one collective of its kind on its
             group, or None: no lane plan for it (only the cap and memory budget bound its
             buckets).
+        prepare: builds the cost model now rather than at first use (:func:`model_costs`
+            calibrates there at a group's first compile, a collective call), so every rank
+            calibrates at the same point even where it times nothing (a forced plan).
     """
 
     compute_us: Callable[[fx.Node, str], float]
     comm_time: Callable[[fx.Node], Callable[[int], float] | None]
+    prepare: Callable[[], None] = lambda: None
 
 
 def model_costs(gm: fx.GraphModule, config: FcollConfig, estimates: dict | None = None,
@@ -183,7 +195,10 @@ def model_costs(gm: fx.GraphModule, config: FcollConfig, estimates: dict | None 
     def comm_time(node: fx.Node) -> Callable[[int], float] | None:
         return model().comm_params(node).time_us
 
-    return BucketCosts(compute_us, comm_time)
+    def prepare() -> None:
+        model()
+
+    return BucketCosts(compute_us, comm_time, prepare)
 
 
 class _Planner:
@@ -191,8 +206,9 @@ class _Planner:
     graph's nodes, and the buckets closed so far."""
 
     def __init__(self, gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
-                 include_moves: bool) -> None:
+                 include_moves: bool, forced: ForcedPlans) -> None:
         self.costs = costs
+        self.forced = forced
         self.include_moves = include_moves
         self.cap = int(config.bucket_cap_mb * MIB)
         self.budget = int(config.memory_budget_mb * MIB)
@@ -222,6 +238,8 @@ class _Planner:
             if rejection(node, spec, waits) is not None:
                 continue
             key = self.keys(node, multi_dtype=True) + (node.target.namespace,)
+            if key[1] in self.forced:
+                continue   # its group's plan is given: nothing of it is timed here
             m = self.member(node, waits[0], key, timed=True)
             if m.comm_us is not None:
                 by_key.setdefault(key, []).append(m)
@@ -234,29 +252,35 @@ class _Planner:
         its key's open bucket (closing that first if the node cannot join it)."""
         for u in node.all_input_nodes:   # a reader of an open bucket's wait fixes that bucket
             if u in self.open_of_wait:
-                self.close(self.open_of_wait[u])
+                self.close(self.open_of_wait[u], f"{node.name} reads {u.name}")
         if spec.op not in BUCKETABLE_OPS:
             log.debug("not bucketing %s: op %s is not bucketed", node.name, spec.op)
+            self.forced.not_bucketed(node, f"{spec.op} is never bucketed")
             return
         waits = waits_of(node)
         reason = rejection(node, spec, waits)
         if reason is not None:
             log.debug("not bucketing %s: %s", node.name, reason)
+            self.forced.not_bucketed(node, reason)
             return
         # The multi-dtype bucket key plus the namespace: a merged collective and its wait
         # must come from one op library.
         key = self.keys(node, multi_dtype=True) + (node.target.namespace,)
-        m = self.member(node, waits[0], key, timed=spec.kind != "all_to_all")
+        forced = key[1] in self.forced
+        m = self.member(node, waits[0], key, timed=spec.kind != "all_to_all" and not forced)
         planned = self.lanes.get(node)
         if planned is not None:
             m.segment, m.cut = planned.segment, planned.cut
+        if forced:
+            self.forced.arrive(node, key)
         b = self.open_by_key.get(key)
         if b is not None:
-            why = join_rejection(b, m, self.cap, self.budget, self.concat)
+            why = (self.forced.rejection(b, m) if forced
+                   else join_rejection(b, m, self.cap, self.budget, self.concat))
             if why is not None:
                 log.debug("closing bucket of %s before %s: %s",
                           [x.node.name for x in b.members], node.name, why)
-                self.close(b)
+                self.close(b, why)
                 b = None
         if b is None:
             b = self.open_by_key[key] = OpenBucket(key=key)
@@ -309,10 +333,12 @@ class _Planner:
                 out.append(total)
         return out
 
-    def close(self, b: OpenBucket) -> None:
-        """Close ``b``: record it as a :class:`Bucket` if it merges, or moves, anything."""
+    def close(self, b: OpenBucket, why: str = "the end of the graph") -> None:
+        """Close ``b``: record it as a :class:`Bucket` if it merges, or moves, anything
+        (``why`` it closes: for a forced plan's errors)."""
         if self.open_by_key.get(b.key) is b:
             del self.open_by_key[b.key]
+        self.forced.close(b, why)
         for m in b.members:
             self.open_of_wait.pop(m.wait, None)
         if len(b.members) < (1 if self.include_moves else 2):
@@ -337,7 +363,8 @@ class _Planner:
 
 
 def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
-                 costs: BucketCosts | None = None, include_moves: bool = False) -> list[Bucket]:
+                 costs: BucketCosts | None = None, include_moves: bool = False,
+                 forced: Mapping[str, GroupPlan] | None = None) -> list[Bucket]:
     """Plan buckets for every bucketable collective of ``gm``; the graph is not modified.
 
     Collectives are visited in graph order; each key ((kind, group, group size, reduce op, root),
@@ -362,14 +389,23 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
             all_reduce per parameter in parameter order, and the first layer's gradient, ready
             last, would otherwise hold back every gradient traced after it (the scheduler keeps
             the relative order of collectives).
+        forced: group name -> the :class:`~fcoll.passes.group_plan.GroupPlan` that group's
+            collectives follow instead of being planned here (module docstring); neither the
+            cap, the memory budget nor the lane plan is applied to them (the plan's maker
+            applied them to the same bytes).
 
     Returns:
         Buckets of two or more members (and with ``include_moves``, of one), ordered by ``seq``
         (the order they were closed).
+
+    Raises:
+        BucketPlanError: a forced plan cannot be applied to ``gm``: it names a collective the
+            group lacks, or merges collectives that cannot be bucketed here, have different
+            bucket keys here, or whose dependencies here forbid one bucket.
     """
     config = config if config is not None else FcollConfig()
     costs = costs if costs is not None else model_costs(gm, config)
-    planner = _Planner(gm, config, costs, include_moves)
+    planner = _Planner(gm, config, costs, include_moves, ForcedPlans(gm, forced or {}))
     planner.plan_lanes()
     keys = planner.keys
     for node in planner.nodes:
@@ -378,4 +414,5 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
             planner.visit(node, spec)
     for b in sorted(planner.open_by_key.values(), key=lambda o: planner.idx[o.members[0].node]):
         planner.close(b)
+    planner.forced.check_complete(planner.buckets)
     return planner.buckets

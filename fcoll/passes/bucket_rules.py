@@ -15,8 +15,8 @@ import torch.fx as fx
 
 from fcoll.passes.bucket_key import OpArgs
 
-__all__ = ["Member", "OpenBucket", "wait_index", "rejection", "join_rejection", "add",
-           "lane_segments"]
+__all__ = ["Member", "OpenBucket", "wait_index", "rejection", "join_rejection",
+           "dependency_rejection", "add", "lane_segments"]
 
 
 @dataclass
@@ -126,15 +126,26 @@ def join_rejection(b: OpenBucket, m: Member, cap: int, budget: int, concat: bool
         held = in_bytes + b.out_bytes + m.out_bytes if concat else b.out_bytes + m.out_bytes
         if held > budget:
             return f"memory: bucket would hold {held} bytes > memory_budget {budget}"
+    why = dependency_rejection(b, m)
+    if why is not None:
+        return why
+    last = b.members[-1].segment if b.members else None
+    if m.segment is not None and last is not None and m.segment != last:
+        return f"lane plan: {m.cut}"
+    return None
+
+
+def dependency_rejection(b: OpenBucket, m: Member) -> str | None:
+    """Why ``m`` cannot join ``b`` in this graph whatever the costs, or None: the merged bucket
+    must be issued after every member input is ready and after the compute hiding a member,
+    and waited before the first use of any member result (``W <= F``, module docstring of
+    :mod:`fcoll.passes.bucket_plan`)."""
     ready = max(b.ready, m.ready)
     w = wait_index(ready, min(b.wait_idx, m.wait_idx), max(b.last_hide, m.last_hide))
     first_use = min(b.first_use, m.first_use)
     if w > first_use:
         return (f"dependency: issue point (after key {ready}) and hiding compute need the wait "
                 f"at node #{w}, after the first use of a member result (node #{first_use})")
-    last = b.members[-1].segment if b.members else None
-    if m.segment is not None and last is not None and m.segment != last:
-        return f"lane plan: {m.cut}"
     return None
 
 

@@ -46,9 +46,12 @@ after the scheduler instead, the hiding metadata keeps the planned overlap: a bu
 placed before a member's hiding compute, and a member whose hiding compute would force the wait
 past the first use of another member's result does not join.
 
-Rank agreement: every decision reads only the graph, so every rank that compiled the same graph
-issues the same buckets in the same order (:mod:`fcoll.passes.bucket_plan` states why orders can
-never differ).
+Rank agreement: which collectives merge is decided once per group, by the group's lowest rank,
+and applied by every rank of the group (:mod:`fcoll.passes.shared_plan`): ranks whose graphs
+differ in compute would otherwise time their lanes differently. Where the merged collectives go
+reads only the rank's graph, so every rank issues the same buckets in the same order
+(:mod:`fcoll.passes.bucket_plan` states why orders never differ). ``gm.meta[META_BUCKET_PLAN]``
+says where each group's plan came from.
 """
 
 from __future__ import annotations
@@ -67,11 +70,13 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fcoll.ops.facts import OPS
 from fcoll.passes.bucket_plan import Bucket, model_costs, plan_buckets
+from fcoll.passes.shared_plan import META_BUCKET_PLAN, agreed_buckets
 from fcoll.passes.graph import META_HIDING, args_by_name, check_topological, waits_of
 from fcoll.passes.registry import FcollPass, get_pass, register_pass
 from fcoll.passes.config import FcollConfig
 
-__all__ = ["BucketCollectives", "apply_buckets", "plan_buckets", "Bucket", "META_BUCKET"]
+__all__ = ["BucketCollectives", "apply_buckets", "plan_buckets", "Bucket", "META_BUCKET",
+           "META_BUCKET_PLAN"]
 
 log = logging.getLogger(__name__)
 
@@ -476,14 +481,23 @@ class BucketCollectives(FcollPass):
     """Merge collectives into buckets of at most ``config.bucket_cap_mb`` MiB of input.
 
     The lane plan needs the groups' real numbers: at a group's first compile the pass
-    calibrates it (:func:`~fcoll.passes.calibrate.model_for`), after running
-    ``check_rank_consistency`` on the unbucketed graph (unless ``config.check_ranks`` is off),
-    since a calibration on ranks whose graphs differ would hang; the pipeline's own check, after
-    this pass, still compares the bucketed sequences.
+    calibrates it (:func:`~fcoll.passes.calibrate.model_for`). Each group's merges are its
+    lowest rank's plan on every rank (:mod:`fcoll.passes.shared_plan`). Before either
+    rendezvous the pass runs ``check_rank_consistency`` on the unbucketed graph (once, unless
+    ``config.check_ranks`` is off), since ranks whose graphs differ would hang in a calibration
+    or wait for a plan nobody makes; the pipeline's own check, after this pass, still compares
+    the bucketed sequences.
 
     ``ar(g1) -> wait -> ... ar(g2) -> wait -> out`` becomes
     ``cat(g1, g2) -> ar -> ... wait -> split -> out``. See the module docstring for modes and
     placement.
+
+    Raises:
+        fcoll.passes.consistency.RankMismatchError, RankTimeoutError: the unbucketed rank
+            check failed.
+        fcoll.passes.group_plan.BucketPlanError: a group's plan cannot be applied here.
+        fcoll.passes.shared_plan.BucketPlanTimeoutError: a group's planner did not publish its
+            plan within ``config.check_timeout_s``.
     """
 
     name = "bucket_collectives"
@@ -492,12 +506,16 @@ class BucketCollectives(FcollPass):
         """Nothing more: :func:`apply_buckets` already ended with :func:`check_topological`."""
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
-        def check_ranks() -> None:   # before the first calibration of the graph's groups
-            if self.config.check_ranks:
+        checked = []
+
+        def check_ranks() -> None:   # once, before calibrating or exchanging plans
+            if self.config.check_ranks and not checked:
+                checked.append(True)
                 get_pass("check_rank_consistency", self.config)(graph_module)
 
         costs = model_costs(graph_module, self.config, self.estimates, check_ranks)
-        buckets = plan_buckets(graph_module, self.config, costs, include_moves=True)
+        buckets, origins = agreed_buckets(graph_module, self.config, costs, check_ranks)
+        graph_module.meta[META_BUCKET_PLAN] = origins
         merged = [b for b in buckets if len(b.members) > 1]
         if merged:
             log.debug("bucket_collectives: %d buckets from %d collectives", len(merged),

@@ -1,0 +1,306 @@
+"""One bucket plan per group: the group's lowest rank plans, every rank of the group applies it.
+
+Why. The lane plan (:mod:`fcoll.passes.bucket_plan`) times each rank's own graph: compute
+estimates per node, first-use and ready times. Ranks' graphs may legitimately differ while
+their collectives agree (fcoll's remap of ``dist.reduce`` copies the result on the destination
+only; uneven all_to_all splits change shapes downstream), so a close lane decision can fall
+differently on two ranks: different buckets, which ``check_rank_consistency`` reports as a
+mismatch of a valid program (the determinism audit: 1 in 1000 random cost settings with the
+same communication costs on both ranks). Here the plan is the same on every rank by
+construction: one rank makes it, the others apply it.
+
+Protocol, per shared group ``g`` (below), in the default group's store
+(``c10d._get_default_store()``, as :mod:`fcoll.passes.consistency`):
+
+1. The key is ``fcoll/bucket_plan/v1/<g>/<digest>/<options>``: ``digest`` is the sha256 of the
+   group's collective sequence *before* bucketing (:func:`~fcoll.passes.consistency.fingerprint`,
+   so every rank that compiled the same collectives computes the same key), ``options`` the
+   ones planning reads (``bucket_cap_mb``, ``bucket_mode``, ``memory_budget_mb``).
+2. The planner is the group's lowest global rank (its group rank 0: c10d sorts a group's
+   ranks). Every other rank waits for the key (``store.wait``, at most
+   ``config.check_timeout_s``, then :class:`BucketPlanTimeoutError` naming the rank, the group,
+   the key and what the planner waits for in ``check_rank_consistency``, if anything) and
+   reads it. A rank that plans some of its groups and not others first receives, then plans
+   with the received plans forced, then publishes: a rank only ever waits for lower ranks, so
+   the waits of a graph's groups never form a cycle.
+3. The planner plans and stores its merges with ``compare_set(key, "", plan)``: the first plan
+   stored under a key stays (keys are never deleted; a recompile, on one rank or on all, finds
+   it). Where the key already held another plan (an earlier compile of the same collectives on
+   this group, from another graph), the planner applies the stored one as well. So at every
+   compile every rank applies the one plan stored under the key.
+4. A plan is rank-independent: each bucket is a list of indices into the group's sequence
+   (:class:`~fcoll.passes.group_plan.GroupPlan`). Every rank applies it with
+   :func:`~fcoll.passes.bucket_plan.plan_buckets` (``forced``): exactly those merges, nothing
+   timed; where the merged collectives are issued and waited is each rank's own graph's
+   business. A plan this rank's graph cannot follow (its dependencies forbid a merge) raises
+   :class:`~fcoll.passes.group_plan.BucketPlanError` naming rank, group and collectives.
+
+Before the exchange, when ``config.check_ranks``, the pass runs ``check_rank_consistency`` on
+the unbucketed graph (once; at a group's first compile it does so anyway, before calibrating).
+Ranks whose collectives differ would otherwise wait for keys no planner writes, and raise only
+at the timeout; the check names the first differing collective at once.
+
+Not shared (each rank plans alone, as before), decided from the process group and the
+sequence only, so alike on every rank of a group: no initialised process group, PyTorch's fake
+process group, a group of one rank, no default store, and a group whose plan does not depend on
+timing (no bucket key with two or more all_reduce, all_gather or reduce_scatter collectives:
+only those are timed; all_to_all buckets are bounded by structure alone). fcoll's shared-memory
+groups are shared like any other: their lane plan is timed too.
+
+Cost per shared group and compile: the planner one ``compare_set``, every other rank one
+``wait`` and one ``get``, both a few hundred bytes (about 10 bytes per merged collective); the
+other ranks also wait for the planner to plan. Plus the unbucketed rank check where it did
+not already run. Keys stay for the store's lifetime, one per distinct sequence and options.
+
+Limits. The plan under a key is the planner's plan of the first graph compiled with those
+collectives on that group: a later graph with the same collectives gets it too (the same on
+every rank, not necessarily the best for that graph); if that graph's dependencies forbid one
+of its merges, the compile raises ``BucketPlanError`` on every rank that cannot apply it
+(options that change the key, or ``bucket=False``, avoid it). A planner that raises before
+publishing leaves the others to their timeout.
+
+The pass records where each group's plan came from in ``gm.meta[META_BUCKET_PLAN]``
+(:class:`PlanOrigin` per group; ``format()`` prints it) and logs it at DEBUG.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from fcoll.passes import consistency
+from fcoll.passes.bucket_key import BucketKeys
+from fcoll.passes.bucket_plan import BUCKETABLE_OPS, Bucket, BucketCosts, plan_buckets
+from fcoll.passes.group_plan import BucketPlanError, GroupPlan, group_plans
+from fcoll.passes.config import FcollConfig
+
+__all__ = ["agreed_buckets", "PlanOrigin", "BucketPlanTimeoutError", "META_BUCKET_PLAN",
+           "plan_key"]
+
+log = logging.getLogger(__name__)
+
+#: graph_module.meta key: group name -> :class:`PlanOrigin`, written by ``bucket_collectives``.
+META_BUCKET_PLAN = "fcoll_bucket_plan"
+
+_PREFIX = "fcoll/bucket_plan/v1"
+
+
+class BucketPlanTimeoutError(BucketPlanError):
+    """The group's planner did not publish its bucket plan within ``check_timeout_s``."""
+
+
+@dataclass(frozen=True)
+class PlanOrigin:
+    """Where one group's bucket plan came from (``gm.meta[META_BUCKET_PLAN][group]``).
+
+    Attributes:
+        group: the group's name.
+        source: "local" (planned here alone; ``detail`` says why it is not shared),
+            "published" (planned here, the group's planner, and stored under ``detail``, the
+            key), "stored" (this rank is the planner, but the key already held another plan,
+            from an earlier compile of these collectives: that one applies) or "received"
+            (read from ``planner`` under ``detail``, the key).
+        detail: see ``source``.
+        planner: the global rank whose plan this is (None: local).
+        buckets: the merges, each as indices into the group's collective sequence.
+    """
+
+    group: str
+    source: str
+    detail: str
+    planner: int | None
+    buckets: tuple[tuple[int, ...], ...]
+
+    def format(self) -> str:
+        """One line: group, source, planner and buckets."""
+        who = f" from rank {self.planner}" if self.planner is not None else ""
+        return (f"group {self.group!r}: {self.source}{who} ({self.detail}): "
+                f"{len(self.buckets)} buckets {[list(b) for b in self.buckets]}")
+
+
+class _Shared(NamedTuple):
+    """A group whose plan is exchanged: its planner (global rank), key and store."""
+
+    group: str
+    planner: int
+    key: str
+    digest: str
+    size: int
+    store: Any
+
+
+def plan_key(group: str, digest: str, config: FcollConfig) -> str:
+    """The store key of group ``group``'s plan for the unbucketed sequence ``digest`` under
+    ``config``'s planning options (module docstring)."""
+    return (f"{_PREFIX}/{group}/{digest}/cap={config.bucket_cap_mb!r}/"
+            f"mode={config.bucket_mode}/budget={config.memory_budget_mb!r}")
+
+
+def agreed_buckets(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
+                   before_exchange: Callable[[], None]) -> tuple[list[Bucket],
+                                                                 dict[str, PlanOrigin]]:
+    """Plan ``gm``'s buckets (with moves) so that every rank of each group applies one plan.
+
+    Args:
+        gm: the unbucketed graph.
+        config: the options (planning options, ``check_timeout_s``).
+        costs: the cost facts; ``costs.prepare()`` runs before any exchange, so every rank
+            calibrates at the same point.
+        before_exchange: called once before the first exchange (the pass's unbucketed rank
+            check), not at all when no group is shared.
+
+    Returns:
+        The buckets for :func:`~fcoll.passes.bucketing.apply_buckets`, and each group's
+        :class:`PlanOrigin`.
+
+    Raises:
+        BucketPlanTimeoutError: a group's planner did not publish within
+            ``config.check_timeout_s``.
+        BucketPlanError: a received or stored plan cannot be applied to ``gm``, or is
+            malformed.
+    """
+    shared: dict[str, _Shared] = {}
+    local: dict[str, str] = {}
+    for g, nodes in consistency.collectives_by_group(gm).items():
+        reason = _local_reason(g, nodes)
+        if reason is None:
+            s, reason = _shared(g, nodes, config)
+            if s is not None:
+                shared[g] = s
+        if reason is not None:
+            local[g] = reason
+            log.debug("bucket_collectives: group %r plans alone: %s", g, reason)
+    if not shared:
+        buckets = plan_buckets(gm, config, costs, include_moves=True)
+        return buckets, _origins(gm, buckets, local, {})
+    before_exchange()
+    costs.prepare()
+    rank = dist.get_rank()
+    forced = {g: _receive(s, rank, config.check_timeout_s)
+              for g, s in shared.items() if s.planner != rank}
+    sources = {g: "received" for g in forced}
+    buckets = plan_buckets(gm, config, costs, include_moves=True, forced=forced)
+    mine = [g for g, s in shared.items() if s.planner == rank]
+    if mine:
+        plans = group_plans(gm, buckets)
+        stored = {g: _publish(shared[g], plans[g]) for g in mine}
+        sources.update((g, "published" if stored[g].buckets == plans[g].buckets else "stored")
+                       for g in mine)
+        if any(sources[g] == "stored" for g in mine):
+            # Every shared group forced, not only the stored one: a new walk could change
+            # another group's plan, already published (a member may read a bucket's wait).
+            forced.update(stored)
+            buckets = plan_buckets(gm, config, costs, include_moves=True, forced=forced)
+    return buckets, _origins(gm, buckets, local, {g: (sources[g], shared[g]) for g in shared})
+
+
+def _local_reason(group: str, nodes: list[fx.Node]) -> str | None:
+    """Why ``group`` plans alone on each rank, or None: read from the process group and the
+    collective sequence only (module docstring), so alike on every rank of the group."""
+    reason, _ = consistency._skip_reason(group)
+    if reason is not None:
+        return reason
+    keys, counts = BucketKeys(), {}
+    for node in nodes:
+        spec = keys.op(node)
+        if spec is not None and spec.op in BUCKETABLE_OPS and spec.kind != "all_to_all":
+            key = keys(node, multi_dtype=True) + (node.target.namespace,)
+            counts[key] = counts.get(key, 0) + 1
+            if counts[key] > 1:
+                return None
+    return "the plan does not depend on timing (no two timed collectives of one bucket key)"
+
+
+def _shared(group: str, nodes: list[fx.Node], config: FcollConfig
+            ) -> tuple[_Shared | None, str | None]:
+    """The exchange record of ``group`` (collectives ``nodes``), or None and why not (no
+    default store)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        store = c10d._get_default_store()
+    except Exception as e:  # noqa: BLE001  no store: nothing to meet in
+        return None, f"no default store ({type(e).__name__}: {e})"
+    digest = consistency._fingerprint(group, nodes).digest
+    ranks = dist.get_process_group_ranks(c10d._resolve_process_group(group))
+    return _Shared(group, min(ranks), plan_key(group, digest, config), digest, len(nodes),
+                   store), None
+
+
+def _receive(s: _Shared, rank: int, timeout_s: float) -> GroupPlan:
+    """Wait for and read the plan of ``s``'s planner.
+
+    Raises:
+        BucketPlanTimeoutError: it did not arrive within ``timeout_s``.
+    """
+    try:
+        s.store.wait([s.key], datetime.timedelta(seconds=timeout_s))
+        raw = s.store.get(s.key)
+    except Exception as e:  # noqa: BLE001  the store's timeout error differs per store
+        raise BucketPlanTimeoutError(
+            f"bucket_collectives: rank {rank}, group {s.group!r}: no bucket plan from rank "
+            f"{s.planner} (the group's lowest rank, which plans for it) within {timeout_s:g} s "
+            f"(check_timeout_s) for the group's {s.size} collectives (sequence "
+            f"{s.digest[:12]}, store key {s.key!r}); rank {s.planner} died, is slow, or "
+            f"compiled other collectives{_doing(s)} ({type(e).__name__}: {e})") from e
+    return _decode(s, raw, f"the plan of rank {s.planner} (the group's lowest rank) for "
+                           f"sequence {s.digest[:12]}")
+
+
+def _doing(s: _Shared) -> str:
+    """What the planner waits for in ``check_rank_consistency`` now, if anything."""
+    try:
+        raw = consistency._get(s.store, consistency._waiting_key(s.planner))
+        w = consistency._Wait.parse(raw or "")
+    except Exception:  # noqa: BLE001  only for the message
+        return ""
+    return (f"; rank {s.planner} waits in check_rank_consistency for sequence {w.digest[:12]} "
+            f"on group {w.group!r}" if w is not None else "")
+
+
+def _publish(s: _Shared, plan: GroupPlan) -> GroupPlan:
+    """Store ``plan`` under ``s.key`` unless a plan is there; return the stored plan."""
+    mine = json.dumps([list(b) for b in plan.buckets])
+    stored = s.store.compare_set(s.key, "", mine)
+    if stored == mine.encode():
+        return plan
+    return _decode(s, stored, f"the plan stored for sequence {s.digest[:12]} by an earlier "
+                              f"compile")
+
+
+def _decode(s: _Shared, raw: bytes, source: str) -> GroupPlan:
+    """The :class:`GroupPlan` stored as ``raw`` under ``s.key``.
+
+    Raises:
+        BucketPlanError: ``raw`` is not a list of lists of indices.
+    """
+    try:
+        buckets = json.loads(raw)
+        if not isinstance(buckets, list) or not all(
+                isinstance(b, list) and all(type(i) is int for i in b) for b in buckets):
+            raise ValueError("not a list of lists of indices")
+    except ValueError as e:
+        raise BucketPlanError(f"bucket_collectives: group {s.group!r}: malformed bucket plan "
+                              f"under store key {s.key!r}: {e}: {raw[:200]!r}") from e
+    return GroupPlan(s.group, tuple(tuple(b) for b in buckets), source)
+
+
+def _origins(gm: fx.GraphModule, buckets: list[Bucket], local: dict[str, str],
+             shared: dict[str, tuple[str, _Shared]]) -> dict[str, PlanOrigin]:
+    """Each group's :class:`PlanOrigin` (logged at DEBUG)."""
+    plans = group_plans(gm, buckets)
+    out = {}
+    for g, plan in plans.items():
+        if g in shared:
+            source, s = shared[g]
+            out[g] = PlanOrigin(g, source, s.key, s.planner, plan.buckets)
+        else:
+            out[g] = PlanOrigin(g, "local", local.get(g, ""), None, plan.buckets)
+        log.debug("bucket_collectives: %s", out[g].format())
+    return out
