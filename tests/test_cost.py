@@ -114,11 +114,10 @@ class TestDefaults(TestCase):
         self.assertEqual(model, calibrate.model_for(canonical.ddp_backward(n_layers=1)))
 
     def test_moved_names_stay_importable_from_cost(self):
-        from fcoll.passes.calibrate import cached_model, model_for, moves_data_on_compute_cores
+        from fcoll.passes.calibrate import cached_model, model_for
 
         self.assertIs(cached_model, calibrate.cached_model)
         self.assertIs(model_for, calibrate.model_for)
-        self.assertIs(moves_data_on_compute_cores, calibrate.moves_data_on_compute_cores)
 
 
 def _calibrate_on_two_ranks(rank, world_size):
@@ -215,15 +214,13 @@ def _compute_core_groups(rank, world_size):
 
     import canonical as c
     from fcoll.passes.bucket_plan import plan_buckets
-    from fcoll.passes.calibrate import moves_data_on_compute_cores
     from fcoll.passes.config import FcollConfig
 
     gloo = dist.new_group(backend="gloo")
     out = {}
     for label, pg in (("fcoll", dist.group.WORLD), ("gloo", gloo)):
         gm = c.ddp_backward(n_layers=4, batch=512, hidden=512, group=pg.group_name)
-        out[label] = (moves_data_on_compute_cores(pg.group_name),
-                      [len(b.members) for b in plan_buckets(gm, FcollConfig())])
+        out[label] = (dist.get_backend(pg), [len(b.members) for b in plan_buckets(gm, FcollConfig())])
     return out
 
 
@@ -233,8 +230,8 @@ def test_lane_plan_is_the_same_on_network_and_shared_memory_backends():
     last merge on fcoll's backend and on gloo alike (uncalibrated: the default costs)."""
     r0, r1 = run_ranks(_compute_core_groups, 2, backend="fcoll", timeout_s=100)
     assert r0 == r1
-    assert r0["fcoll"] == (True, [4])
-    assert r0["gloo"] == (False, [4])
+    assert r0["fcoll"] == ("fcoll", [4])
+    assert r0["gloo"] == ("gloo", [4])
 
 
 def _trace_of(durations_us, nbytes=4096):

@@ -67,7 +67,6 @@ __all__ = [
     "measure_compute_rates", "calibrate_group",
     "fit_alpha_beta", "GroupCalibration", "calibrated_table", "calibration_stats",
     "host_identity", "model_for", "cached_model", "needs_calibration",
-    "moves_data_on_compute_cores",
 ]
 
 log = logging.getLogger(__name__)
@@ -560,17 +559,6 @@ def _real_group(name: str) -> Any | None:
     except Exception:  # noqa: BLE001  unknown name, no c10d: no calibration possible
         return None
     return None if _backend_name(pg) in ("fake", "unknown") else pg
-
-
-def moves_data_on_compute_cores(group_name: str) -> bool:
-    """True when the group's backend is fcoll's shared-memory one: its collectives are copies
-    and reductions run by the same CPU cores (and processes) as the compute, so "hiding" one
-    behind compute mostly shares those cores. The bucket planner's timing rule does not apply
-    to such groups: keeping collectives apart to hide them gains little when the cores are
-    shared and costs a fixed overhead per collective, so few large buckets win there, while on
-    a network backend hiding communication behind compute is what the rule buys."""
-    pg = _real_group(group_name)
-    return pg is not None and _backend_name(pg) == "fcoll"
 
 
 def _group_names(gm: fx.GraphModule) -> list[str]:
