@@ -28,7 +28,8 @@ their copies and reductions with at most cores / ranks threads, gloo its own loo
 
 ``--background-load N [N ...]`` measures an oversubscribed machine: during the measurement N
 busy processes run (:class:`BackgroundLoad`: each bounded in time, ending by itself if the
-benchmark dies, and ended by the benchmark on return, exception, Ctrl-C or SIGTERM). With
+benchmark dies, and ended by the benchmark on return, exception, Ctrl-C or SIGTERM; in the
+benchmark's session, as a job's data-loader workers are, unless ``--background-own-session``). With
 several values (``--background-load 0 2``: quiet, then with 2 busy processes) the benchmark
 runs once per value and ends with a comparison table of fcoll/gloo ratios per load and the
 issue's targets for loaded runs (fcoll at least 10x gloo at 4-64 KiB, never slower than gloo),
@@ -97,8 +98,19 @@ class BackgroundLoad:
     Bounded three ways: leaving the block (return, exception, Ctrl-C; :func:`main` turns SIGTERM
     into an exception) terminates them and waits for them; each one checks every ~0.1 s that
     its parent is still this process and exits otherwise (the benchmark was killed); and each
-    one exits by itself after ``max_s`` seconds. They run in their own session, so a Ctrl-C
-    reaches only the benchmark, which then ends them.
+    one exits by itself after ``max_s`` seconds. They ignore SIGINT, so a Ctrl-C ends only the
+    benchmark, which then ends them.
+
+    They stay in the benchmark's session (``own_session=False``), as a training job's
+    data-loader workers stay in its ranks' session. Where the kernel groups tasks by session
+    for CPU shares (``/proc/sys/kernel/sched_autogroup_enabled``, on by default in many
+    kernels, on here), busy processes in sessions of their own each get as much CPU as the
+    whole benchmark's session, ranks included: with 2 of them on 2 cores the 2 ranks shared
+    about a third of the machine, not half. Measured 2026-11-26 (2 ranks, 2 cores, 2 busy
+    processes, ``--sizes 4K 64K``, runs alternating, load 1.5-2.8): in the ranks' session the
+    10x-gloo targets passed in 10, 7 and 7 of 10 cells (fcoll 10-73 us, gloo 97-1,690 us);
+    in sessions of their own (``own_session=True``, ``--background-own-session``; this class
+    before that day) 4 and 4 of 10 (fcoll 10-71 us, gloo 121-1,429 us).
     """
 
     CODE = ("import os, signal, time\n"
@@ -108,15 +120,17 @@ class BackgroundLoad:
             "while time.monotonic() < end and os.getppid() == parent:\n"
             "    for _ in range(100000): x += 1\n")
 
-    def __init__(self, n: int, max_s: float = 1800.0, settle_s: float = 2.0) -> None:
+    def __init__(self, n: int, max_s: float = 1800.0, settle_s: float = 2.0,
+                 own_session: bool = False) -> None:
         self.n, self.max_s, self.settle_s, self.procs = n, max_s, settle_s, []
+        self.own_session = own_session
 
     def __enter__(self) -> "BackgroundLoad":
         code = self.CODE % (os.getpid(), self.max_s)
         try:
             for _ in range(self.n):
                 self.procs.append(subprocess.Popen([sys.executable, "-c", code],
-                                                   start_new_session=True))
+                                                   start_new_session=self.own_session))
             if self.n:
                 time.sleep(self.settle_s)  # let the 1-minute load average start to show them
         except BaseException:
@@ -263,6 +277,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--background-load", type=int, nargs="+", default=[0], metavar="N",
                    help="run N busy processes during the measurement (an oversubscribed "
                         "machine); several values: one run each, then a comparison")
+    p.add_argument("--background-own-session", action="store_true",
+                   help="start the busy processes in sessions of their own (with the kernel's "
+                        "autogroup on, each then gets the CPU share of the whole benchmark; "
+                        "see BackgroundLoad)")
     p.add_argument("--baseline-tree", default=None, metavar="PATH",
                    help="compare with the fcoll of this checkout (PYTHONPATH), side by side")
     p.add_argument("--micro", action="store_true",
@@ -362,7 +380,8 @@ def _run_once(args, load: int) -> dict:
     n, cuda = args.nproc, args.device == "cuda"
     timeout_s = 1200
     load_before = os.getloadavg()[0]
-    with BackgroundLoad(load, max_s=timeout_s + 120):
+    with BackgroundLoad(load, max_s=timeout_s + 120,
+                        own_session=getattr(args, "background_own_session", False)):
         if cuda:
             per_rank = cc.run(n, args.ops, args.sizes, args.reps, args.configs)
         else:
@@ -370,11 +389,13 @@ def _run_once(args, load: int) -> dict:
                                                   args.torch_threads), timeout_s=timeout_s)
         load_after = os.getloadavg()[0]
     out: dict = {"background_load": load, "torch_threads": args.torch_threads,
+                 "background_own_session": bool(getattr(args, "background_own_session", False)),
                  "loadavg": {"before": load_before, "after": load_after}}
     print(f"\n# {'CUDA tensors: fcoll ipc / staged' if cuda else 'fcoll shm'} vs gloo, {n} ranks, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{args.torch_threads if not cuda else '-'} intra-op threads per rank, "
-          f"{load} background busy processes, "
+          f"{load} background busy processes"
+          f"{' (own sessions)' if getattr(args, 'background_own_session', False) else ''}, "
           f"1-min load {load_before:.2f} before, {load_after:.2f} after")
     out.update(cc.report(per_rank, args.ops, args.sizes, n) if cuda else
                _report_cpu(args, per_rank))

@@ -214,3 +214,15 @@ def test_quiet_and_loaded_runs_side_by_side(tmp_path, capsys):
     assert "# comparison" in text and "1-min load" in text
     # main's SIGTERM handler (which ends the background load) does not outlive the call
     assert signal.getsignal(signal.SIGTERM) is handler
+
+
+@pytest.mark.timeout(60)
+def test_background_load_runs_in_the_benchmarks_session_unless_asked_otherwise():
+    """Busy processes share the ranks' session (as a job's data-loader workers do): with the
+    kernel's autogroup, processes in sessions of their own each get the CPU share of the whole
+    benchmark. ``own_session=True`` (``--background-own-session``) gives the old setup."""
+    with bench.BackgroundLoad(1, max_s=30, settle_s=0) as load:
+        assert os.getsid(load.procs[0].pid) == os.getsid(0)
+    with bench.BackgroundLoad(1, max_s=30, settle_s=0, own_session=True) as load:
+        assert os.getsid(load.procs[0].pid) == load.procs[0].pid
+    assert all(p.poll() is not None for p in load.procs)   # ended on leaving the block
