@@ -20,10 +20,11 @@ here. A node qualifies when all of these hold, read from the graph once:
 The node's waits get the call's ``wait``. Both show in ``torch.profiler`` as the ops they stand
 for would (``fcoll::all_reduce``, ``fcoll::wait_tensor``), so a profile of a compiled step shows
 where it waits whichever path ran (:func:`_in_profile`). A call whose first wait is the very
-next step of the executor's plan runs synchronously (nothing could overlap it). Each call carries a call-site tag
-in its header: the first 12 hex digits of the group's collective-sequence digest
-(:func:`fcoll.passes.consistency.fingerprint`, the rank check's) and the call's index in that
-sequence, so ranks running different call sites at one sequence number raise a mismatch.
+next step of the executor's plan runs synchronously (nothing could overlap it). Each call
+carries a call-site tag in its header: the first 12 hex digits of the group's
+collective-sequence digest (:func:`fcoll.passes.consistency.fingerprint`, the rank check's) and
+the call's index in that sequence, so ranks running different call sites at one sequence number
+raise a mismatch.
 """
 
 from __future__ import annotations

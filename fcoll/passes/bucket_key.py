@@ -103,6 +103,15 @@ class BucketKeys:
             key += (tuple(v.dtype for v in vals if isinstance(v, torch.Tensor)),)
         return key
 
+    def merge_key(self, node: fx.Node) -> tuple:
+        """The key the bucket planner merges ``node`` under: the multi-dtype bucket key plus
+        the op's namespace (a merged collective and its wait must come from one op library).
+
+        Raises:
+            ValueError: ``node`` is not a collective.
+        """
+        return self(node, multi_dtype=True) + (node.target.namespace,)
+
 
 def bucket_key(node: fx.Node, *, multi_dtype: bool = False) -> tuple:
     """The bucket key of collective ``node`` (see the module docstring).

@@ -92,7 +92,7 @@ from fcoll.passes.graph import META_HIDING, tensor_bytes, waits_of
 from fcoll.passes.memory import OTHER, op_class
 
 __all__ = ["Bucket", "BucketCosts", "model_costs", "plan_buckets", "BUCKETABLE_OPS", "MIB",
-           "GroupPlan", "BucketPlanError"]
+           "GroupPlan", "BucketPlanError", "lane_timed"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,12 @@ MIB = 2**20
 #: Op names (either namespace) that bucket_collectives merges.
 BUCKETABLE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                   "all_to_all_single")
+
+
+def lane_timed(spec: OpArgs) -> bool:
+    """Whether the lane plan times collectives of ``spec``'s op: the bucketable ones except
+    all_to_all, whose buckets only structure bounds."""
+    return spec.op in BUCKETABLE_OPS and spec.kind != "all_to_all"
 
 
 @dataclass(frozen=True)
@@ -232,12 +238,12 @@ class _Planner:
         by_key: dict[tuple, list[Member]] = {}
         for node in self.nodes:
             spec = self.keys.op(node) if node.op == "call_function" else None
-            if spec is None or spec.op not in BUCKETABLE_OPS or spec.kind == "all_to_all":
+            if spec is None or not lane_timed(spec):
                 continue
             waits = waits_of(node)
             if rejection(node, spec, waits) is not None:
                 continue
-            key = self.keys(node, multi_dtype=True) + (node.target.namespace,)
+            key = self.keys.merge_key(node)
             if key[1] in self.forced:
                 continue   # its group's plan is given: nothing of it is timed here
             m = self.member(node, waits[0], key, timed=True)
@@ -263,11 +269,9 @@ class _Planner:
             log.debug("not bucketing %s: %s", node.name, reason)
             self.forced.not_bucketed(node, reason)
             return
-        # The multi-dtype bucket key plus the namespace: a merged collective and its wait
-        # must come from one op library.
-        key = self.keys(node, multi_dtype=True) + (node.target.namespace,)
+        key = self.keys.merge_key(node)
         forced = key[1] in self.forced
-        m = self.member(node, waits[0], key, timed=spec.kind != "all_to_all" and not forced)
+        m = self.member(node, waits[0], key, timed=lane_timed(spec) and not forced)
         planned = self.lanes.get(node)
         if planned is not None:
             m.segment, m.cut = planned.segment, planned.cut

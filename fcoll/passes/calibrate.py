@@ -93,8 +93,8 @@ def reps_for(nbytes: int) -> int:
     change of size are slower on fcoll's backend (its waits adapt to their recent history), and
     with 5 runs the calibrated 1 MiB medians were 1.27-1.44x what the same cells measure in a
     longer back-to-back run (2 ranks, load 4-5, 3 paired repeats, five kinds); with 6, and the
-    untimed run at 4 MiB as well, 1.14-1.26x (9 runs: 1.00-1.24x,
-    no better within the noise, and 50 % more time at 4 MiB).
+    untimed run at 4 MiB as well, 1.14-1.26x (9 runs: 1.00-1.24x, no better within the noise,
+    and 50 % more time at 4 MiB).
     """
     return 9 if nbytes <= 256 << 10 else 6 if nbytes <= 4 << 20 else 3
 

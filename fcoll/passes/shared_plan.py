@@ -76,7 +76,7 @@ import torch.fx as fx
 
 from fcoll.passes import consistency
 from fcoll.passes.bucket_key import BucketKeys
-from fcoll.passes.bucket_plan import BUCKETABLE_OPS, Bucket, BucketCosts, plan_buckets
+from fcoll.passes.bucket_plan import Bucket, BucketCosts, lane_timed, plan_buckets
 from fcoll.passes.group_plan import BucketPlanError, GroupPlan, group_plans
 from fcoll.passes.config import FcollConfig
 
@@ -209,8 +209,8 @@ def _local_reason(group: str, nodes: list[fx.Node]) -> str | None:
     keys, counts = BucketKeys(), {}
     for node in nodes:
         spec = keys.op(node)
-        if spec is not None and spec.op in BUCKETABLE_OPS and spec.kind != "all_to_all":
-            key = keys(node, multi_dtype=True) + (node.target.namespace,)
+        if spec is not None and lane_timed(spec):
+            key = keys.merge_key(node)
             counts[key] = counts.get(key, 0) + 1
             if counts[key] > 1:
                 return None

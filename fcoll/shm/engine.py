@@ -235,13 +235,13 @@ class Engine:
         self.seq = seq + 1
         ch.seq = seq
         try:
+            call = (ch, plan, *args, plan.tail.encode(seq), f"{plan.name} (collective #{seq})",
+                    time.monotonic())
             if args[0].nbytes >= THREAD_LIMIT_BYTES:
                 with self._fewer_threads:
-                    fn(ch, plan, *args, plan.tail.encode(seq),
-                       f"{plan.name} (collective #{seq})", time.monotonic())
+                    fn(*call)
             else:
-                fn(ch, plan, *args, plan.tail.encode(seq),
-                   f"{plan.name} (collective #{seq})", time.monotonic())
+                fn(*call)
         except BaseException as e:  # noqa: BLE001  carried to the caller
             return self._failed(plan.name, e, seq)
         finally:
