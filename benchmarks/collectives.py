@@ -29,14 +29,15 @@ their copies and reductions with at most cores / ranks threads, gloo its own loo
 ``--background-load N [N ...]`` measures an oversubscribed machine: during the measurement N
 busy processes run (:class:`BackgroundLoad`: each bounded in time, ending by itself if the
 benchmark dies, and ended by the benchmark on return, exception, Ctrl-C or SIGTERM; in the
-benchmark's session, as a job's data-loader workers are, unless ``--background-own-session``). With
-several values (``--background-load 0 2``: quiet, then with 2 busy processes) the benchmark
-runs once per value and ends with a comparison table of fcoll/gloo ratios per load and the
-issue's targets for loaded runs (fcoll at least 10x gloo at 4-64 KiB, never slower than gloo),
-printed as PASS/FAIL lines (also after a single loaded run); every table states the 1-minute
-load average while it ran (``op_loadavg`` in the JSON). With several values the JSON has
-``runs`` (one body as above per value); its top-level ``results``, ``loadavg`` and
-``background_load`` are the first run's, and ``loaded_targets`` lists the PASS/FAIL lines.
+benchmark's session, as a job's data-loader workers are, unless
+``--background-own-session``). With several values (``--background-load 0 2``: quiet, then
+with 2 busy processes) the benchmark runs once per value and ends with a comparison table of
+fcoll/gloo ratios per load and the issue's targets for loaded runs (fcoll at least 10x gloo at
+4-64 KiB, never slower than gloo), printed as PASS/FAIL lines (also after a single loaded
+run); every table states the 1-minute load average while it ran (``op_loadavg`` in the
+JSON). With several values the JSON has ``runs`` (one body as above per value); its top-level
+``results``, ``loadavg`` and ``background_load`` are the first run's, and ``loaded_targets``
+lists the PASS/FAIL lines.
 
 ``--baseline-tree PATH --rounds R`` compares this tree's fcoll with another checkout's (a
 ``git worktree`` of an earlier commit) in one run (with ``--background-load N``, every run
@@ -381,7 +382,7 @@ def _run_once(args, load: int) -> dict:
     timeout_s = 1200
     load_before = os.getloadavg()[0]
     with BackgroundLoad(load, max_s=timeout_s + 120,
-                        own_session=getattr(args, "background_own_session", False)):
+                        own_session=args.background_own_session):
         if cuda:
             per_rank = cc.run(n, args.ops, args.sizes, args.reps, args.configs)
         else:
@@ -389,13 +390,13 @@ def _run_once(args, load: int) -> dict:
                                                   args.torch_threads), timeout_s=timeout_s)
         load_after = os.getloadavg()[0]
     out: dict = {"background_load": load, "torch_threads": args.torch_threads,
-                 "background_own_session": bool(getattr(args, "background_own_session", False)),
+                 "background_own_session": args.background_own_session,
                  "loadavg": {"before": load_before, "after": load_after}}
     print(f"\n# {'CUDA tensors: fcoll ipc / staged' if cuda else 'fcoll shm'} vs gloo, {n} ranks, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{args.torch_threads if not cuda else '-'} intra-op threads per rank, "
           f"{load} background busy processes"
-          f"{' (own sessions)' if getattr(args, 'background_own_session', False) else ''}, "
+          f"{' (own sessions)' if args.background_own_session else ''}, "
           f"1-min load {load_before:.2f} before, {load_after:.2f} after")
     out.update(cc.report(per_rank, args.ops, args.sizes, n) if cuda else
                _report_cpu(args, per_rank))

@@ -31,7 +31,8 @@ Phases, per rank, in seconds (the table shows rank 0's, the median over reps):
   (``lower_c10d_functional``, ``bucket_collectives``, ``check_rank_consistency`` (the rank
   check), ``reorder_for_overlap``, ...); ``calibration`` (the cost model's
   ``calibrate_group``, timed by wrapping it; it runs inside whichever pass first needs the cost
-  model, and that pass's row excludes it); ``executor`` (building the executor, direct calls included); ``listeners``.
+  model, and that pass's row excludes it); ``executor`` (building the executor, direct calls
+  included); ``listeners``.
 
 Printed: the table, the ratio fcoll / aot_eager of the first call (target <= 1.3x, issue
 #17.4), and the load average (1, 5, 15 min) before and after. JSON: every rep's numbers.

@@ -146,7 +146,7 @@ def report(results: list[dict], ops: list[str], sizes: list[int], tol: float) ->
                 meas = max(per_rank)
                 pred, old = curve.time_us(size), _two_point(curve, size)
                 ok, old_ok = abs(pred / meas - 1) <= tol, abs(old / meas - 1) <= tol
-                waits = [r.get("waits", {}).get((backend, kind, size)) for r in results]
+                waits = [r["waits"].get((backend, kind, size)) for r in results]
                 cells.append({"backend": backend, "op": kind, "bytes": size,
                               "predicted_us": pred, "measured_us": meas, "ratio": pred / meas,
                               "measured_us_per_rank": per_rank, "waits_per_rank": waits,
