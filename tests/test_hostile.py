@@ -135,9 +135,9 @@ def _crafted() -> dict[str, bytes]:
 def test_crafted_headers_are_rejected_without_allocating_or_taking_time():
     for what, bad in _crafted().items():
         tracemalloc.start()
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # CPU time: a shared machine may deschedule the test
         err = _check_peer(bad)
-        elapsed = time.perf_counter() - t0
+        elapsed = time.thread_time() - t0
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         assert isinstance(err, MalformedHeaderError), (what, err)
