@@ -17,7 +17,10 @@ Conventions (nccl-tests, ``doc/PERFORMANCE.md``):
   all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast 1.
 
 The JSON holds, per op and size in bytes: ``fcoll_us``, ``gloo_us``, ``fcoll_busbw_gbps``,
-``gloo_busbw_gbps``, ``speedup`` (gloo time / fcoll time), and ``loadavg`` (the 1-minute load
+``gloo_busbw_gbps``, ``speedup`` (gloo time / fcoll time), ``fcoll_waits`` (per rank, how
+fcoll's waits went in the timed calls: ``spun`` polled the peer in, ``slept`` slept on the
+futex (a wake-up each, tens of us on a busy machine), ``spin_failed`` spins that ran out; the
+table prints spun/slept; the barrier before each repetition not counted), and ``loadavg`` (the 1-minute load
 average before and after the run; on a shared machine ratios are only comparable at similar
 load). ``--repeat K`` runs K times the repetitions per size, for steadier medians on a noisy
 machine; ``--ops`` and ``--sizes`` (bytes, or with a K / M suffix: ``4K 128M``) restrict the
@@ -193,6 +196,17 @@ def _make_call(op: str, size: int, n: int, group):
     raise ValueError(op)
 
 
+# the wait counters of fcoll's channel a cell reports (fcoll.shm.sync.Channel.stats): waits
+# that polled the peer in, that slept, and spins that ran out
+WAIT_KINDS = ("spun", "slept", "spin_failed")
+
+
+def _wait_counts() -> dict | None:
+    """The wait counters of the default group's fcoll channel, or None (not fcoll's backend)."""
+    ch = getattr(getattr(dist.group.WORLD, "_engine", None), "ch", None)
+    return dict(ch.stats) if ch is not None else None
+
+
 def _iters(size: int) -> tuple[int, int]:
     """(calls per repetition, repetitions) so that a size costs about the same wall time."""
     if size <= 64 * KiB:
@@ -204,12 +218,20 @@ def _iters(size: int) -> tuple[int, int]:
     return 1, 5
 
 
-def _timed(call, k: int, barrier) -> float:
+def _timed(call, k: int, barrier, waits: dict | None = None) -> float:
+    """Microseconds per call of ``k`` back-to-back ``call()`` after a ``barrier()``; adds the
+    increments of fcoll's wait counters in the ``k`` calls (not the barrier) to ``waits``."""
     barrier()
+    before = _wait_counts() if waits is not None else None
     t0 = time.perf_counter()
     for _ in range(k):
         call()
-    return (time.perf_counter() - t0) / k * 1e6
+    us = (time.perf_counter() - t0) / k * 1e6
+    if before is not None:
+        after = _wait_counts()
+        for kind in waits:
+            waits[kind] += after[kind] - before[kind]
+    return us
 
 
 def _bench(rank: int, world: int, ops: list[str], sizes: list[int], repeat: int = 1,
@@ -231,11 +253,14 @@ def _bench(rank: int, world: int, ops: list[str], sizes: list[int], repeat: int 
             for call in calls.values():  # warm up (page faults, first-touch)
                 call()
             times = {"fcoll": [], "gloo": []}
+            waits = dict.fromkeys(WAIT_KINDS, 0)
             for rep in range(reps):
                 order = ("fcoll", "gloo") if rep % 2 == 0 else ("gloo", "fcoll")
                 for name in order:
-                    times[name].append(_timed(calls[name], k, barrier))
+                    times[name].append(_timed(calls[name], k, barrier,
+                                              waits if name == "fcoll" else None))
             res[(op, size)] = {name: statistics.median(v) for name, v in times.items()}
+            res[(op, size)]["waits"] = waits
             del calls
         res[("loadavg", op)] = (load0, os.getloadavg()[0])
     return res
@@ -313,19 +338,22 @@ def _report_cpu(args, per_rank) -> dict:
         out["op_loadavg"][op] = la
         print(f"\n# {op}  (busbw factor {bus_factor(op, n):.3g}{load})")
         print(f"{'size':>9} | {'fcoll us':>10} {'algbw':>7} {'busbw':>7} | "
-              f"{'gloo us':>10} {'algbw':>7} {'busbw':>7} | {'speedup':>7}")
+              f"{'gloo us':>10} {'algbw':>7} {'busbw':>7} | {'speedup':>7} | "
+              "fcoll waits spun/slept per rank")
         for size in args.sizes:
             t = {b: max(r[(op, size)][b] for r in per_rank) for b in ("fcoll", "gloo")}
             alg = {b: size / (t[b] * 1e-6) / 1e9 for b in t}
             bus = {b: alg[b] * bus_factor(op, n) for b in t}
+            waits = [r[(op, size)]["waits"] for r in per_rank]
             print(f"{fmt_size(size):>9} | {t['fcoll']:>10.1f} {alg['fcoll']:>7.2f} "
                   f"{bus['fcoll']:>7.2f} | {t['gloo']:>10.1f} {alg['gloo']:>7.2f} "
-                  f"{bus['gloo']:>7.2f} | {t['gloo'] / t['fcoll']:>6.1f}x")
+                  f"{bus['gloo']:>7.2f} | {t['gloo'] / t['fcoll']:>6.1f}x | "
+                  + " ".join(f"{w['spun']}/{w['slept']}" for w in waits))
             out["results"].setdefault(op, {})[str(size)] = {
                 "fcoll_us": t["fcoll"], "gloo_us": t["gloo"],
                 "fcoll_busbw_gbps": bus["fcoll"], "gloo_busbw_gbps": bus["gloo"],
                 "fcoll_algbw_gbps": alg["fcoll"], "gloo_algbw_gbps": alg["gloo"],
-                "speedup": t["gloo"] / t["fcoll"],
+                "speedup": t["gloo"] / t["fcoll"], "fcoll_waits": waits,
             }
     return out
 

@@ -365,14 +365,16 @@ def _local_channel(world: int = 2) -> tuple[Channel, Segment]:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable CPUs")
 def test_a_rank_on_its_peers_cpu_moves_off_it_and_keeps_its_affinity(monkeypatch):
     """Two ranks on one CPU never meet by spinning: after a failed spin, a rank whose peer
-    last waited on its CPU moves its thread to another CPU (when one is idle), at most once
-    per SPREAD_INTERVAL_S, and its affinity mask is what it was."""
+    last waited on its CPU moves its thread to another CPU (while the machine runs at most
+    SPREAD_MAX_RUNNABLE_PER_CPU tasks per CPU), at most once per SPREAD_INTERVAL_S, and its
+    affinity mask is what it was."""
     from fcoll.shm.segment import W_CPU
 
-    monkeypatch.setattr(sync, "runnable_tasks", lambda: 1)
+    mask = os.sched_getaffinity(0)
+    crowded = sync.SPREAD_MAX_RUNNABLE_PER_CPU * len(mask)  # the most tasks it moves at
+    monkeypatch.setattr(sync, "runnable_tasks", lambda: crowded)
     ch, seg = _local_channel()
     peer_word = seg.layout.word(1, W_CPU)
-    mask = os.sched_getaffinity(0)
     getcpu = ctypes.CDLL(None).sched_getcpu
     moved = False
     for _ in range(20):  # the thread may migrate on its own between getcpu and _spread
@@ -389,9 +391,9 @@ def test_a_rank_on_its_peers_cpu_moves_off_it_and_keeps_its_affinity(monkeypatch
     ch._spread_at = -sync.SPREAD_INTERVAL_S
     seg.words[peer_word] = 0  # the peer never waited: nothing known, stay
     assert not ch._spread()
-    monkeypatch.setattr(sync, "runnable_tasks", lambda: 64)
+    monkeypatch.setattr(sync, "runnable_tasks", lambda: crowded + 1)
     seg.words[peer_word] = getcpu() + 1
-    assert not ch._spread(), "moved although every CPU is busy"
+    assert not ch._spread(), "moved although every CPU is crowded"
     assert ch.stats["moved"] == 1
 
 

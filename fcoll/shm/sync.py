@@ -94,6 +94,8 @@ _MAX_SKIP = 63  # at most this many waits sleep at once after a spin ran out (th
 # A spinning wait spins longer by the time the peers need to write the phase's data at this
 # rate (1 MiB: 262 us more), see Channel.transfer_s
 TRANSFER_BYTES_PER_S = 4e9
+# ... and only while the machine runs at most this many tasks per CPU (Channel._spread)
+SPREAD_MAX_RUNNABLE_PER_CPU = 3
 SPREAD_INTERVAL_S = 0.05  # a channel moves its thread off a peer's CPU at most this often
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
@@ -377,13 +379,29 @@ class Channel:
         (5 runs each, in one session at load 2.3-2.9). The move sets this thread's affinity
         to the other allowed CPUs (the kernel migrates it at once) and then restores the
         mask it had, so the process's affinity is unchanged and the scheduler stays free to
-        place it later. It moves only when the machine has an idle CPU (:func:`runnable_tasks`
-        at most the CPUs this thread may use): on an oversubscribed machine the ranks only
-        trade the peer for a busy process, and one CPU's direct hand-off between sleeping
-        ranks does as well (measured at load 12-14, both ranks started on one CPU, 4 runs of
-        4 x 2000 calls each: with the gate they stayed there, 72-300 us per call; with it
-        forced open they moved, 153-350 us). Each rank publishes its CPU (``W_CPU``,
-        1 + cpu) whenever a spin ran out or it goes to sleep; a channel moves at most every
+        place it later.
+
+        It moves only while the machine runs at most :data:`SPREAD_MAX_RUNNABLE_PER_CPU` tasks
+        per CPU this thread may use (:func:`runnable_tasks`, the ranks included): with about
+        one busy process per CPU a rank that moves shares a CPU with one of them and the two
+        ranks meet by spinning whenever both run, but with several per CPU it gets a small
+        share of its new CPU, and one CPU's direct hand-off between the sleeping ranks does
+        better. Measured on the 2-core machine, 2 ranks, all_to_all / broadcast / all_reduce
+        at 4-64 KiB, each cell 15 x 20 calls interleaved with gloo's (``fcoll``'s waits
+        alternate with gloo's blocking reads, as in ``benchmarks/collectives.py``), mean per
+        cell over 27 cells (ranges over 2-3 runs):
+
+        ========================  ========  =========  =========
+        busy processes             2         4          8
+        ========================  ========  =========  =========
+        idle CPU only (1/CPU)     23-33 us  33-48 us   46-55 us
+        at most 3 tasks per CPU   17-22 us  29-34 us   51-58 us
+        always                    17-21 us  26-40 us   103-124 us
+        ========================  ========  =========  =========
+
+        (and at load 12-14, both ranks started on one CPU, 4 runs of 4 x 2000 calls: 72-300 us
+        per call staying, 153-350 us moving). Each rank publishes its CPU (``W_CPU``, 1 + cpu)
+        whenever a spin ran out or it goes to sleep; a channel moves at most every
         :data:`SPREAD_INTERVAL_S`.
         """
         words = self.words
@@ -397,8 +415,8 @@ class Channel:
         self._spread_at = now
         try:
             allowed = os.sched_getaffinity(0)
-            if runnable_tasks() > len(allowed):
-                return False  # no idle CPU to go to: sharing one with the peer is as good
+            if runnable_tasks() > SPREAD_MAX_RUNNABLE_PER_CPU * len(allowed):
+                return False  # every CPU is crowded: sharing one with the peer does better
             taken = {words[i] - 1 for i in self._peer_cpu_idx}
             others = (allowed - taken) or (allowed - {cpu})
             if not others:
