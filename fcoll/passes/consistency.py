@@ -268,6 +268,27 @@ def _skip_reason(group_name: str) -> tuple[str | None, dist.ProcessGroup | None]
     return None, pg
 
 
+def skip_reason(group_name: str) -> str | None:
+    """Why ranks of the group called ``group_name`` need not (or cannot) agree on anything,
+    or None: no process group initialised, an unknown name, a fake group, a group of one rank.
+    Read from the process group only, so the same on every rank of the group."""
+    return _skip_reason(group_name)[0]
+
+
+def sequence_digest(group_name: str, nodes: list[fx.Node]) -> str:
+    """SHA-256 (hex) of the collective sequence ``nodes`` of group ``group_name``: op, dtype,
+    shape and reduce op of each, in order (the digest ranks meet on in
+    :func:`check_rank_consistency`)."""
+    return _fingerprint(group_name, nodes).digest
+
+
+def waiting_for(store: dist.Store, rank: int) -> tuple[str, str] | None:
+    """``(group name, sequence digest)`` that global rank ``rank`` waits for in
+    :func:`check_rank_consistency` now, or None (it waits for nothing). Never blocks."""
+    w = _Wait.parse(_get(store, _waiting_key(rank)) or "")
+    return (w.group, w.digest) if w is not None else None
+
+
 def compare_across_ranks(fp: Fingerprint, pg: dist.ProcessGroup, timeout_s: float,
                          store: dist.Store | None = None) -> str:
     """Publish ``fp`` and wait until every rank of ``pg`` has published the same sequence.

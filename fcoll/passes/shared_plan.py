@@ -203,7 +203,7 @@ def agreed_buckets(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
 def _local_reason(group: str, nodes: list[fx.Node]) -> str | None:
     """Why ``group`` plans alone on each rank, or None: read from the process group and the
     collective sequence only (module docstring), so alike on every rank of the group."""
-    reason, _ = consistency._skip_reason(group)
+    reason = consistency.skip_reason(group)
     if reason is not None:
         return reason
     keys, counts = BucketKeys(), {}
@@ -227,7 +227,7 @@ def _shared(group: str, nodes: list[fx.Node], config: FcollConfig
         store = c10d._get_default_store()
     except Exception as e:  # noqa: BLE001  no store: nothing to meet in
         return None, f"no default store ({type(e).__name__}: {e})"
-    digest = consistency._fingerprint(group, nodes).digest
+    digest = consistency.sequence_digest(group, nodes)
     ranks = dist.get_process_group_ranks(c10d._resolve_process_group(group))
     return _Shared(group, min(ranks), plan_key(group, digest, config), digest, len(nodes),
                    store), None
@@ -256,12 +256,14 @@ def _receive(s: _Shared, rank: int, timeout_s: float) -> GroupPlan:
 def _doing(s: _Shared) -> str:
     """What the planner waits for in ``check_rank_consistency`` now, if anything."""
     try:
-        raw = consistency._get(s.store, consistency._waiting_key(s.planner))
-        w = consistency._Wait.parse(raw or "")
+        waiting = consistency.waiting_for(s.store, s.planner)
     except Exception:  # noqa: BLE001  only for the message
         return ""
-    return (f"; rank {s.planner} waits in check_rank_consistency for sequence {w.digest[:12]} "
-            f"on group {w.group!r}" if w is not None else "")
+    if waiting is None:
+        return ""
+    group, digest = waiting
+    return (f"; rank {s.planner} waits in check_rank_consistency for sequence {digest[:12]} "
+            f"on group {group!r}")
 
 
 def _publish(s: _Shared, plan: GroupPlan) -> GroupPlan:
