@@ -83,7 +83,7 @@ from fcoll.passes.registry import FcollPass, register_pass
 
 __all__ = ["CheckRankConsistency", "Fingerprint", "fingerprint", "collectives_by_group",
            "RankMismatchError", "RankTimeoutError", "compare_across_ranks", "RankCheck",
-           "META_RANK_CHECK"]
+           "META_RANK_CHECK", "skip_reason", "sequence_digest", "waiting_for"]
 
 #: graph_module.meta key: group name -> :class:`RankCheck`, written by the pass.
 META_RANK_CHECK = "fcoll_rank_check"
