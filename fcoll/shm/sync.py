@@ -94,9 +94,9 @@ _MAX_SKIP = 63  # at most this many waits sleep at once after a spin ran out (th
 # A spinning wait spins longer by the time the peers need to write the phase's data at this
 # rate (1 MiB: 262 us more), see Channel.transfer_s
 TRANSFER_BYTES_PER_S = 4e9
+SPREAD_INTERVAL_S = 0.05  # a channel moves its thread off a peer's CPU at most this often
 # ... and only while the machine runs at most this many tasks per CPU (Channel._spread)
 SPREAD_MAX_RUNNABLE_PER_CPU = 3
-SPREAD_INTERVAL_S = 0.05  # a channel moves its thread off a peer's CPU at most this often
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
