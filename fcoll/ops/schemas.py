@@ -1,0 +1,115 @@
+"""The ``torch.ops.fcoll`` op definitions: the library, every op's schema and tags, which ops
+are side effects, and the output-shape rules the eager and fake kernels share.
+
+Schemas mirror ``torch.ops._c10d_functional`` (same names, argument order, string ``group_name``),
+so a graph pass can rewrite one namespace into the other by swapping the target alone. The eager
+kernels are registered by :mod:`fcoll.ops.library`, the fake kernels by :mod:`fcoll.ops.fakes`;
+importing :mod:`fcoll.ops.library` does all three.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcoll import compat
+
+lib = torch.library.Library("fcoll", "DEF")  # noqa: TOR901  (ops defined once, at import)
+
+_PT2 = (torch.Tag.pt2_compliant_tag,)
+
+_G = compat.GROUP_NAME_TYPE   # "Any" where torch's own ops take a group object too (2.13)
+
+SCHEMAS = {
+    "all_reduce": f"all_reduce(Tensor input, str reduce_op, {_G} group_name) -> Tensor",
+    "all_reduce_":
+        f"all_reduce_(Tensor(a!) input, str reduce_op, {_G} group_name) -> Tensor(a!)",
+    "all_reduce_coalesced":
+        f"all_reduce_coalesced(Tensor[] inputs, str reduce_op, {_G} group_name) -> Tensor[]",
+    "all_reduce_coalesced_":
+        f"all_reduce_coalesced_(Tensor[](a!) inputs, str reduce_op, {_G} group_name) "
+        f"-> Tensor[](a!)",
+    "all_gather_into_tensor":
+        f"all_gather_into_tensor(Tensor input, int group_size, {_G} group_name) -> Tensor",
+    "all_gather_into_tensor_out":
+        f"all_gather_into_tensor_out(Tensor input, int group_size, {_G} group_name, *, "
+        f"Tensor(a!) out) -> Tensor(a!)",
+    "all_gather_into_tensor_coalesced":
+        f"all_gather_into_tensor_coalesced(Tensor[] inputs, int group_size, {_G} group_name) "
+        f"-> Tensor[]",
+    "reduce_scatter_tensor":
+        f"reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, {_G} group_name) "
+        f"-> Tensor",
+    "reduce_scatter_tensor_out":
+        f"reduce_scatter_tensor_out(Tensor input, str reduce_op, int group_size, "
+        f"{_G} group_name, *, Tensor(a!) out) -> Tensor(a!)",
+    "reduce_scatter_tensor_coalesced":
+        f"reduce_scatter_tensor_coalesced(Tensor[] inputs, str reduce_op, int group_size, "
+        f"{_G} group_name) -> Tensor[]",
+    "all_to_all_single":
+        f"all_to_all_single(Tensor input, SymInt[] output_split_sizes, "
+        f"SymInt[] input_split_sizes, {_G} group_name) -> Tensor",
+    "broadcast": f"broadcast(Tensor input, int src, {_G} group_name) -> Tensor",
+    "broadcast_": f"broadcast_(Tensor(a!) input, int src, {_G} group_name) -> Tensor(a!)",
+    "wait_tensor": "wait_tensor(Tensor tensor) -> Tensor",
+    # Point-to-point, as torch 2.13's _c10d_functional has them (a str group name there too);
+    # ``dst`` / ``src`` / ``peer_list`` are global ranks.
+    "isend": "isend(Tensor tensor, int dst, int tag, str group_name) -> Tensor",
+    "irecv": "irecv(Tensor tensor, int src, int tag, str group_name) -> Tensor",
+    "batch_p2p_ops":
+        "batch_p2p_ops(str[] op_list, int[] peer_list, int[] tag_list, Tensor[] tensors, "
+        "str group_name) -> Tensor[]",
+}
+
+_EXTRA_TAGS = {
+    # Tagging in-place and out= variants lets AOTAutograd functionalize them
+    # (auto_functionalized_v2) instead of rejecting their aliased returns. torch 2.11 has neither
+    # tag nor that support; there functionalize_as_twins stands in (a no-op on 2.13).
+    "all_reduce_": compat.INPLACE_TAGS,
+    "broadcast_": compat.INPLACE_TAGS,
+    "all_gather_into_tensor_out": compat.OUT_TAGS,
+    "reduce_scatter_tensor_out": compat.OUT_TAGS,
+}
+
+for _name, _schema in SCHEMAS.items():
+    lib.define(_schema, tags=_PT2 + _EXTRA_TAGS.get(_name, ()))
+
+compat.functionalize_as_twins(lib, {"all_reduce_": "all_reduce", "broadcast_": "broadcast",
+                                     "all_gather_into_tensor_out": "all_gather_into_tensor",
+                                     "reduce_scatter_tensor_out": "reduce_scatter_tensor"})
+# A list of aliased returns (``Tensor[](a!)``, as torch's own op returns) is auto-functionalized
+# by no torch version, and Tag.inplace needs a single first tensor: the twin kernel on every one.
+compat.functionalize_as_twins(lib, {"all_reduce_coalesced_": "all_reduce_coalesced"},
+                              always=True)
+
+torch.fx.node.has_side_effect(torch.ops.fcoll.wait_tensor.default)
+
+# wait_tensor's kernel returns a completed *copy* of its input, never the input itself. Custom ops
+# may not return an alias of an input: AOTAutograd's first-call analysis raises on it under CI=1
+# (torch._functorch.config.error_on_custom_op_aliasing) and warns otherwise, "to become an error";
+# PyTorch exempts only its own _c10d_functional namespace (runtime_wrappers.py, pytorch#170986).
+# The copy also keeps Inductor, which treats the op as a functional fallback kernel, from reusing
+# the collective's buffer while the wait's output is alive. The copy-free paths are fcoll's own:
+# the backend's executor and AsyncCollectiveTensor call fcoll.ops.pending.wait directly.
+for _inplace in ("all_reduce_", "all_reduce_coalesced_", "all_gather_into_tensor_out",
+                 "reduce_scatter_tensor_out", "broadcast_", "isend", "irecv", "batch_p2p_ops"):
+    torch.fx.node.has_side_effect(getattr(torch.ops.fcoll, _inplace).default)
+
+# ---------------------------------------------------------------------------------------------
+# Output shapes (per rank; shared by the eager and fake kernels)
+
+def _gathered_shape(input: torch.Tensor, group_size: int) -> list:
+    if input.dim() == 0:
+        return [group_size]
+    return [group_size * input.size(0), *input.shape[1:]]
+
+
+def _scattered_shape(input: torch.Tensor, group_size: int) -> list:
+    return [input.size(0) // group_size, *input.shape[1:]]
+
+
+def _p2p_output(op: str, t: torch.Tensor) -> torch.Tensor:
+    if op == "isend":
+        return t.new_empty(0)
+    if op == "irecv":
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+    raise ValueError(f"fcoll.batch_p2p_ops: op {op!r} is not 'isend' or 'irecv'")
