@@ -14,6 +14,13 @@ reduce_scatter ``[n * N, ...] -> [N, ...]``; all_to_all_single ``[sum(in_splits)
 [sum(out_splits), ...]``; broadcast / reduce in place. Reduce ops follow
 :mod:`fcoll.ops.reduce`: ``avg`` is valid on every dtype but bool, and truncates toward zero on
 integers.
+
+The class holds the group's identity, lifecycle, submission (``_submit``) and its data-movement
+collectives (all_gather, all_to_all, broadcast, barrier, gather, scatter, point-to-point). The
+collectives that take a reduce op (all_reduce, reduce, their coalesced forms, reduce_scatter)
+are functions of :mod:`fcoll.shm.group_reductions`, bound here as methods; the CUDA submission
+helpers (path setup, staging, the IPC path) are the :class:`~fcoll.shm.group_cuda.CudaSubmission`
+mixin.
 """
 
 from __future__ import annotations
@@ -26,27 +33,26 @@ import torch
 import torch.distributed as dist
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.ops.reduce import check_reduce_op, reduce_op_name
-from fcoll.shm import movement, reductions
-from fcoll.shm.arg_checks import inputs_like_error
+from fcoll.shm import group_reductions, movement
 from fcoll.shm.arg_checks import is_seq as _is_seq
 from fcoll.shm.arg_checks import list_error as _list_error
 from fcoll.shm.arg_checks import pairs_error as _pairs_error
-from fcoll.shm.cuda import CudaGroup, CudaStaging, IpcBuffers, device_error, header_dtype
+from fcoll.shm.cuda import CudaGroup, CudaStaging, IpcBuffers, header_dtype
 from fcoll.shm.engine import Engine, FcollWork, Job
-from fcoll.shm.fast_paths import FastPaths, plain
+from fcoll.shm.fast_paths import FastPaths
+from fcoll.shm.group_cuda import CudaSubmission
 from fcoll.shm.headers import NO_ROOT, Header, dtype_name
 from fcoll.shm.p2p import P2P
 from fcoll.shm.phases import Call
 from fcoll.shm.segment import default_slot_bytes, open_segment
 from fcoll.shm.sync import Channel
-from fcoll.shm.validate import (Staging, check_all_gather, check_no_overlap, check_reduce_scatter,
-                                check_tensor, check_tensors)
+from fcoll.shm.validate import (Staging, check_all_gather, check_no_overlap, check_tensor,
+                                check_tensors)
 
 ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
 
 @run_eagerly_under_dynamo
-class FcollProcessGroup(dist.ProcessGroup):
+class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
     """Shared-memory process group of the ranks of one host (CPU tensors; CUDA staged).
 
     Args:
@@ -163,24 +169,8 @@ class FcollProcessGroup(dist.ProcessGroup):
         wake = (getattr(opts, "asyncOp", True) if opts is not None else True) or (
             self._coalescing is not None)
         job = Job(name, seq, payload, run, finish, result)
-        if cuda_run is not None:
-            def run_ipc(c: Call) -> None:
-                job.cuda_event = cuda_run(c)
-
-            job.run = run_ipc
-        elif isinstance(st, CudaStaging):
-            st.seal()
-
-            def run_staged(c: Call) -> None:
-                st.wait_inputs()
-                run(c)
-
-            def finish_staged() -> None:
-                if finish is not None:
-                    finish()
-                job.cuda_event = st.event
-
-            job.run, job.finish = run_staged, finish_staged
+        if cuda_run is not None or isinstance(st, CudaStaging):
+            self._cuda_job(job, run, finish, st, cuda_run)
         if not wake and eng.run_inline(job):
             return FcollWork(eng, [job], name)
         eng.submit(job, wake=wake)
@@ -188,294 +178,12 @@ class FcollProcessGroup(dist.ProcessGroup):
             self._coalescing.append(job)
         return FcollWork(eng, [job], name)
 
-    # ---- CUDA: device checks, path setup, IPC submission (see fcoll.shm.cuda) ---------------
-    def _device_error(self, tensors: list[tuple[str, torch.Tensor]]) -> str | None:
-        """Mixed CPU/CUDA tensors, or a CUDA tensor off this rank's device (None if fine)."""
-        if all(t.is_cpu for _, t in tensors):
-            return None
-        return device_error(tensors, self._cuda.device)
-
-    def _cuda_setup(self, name: str, t: torch.Tensor | None, **header: Any) -> str:
-        """The group's CUDA path; at its first CUDA collective, choose it with the peers.
-
-        The setup runs as a collective of its own, synchronously, with the header of the
-        collective it precedes: a rank that calls the same collective on CPU tensors fails
-        its header check (dtype ``float32 on cuda`` vs ``float32``) on every rank instead
-        of hanging.
-
-        Raises:
-            CollectiveMismatchError: the peers called something else.
-            RuntimeError: ``FCOLL_CUDA_PATH=ipc`` but the ranks cannot map each other's GPUs.
-        """
-        cg = self._cuda
-        if cg.path is None:
-            cg.bind()
-            self._submit(name, t, run=cg.setup, **header).wait()
-        return cg.path
-
-    def _staging(self, t: torch.Tensor) -> Staging:
-        return CudaStaging(self._cuda) if t.is_cuda else Staging()
-
-    def _submit_ipc(self, name: str, shape_of: torch.Tensor,
-                    body: Callable[[Call, IpcBuffers], None], keep: list[torch.Tensor],
-                    result: Any, opts: Any = None, **header: Any) -> dist.Work:
-        """Queue an IPC-path collective: ``body`` runs on the side stream after an event
-        recorded now on the caller's current stream. ``keep`` (the user's tensors and
-        temporaries) are marked used on the side stream; the job holds them until its
-        kernels are enqueued (allocator safety, see :mod:`fcoll.shm.cuda`)."""
-        cg = self._cuda
-        issued = torch.cuda.Event()
-        issued.record(torch.cuda.current_stream(cg.device))
-        seen = set()
-        for x in keep:
-            if id(x) not in seen:
-                seen.add(id(x))
-                x.record_stream(cg.stream)
-        return self._submit(name, shape_of, result=result, opts=opts,
-                            cuda_run=lambda c, k=keep: cg.run_ipc(issued, body, c), **header)
-
-    @staticmethod
-    def _dense(t: torch.Tensor) -> torch.Tensor:
-        """``t`` detached, or a contiguous copy of it (made on the caller's stream)."""
-        t = t.detach()
-        return t if t.is_contiguous() else t.contiguous()
-
-    @staticmethod
-    def _dense_out(t: torch.Tensor) -> torch.Tensor:
-        """Where an IPC kernel writes ``t``'s result: ``t`` itself when contiguous, else a
-        contiguous scratch tensor that :meth:`_write_back` copies into ``t``."""
-        t = t.detach()
-        return t if t.is_contiguous() else torch.empty_like(
-            t, memory_format=torch.contiguous_format)
-
-    @staticmethod
-    def _write_back(t: torch.Tensor, dense: torch.Tensor) -> None:
-        """Copy ``dense`` (from :meth:`_dense` / :meth:`_dense_out`) into ``t`` unless it
-        already is ``t`` (runs on the side stream, in the collective's body)."""
-        if dense.data_ptr() != t.data_ptr() or not t.is_contiguous():
-            t.detach().copy_(dense.view(t.shape))
-
-    def _ipc_all_reduce(self, name: str, x: torch.Tensor, y: torch.Tensor | None, op: str,
-                        result: Any, opts: Any, root: int = NO_ROOT) -> dist.Work:
-        """all_reduce / reduce on the IPC path: ``x`` into ``y`` (``y`` None: in place; a
-        reduce's non-root ranks compute into scratch)."""
-        cg = self._cuda
-        src = self._dense(x)
-        target = x if y is None else y
-        writes = root == NO_ROOT or root == self._rank
-        if not writes:
-            dst = torch.empty_like(src, memory_format=torch.contiguous_format)
-        elif y is None:
-            dst = src
-        else:
-            dst = self._dense_out(y)
-
-        def body(c: Call, ipc: IpcBuffers) -> None:
-            cg.all_reduce(c, ipc, src, dst, op)
-            if writes:
-                self._write_back(target, dst)
-
-        return self._submit_ipc(name, x, body, [x, target, src, dst], result, opts,
-                                reduce_op=op, root=root)
-
-    # ---- all_reduce / reduce ----------------------------------------------------------------
-    def allreduce(self, tensors, opts=None) -> dist.Work:
-        if (opts is not None and not opts.asyncOp and len(tensors) == 1
-                and self._coalescing is None):
-            work = self._fast.all_reduce(tensors[0], opts.reduceOp)
-            if work is not None:
-                return work
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._allreduce("all_reduce", tensors, reduce_op_name(opts.reduceOp), opts=opts)
-
-    def _allreduce(self, name: str, tensors, op: str, root: int | None = None,
-                   opts=None) -> dist.Work:
-        if len(tensors) != 1:
-            return self._submit(name, None, reduce_op=op, error=f"tensors: expects 1 tensor, "
-                                f"got {len(tensors)}")
-        t = tensors[0]
-        err = (check_tensor(t, "tensor", True) or check_reduce_op(op, t.dtype)
-               or self._device_error([("tensor", t)]))
-        if root is not None and not 0 <= root < self._size:
-            err = err or f"root {root} is out of range for a group of size {self._size}"
-        hroot = NO_ROOT if root is None else root
-        if err:
-            return self._submit(name, t, reduce_op=op, root=hroot, error=err)
-        if t.is_cuda and self._cuda_setup(name, t, reduce_op=op, root=hroot) == "ipc":
-            return self._ipc_all_reduce(name, t, None, op, [t], opts, root=hroot)
-        st = self._staging(t)
-        flat = st.inout(t).view(-1)
-        writes = root is None or root == self._rank
-
-        def run(c: Call) -> None:
-            reductions.all_reduce(c, flat, flat if writes else None, op)
-
-        return self._submit(name, t, reduce_op=op, root=NO_ROOT if root is None else root,
-                            run=run, st=st, result=[t], opts=opts)
-
-    def allreduce_out_of_place(self, input: torch.Tensor, output: torch.Tensor,
-                               op: dist.ReduceOp) -> dist.Work:
-        """All-reduce ``input`` into ``output`` (same shape and dtype), leaving ``input`` alone,
-        asynchronously (the call returns at once; the ``Work`` completes it).
-
-        The functional ``all_reduce`` would otherwise clone its input and reduce the clone in
-        place: a full extra copy, which this path does not make (the algorithm reads the input
-        into the shared slots and reduces into the output). Ranks may mix this and
-        ``allreduce``: the header is the same.
-
-        Raises (through the Work, on every rank): the errors of ``allreduce`` for ``input``;
-        ``output`` of another shape or dtype is a ``ValueError`` here.
-        """
-        if output.shape != input.shape or output.dtype != input.dtype:
-            raise ValueError(f"fcoll all_reduce: rank {self._rank}: output {tuple(output.shape)} "
-                             f"{output.dtype} does not match input {tuple(input.shape)} "
-                             f"{input.dtype}")
-        name, red = "all_reduce", reduce_op_name(op)
-        err = (check_tensor(input, "input") or check_tensor(output, "output", True)
-               or check_reduce_op(red, input.dtype)
-               or self._device_error([("input", input), ("output", output)]))
-        if err:
-            return self._submit(name, input, reduce_op=red, error=err)
-        if input.is_cuda and self._cuda_setup(name, input, reduce_op=red) == "ipc":
-            return self._ipc_all_reduce(name, input, output, red, [output],
-                                        dist.AllreduceOptions())
-        st = self._staging(input)
-        src, dst = st.input(input).view(-1), st.output(output).view(-1)
-
-        return self._submit(name, input, reduce_op=red,
-                            run=lambda c: reductions.all_reduce(c, src, dst, red), st=st,
-                            result=[output], opts=dist.AllreduceOptions())
-
-    def reduce(self, tensors, opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.ReduceOptions()
-        return self._allreduce("reduce", tensors, reduce_op_name(opts.reduceOp), opts.rootRank,
-                               opts=opts)
-
-    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
-        """All-reduce every tensor of ``tensors`` in place (any shapes, dtypes mixed): one
-        collective, in which the tensors of each dtype (in order of first appearance) are
-        reduced as if concatenated, through :func:`fcoll.shm.reductions.all_reduce_many` (no
-        concatenated copy). Shapes and dtypes may differ by tensor, not by rank.
-
-        The header of the first phase carries every tensor's dtype and shape, so ranks that
-        pass different lists raise the same ``ValueError`` instead of hanging.
-        """
-        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self._coalesced(tensors, None, opts.reduceOp, opts)
-
-    def allreduce_coalesced_out_of_place(self, inputs: list[torch.Tensor],
-                                         outputs: list[torch.Tensor],
-                                         op: dist.ReduceOp) -> dist.Work:
-        """All-reduce ``inputs[i]`` into ``outputs[i]`` (same shape and dtype) for every i in one
-        collective, leaving the inputs alone, asynchronously (the ``Work`` completes it).
-
-        The functional ``all_reduce_coalesced`` would otherwise clone every input and reduce
-        the clones in place; here the algorithm reads each input into the shared slots and
-        reduces straight into its output. Ranks may mix this and ``allreduce_coalesced``: the
-        header is the same. Outputs must not overlap any input.
-
-        Raises (through the Work, on every rank): the errors of ``allreduce_coalesced`` for
-        ``inputs``; lists of different lengths, or an output of another shape or dtype than
-        its input, are a ``ValueError`` here.
-        """
-        if len(inputs) != len(outputs):
-            raise ValueError(f"fcoll all_reduce_coalesced: rank {self._rank}: {len(outputs)} "
-                             f"outputs for {len(inputs)} inputs")
-        for i, (x, y) in enumerate(zip(inputs, outputs)):
-            if y.shape != x.shape or y.dtype != x.dtype:
-                raise ValueError(f"fcoll all_reduce_coalesced: rank {self._rank}: outputs[{i}] "
-                                 f"{tuple(y.shape)} {y.dtype} does not match inputs[{i}] "
-                                 f"{tuple(x.shape)} {x.dtype}")
-        return self._coalesced(inputs, outputs, op, None)
-
-    def _coalesced(self, inputs, outputs, rop, opts) -> dist.Work:
-        """``allreduce_coalesced`` (``outputs`` None: in place) and its out-of-place form.
-
-        A bucket holds hundreds of tensors, so the per-tensor work on the calling thread is
-        kept to one pass: dense contiguous CPU tensors outside autograd (the common case) are
-        used as they are, without ``Staging``'s detach and device checks. The algorithm runs
-        under ``no_grad``: autograd may wrap an output once the op has returned it, before
-        the collective writes it."""
-        op = reduce_op_name(rop)
-        name = "all_reduce_coalesced"
-        err = None
-        on_cuda = False
-        for i, x in enumerate(inputs):  # one pass; the usual tensor costs two attribute reads
-            if type(x) is not torch.Tensor or not x.is_cpu:
-                err = err or check_tensor(x, f"tensors[{i}]", outputs is None)
-                on_cuda = on_cuda or getattr(x, "is_cuda", False)
-        if outputs is not None:
-            for i, y in enumerate(outputs):
-                if type(y) is not torch.Tensor or not y.is_cpu:
-                    err = err or check_tensor(y, f"outputs[{i}]", True)
-                    on_cuda = on_cuda or getattr(y, "is_cuda", False)
-        if err is not None:
-            return self._submit(name, None, reduce_op=op, error=err)
-        if on_cuda:
-            named = [(f"tensors[{i}]", x) for i, x in enumerate(inputs)]
-            if outputs is not None:
-                named += [(f"outputs[{i}]", y) for i, y in enumerate(outputs)]
-            err = self._device_error(named)
-        st = CudaStaging(self._cuda) if on_cuda and err is None else Staging()
-        groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        sig = []
-        for i, x in enumerate(inputs):
-            dt = x.dtype
-            sig.append((header_dtype(dtype_name(dt), x), tuple(x.shape)))
-            if err is not None:
-                continue  # the whole signature still goes into the header
-            o = x if outputs is None else outputs[i]
-            is_plain = plain(o)
-            err = check_reduce_op(op, dt)
-            if err is not None:
-                err = f"tensors[{i}]: {err}"
-            elif not is_plain:
-                err = (check_tensor(o, f"tensors[{i}]" if outputs is None else f"outputs[{i}]",
-                                    True) or check_tensor(x, f"tensors[{i}]"))
-            if err is not None:
-                continue
-            srcs, dsts = groups.get(dt) or groups.setdefault(dt, ([], []))
-            if outputs is None:
-                srcs.append(_flat(x) if is_plain else st.inout(x).view(-1))
-            else:
-                srcs.append(_flat(x) if plain(x) else st.input(x).view(-1))
-                dsts.append(_flat(o) if is_plain else st.output(o).view(-1))
-        sig = tuple(sig)
-        if err:
-            return self._submit(name, None, reduce_op=op, extra=sig, error=err)
-        if on_cuda and self._cuda_setup(name, None, reduce_op=op, extra=sig) == "ipc":
-            return self._ipc_coalesced(inputs, outputs, op, sig, opts)
-
-        def run(c: Call) -> None:
-            with torch.no_grad():
-                reductions.all_reduce_by_dtype(c, groups, outputs is None, op)
-
-        return self._submit(name, None, reduce_op=op, extra=sig, run=run, st=st,
-                            result=list(inputs if outputs is None else outputs),
-                            opts=opts if opts is not None else dist.AllreduceCoalescedOptions())
-
-    def _ipc_coalesced(self, inputs, outputs, op: str, sig: tuple, opts) -> dist.Work:
-        """``_coalesced`` on the IPC path (validated; see :meth:`CudaGroup.all_reduce_coalesced`)."""
-        cg = self._cuda
-        pairs, back, keep = [], [], []
-        for i, x in enumerate(inputs):
-            y = x if outputs is None else outputs[i]
-            src = self._dense(x)
-            dst = src if outputs is None else self._dense_out(y)
-            pairs.append((src.view(-1), dst.view(-1)))
-            keep += [x, y, src, dst]
-            back.append((y, dst))
-
-        def body(c: Call, ipc: IpcBuffers) -> None:
-            with torch.no_grad():
-                cg.all_reduce_coalesced(c, ipc, pairs, op)
-                for y, dst in back:
-                    self._write_back(y, dst)
-
-        return self._submit_ipc("all_reduce_coalesced", None, body, keep,
-                                list(inputs if outputs is None else outputs),
-                                opts if opts is not None else dist.AllreduceCoalescedOptions(),
-                                reduce_op=op, extra=sig)
+    # ---- all_reduce / reduce (fcoll.shm.group_reductions) ------------------------------------
+    allreduce = group_reductions.allreduce
+    allreduce_out_of_place = group_reductions.allreduce_out_of_place
+    reduce = group_reductions.reduce
+    allreduce_coalesced = group_reductions.allreduce_coalesced
+    allreduce_coalesced_out_of_place = group_reductions.allreduce_coalesced_out_of_place
 
     # ---- all_gather ---------------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
@@ -561,63 +269,11 @@ class FcollProcessGroup(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    # ---- reduce_scatter -----------------------------------------------------------------------
-    def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
-        if opts is not None and not opts.asyncOp and self._coalescing is None:
-            work = self._fast.reduce_scatter(output, input, opts.reduceOp)
-            if work is not None:
-                return work
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        name = "reduce_scatter_tensor"
-        op = reduce_op_name(opts.reduceOp)
-        n = self._size
-        err = (check_reduce_scatter(input, output, n) or check_reduce_op(op, input.dtype)
-               or self._device_error([("input", input), ("output", output)]))
-        if err:
-            return self._submit(name, input, reduce_op=op, error=err)
-        if input.is_cuda and self._cuda_setup(name, input, reduce_op=op) == "ipc":
-            cg = self._cuda
-            src = self._dense(input).view(-1)
-            dst = self._dense_out(output)
-
-            def body(c: Call, ipc: IpcBuffers) -> None:
-                cg.reduce_scatter(c, ipc, src, dst.view(-1), op)
-                self._write_back(output, dst)
-
-            return self._submit_ipc(name, input, body, [input, output, src, dst], [output],
-                                    opts, reduce_op=op)
-        st = self._staging(input)
-        src = st.input(input).view(n, -1)
-        dst = st.output(output).view(-1)
-        return self._submit(name, input, reduce_op=op,
-                            run=lambda c: reductions.reduce_scatter(c, src, dst, op), st=st,
-                            result=[output], opts=opts)
-
+    # ---- reduce_scatter (fcoll.shm.group_reductions) -----------------------------------------
+    reduce_scatter_single = group_reductions.reduce_scatter_single
     _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
-        """List form: ``output_tensors[0]`` receives the reduction over ranks of their
-        ``input_lists[0][rank]``; every input is checked before anything moves."""
-        n = self._size
-        name = "reduce_scatter"
-        op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
-        err = _list_error("output_tensors", output_tensors, 1) or _list_error(
-            "input_tensors", input_lists, 1)
-        err = err or _list_error("input_tensors", input_lists[0], n) or check_tensor(
-            output_tensors[0], "output_tensors[0]", True)
-        err = err or inputs_like_error(input_lists[0], output_tensors[0])
-        if err:
-            return self._submit(name, None, reduce_op=op, error=err)
-        stacked = torch.stack([i.detach().reshape(-1).cpu() for i in input_lists[0]])
-        return self.reduce_scatter_single(output_tensors[0], stacked.view(-1), opts)
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
-        err = _pairs_error("outputs", outputs, "inputs", inputs)
-        if err:
-            return self._submit("reduce_scatter_tensor", None, error=err)
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self.barrier()
-
+    reduce_scatter = group_reductions.reduce_scatter
+    reduce_scatter_single_coalesced = group_reductions.reduce_scatter_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # ---- all_to_all ---------------------------------------------------------------------------
@@ -819,10 +475,6 @@ class FcollProcessGroup(dist.ProcessGroup):
             stacked = torch.empty((n, *out.shape), dtype=out.dtype)
         return self._broadcast([stacked], root, name="scatter",
                                post=lambda: out.copy_(stacked[self._rank]), result=[out])
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 1 else t.view(-1)
 
 
 def _offsets(splits: list[int], row_bytes: int) -> list[tuple[int, int]]:
