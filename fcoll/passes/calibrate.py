@@ -1,7 +1,8 @@
 """Calibration: measure the cost model's parameters on this machine and on real process groups.
 
 Everything here measures or looks up live process groups; the model itself
-(:mod:`fcoll.passes.cost`, :mod:`fcoll.passes.comm_cost`) is pure.
+(:mod:`fcoll.passes.cost`, :mod:`fcoll.passes.comm_cost`) is pure. The calls that are timed and
+the timing loops are in :mod:`fcoll.passes.calibration_probes`; here is the protocol around them.
 
 - Compute rates (:func:`measure_compute_rates`): a short microbenchmark, once per process: the
   median time of a transformer-sized matmul (FLOPs/us), the fastest large copy (bytes/us), and a
@@ -40,11 +41,8 @@ the groups were created). :func:`cached_model` never communicates.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import os
-import socket
 import statistics
 import time
 import weakref
@@ -56,6 +54,10 @@ import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 
 from fcoll.passes import calibration_cache
+from fcoll.passes.calibration_probes import (_backend_name, _buffers, _collective, _host_layout,
+                                             host_identity, time_compute_rates)
+from fcoll.passes.calibration_probes import (  # noqa: F401  moved; still reachable from here
+    _MM_SHAPE, _median_us, _min_us, _per_call_us, _quiet, _reduce_scatter, _times_us)
 from fcoll.passes.comm_cost import CommCurve, CommKey, CommParams, CommTable
 from fcoll.passes.cost import KINDS, ComputeRates, CostModel, assemble_model, collective_size
 from fcoll.passes.graph import arg_of
@@ -139,41 +141,7 @@ _CACHE = _Cache()  # the one process-level cache (calibration is a property of t
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing loops
-
-def _times_us(fn: Callable[[], None], reps: int) -> list[float]:
-    """The time of each of ``reps`` runs of ``fn``, in us."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return times
-
-
-def _min_us(fn: Callable[[], None], reps: int) -> float:
-    """Fastest of ``reps`` runs, in us (on a shared machine the minimum is the least noisy)."""
-    return min(_times_us(fn, reps))
-
-
-def _median_us(fn: Callable[[], None], reps: int) -> float:
-    """Median of ``reps`` runs, in us: for kernels long enough that the minimum is a lucky run
-    (a matmul that found the caches warm and the other cores idle)."""
-    return sorted(_times_us(fn, reps))[reps // 2]
-
-
-def _per_call_us(fn: Callable[[], None], calls: int, reps: int) -> float:
-    """Fastest of ``reps`` runs of ``calls`` back-to-back calls, in us per call."""
-    return _min_us(lambda: [fn() for _ in range(calls)], reps) / calls
-
-
-# ---------------------------------------------------------------------------------------------
-# Compute rates
-
-#: The calibration matmul: [1024, 256] @ [256, 768], a transformer layer's QKV projection for
-#: 1024 tokens of width 256, the scale of the matmuls the passes schedule.
-_MM_SHAPE = (1024, 256, 768)
-
+# Compute rates (the microbenchmark itself: calibration_probes.time_compute_rates)
 
 def measure_compute_rates(reps: int = 5) -> ComputeRates:
     """Microbenchmark this process's CPU: the median of a [1024, 256] @ [256, 768] matmul, the
@@ -188,20 +156,7 @@ def measure_compute_rates(reps: int = 5) -> ComputeRates:
     """
     if _CACHE.compute is not None:
         return _CACHE.compute
-    m, k, n = _MM_SHAPE
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
-    x = torch.ones(4)
-    add = torch.ops.aten.add.Tensor
-    torch.mm(a, b)
-    torch.mm(a, b)
-    dst.copy_(src)
-    op_us = _per_call_us(lambda: add(x, x), 50, reps)
-    mm_us = _median_us(lambda: torch.mm(a, b), reps)
-    copy_us = _min_us(lambda: dst.copy_(src), reps)
-    rates = ComputeRates(flops_per_us=2 * m * k * n / max(mm_us - op_us, 1.0),
-                         bytes_per_us=2 * src.numel() * 4 / max(copy_us - op_us, 1.0),
-                         op_overhead_us=max(op_us, 0.5))
+    rates = time_compute_rates(reps)
     _CACHE.compute = rates
     log.debug("measured compute rates: %s", rates)
     return rates
@@ -209,74 +164,6 @@ def measure_compute_rates(reps: int = 5) -> ComputeRates:
 
 # ---------------------------------------------------------------------------------------------
 # Communication
-
-def _backend_name(pg: Any) -> str:
-    import torch.distributed as dist
-
-    try:
-        return str(dist.get_backend(pg))
-    except Exception:  # noqa: BLE001  groups made outside c10d's registry
-        return "unknown"
-
-
-def _quiet(fn, *args, **kwargs):
-    """Call a c10d function with its ``FutureWarning`` (a deprecation notice) silenced."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return fn(*args, **kwargs)
-
-
-def _reduce_scatter(pg: Any, out: torch.Tensor, input: torch.Tensor) -> None:
-    """One blocking reduce_scatter of ``input [n * N]`` into ``out [N]``: on gloo by the
-    algorithm fcoll's ops pick there (``all_to_all_single`` and a local sum,
-    :func:`fcoll.ops.library.start_reduce_scatter`); elsewhere the backend's single-tensor
-    ``reduce_scatter_tensor``, the call the other kinds are timed by (``dist.all_reduce``,
-    ``dist.all_gather_into_tensor``).
-
-    Not ``start_reduce_scatter`` on fcoll's backend: there it is the backend's
-    ``reduce_scatter_tensor_coalesced`` of one tensor, which takes the general path, and
-    compiled graphs do not run it (static shapes take the executor's direct path). Measured
-    (2 ranks, load 5, slowest rank's median): 4 KiB 343 us coalesced, 52 us single-tensor,
-    85-125 us direct; 64 KiB 277 / 55 / 91-169 us; 1 MiB 388 / 132 / 175-250 us.
-    """
-    import torch.distributed as dist
-
-    from fcoll.ops.library import _reduces_scatter_by_all_to_all, start_reduce_scatter
-
-    if not _reduces_scatter_by_all_to_all(pg):
-        _quiet(dist.reduce_scatter_tensor, out, input, group=pg)
-        return
-    work, finish = start_reduce_scatter(pg, out, input, "sum", input.dtype)
-    work.wait()
-    if finish is not None:
-        finish()
-
-
-def _buffers(pg: Any, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 buffers for collectives of ``nbytes`` on ``pg``: (whole, whole, shard)."""
-    n = pg.size()
-    numel = max(n, nbytes // 4 // n * n)
-    return torch.zeros(numel), torch.zeros(numel), torch.zeros(numel // n)
-
-
-def _collective(kind: str, pg: Any, bufs: tuple[torch.Tensor, ...]) -> Callable[[], None]:
-    """One blocking collective of ``kind`` on ``pg`` over :func:`_buffers`' tensors, moving
-    the whole buffer's bytes (the larger buffer, as :func:`fcoll.ops.facts.comm_bytes`
-    counts)."""
-    import torch.distributed as dist
-
-    big, out, small = bufs
-    ops = {
-        "all_reduce": lambda: dist.all_reduce(big, group=pg),
-        "all_gather": lambda: _quiet(dist.all_gather_into_tensor, big, small, group=pg),
-        "reduce_scatter": lambda: _reduce_scatter(pg, small, big),
-        "all_to_all": lambda: dist.all_to_all_single(out, big, group=pg),
-        "broadcast": lambda: dist.broadcast(big, group=pg, group_src=0),
-    }
-    return ops[kind]
-
 
 #: Timed runs of a cell are split into this many rounds (the cells interleaved round robin).
 ROUNDS = 3
@@ -360,32 +247,6 @@ def fit_alpha_beta(b1: int, t1: float, b2: int, t2: float) -> CommParams:
     message measured faster (noise) gives a tiny positive beta; alpha is never negative."""
     beta = max((t2 - t1) / (b2 - b1), 1e-9)
     return CommParams(alpha_us=max(t1 - beta * b1, 0.0), beta_us_per_byte=beta)
-
-
-def host_identity() -> str:
-    """This process's host: ``$FCOLL_HOST_ID`` if set (tests emulating hosts), else the host
-    name and the network namespace's inode (two namespaces of one machine are two hosts)."""
-    override = os.environ.get("FCOLL_HOST_ID")
-    if override:
-        return override
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{socket.gethostname()}/{netns}"
-
-
-def _host_layout(pg: Any) -> str:
-    """Host index of each group rank, in order of first appearance (``"0.0.1"``): one
-    all_gather of a 64-bit hash of :func:`host_identity`. A collective call."""
-    import torch.distributed as dist
-
-    digest = hashlib.blake2b(host_identity().encode(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-    every = torch.empty(pg.size(), dtype=torch.int64)
-    _quiet(dist.all_gather_into_tensor, every, mine, group=pg)
-    index: dict[int, int] = {}
-    return ".".join(str(index.setdefault(h, len(index))) for h in every.tolist())
 
 
 # The message rank 0 broadcasts: [want mask (S), compute rates (3), times (K x S, NaN unknown)]
