@@ -49,6 +49,11 @@ the arguments and one inter-host exchange), and so measured (2 x 2 ranks, 1 and 
 all_reduce 64 KiB, 256 KiB, 1 MiB, 15 alternating runs, load 6-7) check + flat took 4.9-12.9
 ms where the composed steps took 3.3-11.7 ms (less in all six cells). The algorithm therefore
 depends on the layout alone, the same on every rank.
+
+The class holds the sub-groups, identity, lifecycle, the queue and the pre-flight, and the ops
+that always run on ``flat`` (all_to_all, gather, scatter, point-to-point). The compositions of
+the table above are functions of :mod:`fcoll.shm.hierarchical_compositions`, bound here as
+methods.
 """
 
 from __future__ import annotations
@@ -56,40 +61,19 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import threading
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.ops.reduce import (
-    DIST_REDUCE_OPS,
-    divide_for_avg,
-    reduce_op_name,
-    reduce_rows_into,
-)
 from fcoll.shm import arg_checks as checks
-from fcoll.shm import movement
+from fcoll.shm import hierarchical_compositions, movement
 from fcoll.shm.hierarchical_work import ChainedWork, HierarchicalWork, OrderedRunner
 from fcoll.shm.hosts import HostLayout
-from fcoll.shm.links import (
-    OP_CODES,
-    REDUCE_CODES,
-    SIGNATURE,
-    agree,
-    as_bytes,
-    chunk_spans,
-    dtype_code,
-    gloo_all_reduce,
-    gloo_all_reduce_start,
-    gloo_reduce_scatter_rows,
-    make_opts,
-)
+from fcoll.shm.links import OP_CODES, SIGNATURE, agree, as_bytes, dtype_code
 from fcoll.shm.process_group import FcollProcessGroup
-from fcoll.shm.validate import check_all_gather
 
 __all__ = ["HierarchicalProcessGroup", "HierarchicalWork"]
 
@@ -267,284 +251,27 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         futs, self._coalescing = self._coalescing or [], None
         return HierarchicalWork(futs, self._runner)
 
-    # ---- all_reduce -----------------------------------------------------------------------
-    def _all_reduce_flat(self, flat: torch.Tensor, op: str) -> None:
-        """The composed all_reduce of a 1-D contiguous tensor, in place (uneven layouts: on
-        ``flat``); after the op's pre-flight."""
-        step = "sum" if op == "avg" else op
-        if not self.layout.even:
-            gloo_all_reduce(self._flat, flat, step)
-        elif self._intra is None:
-            gloo_all_reduce(self._inter, flat, step)
-        else:
-            L = self._intra.size()
-            pad = (-flat.numel()) % L
-            buf = flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
-            pieces = [buf[o:o + k] for o, k in chunk_spans(buf.numel(), buf.element_size(), L)]
-            shards = [p.new_empty(p.numel() // L) for p in pieces]
-            # one piece: synchronous intra steps (fcoll's fast paths for small messages)
-            queued = len(pieces) > 1
-            rs = make_opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step],
-                           asyncOp=queued)
-            # pipeline: every piece's intra reduce_scatter is queued at once; each inter
-            # all_reduce starts when its piece is reduced, each intra all_gather when its
-            # shard is all-reduced
-            scattered = [self._intra.reduce_scatter_single(sh, p, rs)
-                         for sh, p in zip(shards, pieces)]
-            finishes = []
-            for work, shard in zip(scattered, shards):
-                work.wait()
-                finishes.append(gloo_all_reduce_start(self._inter, shard, step))
-            gathered = []
-            for finish, shard, piece in zip(finishes, shards, pieces):
-                finish()
-                if op == "avg":
-                    divide_for_avg(shard, self._size)
-                gathered.append(self._intra.all_gather_single(
-                    piece, shard, make_opts(AllgatherOptions, asyncOp=queued)))
-            for work in gathered:
-                work.wait()
-            if pad:
-                flat.copy_(buf[:flat.numel()])
-            return
-        if op == "avg":
-            divide_for_avg(flat, self._size)
-
-    def _all_reduce_into(self, t: torch.Tensor, op: str, out: torch.Tensor | None = None):
-        target = t if out is None else out
-        flat = target.view(-1) if target.is_contiguous() else target.contiguous().view(-1)
-        if out is not None:
-            flat.copy_(t.reshape(-1))
-        self._all_reduce_flat(flat, op)
-        if flat.data_ptr() != target.data_ptr():
-            target.copy_(flat.view(target.shape))
-        return [target]
-
-    def allreduce(self, tensors, opts=None) -> dist.Work:
-        op = reduce_op_name((opts or dist.AllreduceOptions()).reduceOp)
-        err = checks.all_reduce_error(tensors, op, self._size)
-        t = checks.first(tensors)
-        return self._op("all_reduce", t, err, lambda: self._all_reduce_into(t, op),
-                        REDUCE_CODES.get(op, -1), op)
-
-    def allreduce_out_of_place(self, input: torch.Tensor, output: torch.Tensor,
-                               op: dist.ReduceOp) -> dist.Work:
-        """All-reduce ``input`` into ``output`` (same shape and dtype), input untouched."""
-        name = reduce_op_name(op)
-        err = checks.coalesced_all_reduce_error([input], [output], name)
-        return self._op("all_reduce", input, err,
-                        lambda: self._all_reduce_into(input, name, output),
-                        REDUCE_CODES.get(name, -1), name)
-
-    def reduce(self, tensors, opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.ReduceOptions()
-        op, root = reduce_op_name(opts.reduceOp), opts.rootRank
-        err = checks.all_reduce_error(tensors, op, self._size, root)
-        t = checks.first(tensors)
-
-        def run():
-            scratch = t.detach().reshape(-1).clone()
-            self._all_reduce_flat(scratch, op)
-            if self._rank == root:
-                t.copy_(scratch.view(t.shape))
-            return [t]
-        code = REDUCE_CODES.get(op, -1) * (1 << 32) + (root if not err else 0)
-        return self._op("reduce", t, err, run, code, op)
-
-    def _coalesced_run(self, tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            self._all_reduce_flat(flat, op)
-            off = 0
-            for t in group:
-                t.copy_(flat[off:off + t.numel()].view(t.shape))
-                off += t.numel()
-        return list(tensors)
-
-    @staticmethod
-    def _coalesced_code(tensors, op: str) -> int:
-        """The pre-flight code of a coalesced call: the reduce op and a digest of every
-        tensor's dtype and shape (crc32: the same in every process)."""
-        sig = zlib.crc32(repr([(str(t.dtype), tuple(t.shape)) for t in tensors]).encode())
-        return REDUCE_CODES.get(op, -1) * (1 << 32) + sig
-
-    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
-        """All-reduce every tensor in place in one op (dtypes may mix: one composed
-        all_reduce per dtype, over the tensors of that dtype concatenated)."""
-        op = reduce_op_name((opts or dist.AllreduceCoalescedOptions()).reduceOp)
-        err = checks.coalesced_all_reduce_error(tensors, None, op)
-        code = 0 if err else self._coalesced_code(tensors, op)
-        return self._op("all_reduce_coalesced", None, err,
-                        lambda: self._coalesced_run(list(tensors), op), code, op)
-
-    def allreduce_coalesced_out_of_place(self, inputs, outputs, op) -> dist.Work:
-        """``outputs[i] = all_reduce(inputs[i])`` for every i, in one op; inputs untouched."""
-        name = reduce_op_name(op)
-        err = checks.coalesced_all_reduce_error(inputs, outputs, name)
-        code = 0 if err else self._coalesced_code(inputs, name)
-
-        def run():
-            for a, b in zip(inputs, outputs):
-                b.copy_(a)
-            return self._coalesced_run(list(outputs), name)
-        return self._op("all_reduce_coalesced", None, err, run, code, name)
-
-    # ---- all_gather -----------------------------------------------------------------------
-    def _all_gather_run(self, output: torch.Tensor, input: torch.Tensor):
-        x = input.detach().reshape(-1).contiguous()
-        N = x.numel()
-        if not self.layout.even:
-            buf = output if output.is_contiguous() else x.new_empty(self._size * N)
-            self._flat._allgather_base(as_bytes(buf), as_bytes(x)).wait()
-            if buf is not output:
-                output.copy_(buf.view(output.shape))
-            return [output]
-        H = self.layout.num_hosts
-        spans = chunk_spans(N, x.element_size() * self._size)
-        # pipeline: every piece's inter all_gather is queued at once; each intra all_gather
-        # starts when its piece arrived; each reordering copy when that is done
-        hosts_rows = [x.new_empty(H * k) for _, k in spans]
-        inter = [self._inter._allgather_base(as_bytes(g), as_bytes(x[o:o + k]))
-                 for g, (o, k) in zip(hosts_rows, spans)]
-        all_rows, intra = [], []
-        for work, g in zip(inter, hosts_rows):
-            work.wait()
-            if self._intra is None:
-                all_rows.append(g)
-                continue
-            a = x.new_empty(self._intra.size() * g.numel())
-            intra.append(self._intra.all_gather_single(
-                a, g, make_opts(AllgatherOptions, asyncOp=len(spans) > 1)))
-            all_rows.append(a)
-        out = output.view(self._size, N) if output.is_contiguous() else x.new_empty(
-            (self._size, N))
-        for c, (a, (o, k)) in enumerate(zip(all_rows, spans)):
-            if intra:
-                intra[c].wait()
-            if k:
-                out[:, o:o + k] = a.view(-1, k).index_select(0, self._gather_order)
-        if out.data_ptr() != output.data_ptr():
-            output.copy_(out.view(output.shape))
-        return [output]
-
-    def all_gather_single(self, output, input, opts=None) -> dist.Work:
-        err = check_all_gather(input, output, self._size, self._rank)
-        return self._op("all_gather_into_tensor", input, err,
-                        lambda: self._all_gather_run(output, input))
-
+    # ---- composed collectives (fcoll.shm.hierarchical_compositions) -----------------------
+    allreduce = hierarchical_compositions.allreduce
+    allreduce_out_of_place = hierarchical_compositions.allreduce_out_of_place
+    reduce = hierarchical_compositions.reduce
+    allreduce_coalesced = hierarchical_compositions.allreduce_coalesced
+    allreduce_coalesced_out_of_place = hierarchical_compositions.allreduce_coalesced_out_of_place
+    all_gather_single = hierarchical_compositions.all_gather_single
     _allgather_base = all_gather_single
-
-    def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
-        """List form: ``output_tensors[0][r]`` receives rank r's ``input_tensors[0]``."""
-        err = checks.all_gather_list_error(output_tensors, input_tensors, self._size,
-                                           self._rank)
-        inp = checks.first(input_tensors)
-        if err:
-            return self._op("all_gather", inp, err, list)
-        outs = list(output_tensors[0])
-        stacked = inp.new_empty((self._size, *inp.shape))
-
-        def run():
-            self._all_gather_run(stacked, inp)
-            for o, s in zip(outs, stacked.unbind(0)):
-                o.copy_(s)
-            return [outs]
-        return self._op("all_gather", inp, None, run)
-
-    def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
-        err = checks.pairs_error("output_lists", output_lists, "input_list", input_list)
-        if err:
-            return self._op("all_gather", None, err, list)
-        works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
-        return HierarchicalWork([f for w in works for f in w._futures], self._runner)
-
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
-        err = checks.pairs_error("outputs", outputs, "inputs", inputs)
-        if err:
-            return self._op("all_gather_into_tensor", None, err, list)
-        works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
-        return HierarchicalWork([f for w in works for f in w._futures], self._runner)
-
+    allgather = hierarchical_compositions.allgather
+    allgather_coalesced = hierarchical_compositions.allgather_coalesced
+    all_gather_single_coalesced = hierarchical_compositions.all_gather_single_coalesced
     allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    # ---- reduce_scatter -------------------------------------------------------------------
-    def _reduce_scatter_run(self, output: torch.Tensor, input: torch.Tensor, op: str):
-        N = output.numel()
-        H = self.layout.num_hosts
-        step = "sum" if op == "avg" else op
-        if not self.layout.even:
-            res = gloo_reduce_scatter_rows(
-                self._flat, input.detach().reshape(self._size, N).contiguous(), step)
-            if op == "avg":
-                divide_for_avg(res, self._size)
-            output.copy_(res.view(output.shape))
-            return [output]
-        rows = input.detach().reshape(self._size, N)
-        spans = chunk_spans(N, rows.element_size() * self._size)
-        # pipeline: every piece's intra reduce_scatter is queued at once; each inter
-        # all_to_all starts when its piece is reduced on the host; each local reduction when
-        # its all_to_all is done
-        pieces = [rows[:, o:o + k].index_select(0, self._scatter_order) for o, k in spans]
-        if self._intra is not None:
-            rs = make_opts(dist.ReduceScatterOptions, reduceOp=DIST_REDUCE_OPS[step],
-                           asyncOp=len(pieces) > 1)
-            shards = [p.new_empty((H, p.shape[1])) for p in pieces]
-            scattered = [self._intra.reduce_scatter_single(sh, p.view(-1), rs)
-                         for sh, p in zip(shards, pieces)]
-        else:
-            shards, scattered = pieces, []
-        exchanged = []
-        for c, shard in enumerate(shards):
-            if scattered:
-                scattered[c].wait()
-            got = torch.empty_like(shard)
-            exchanged.append((got, self._inter.alltoall_base(
-                as_bytes(got), as_bytes(shard), [], [], dist.AllToAllOptions())))
-        res = rows.new_empty(N)
-        for (got, work), (o, k) in zip(exchanged, spans):
-            work.wait()
-            reduce_rows_into(got, step, res[o:o + k])
-        if op == "avg":
-            divide_for_avg(res, self._size)
-        output.copy_(res.view(output.shape))
-        return [output]
-
-    def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        op = reduce_op_name(opts.reduceOp)
-        err = checks.reduce_scatter_tensor_error(output, input, op, self._size)
-        return self._op("reduce_scatter_tensor", input, err,
-                        lambda: self._reduce_scatter_run(output, input, op),
-                        REDUCE_CODES.get(op, -1), op)
-
+    reduce_scatter_single = hierarchical_compositions.reduce_scatter_single
     _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
-        """List form: ``output_tensors[0]`` = reduction of every rank's ``input_lists[0][me]``."""
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        op = reduce_op_name(opts.reduceOp)
-        err = checks.reduce_scatter_list_error(output_tensors, input_lists, op, self._size)
-        out = checks.first(output_tensors)
-        if err:
-            return self._op("reduce_scatter", out, err, list)
-        stacked = torch.stack([i.detach().reshape(-1) for i in input_lists[0]]).view(-1)
-        return self._op("reduce_scatter", out, None,
-                        lambda: self._reduce_scatter_run(out, stacked, op),
-                        REDUCE_CODES.get(op, -1), op)
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
-        err = checks.pairs_error("outputs", outputs, "inputs", inputs)
-        if err:
-            return self._op("reduce_scatter_tensor", None, err, list)
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return HierarchicalWork([f for w in works for f in w._futures], self._runner)
-
+    reduce_scatter = hierarchical_compositions.reduce_scatter
+    reduce_scatter_single_coalesced = hierarchical_compositions.reduce_scatter_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    broadcast = hierarchical_compositions.broadcast
+    barrier = hierarchical_compositions.barrier
 
-    # ---- all_to_all, broadcast, barrier ---------------------------------------------------
+    # ---- on ``flat``: all_to_all ----------------------------------------------------------
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None) -> dist.Work:
         """On ``flat`` (see the module docstring)."""
@@ -609,41 +336,6 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
                 off += o.numel()
             return [list(output_tensors)]
         return self._op("all_to_all", None, None, run, dtype_code(src.dtype), on_flat=True)
-
-    def broadcast(self, tensors, opts=None) -> dist.Work:
-        root = (opts or dist.BroadcastOptions()).rootRank
-        err = checks.broadcast_error(tensors, root, self._size)
-        t = checks.first(tensors)
-        if err:
-            return self._op("broadcast", t, err, list)
-        root_host, root_local = self.layout.host_of(root), self.layout.local_rank_of(root)
-
-        def run():
-            buf = t if t.is_contiguous() else t.contiguous()
-            if not self.layout.even:
-                self._flat.broadcast([as_bytes(buf)], make_opts(dist.BroadcastOptions,
-                                                          rootRank=root)).wait()
-            elif self.local_rank == root_local:
-                self._inter.broadcast([as_bytes(buf)], make_opts(dist.BroadcastOptions,
-                                                           rootRank=root_host)).wait()
-            if self._intra is not None and self.layout.even:
-                self._intra.broadcast([buf], make_opts(dist.BroadcastOptions,
-                                                   rootRank=root_local)).wait()
-            if buf is not t:
-                t.copy_(buf)
-            return [t]
-        return self._op("broadcast", t, None, run, root)
-
-    def barrier(self, opts=None) -> dist.Work:
-        def run():
-            if self.layout.even:
-                if self._intra is not None:
-                    self._intra.barrier().wait()
-                self._inter.barrier().wait()
-            else:
-                self._flat.barrier().wait()
-            return []
-        return self._submit(run)
 
     # ---- on ``flat``: gather, scatter, point-to-point -------------------------------------
     def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
