@@ -80,6 +80,30 @@ def test_backend_works_without_import_fcoll():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_backend_name_works_from_a_source_checkout_without_the_entry_point():
+    """fcoll on PYTHONPATH, not installed: no ``torch_dynamo_backends`` entry point (hidden
+    here), yet ``backend="fcoll"`` works once fcoll is imported, and Dynamo's registry lists
+    it; before, Dynamo raised InvalidBackend."""
+    code = ("import importlib.metadata as md\n"
+            "real = md.entry_points\n"
+            "def entry_points(**kw):\n"
+            "    eps = real(**kw)\n"
+            "    if kw.get('group') != 'torch_dynamo_backends':\n"
+            "        return eps\n"
+            "    return md.EntryPoints([e for e in eps if e.name != 'fcoll'])\n"
+            "md.entry_points = entry_points\n"
+            "import torch\n"
+            "from torch._dynamo.backends.registry import list_backends, lookup_backend\n"
+            "import fcoll\n"
+            "from fcoll.compile.backend import fcoll_backend\n"
+            "assert 'fcoll' in list_backends(), list_backends()\n"
+            "assert lookup_backend('fcoll') is fcoll_backend\n"
+            "f = torch.compile(lambda x: torch.sin(x) * 2, backend='fcoll')\n"
+            "x = torch.randn(3)\n"
+            "torch.testing.assert_close(f(x), torch.sin(x) * 2)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 # -- partitioning ------------------------------------------------------------------------------
 
 def test_partitioner_never_recomputes_collective_in_backward(fake_pg):

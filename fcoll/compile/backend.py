@@ -1,7 +1,8 @@
 """The ``torch.compile(fn, backend="fcoll", options={...})`` backend.
 
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so no
-``import fcoll`` is needed. Flow of one Dynamo graph::
+``import fcoll`` is needed; importing this module also names it in Dynamo's registry, for a
+source checkout on ``PYTHONPATH`` that has no entry point (:func:`_name_in_dynamo_registry`). Flow of one Dynamo graph::
 
     Dynamo graph ──AOTAutograd──> forward + backward graphs (or one inference graph), aten IR
       each graph: deep copy "before" ─> fcoll pass pipeline ─> compile listeners ─> executor
@@ -254,3 +255,39 @@ def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         decompositions=decompositions,
     )
     return backend(gm, example_inputs)
+
+
+class _EntryPointOfThisModule:
+    """What Dynamo's registry keeps for a backend it has not loaded yet (an
+    ``importlib.metadata.EntryPoint``): its ``load()`` gives :func:`fcoll_backend`."""
+
+    name = "fcoll"
+    value = "fcoll.compile.backend:fcoll_backend"
+
+    @staticmethod
+    def load() -> Callable[..., Any]:
+        return fcoll_backend
+
+
+def _name_in_dynamo_registry() -> None:
+    """Make ``torch.compile(backend="fcoll")`` work once fcoll is imported, installed or not.
+
+    Dynamo finds backends by name in ``torch._dynamo.backends.registry._BACKENDS``, which it
+    fills from the ``torch_dynamo_backends`` entry points of installed packages; a checkout on
+    ``PYTHONPATH`` has none, and ``backend="fcoll"`` raised ``InvalidBackend``. This adds the
+    name only where it is missing, in the same not-yet-loaded form an entry point takes, so
+    Dynamo's own ``lookup_backend`` loads and registers it; where the installed entry point is
+    there (or replaces this later), nothing changes. Registering the function itself
+    (``register_backend``) would break the installed path: loading the entry point imports
+    this module, and Dynamo's registration that follows would then find the name taken.
+    """
+    try:
+        from torch._dynamo.backends import registry
+
+        backends = registry._BACKENDS
+    except (ImportError, AttributeError):  # another registry layout: the entry point only
+        return
+    backends.setdefault("fcoll", _EntryPointOfThisModule)
+
+
+_name_in_dynamo_registry()
