@@ -18,16 +18,16 @@ Conventions (nccl-tests, ``doc/PERFORMANCE.md``):
 
 The JSON holds, per op and size in bytes: ``fcoll_us``, ``gloo_us``, ``fcoll_busbw_gbps``,
 ``gloo_busbw_gbps``, ``speedup`` (gloo time / fcoll time), ``fcoll_waits`` (per rank, how
-fcoll's waits went in the timed calls: ``spun`` polled the peer in, ``slept`` slept on the
-futex (a wake-up each, tens of us on a busy machine), ``spin_failed`` spins that ran out; the
-table prints spun/slept; the barrier before each repetition not counted), and ``loadavg`` (the 1-minute load
-average before and after the run; on a shared machine ratios are only comparable at similar
+fcoll's waits went in the timed calls, the barrier before each repetition not counted: ``spun``
+polled the peer in, ``slept`` slept on the futex (a wake-up each, tens of us on a busy machine),
+``spin_failed`` spins that ran out; the table prints spun/slept), and ``loadavg`` (the 1-minute
+load average before and after the run; on a shared machine ratios are only comparable at similar
 load). ``--repeat K`` runs K times the repetitions per size, for steadier medians on a noisy
-machine; ``--ops`` and ``--sizes`` (bytes, or with a K / M suffix: ``4K 128M``) restrict the
-run for quick iterations, and ``--quick`` runs fewer sizes (and, on CUDA, repetitions).
+machine; ``--ops`` and ``--sizes`` (bytes, or with a K / M suffix: ``4K 128M``) restrict the run
+for quick iterations, and ``--quick`` runs fewer sizes (and, on CUDA, repetitions).
 ``--torch-threads N`` sets torch's intra-op threads in every rank (default 1, as torchrun's
-``OMP_NUM_THREADS=1``; torch's own default is one per core): fcoll's collectives then run
-their copies and reductions with at most cores / ranks threads, gloo its own loops.
+``OMP_NUM_THREADS=1``; torch's own default is one per core): fcoll's collectives then run their
+copies and reductions with at most cores / ranks threads, gloo its own loops.
 
 ``--background-load N [N ...]`` measures an oversubscribed machine: during the measurement N
 busy processes run (:class:`BackgroundLoad`: each bounded in time, ending by itself if the

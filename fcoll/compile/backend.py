@@ -2,7 +2,8 @@
 
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so no
 ``import fcoll`` is needed; importing this module also names it in Dynamo's registry, for a
-source checkout on ``PYTHONPATH`` that has no entry point (:func:`_name_in_dynamo_registry`). Flow of one Dynamo graph::
+source checkout on ``PYTHONPATH`` that has no entry point (:func:`_name_in_dynamo_registry`).
+Flow of one Dynamo graph::
 
     Dynamo graph ──AOTAutograd──> forward + backward graphs (or one inference graph), aten IR
       each graph: deep copy "before" ─> fcoll pass pipeline ─> compile listeners ─> executor
