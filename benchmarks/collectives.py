@@ -201,10 +201,18 @@ def _make_call(op: str, size: int, n: int, group):
 WAIT_KINDS = ("spun", "slept", "spin_failed")
 
 
-def _wait_counts() -> dict | None:
-    """The wait counters of the default group's fcoll channel, or None (not fcoll's backend)."""
-    ch = getattr(getattr(dist.group.WORLD, "_engine", None), "ch", None)
+def wait_counts(pg) -> dict | None:
+    """The wait counters of fcoll's channel for process group ``pg``, or None (another
+    backend). Also used by ``cost_model.py``."""
+    ch = getattr(getattr(pg, "_engine", None), "ch", None)
     return dict(ch.stats) if ch is not None else None
+
+
+def add_wait_increments(total: dict, before: dict, after: dict) -> None:
+    """Add to ``total`` how much each of :data:`WAIT_KINDS` grew from ``before`` to ``after``
+    (two :func:`wait_counts`)."""
+    for kind in WAIT_KINDS:
+        total[kind] = total.get(kind, 0) + after[kind] - before[kind]
 
 
 def _iters(size: int) -> tuple[int, int]:
@@ -222,15 +230,13 @@ def _timed(call, k: int, barrier, waits: dict | None = None) -> float:
     """Microseconds per call of ``k`` back-to-back ``call()`` after a ``barrier()``; adds the
     increments of fcoll's wait counters in the ``k`` calls (not the barrier) to ``waits``."""
     barrier()
-    before = _wait_counts() if waits is not None else None
+    before = wait_counts(dist.group.WORLD) if waits is not None else None
     t0 = time.perf_counter()
     for _ in range(k):
         call()
     us = (time.perf_counter() - t0) / k * 1e6
     if before is not None:
-        after = _wait_counts()
-        for kind in waits:
-            waits[kind] += after[kind] - before[kind]
+        add_wait_increments(waits, before, wait_counts(dist.group.WORLD))
     return us
 
 

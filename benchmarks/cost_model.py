@@ -46,7 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fcoll.ops.facts import KINDS  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
-from collectives import fmt_size, parse_size  # noqa: E402  (this folder: the script's own)
+from collectives import (  # noqa: E402  (this folder: the script's own)
+    add_wait_increments, fmt_size, parse_size, wait_counts,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB << i for i in range(15)]  # 4 KiB .. 64 MiB
@@ -59,13 +61,6 @@ def runs_per_round(size: int) -> int:
     """Timed calls per cell and round (after one untimed call): more for small, cheap, noisy
     sizes (15 / 9 / 6 in all)."""
     return 5 if size <= 256 * KiB else 3 if size <= 4 * MiB else 2
-
-
-def _wait_stats(pg) -> dict | None:
-    """The wait counters of fcoll's channel for ``pg`` (spun / slept / spin_failed, see
-    :mod:`fcoll.shm.sync`), or None on other backends."""
-    ch = getattr(getattr(pg, "_engine", None), "ch", None)
-    return dict(ch.stats) if ch is not None else None
 
 
 def measure(pg, kind: str, sizes: list[int]) -> tuple[dict[int, float], dict[int, dict]]:
@@ -83,16 +78,13 @@ def measure(pg, kind: str, sizes: list[int]) -> tuple[dict[int, float], dict[int
     for _ in range(ROUNDS):
         for size, op in ops.items():
             op()
-            before = _wait_stats(pg)
+            before = wait_counts(pg)
             for _ in range(runs_per_round(size)):
                 t0 = time.perf_counter()
                 op()
                 times[size].append((time.perf_counter() - t0) * 1e6)
-            after = _wait_stats(pg)
             if before is not None:
-                cell = waits.setdefault(size, {})
-                for k in ("spun", "slept", "spin_failed"):
-                    cell[k] = cell.get(k, 0) + after[k] - before[k]
+                add_wait_increments(waits.setdefault(size, {}), before, wait_counts(pg))
     return {size: statistics.median(ts) for size, ts in times.items()}, waits
 
 
