@@ -56,8 +56,6 @@ from torch._dispatch.python import no_python_dispatcher
 from fcoll.passes import calibration_cache
 from fcoll.passes.calibration_probes import (_backend_name, _buffers, _collective, _host_layout,
                                              host_identity, time_compute_rates)
-from fcoll.passes.calibration_probes import (  # noqa: F401  moved; still reachable from here
-    _MM_SHAPE, _median_us, _min_us, _per_call_us, _quiet, _reduce_scatter, _times_us)
 from fcoll.passes.comm_cost import CommCurve, CommKey, CommParams, CommTable
 from fcoll.passes.cost import KINDS, ComputeRates, CostModel, assemble_model, collective_size
 from fcoll.passes.graph import arg_of
