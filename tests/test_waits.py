@@ -186,24 +186,69 @@ def _litmus(seg, rank, world, rounds, fenced):
 @pytest.mark.timeout(120)
 def test_arrive_barrier_orders_counter_store_before_flag_load():
     """Dekker's condition behind the skipped FUTEX_WAKE: after the barrier, a rank's load of
-    the peer's word can not miss the peer's store while the peer also misses its own."""
-    rounds = 50_000
+    the peer's word can not miss the peer's store while the peer also misses its own. The
+    unfenced control shows the litmus test sees store buffering on this machine (without it,
+    0 on the fenced run would prove nothing)."""
+    rounds, unfenced = 50_000, 0
+    for _ in range(5):   # the control's reorderings need both ranks running at once
+        res = _run_forked(_litmus, 2, timeout_s=90, args=(rounds, False))
+        unfenced += sum(a and b for a, b in zip(res[0], res[1]))
+        if unfenced:
+            break
+    assert unfenced > 0, "the litmus test saw no store buffering without the barrier"
     res = _run_forked(_litmus, 2, timeout_s=90, args=(rounds, True))
     both_stale = sum(a and b for a, b in zip(res[0], res[1]))
     assert both_stale == 0
 
 
-def test_arrive_uses_the_same_barrier_as_the_litmus_test():
-    """The litmus test above checks ``threading.Lock`` acquire + release; ``arrive`` must
-    still use it between its counter store and its flag load."""
-    import inspect
+class _Recorder:
+    """Stands in for a channel's words and its barrier lock, logging what ``arrive`` does."""
 
-    src = inspect.getsource(Channel.arrive)
-    store = src.index("words[self._idx[self.rank]] = k")
-    acquire = src.index("lock.acquire()")
-    release = src.index("lock.release()")
-    flag = src.index("words[self._one_flag]")
-    assert store < acquire < release < flag
+    def __init__(self, words, log):
+        self._words, self.log = words, log
+
+    def __getitem__(self, i):
+        self.log.append(("load", i))
+        return self._words[i]
+
+    def __setitem__(self, i, v):
+        self.log.append(("store", i))
+        self._words[i] = v
+
+    def acquire(self):
+        self.log.append(("acquire", None))
+        return True
+
+    def release(self):
+        self.log.append(("release", None))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_arrive_stores_its_counter_then_passes_the_barrier_then_loads_the_sleep_flags(world):
+    """The order the litmus test above proves safe, checked on what :meth:`Channel.arrive`
+    does (every load, store and lock call it makes, recorded): its counter store, the lock's
+    acquire and release, then the loads of the flags that decide the ``FUTEX_WAKE``. (A
+    cross-process litmus on ``arrive`` itself cannot fail here: its Python between the store
+    and the load outlasts the store buffer's drain, so only the order can be checked.)"""
+    mm = mmap.mmap(-1, Layout(world, SLOT).total)
+    seg = Segment(mm, Layout(world, SLOT))
+    ch = Channel(seg, 0, world, 30.0, [0, 5])
+    log = []
+    ch.words = _Recorder(ch.words, log)
+    ch._fence_lock = _Recorder(None, log)
+    ch.arrive()
+    counter = seg.layout.word(0, sync.W_ARRIVE)
+    first_flag = seg.layout.word(0, sync.W_SLEEP)
+    flags = set(range(first_flag, first_flag + world))
+
+    def is_flag(i):   # an index, or the slice of every flag (3 ranks or more)
+        return bool(flags & set(range(i.start, i.stop) if isinstance(i, slice) else [i]))
+
+    kinds = [(k, is_flag(i) if k == "load" else i) for k, i in log]
+    store = kinds.index(("store", counter))
+    assert kinds[store + 1:store + 3] == [("acquire", None), ("release", None)], log
+    assert ("load", True) in kinds[store + 3:], log   # a sleep flag read after the barrier
+    assert all(k != "load" for k, _ in kinds[:store]), log
 
 
 def _waits_alone(seg, rank, world, mode):
