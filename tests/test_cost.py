@@ -113,12 +113,6 @@ class TestDefaults(TestCase):
         self.assertEqual(model.compute, cost.DEFAULT_COMPUTE)
         self.assertEqual(model, calibrate.model_for(canonical.ddp_backward(n_layers=1)))
 
-    def test_moved_names_stay_importable_from_cost(self):
-        from fcoll.passes.calibrate import cached_model, model_for
-
-        self.assertIs(cached_model, calibrate.cached_model)
-        self.assertIs(model_for, calibrate.model_for)
-
 
 def _calibrate_on_two_ranks(rank, world_size):
     """Calibrate the fcoll world group and a gloo subgroup; plan a graph on each."""
