@@ -232,14 +232,31 @@ def _layouts_and_forms(rank, world, gl):
 
 
 def _async_overlap(rank, world, gl):
-    """Collectives return at once, run in issue order, and compute overlaps them."""
+    """Collectives return at once, progress while the caller computes, and run in issue order.
+
+    Rank 0 issues its all_reduce before any peer does (they wait for its store key), so the
+    call can only return if it does not wait for the peers, and the Work is not complete. It
+    then computes and blocks on the store (not on the Work) until every peer's blocking
+    all_reduce returned, which happens only if rank 0's share moved without its thread waiting.
+    """
+    store = dist.distributed_c10d._get_default_store()
     big = torch.full((3_000_000,), float(rank + 1))
     small = torch.full((10,), float(rank))
-    w1 = dist.all_reduce(big, async_op=True)
-    w2 = dist.all_reduce(small, op=dist.ReduceOp.MAX, async_op=True)
-    m = torch.randn(256, 256)
-    for _ in range(5):
-        m = torch.tanh(m @ m)  # main-thread compute while the collectives run
+    if rank == 0:
+        w1 = dist.all_reduce(big, async_op=True)
+        assert not w1.is_completed(), "complete before any peer issued it"
+        store.set("async_overlap/issued", "1")
+        m = torch.randn(256, 256)
+        for _ in range(5):
+            m = torch.tanh(m @ m)  # main-thread compute while the collective runs
+        store.wait([f"async_overlap/done{p}" for p in range(1, world)])
+        w2 = dist.all_reduce(small, op=dist.ReduceOp.MAX, async_op=True)
+    else:
+        store.wait(["async_overlap/issued"])
+        w1 = dist.all_reduce(big, async_op=True)
+        w1.wait()
+        store.set(f"async_overlap/done{rank}", "1")
+        w2 = dist.all_reduce(small, op=dist.ReduceOp.MAX, async_op=True)
     w2.wait()
     w1.wait()
     expect = world * (world + 1) / 2
