@@ -14,11 +14,15 @@ after ``--grace-s`` seconds; the exit status is the first failing rank's (128 + 
 for a rank killed by a signal), or 0. Before starting the ranks and after they all ended, the
 launcher removes the /dev/shm segment names that earlier fcoll versions left behind
 (:func:`fcoll.shm.segment.sweep_dead_segments`; this version's segments have no name to leave).
+When the ranks share a GPU, ``--mps`` (default ``auto``) starts an MPS control daemon for the
+job and stops it at exit, or says once why small collectives will be slow without one
+(:mod:`fcoll.mps`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -29,6 +33,8 @@ import time
 import uuid
 from collections.abc import Sequence
 from typing import IO
+
+from fcoll import mps
 
 __all__ = ["free_port", "main", "parse_args", "rank_env"]
 
@@ -51,6 +57,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grace-s", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", default=None)
+    p.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
+                   help="NVIDIA MPS when ranks share a GPU (fcoll.mps): auto (default) starts "
+                        "a daemon for the job where the control binary exists and none runs; "
+                        "on: the same, an error without the binary; off: never")
     p.add_argument("-m", "--module", action="store_true",
                    help="treat the target as a module name (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true",
@@ -165,6 +175,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = [sys.executable, "-u", ns.target, *ns.args]
     out = sys.stdout.buffer
     err = sys.stderr.buffer
+    try:
+        mps_plan = mps.plan(ns.mps, nproc, mps.visible_gpu_count())
+    except mps.MpsError as e:
+        err.write(f"[fcoll.launch] {e}\n".encode())
+        return 2
+    if mps_plan.message:
+        err.write(f"[fcoll.launch] {mps_plan.message}\n".encode())
+        err.flush()
+    with contextlib.ExitStack() as job:
+        mps_env: dict[str, str] = {}
+        if mps_plan.start:
+            try:
+                mps_env = job.enter_context(mps.MpsDaemon()).env
+            except mps.MpsError as e:
+                err.write(f"[fcoll.launch] {e}\n".encode())
+                return 2
+            err.write(f"[fcoll.launch] {nproc} ranks share a GPU: started an MPS daemon for "
+                      f"this job ({mps_env['CUDA_MPS_PIPE_DIRECTORY']}); it stops at exit\n"
+                      .encode())
+            err.flush()
+        return _run_ranks(ns, cmd, port, run_id, mps_env, out, err)
+
+
+def _run_ranks(ns: argparse.Namespace, cmd: list[str], port: int, run_id: str,
+               extra_env: dict[str, str], out: IO[bytes], err: IO[bytes]) -> int:
+    """Start the node's ranks with ``extra_env`` added, supervise them, return the exit status."""
+    nproc = ns.nproc_per_node
     _sweep(err)
     # as torchrun: several ranks of one host each default to one intra-op thread, not one per
     # core (2 ranks x 2 threads on 2 cores made fcoll's collectives 20-40x slower than gloo's)
@@ -179,8 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     first_rank = ns.node_rank * nproc
     for local in range(nproc):
         r = first_rank + local
-        env = dict(os.environ, **rank_env(local, nproc, ns.master_addr, port, run_id,
-                                          ns.node_rank, ns.nnodes))
+        env = dict(os.environ, **extra_env, **rank_env(local, nproc, ns.master_addr, port,
+                                                       run_id, ns.node_rank, ns.nnodes))
         # a rank killed by SIGSEGV, SIGBUS, SIGFPE or SIGABRT prints every thread's Python
         # stack (faulthandler) before it dies, so a crash names where it happened
         env.setdefault("PYTHONFAULTHANDLER", "1")
