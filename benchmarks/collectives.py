@@ -29,6 +29,16 @@ for quick iterations, and ``--quick`` runs fewer sizes (and, on CUDA, repetition
 ``OMP_NUM_THREADS=1``; torch's own default is one per core): fcoll's collectives then run their
 copies and reductions with at most cores / ranks threads, gloo its own loops.
 
+With deepspeed installed (``--deepspeed auto``, the default; ``on`` requires it, ``off`` skips
+it), all_reduce gets a third column: DeepSpeed's shared-memory all_reduce, its raw op
+(:mod:`deepspeed_shm`: built once in the parent, ``LOCAL_SIZE`` set, never its silent fallback
+to ``dist.all_reduce``, its /dev/shm files removed after the run), interleaved with fcoll and
+gloo. The header names its version and what it needed; each cell adds ``deepspeed_us``, the best
+repetitions (``fcoll_best_us``, ``deepspeed_best_us``) and the ratios ``deepspeed_over_fcoll``
+(medians) and ``best_fcoll_over_deepspeed``, and the run ends with PASS/FAIL lines: fcoll no
+slower than DeepSpeed by median at every size, and within 2x of it in the best repetitions at
+4-64 KiB.
+
 ``--background-load N [N ...]`` measures an oversubscribed machine: during the measurement N
 busy processes run (:class:`BackgroundLoad`: each bounded in time, ending by itself if the
 benchmark dies, and ended by the benchmark on return, exception, Ctrl-C or SIGTERM; in the
@@ -174,10 +184,15 @@ def _sigterm_raises():
         signal.signal(signal.SIGTERM, previous)
 
 
+def call_numel(size: int, n: int) -> int:
+    """float32 elements of a ``size``-byte buffer, at least ``n`` and a multiple of ``n``."""
+    numel = max(size // 4, n)
+    return numel - numel % n
+
+
 def _make_call(op: str, size: int, n: int, group):
     """A zero-argument function running one synchronous ``op`` of ``size`` bytes on ``group``."""
-    numel = max(size // 4, n)
-    numel -= numel % n
+    numel = call_numel(size, n)
     if op == "all_reduce":
         t = torch.ones(numel)
         return lambda: dist.all_reduce(t, group=group)
@@ -241,12 +256,17 @@ def _timed(call, k: int, barrier, waits: dict | None = None) -> float:
 
 
 def _bench(rank: int, world: int, ops: list[str], sizes: list[int], repeat: int = 1,
-           torch_threads: int = 1):
+           torch_threads: int = 1, deepspeed: bool = False):
     import warnings
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(torch_threads)  # run_ranks starts every rank at 1
     gloo = dist.new_group(backend="gloo")
+    ds = None
+    if deepspeed:
+        from deepspeed_shm import DeepSpeedAllReduce
+
+        ds = DeepSpeedAllReduce(rank, world)
     barrier = dist.barrier  # fcoll's barrier: microseconds, so it does not blur small sizes
     res = {}
     for op in ops:
@@ -256,16 +276,19 @@ def _bench(rank: int, world: int, ops: list[str], sizes: list[int], repeat: int 
             reps *= repeat
             calls = {"fcoll": _make_call(op, size, world, None),
                      "gloo": _make_call(op, size, world, gloo)}
+            if ds is not None and op == "all_reduce":
+                calls["deepspeed"] = ds.call(call_numel(size, world))
             for call in calls.values():  # warm up (page faults, first-touch)
                 call()
-            times = {"fcoll": [], "gloo": []}
+            times = {name: [] for name in calls}
             waits = dict.fromkeys(WAIT_KINDS, 0)
+            names = list(calls)
             for rep in range(reps):
-                order = ("fcoll", "gloo") if rep % 2 == 0 else ("gloo", "fcoll")
-                for name in order:
+                for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotated
                     times[name].append(_timed(calls[name], k, barrier,
                                               waits if name == "fcoll" else None))
             res[(op, size)] = {name: statistics.median(v) for name, v in times.items()}
+            res[(op, size)]["best"] = {name: min(v) for name, v in times.items()}
             res[(op, size)]["waits"] = waits
             del calls
         res[("loadavg", op)] = (load0, os.getloadavg()[0])
@@ -317,6 +340,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compare with the fcoll of this checkout (PYTHONPATH), side by side")
     p.add_argument("--micro", action="store_true",
                    help="--baseline-tree: also time one channel phase in-process (ns)")
+    p.add_argument("--deepspeed", choices=("auto", "on", "off"), default="auto",
+                   help="a DeepSpeed shared-memory all_reduce column (deepspeed_shm.py) when "
+                        "deepspeed is installed (auto), required (on), or never (off)")
     p.add_argument("--rounds", type=int, default=5,
                    help="--baseline-tree: alternating before/after runs of each tree")
     args = p.parse_args(argv)
@@ -355,13 +381,51 @@ def _report_cpu(args, per_rank) -> dict:
                   f"{bus['fcoll']:>7.2f} | {t['gloo']:>10.1f} {alg['gloo']:>7.2f} "
                   f"{bus['gloo']:>7.2f} | {t['gloo'] / t['fcoll']:>6.1f}x | "
                   + " ".join(f"{w['spun']}/{w['slept']}" for w in waits))
-            out["results"].setdefault(op, {})[str(size)] = {
+            row = out["results"].setdefault(op, {})[str(size)] = {
                 "fcoll_us": t["fcoll"], "gloo_us": t["gloo"],
                 "fcoll_busbw_gbps": bus["fcoll"], "gloo_busbw_gbps": bus["gloo"],
                 "fcoll_algbw_gbps": alg["fcoll"], "gloo_algbw_gbps": alg["gloo"],
                 "speedup": t["gloo"] / t["fcoll"], "fcoll_waits": waits,
             }
+            if "deepspeed" in per_rank[0][(op, size)]:
+                row.update(_deepspeed_cells(per_rank, op, size))
+                print(f"{'':>9} | deepspeed {row['deepspeed_us']:>10.1f} us: "
+                      f"deepspeed / fcoll {row['deepspeed_over_fcoll']:.2f}x by median, "
+                      f"best repetitions fcoll {row['fcoll_best_us']:.1f} us, deepspeed "
+                      f"{row['deepspeed_best_us']:.1f} us ({row['best_fcoll_over_deepspeed']:.2f}x)")
     return out
+
+
+def _deepspeed_cells(per_rank, op: str, size: int) -> dict:
+    """The deepspeed column of one cell: medians and best repetitions, the slowest rank's."""
+    med = {b: max(r[(op, size)][b] for r in per_rank) for b in ("fcoll", "deepspeed")}
+    best = {b: max(r[(op, size)]["best"][b] for r in per_rank) for b in ("fcoll", "deepspeed")}
+    return {"deepspeed_us": med["deepspeed"], "deepspeed_best_us": best["deepspeed"],
+            "fcoll_best_us": best["fcoll"],
+            "deepspeed_over_fcoll": med["deepspeed"] / med["fcoll"],
+            "best_fcoll_over_deepspeed": best["fcoll"] / best["deepspeed"]}
+
+
+DEEPSPEED_BEST_WITHIN = 2.0   # best repetitions, 4-64 KiB: fcoll within 2x of DeepSpeed's op
+
+
+def deepspeed_targets(runs: list[dict]) -> list[tuple[str, str, bool]]:
+    """Against DeepSpeed's shared-memory all_reduce, in every run that has its column:
+    fcoll no slower by median at any size, and in the best repetitions within
+    :data:`DEEPSPEED_BEST_WITHIN` of it at 4-64 KiB. ``(name, measured, passed)``."""
+    rows = []
+    for run in runs:
+        for size, row in run["results"].get("all_reduce", {}).items():
+            if "deepspeed_us" not in row:
+                continue
+            where = f"load {run['background_load']}: all_reduce {fmt_size(int(size))}"
+            rows.append((f"{where}: fcoll no slower than deepspeed by median",
+                         f"{row['deepspeed_over_fcoll']:.2f}x", row["deepspeed_over_fcoll"] >= 1))
+            if LOADED_SMALL[0] <= int(size) <= LOADED_SMALL[1]:
+                rows.append((f"{where}: best fcoll within {DEEPSPEED_BEST_WITHIN:g}x of deepspeed",
+                             f"{row['best_fcoll_over_deepspeed']:.2f}x",
+                             row["best_fcoll_over_deepspeed"] <= DEEPSPEED_BEST_WITHIN))
+    return rows
 
 
 LOADED_MIN_SPEEDUP = 10.0  # issue 17: loaded, fcoll >= 10x gloo for every op at 4-64 KiB
@@ -421,7 +485,8 @@ def _run_once(args, load: int) -> dict:
             per_rank = cc.run(n, args.ops, args.sizes, args.reps, args.configs)
         else:
             per_rank = run_ranks(_bench, n, args=(args.ops, args.sizes, args.repeat,
-                                                  args.torch_threads), timeout_s=timeout_s)
+                                                  args.torch_threads, args.deepspeed_run),
+                                 timeout_s=timeout_s)
         load_after = os.getloadavg()[0]
     out: dict = {"background_load": load, "torch_threads": args.torch_threads,
                  "background_own_session": args.background_own_session,
@@ -523,6 +588,15 @@ def compare_trees(args) -> dict:
     return body
 
 
+def _deepspeed_files(args):
+    """Removes the /dev/shm files DeepSpeed's op leaves, when its column runs."""
+    if not args.deepspeed_run:
+        return contextlib.nullcontext()
+    import deepspeed_shm
+
+    return deepspeed_shm.removes_its_files()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.baseline_tree:
@@ -536,7 +610,18 @@ def main(argv=None) -> int:
         print(f"--device cuda: torch.cuda.is_available() is False (torch {torch.__version__})",
               file=sys.stderr)
         return 2
-    with _sigterm_raises():
+    args.deepspeed_run = False
+    if not cuda and args.deepspeed != "off" and "all_reduce" in args.ops:
+        import deepspeed_shm
+
+        available = deepspeed_shm.availability()
+        print(available.header())
+        if not available and args.deepspeed == "on":
+            return 2
+        if available:
+            deepspeed_shm.build()   # once, here, before any rank loads it
+            args.deepspeed_run = True
+    with _sigterm_raises(), _deepspeed_files(args):
         runs = [_run_once(args, load) for load in args.background_load]
     out: dict = {"nproc": args.nproc, "device": args.device,
                  "units": {"time": "us", "bw": "GB/s (1e9 B/s)"}}
@@ -544,7 +629,7 @@ def main(argv=None) -> int:
     if len(runs) > 1:
         out["runs"] = runs
         print_comparison(runs)
-    result = loaded_targets(runs)
+    result = loaded_targets(runs) + deepspeed_targets(runs)
     if result:
         print()
         for name, measured, ok in result:

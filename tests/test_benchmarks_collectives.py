@@ -226,3 +226,42 @@ def test_background_load_runs_in_the_benchmarks_session_unless_asked_otherwise()
     with bench.BackgroundLoad(1, max_s=30, settle_s=0, own_session=True) as load:
         assert os.getsid(load.procs[0].pid) == load.procs[0].pid
     assert all(p.poll() is not None for p in load.procs)   # ended on leaving the block
+
+
+def test_deepspeed_targets_read_medians_and_best_repetitions():
+    row = {"deepspeed_us": 30.0, "fcoll_us": 20.0, "deepspeed_over_fcoll": 1.5,
+           "best_fcoll_over_deepspeed": 2.5}
+    runs = [{"background_load": 0, "results": {"all_reduce": {"4096": row,
+                                                               str(16 << 20): dict(row)}}}]
+    got = {name: ok for name, _, ok in bench.deepspeed_targets(runs)}
+    assert got == {"load 0: all_reduce 4 KiB: fcoll no slower than deepspeed by median": True,
+                   "load 0: all_reduce 4 KiB: best fcoll within 2x of deepspeed": False,
+                   "load 0: all_reduce 16 MiB: fcoll no slower than deepspeed by median": True}
+    assert bench.deepspeed_targets([{"background_load": 0, "results": {
+        "all_reduce": {"4096": {"fcoll_us": 1.0}}}}]) == []   # no column, no target
+
+
+def test_deepspeed_column_is_left_out_cleanly_without_deepspeed(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("deepspeed is installed: see the test below")
+    assert bench.main(["--ops", "all_reduce", "--sizes", "4K"]) == 0
+    out = capsys.readouterr().out
+    assert "deepspeed: not run (deepspeed is not installed)" in out
+    assert "deepspeed / fcoll" not in out
+    assert bench.main(["--ops", "all_reduce", "--sizes", "4K", "--deepspeed", "on"]) == 2
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_column_times_its_own_kernel_and_leaves_no_file(tmp_path):
+    """With deepspeed installed: the column is DeepSpeed's shared-memory op (never its silent
+    fallback to dist.all_reduce), and its /dev/shm files are removed after the run."""
+    pytest.importorskip("deepspeed")
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_")}
+    out = tmp_path / "out.json"
+    assert bench.main(["--ops", "all_reduce", "--sizes", "4K", "--deepspeed", "on",
+                       "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"]["all_reduce"]["4096"]
+    assert row["deepspeed_us"] > 0 and row["deepspeed_best_us"] > 0
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_")} == before
