@@ -226,9 +226,9 @@ def _rank_costs_on(rank: int, world_size: int) -> dict:  # noqa: ARG001  run_ran
     check's median time per compile, in milliseconds."""
     import torch.distributed as dist
 
-    from fcoll.passes.calibrate import calibrate_group
+    from fcoll.passes.analysis.calibrate import calibrate_group
     from fcoll.passes.config import FcollConfig
-    from fcoll.passes.consistency import CheckRankConsistency
+    from fcoll.passes.rewrites.consistency import CheckRankConsistency
 
     out: dict = {}
     gloo = dist.new_group(backend="gloo")

@@ -8,8 +8,8 @@ Usage::
 
 It spawns ``--nproc`` local ranks (:func:`fcoll.testing.run_ranks`), calibrates one group of
 each backend with the sweep up to ``--max-bytes`` (default: all of
-:data:`fcoll.passes.calibrate.SWEEP_BYTES`) and leaves the numbers in the job's cache file
-(:mod:`fcoll.passes.calibration_cache`), keyed by backend, group size and host layout (one
+:data:`fcoll.passes.analysis.calibrate.SWEEP_BYTES`) and leaves the numbers in the job's cache file
+(:mod:`fcoll.passes.analysis.calibration_cache`), keyed by backend, group size and host layout (one
 host here: a job spanning hosts calibrates its cross-host groups itself). It prints the fitted
 curves (median microseconds per kind and size) and where they were written.
 
@@ -31,8 +31,8 @@ _BACKENDS = ("fcoll", "gloo")
 def _calibrate_rank(rank: int, world_size: int, backends: list[str], max_bytes: int | None):
     import torch.distributed as dist
 
-    from fcoll.passes import calibrate as cal
-    from fcoll.passes import calibration_cache
+    from fcoll.passes.analysis import calibrate as cal
+    from fcoll.passes.analysis import calibration_cache
 
     out = {}
     for backend in backends:
@@ -54,7 +54,7 @@ def _parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fcoll.passes import calibration_cache
+    from fcoll.passes.analysis import calibration_cache
     from fcoll.testing import run_ranks
 
     p = argparse.ArgumentParser(prog="python -m fcoll.calibrate", description=__doc__.split("\n")[0])

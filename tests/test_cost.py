@@ -1,5 +1,5 @@
-"""Tests of the cost model (fcoll.passes.cost): formulas, defaults, symbolic sizes, user
-estimators; and of calibration (fcoll.passes.calibrate) on two real ranks (one batched run).
+"""Tests of the cost model (fcoll.passes.analysis.cost): formulas, defaults, symbolic sizes, user
+estimators; and of calibration (fcoll.passes.analysis.calibrate) on two real ranks (one batched run).
 How long calibration takes is printed by ``benchmarks/passes_scaling.py --rank-costs``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import canonical  # noqa: E402
 
 from fcoll.ops.facts import busbw_factor  # noqa: E402
-from fcoll.passes import calibrate, cost  # noqa: E402
+from fcoll.passes.analysis import calibrate, cost  # noqa: E402
 from fcoll.passes.graph import collectives, is_wait  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
@@ -114,7 +114,7 @@ class TestDefaults(TestCase):
         self.assertEqual(model, calibrate.model_for(canonical.ddp_backward(n_layers=1)))
 
     def test_moved_names_stay_importable_from_cost(self):
-        from fcoll.passes.calibrate import cached_model, model_for
+        from fcoll.passes.analysis.calibrate import cached_model, model_for
 
         self.assertIs(cached_model, calibrate.cached_model)
         self.assertIs(model_for, calibrate.model_for)
@@ -125,7 +125,7 @@ def _calibrate_on_two_ranks(rank, world_size):
     import torch.distributed as dist
 
     import canonical as c
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibrate as cal
     from fcoll.passes.registry import get_pass
 
     gloo = dist.new_group(backend="gloo")
@@ -171,7 +171,7 @@ def _calibrate_gloo_under_python_dispatcher(rank, world_size, rounds):
     import torch.distributed as dist
     from torch._dispatch.python import enable_python_dispatcher
 
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibrate as cal
 
     with enable_python_dispatcher():
         for _ in range(rounds):
@@ -213,7 +213,7 @@ def _compute_core_groups(rank, world_size):
     import torch.distributed as dist
 
     import canonical as c
-    from fcoll.passes.bucket_plan import plan_buckets
+    from fcoll.passes.rewrites.bucket_plan import plan_buckets
     from fcoll.passes.config import FcollConfig
 
     gloo = dist.new_group(backend="gloo")
@@ -225,7 +225,7 @@ def _compute_core_groups(rank, world_size):
 
 
 def test_lane_plan_is_the_same_on_network_and_shared_memory_backends():
-    """The bucket planner's lane plan (fcoll.passes.bucket_rules.lane_segments) applies to every
+    """The bucket planner's lane plan (fcoll.passes.rewrites.bucket_rules.lane_segments) applies to every
     backend: 4 gradients whose one bucket still ends within the 5.4 ms of compute after the
     last merge on fcoll's backend and on gloo alike (uncalibrated: the default costs)."""
     r0, r1 = run_ranks(_compute_core_groups, 2, backend="fcoll", timeout_s=100)
@@ -250,7 +250,7 @@ def _trace_of(durations_us, nbytes=4096):
 
 
 def _predicted(collective_us):
-    from fcoll.passes.schedule import PredictedEvent
+    from fcoll.passes.rewrites.schedule import PredictedEvent
 
     return [PredictedEvent("all_reduce", "collective", "0", 0.0, collective_us, 0.0),
             PredictedEvent("wait_tensor", "wait", "compute", collective_us, collective_us, 0.0)]

@@ -154,7 +154,7 @@ def _ddp_buckets_overlap_backward(rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fcoll.compile.backend import register_compile_listener
-    from fcoll.passes.bucketing import META_BUCKET
+    from fcoll.passes.rewrites.bucketing import META_BUCKET
     from fcoll.passes.graph import is_collective
 
     corpus = tg.Corpus(tg.load_text())

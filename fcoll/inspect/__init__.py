@@ -10,7 +10,7 @@
   tlparse artifacts or files.
 - ``python -m fcoll.inspect script.py --out DIR -- ARGS``: run a script on N ranks and write it all.
 
-Times come from the overlap scheduler's simulator, ``fcoll.passes.overlap.predict``; every
+Times come from the overlap scheduler's simulator, ``fcoll.passes.rewrites.overlap.predict``; every
 function also accepts ``events=`` or ``predict=``.
 """
 

@@ -93,7 +93,7 @@ def collectives(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
     """Describe every collective of ``gm`` in graph order.
 
     Timing columns come from the predicted schedule of the graph in its current order
-    (``fcoll.passes.overlap.predict``, or ``events``/``predict`` given here); without one, from
+    (``fcoll.passes.rewrites.overlap.predict``, or ``events``/``predict`` given here); without one, from
     the overlap scheduler's ``node.meta`` entries, and None where those are missing.
 
     Args:

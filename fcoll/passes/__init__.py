@@ -16,16 +16,16 @@ check_rank_consistency     compare collective fingerprints across ranks (raises,
 =========================  ===================================================================
 """
 
-from fcoll.passes.bucket_plan import Bucket, plan_buckets
-from fcoll.passes.bucketing import BucketCollectives, apply_buckets
-from fcoll.passes.group_plan import BucketPlanError
-from fcoll.passes.shared_plan import BucketPlanTimeoutError
-from fcoll.passes.consistency import (
+from fcoll.passes.rewrites.bucket_plan import Bucket, plan_buckets
+from fcoll.passes.rewrites.bucketing import BucketCollectives, apply_buckets
+from fcoll.passes.rewrites.group_plan import BucketPlanError
+from fcoll.passes.rewrites.shared_plan import BucketPlanTimeoutError
+from fcoll.passes.rewrites.consistency import (
     CheckRankConsistency, RankMismatchError, RankTimeoutError, fingerprint,
 )
-from fcoll.passes.lower import LowerC10dFunctional
-from fcoll.passes.output_chains import SinkOutputWaits
-from fcoll.passes.overlap import (
+from fcoll.passes.rewrites.lower import LowerC10dFunctional
+from fcoll.passes.rewrites.output_chains import SinkOutputWaits
+from fcoll.passes.rewrites.overlap import (
     PredictedEvent, RaiseCollectives, ReorderForOverlap, SinkWaits, predict,
 )
 from fcoll.passes.registry import (

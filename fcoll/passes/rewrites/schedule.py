@@ -9,17 +9,17 @@ Constraints every reorder keeps (:func:`dependencies`):
 - collectives keep their original relative order, across all groups: every rank issues the
   same sequence, because a different order on different ranks hangs (ranks run the same
   graph with the same cost numbers, so the scheduler's choices are the same on every rank);
-- writes stay ordered with the reads of the same storage (:func:`fcoll.passes.memory.mutation_deps`);
+- writes stay ordered with the reads of the same storage (:func:`fcoll.passes.analysis.memory.mutation_deps`);
 - other side-effectful nodes (not waits, not collectives) are barriers: nothing crosses them.
 
 One scheduler (:class:`ListScheduler`) places nodes from a ready set, backwards or forwards, so
 that every order it makes keeps these constraints by construction; a reorder differs only in its
 priority: a static key (:class:`KeyScheduler`: ``sink_waits``, ``raise_collectives``) or the
 cost-model rule of :class:`OverlapScheduler` (``reorder_for_overlap``). Predictions come from
-the simulator of :mod:`fcoll.passes.timeline`.
+the simulator of :mod:`fcoll.passes.analysis.timeline`.
 
 Data-dependent (unbacked) sizes are never compared or converted with ``int()`` here: a
-collective's bytes come from :func:`fcoll.passes.cost.collective_size`, which estimates them by
+collective's bytes come from :func:`fcoll.passes.analysis.cost.collective_size`, which estimates them by
 the cost model's documented fallback; the estimate guides the plan (its time, the in-flight
 cap) and is reported in :attr:`Plan.size_estimates`, never needed for correctness, since the
 constraints above do not depend on sizes.
@@ -36,11 +36,11 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from fcoll.passes.cost import SizeEstimate, collective_size
+from fcoll.passes.analysis.cost import SizeEstimate, collective_size
 from fcoll.passes.graph import arg_of
-from fcoll.passes.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
+from fcoll.passes.analysis.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
     _written_inputs, mutation_deps, peak_bytes, per_op, storage_model
-from fcoll.passes.timeline import CollectiveRecord, PredictedEvent, Timeline, records, simulate
+from fcoll.passes.analysis.timeline import CollectiveRecord, PredictedEvent, Timeline, records, simulate
 
 __all__ = ["Deps", "dependencies", "apply_order", "PredictedEvent", "Timeline", "simulate",
            "Plan", "CollectiveRecord", "ListScheduler", "KeyScheduler", "OverlapScheduler",
@@ -455,7 +455,7 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     Cost: O((N + E) log N); estimates are asked once per node.
 
     The memory limit is checked on the finished order's peak (the :class:`LiveBytes` model of
-    :func:`fcoll.passes.memory.peak_bytes`, counted while planning; the planner's choices follow
+    :func:`fcoll.passes.analysis.memory.peak_bytes`, counted while planning; the planner's choices follow
     the live bytes of a partial plan, a guide); over budget, the plan is redone with a quarter
     of the budget, then none, then the original order is kept (at most 3 plans; logged at
     DEBUG).

@@ -1,8 +1,8 @@
 """Calibration: measure the cost model's parameters on this machine and on real process groups.
 
 Everything here measures or looks up live process groups; the model itself
-(:mod:`fcoll.passes.cost`, :mod:`fcoll.passes.comm_cost`) is pure. The calls that are timed and
-the timing loops are in :mod:`fcoll.passes.calibration_probes`; here is the protocol around them.
+(:mod:`fcoll.passes.analysis.cost`, :mod:`fcoll.passes.analysis.comm_cost`) is pure. The calls that are timed and
+the timing loops are in :mod:`fcoll.passes.analysis.calibration_probes`; here is the protocol around them.
 
 - Compute rates (:func:`measure_compute_rates`): a short microbenchmark, once per process: the
   median time of a transformer-sized matmul (FLOPs/us), the fastest large copy (bytes/us), and a
@@ -11,7 +11,7 @@ the timing loops are in :mod:`fcoll.passes.calibration_probes`; here is the prot
   the sizes of :data:`SWEEP_BYTES` (4 KiB .. 64 MiB: powers of 4 and 2 MiB), kind by kind, a
   fixed number of back-to-back runs per size (:func:`reps_for`, :func:`time_collectives`); per
   cell the slowest rank's median, fitted to a piecewise alpha-beta curve
-  (:class:`~fcoll.passes.comm_cost.CommCurve`) per ``(backend, kind, group size, link)``.
+  (:class:`~fcoll.passes.analysis.comm_cost.CommCurve`) per ``(backend, kind, group size, link)``.
 
 Budget: a graph needs its collectives' sizes, so a group is timed only up to the first sweep
 size at or above the largest collective of the first graph compiled on it (at least
@@ -24,7 +24,7 @@ whole sweep for a job). Results are reused, without timing again:
 2. for another group of the same backend, size and host layout in this process: rank 0's
    numbers, one broadcast;
 3. across processes of one job: rank 0 reads the job's cache file
-   (:mod:`fcoll.passes.calibration_cache`), one broadcast.
+   (:mod:`fcoll.passes.analysis.calibration_cache`), one broadcast.
 
 Determinism: whether to time and what to time is decided by the group's rank 0 alone and
 broadcast; the numbers every rank uses are rank 0's where it knew them (broadcast in the same
@@ -53,13 +53,13 @@ import torch
 import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 
-from fcoll.passes import calibration_cache
-from fcoll.passes.calibration_probes import (_backend_name, _buffers, _collective, _host_layout,
+from fcoll.passes.analysis import calibration_cache
+from fcoll.passes.analysis.calibration_probes import (_backend_name, _buffers, _collective, _host_layout,
                                              host_identity, time_compute_rates)
-from fcoll.passes.comm_cost import CommCurve, CommKey, CommParams, CommTable
-from fcoll.passes.cost import KINDS, ComputeRates, CostModel, assemble_model, collective_size
+from fcoll.passes.analysis.comm_cost import CommCurve, CommKey, CommParams, CommTable
+from fcoll.passes.analysis.cost import KINDS, ComputeRates, CostModel, assemble_model, collective_size
 from fcoll.passes.graph import arg_of
-from fcoll.passes.memory import COLLECTIVE, op_class
+from fcoll.passes.analysis.memory import COLLECTIVE, op_class
 
 __all__ = [
     "SWEEP_BYTES", "MIN_SWEEP_BYTES", "ROUNDS", "reps_for", "sizes_for",
@@ -340,7 +340,7 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     objects without communicating, whatever ``max_bytes`` is: a recompile may happen on one
     rank alone (Dynamo's guards are per rank), and a collective there would pair with another
     rank's next collective. Sizes beyond the calibrated ones are extrapolated by the curve's
-    last segment (:class:`~fcoll.passes.comm_cost.CommCurve`). (``benchmarks/cost_model.py`` and
+    last segment (:class:`~fcoll.passes.analysis.comm_cost.CommCurve`). (``benchmarks/cost_model.py`` and
     ``benchmarks/passes_scaling.py --rank-costs`` print how long it takes.)
 
     Returns:
@@ -389,7 +389,7 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
 
 def calibrated_table() -> CommTable:
     """Every curve this process calibrated or read (as some group's rank 0), as a
-    :class:`~fcoll.passes.comm_cost.CommTable`; never communicates."""
+    :class:`~fcoll.passes.analysis.comm_cost.CommTable`; never communicates."""
     entries: dict[CommKey, CommCurve] = {}
     for rec in [*_CACHE.by_key.values(), *_CACHE.groups.values()]:
         entries.update(rec.comm)
@@ -477,7 +477,7 @@ def model_for(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | Non
     """The cost model for ``gm``, calibrating each real group of its collectives if needed.
 
     A collective call on real groups (see :func:`calibrate_group`); defaults on the fake pg.
-    ``estimates``: see :func:`fcoll.passes.cost.assemble_model`.
+    ``estimates``: see :func:`fcoll.passes.analysis.cost.assemble_model`.
     """
     return _assemble(gm, estimator, calibrate=True, estimates=estimates)
 

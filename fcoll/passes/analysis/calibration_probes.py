@@ -12,10 +12,10 @@ what to reuse:
 - a group's host layout (:func:`_host_layout`: one all_gather of a hash of
   :func:`host_identity`), which decides the ``link`` of its curves and its cache key.
 
-Kept apart from :mod:`fcoll.passes.calibrate`, which holds the protocol built on these: the
+Kept apart from :mod:`fcoll.passes.analysis.calibrate`, which holds the protocol built on these: the
 sweep's sizes, runs, rounds and order (``time_collectives``), rank 0's decision and broadcast,
 the slowest rank's medians, the per-process cache and reuse, and the cost model of a graph's
-groups. Every name here is also reachable as ``fcoll.passes.calibrate.<name>``. The code there
+groups. Every name here is also reachable as ``fcoll.passes.analysis.calibrate.<name>``. The code there
 reads ``_buffers``, ``_collective``, ``_backend_name`` and ``_host_layout`` through that
 module, so a test or benchmark that replaces ``calibrate._collective`` still changes what is
 timed; a name used only here (``host_identity``, ``_quiet``) is replaced on this module.
@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from fcoll.passes.cost import ComputeRates
+from fcoll.passes.analysis.cost import ComputeRates
 
 __all__ = ["host_identity", "time_compute_rates"]
 
@@ -74,7 +74,7 @@ _MM_SHAPE = (1024, 256, 768)
 
 
 def time_compute_rates(reps: int = 5) -> ComputeRates:
-    """Run the compute microbenchmark of :func:`fcoll.passes.calibrate.measure_compute_rates`
+    """Run the compute microbenchmark of :func:`fcoll.passes.analysis.calibrate.measure_compute_rates`
     now (that function documents what is timed and why, and caches the result per process).
     Returns :class:`ComputeRates` (FLOPs/us, bytes/us, us per op)."""
     m, k, n = _MM_SHAPE

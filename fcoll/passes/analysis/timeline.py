@@ -6,7 +6,7 @@ ends; exposed time = the blocked time. Times are estimates in microseconds from 
 start; the estimator is the caller's (the cost model, or a test's).
 
 A collective whose size is data-dependent (unbacked split sizes, e.g. MoE routing) is costed
-with the cost model's documented fallback (:mod:`fcoll.passes.cost`); its event and record
+with the cost model's documented fallback (:mod:`fcoll.passes.analysis.cost`); its event and record
 carry ``size_estimated = True`` so that a report can say the prediction assumed a size.
 """
 
@@ -19,7 +19,7 @@ from typing import Callable, Collection, Sequence
 import torch.fx as fx
 
 from fcoll.passes.graph import arg_of, start_of
-from fcoll.passes.memory import COLLECTIVE, WAIT, OpClass, op_class
+from fcoll.passes.analysis.memory import COLLECTIVE, WAIT, OpClass, op_class
 
 __all__ = ["PredictedEvent", "Timeline", "simulate", "CollectiveRecord", "records"]
 
@@ -36,7 +36,7 @@ class PredictedEvent:
             when compute reaches it and when it unblocks).
         exposed_us: a wait: time compute is blocked on it; a collective: the sum over its waits.
         size_estimated: a collective whose bytes are data-dependent, so its duration assumes
-            the cost model's fallback size (:mod:`fcoll.passes.cost`); False otherwise.
+            the cost model's fallback size (:mod:`fcoll.passes.analysis.cost`); False otherwise.
     """
 
     node: str
@@ -124,7 +124,7 @@ def simulate(nodes: Sequence[fx.Node], estimate: Callable[[fx.Node], float],
     """Run ``nodes`` in order through a fresh :class:`Timeline`.
 
     Known facts of the nodes, each optional (asked of the node when missing): ``classes``,
-    their :func:`~fcoll.passes.memory.op_class` (e.g. ``Storage.cls``); ``starts``, wait ->
+    their :func:`~fcoll.passes.analysis.memory.op_class` (e.g. ``Storage.cls``); ``starts``, wait ->
     its collective (``Storage.start``); ``groups``, collective -> its group name;
     ``size_estimated``, the collectives whose data-dependent sizes the estimate assumed (their
     events are marked ``size_estimated``).
