@@ -61,7 +61,7 @@ def _rank_fn(rank: int, world_size: int, backend: str) -> dict:
 
     import fcoll
     import fcoll.compile.backend as fb
-    import fcoll.passes.analysis.calibrate as cal
+    import fcoll.passes.analysis.calibration as cal
 
     phases: dict[str, float] = {}
 

@@ -226,7 +226,7 @@ def _rank_costs_on(rank: int, world_size: int) -> dict:  # noqa: ARG001  run_ran
     check's median time per compile, in milliseconds."""
     import torch.distributed as dist
 
-    from fcoll.passes.analysis.calibrate import calibrate_group
+    from fcoll.passes.analysis.calibration import calibrate_group
     from fcoll.passes.config import FcollConfig
     from fcoll.passes.rewrites.consistency import CheckRankConsistency
 

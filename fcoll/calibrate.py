@@ -8,7 +8,7 @@ Usage::
 
 It spawns ``--nproc`` local ranks (:func:`fcoll.testing.run_ranks`), calibrates one group of
 each backend with the sweep up to ``--max-bytes`` (default: all of
-:data:`fcoll.passes.analysis.calibrate.SWEEP_BYTES`) and leaves the numbers in the job's cache file
+:data:`fcoll.passes.analysis.calibration.SWEEP_BYTES`) and leaves the numbers in the job's cache file
 (:mod:`fcoll.passes.analysis.calibration_cache`), keyed by backend, group size and host layout (one
 host here: a job spanning hosts calibrates its cross-host groups itself). It prints the fitted
 curves (median microseconds per kind and size) and where they were written.
@@ -31,7 +31,7 @@ _BACKENDS = ("fcoll", "gloo")
 def _calibrate_rank(rank: int, world_size: int, backends: list[str], max_bytes: int | None):
     import torch.distributed as dist
 
-    from fcoll.passes.analysis import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
     from fcoll.passes.analysis import calibration_cache
 
     out = {}

@@ -498,7 +498,7 @@ class TestRankAgreement(unittest.TestCase):
         the compute rates that group's calibration carries) for its calibrated groups."""
         from unittest import mock
 
-        from fcoll.passes.analysis import calibrate as cal
+        from fcoll.passes.analysis import calibration as cal
 
         cache, pgs = cal._Cache(), {name: _Group() for name in rates}
         for name, r in rates.items():

@@ -1,5 +1,5 @@
 """Tests of the communication model's fit (fcoll.passes.analysis.comm_cost) on synthetic measurements,
-and of calibration reuse (fcoll.passes.analysis.calibrate, fcoll.passes.analysis.calibration_cache): within a
+and of calibration reuse (fcoll.passes.analysis.calibration, fcoll.passes.analysis.calibration_cache): within a
 process, across processes of one job, and rank 0's numbers on every rank. No timing
 assertions: whether the fitted curves hold on this machine is ``benchmarks/cost_model.py``'s
 question."""
@@ -15,7 +15,7 @@ import pytest
 
 import canonical  # noqa: E402
 
-from fcoll.passes.analysis import calibrate, calibration_cache, comm_cost, cost  # noqa: E402
+from fcoll.passes.analysis import calibration as calibrate, calibration_cache, comm_cost, cost  # noqa: E402
 from fcoll.passes.analysis.comm_cost import CommCurve, CommKey, CommParams, CommTable  # noqa: E402
 from fcoll.passes.graph import collectives  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
@@ -277,7 +277,7 @@ def _reuse_in_one_process(rank, world_size):
     4 MiB (rank 0's numbers reused, only 2 and 4 MiB timed)."""
     import torch.distributed as dist
 
-    from fcoll.passes.analysis import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     os.environ["FCOLL_CALIBRATION_CACHE"] = "0"
     world = dist.group.WORLD
@@ -314,7 +314,7 @@ def test_calibration_is_reused_within_a_process_and_every_rank_has_rank_0s_curve
 def _calibrate_with_job_cache(rank, world_size, cache_dir, inject):
     import torch.distributed as dist
 
-    from fcoll.passes.analysis import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     os.environ.update(FCOLL_CALIBRATION_DIR=cache_dir, FCOLL_JOB_ID="job-42")
     os.environ.pop("FCOLL_CALIBRATION_CACHE", None)
@@ -333,7 +333,7 @@ def _rank_dependent_times(rank, world_size):
     an outlier run of 1000 us) for every cell."""
     import torch.distributed as dist
 
-    from fcoll.passes.analysis import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     os.environ["FCOLL_CALIBRATION_CACHE"] = "0"
     cal.time_collectives = lambda pg, cells, reps=None: {
@@ -437,7 +437,7 @@ def test_a_new_job_removes_job_directories_untouched_for_a_day(job_dir, monkeypa
 def _different_max_bytes(rank, world_size):
     import torch.distributed as dist
 
-    from fcoll.passes.analysis import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     os.environ["FCOLL_CALIBRATION_CACHE"] = "0"
     mine = [64 * KiB, 4 * MiB][rank]      # as if a size hint differed between the ranks

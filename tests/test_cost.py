@@ -1,5 +1,5 @@
 """Tests of the cost model (fcoll.passes.analysis.cost): formulas, defaults, symbolic sizes, user
-estimators; and of calibration (fcoll.passes.analysis.calibrate) on two real ranks (one batched run).
+estimators; and of calibration (fcoll.passes.analysis.calibration) on two real ranks (one batched run).
 How long calibration takes is printed by ``benchmarks/passes_scaling.py --rank-costs``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import canonical  # noqa: E402
 
 from fcoll.ops.facts import busbw_factor  # noqa: E402
-from fcoll.passes.analysis import calibrate, cost  # noqa: E402
+from fcoll.passes.analysis import calibration as calibrate, cost  # noqa: E402
 from fcoll.passes.graph import collectives, is_wait  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
@@ -114,7 +114,7 @@ class TestDefaults(TestCase):
         self.assertEqual(model, calibrate.model_for(canonical.ddp_backward(n_layers=1)))
 
     def test_moved_names_stay_importable_from_cost(self):
-        from fcoll.passes.analysis.calibrate import cached_model, model_for
+        from fcoll.passes.analysis.calibration import cached_model, model_for
 
         self.assertIs(cached_model, calibrate.cached_model)
         self.assertIs(model_for, calibrate.model_for)
@@ -125,7 +125,7 @@ def _calibrate_on_two_ranks(rank, world_size):
     import torch.distributed as dist
 
     import canonical as c
-    from fcoll.passes.analysis import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
     from fcoll.passes.registry import get_pass
 
     gloo = dist.new_group(backend="gloo")
@@ -171,7 +171,7 @@ def _calibrate_gloo_under_python_dispatcher(rank, world_size, rounds):
     import torch.distributed as dist
     from torch._dispatch.python import enable_python_dispatcher
 
-    from fcoll.passes.analysis import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     with enable_python_dispatcher():
         for _ in range(rounds):
@@ -250,7 +250,7 @@ def _trace_of(durations_us, nbytes=4096):
 
 
 def _predicted(collective_us):
-    from fcoll.passes.rewrites.schedule import PredictedEvent
+    from fcoll.passes.rewrites.list_scheduler import PredictedEvent
 
     return [PredictedEvent("all_reduce", "collective", "0", 0.0, collective_us, 0.0),
             PredictedEvent("wait_tensor", "wait", "compute", collective_us, collective_us, 0.0)]

@@ -57,7 +57,7 @@ def _compile_on_ranks(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from fcoll.compile.backend import register_compile_listener
-    from fcoll.passes.analysis import calibrate
+    from fcoll.passes.analysis import calibration as calibrate
     from fcoll.passes.graph import collective_info, collectives
     from fcoll.passes.registry import run_pipeline
 

@@ -14,7 +14,7 @@
 
 Each curve: ``backend``, ``kind``, ``group_size``, ``link`` ("intra" or "inter") and
 ``points`` (``[[bytes, us], ...]``), the piecewise alpha-beta curves of
-:func:`fcoll.passes.analysis.calibrate.calibrated_table`, so a simulation run later, in another process,
+:func:`fcoll.passes.analysis.calibration.calibrated_table`, so a simulation run later, in another process,
 uses the communication times this run measured.
 
 Each node: ``name``; ``cls`` ("placeholder", "compute", "collective" or "wait"); ``inputs``
@@ -36,7 +36,7 @@ from typing import Any, Iterable
 import torch.fx as fx
 
 from fcoll.inspect.predicted import Event
-from fcoll.passes.analysis.calibrate import cached_model, calibrated_table
+from fcoll.passes.analysis.calibration import cached_model, calibrated_table
 from fcoll.passes.analysis.cost import collective_size
 from fcoll.passes.graph import collective_info, start_of
 from fcoll.passes.analysis.memory import COLLECTIVE, WAIT, storage_model, value_bytes
@@ -82,7 +82,7 @@ def step_schedule(gm: fx.GraphModule, name: str, *,
         name: the graph's name (``record.name``).
         events: its predicted events (:func:`fcoll.inspect.predicted_events`); compute
             durations are taken from them. Without events the cost model of this process
-            (:func:`fcoll.passes.analysis.calibrate.cached_model`, never communicates) estimates them.
+            (:func:`fcoll.passes.analysis.calibration.cached_model`, never communicates) estimates them.
 
     Returns:
         A dict of plain values (``json.dumps`` works on it).

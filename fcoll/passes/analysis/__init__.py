@@ -3,8 +3,8 @@
 - :mod:`~fcoll.passes.analysis.cost`: the cost model (roofline compute, communication curves).
 - :mod:`~fcoll.passes.analysis.comm_cost`: the communication model, pure (alpha-beta curves).
 - :mod:`~fcoll.passes.analysis.memory`: the storage model (live bytes, op classes).
-- :mod:`~fcoll.passes.analysis.timeline`: the lane simulator of an order of nodes.
-- :mod:`~fcoll.passes.analysis.calibrate`, :mod:`~fcoll.passes.analysis.calibration_probes`,
+- :mod:`~fcoll.passes.analysis.lanes`: the lane simulator (compute serial, one lane per group).
+- :mod:`~fcoll.passes.analysis.calibration`, :mod:`~fcoll.passes.analysis.calibration_probes`,
   :mod:`~fcoll.passes.analysis.calibration_cache`: measuring the model's numbers on real groups.
 
 Imports only :mod:`fcoll.passes.graph` and the layers below, never

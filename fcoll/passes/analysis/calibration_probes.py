@@ -12,10 +12,10 @@ what to reuse:
 - a group's host layout (:func:`_host_layout`: one all_gather of a hash of
   :func:`host_identity`), which decides the ``link`` of its curves and its cache key.
 
-Kept apart from :mod:`fcoll.passes.analysis.calibrate`, which holds the protocol built on these: the
+Kept apart from :mod:`fcoll.passes.analysis.calibration`, which holds the protocol built on these: the
 sweep's sizes, runs, rounds and order (``time_collectives``), rank 0's decision and broadcast,
 the slowest rank's medians, the per-process cache and reuse, and the cost model of a graph's
-groups. Every name here is also reachable as ``fcoll.passes.analysis.calibrate.<name>``. The code there
+groups. Every name here is also reachable as ``fcoll.passes.analysis.calibration.<name>``. The code there
 reads ``_buffers``, ``_collective``, ``_backend_name`` and ``_host_layout`` through that
 module, so a test or benchmark that replaces ``calibrate._collective`` still changes what is
 timed; a name used only here (``host_identity``, ``_quiet``) is replaced on this module.
@@ -74,7 +74,7 @@ _MM_SHAPE = (1024, 256, 768)
 
 
 def time_compute_rates(reps: int = 5) -> ComputeRates:
-    """Run the compute microbenchmark of :func:`fcoll.passes.analysis.calibrate.measure_compute_rates`
+    """Run the compute microbenchmark of :func:`fcoll.passes.analysis.calibration.measure_compute_rates`
     now (that function documents what is timed and why, and caches the result per process).
     Returns :class:`ComputeRates` (FLOPs/us, bytes/us, us per op)."""
     m, k, n = _MM_SHAPE

@@ -1,5 +1,5 @@
 """Communication cost: time of one collective from its kind, group, link and bytes. Pure: this
-module measures nothing (:mod:`fcoll.passes.analysis.calibrate` measures) and never communicates.
+module measures nothing (:mod:`fcoll.passes.analysis.calibration` measures) and never communicates.
 
 The model is a **piecewise alpha-beta** (Hockney) curve per ``(backend, kind, group size,
 link)``. A plain ``t = alpha + beta * bytes`` (R. W. Hockney, "The communication challenge for
@@ -14,7 +14,7 @@ NCCL's tuner, which keeps one alpha-beta per protocol and picks by size, each si
 its own alpha-beta:
 
 - the calibration measures the median time ``t_i`` at sizes ``s_0 < s_1 < ... < s_k``
-  (:data:`fcoll.passes.analysis.calibrate.SWEEP_BYTES`: 4 KiB .. 64 MiB, powers of 4 and 2 MiB);
+  (:data:`fcoll.passes.analysis.calibration.SWEEP_BYTES`: 4 KiB .. 64 MiB, powers of 4 and 2 MiB);
 - the times are made non-decreasing in size by their lower envelope from the right, ``t_i :=
   min(t_j for j >= i)``, so that noise never makes a larger message cheaper (the bucket planner
   compares ``t(a) + t(b)`` with ``t(a + b)``); the minimum, not a least-squares (isotonic)
@@ -229,7 +229,7 @@ def comm_time_us(backend: str, kind: str, group_size: int, nbytes: int, link: st
     """Microseconds of one collective: the calibrated curve of ``table`` for ``(backend, kind,
     group_size, link)`` if it has one, else :func:`default_comm`. ``table`` may be a
     :class:`CommTable`, a plain mapping, or None (defaults only); the process's calibrated
-    table is :func:`fcoll.passes.analysis.calibrate.calibrated_table`.
+    table is :func:`fcoll.passes.analysis.calibration.calibrated_table`.
 
     Raises:
         ValueError: unknown kind or link, negative nbytes, group_size < 1.

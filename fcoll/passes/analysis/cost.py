@@ -1,5 +1,5 @@
 """Cost model: estimated time of each graph node, in microseconds. Pure: this module measures
-nothing and never communicates; :mod:`fcoll.passes.analysis.calibrate` measures the parameters.
+nothing and never communicates; :mod:`fcoll.passes.analysis.calibration` measures the parameters.
 
 Communication follows a piecewise alpha-beta (Hockney) model per (backend, collective kind,
 group size, link), fitted from a calibration sweep over message sizes (formula and sources:

@@ -39,7 +39,7 @@ their last gradient is ready, each hidden by the backward that remains, whether 
 all_reduces were traced in order of readiness (compiled autograd's ``python_reducer``) or in
 parameter order (the first layer's gradient, ready last, first). The estimates come from the
 pass as :class:`BucketCosts` (:func:`model_costs`: the cost model's
-:func:`~fcoll.passes.analysis.calibrate.cached_model`, which never communicates; the user's estimator
+:func:`~fcoll.passes.analysis.calibration.cached_model`, which never communicates; the user's estimator
 first); the planner itself reads no cost model. all_to_all has no lane plan: its bytes differ
 between ranks. The same rule holds for fcoll's shared-memory groups, whose curve is calibrated
 like any other (their collectives also take time on the compute's cores; where the cost model
@@ -170,17 +170,17 @@ def model_costs(gm: fx.GraphModule, config: FcollConfig, estimates: dict | None 
     shared by a pipeline run), built once some member is timed.
 
     Args:
-        before_calibration: None: :func:`~fcoll.passes.analysis.calibrate.cached_model`, which never
+        before_calibration: None: :func:`~fcoll.passes.analysis.calibration.cached_model`, which never
             communicates (defaults for groups not calibrated yet). Given: where a group of the
-            graph is not calibrated yet (:func:`~fcoll.passes.analysis.calibrate.needs_calibration`,
+            graph is not calibrated yet (:func:`~fcoll.passes.analysis.calibration.needs_calibration`,
             decided per group), this is called and then
-            :func:`~fcoll.passes.analysis.calibrate.model_for` calibrates the graph's groups (a
+            :func:`~fcoll.passes.analysis.calibration.model_for` calibrates the graph's groups (a
             collective call on every rank, at a group's first compile): the pass runs the rank
             check there, so ranks whose graphs differ raise a named error instead of hanging in
             the calibration. Sizing buckets by the defaults (1 GB/s, 50 GFLOP/s) instead of the
             link's and cores' own numbers misjudges which communication hides.
     """
-    from fcoll.passes.analysis.calibrate import cached_model, model_for, needs_calibration
+    from fcoll.passes.analysis.calibration import cached_model, model_for, needs_calibration
 
     @functools.cache
     def model():

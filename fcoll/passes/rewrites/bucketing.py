@@ -481,7 +481,7 @@ class BucketCollectives(FcollPass):
     """Merge collectives into buckets of at most ``config.bucket_cap_mb`` MiB of input.
 
     The lane plan needs the groups' real numbers: at a group's first compile the pass
-    calibrates it (:func:`~fcoll.passes.analysis.calibrate.model_for`). Each group's merges are its
+    calibrates it (:func:`~fcoll.passes.analysis.calibration.model_for`). Each group's merges are its
     lowest rank's plan on every rank (:mod:`fcoll.passes.rewrites.shared_plan`). Before either
     rendezvous the pass runs ``check_rank_consistency`` on the unbucketed graph (once, unless
     ``config.check_ranks`` is off), since ranks whose graphs differ would hang in a calibration

@@ -6,7 +6,7 @@
   (its first user, or the first node ordered after it by a mutation or barrier).
 - ``raise_collectives``: every collective moves up to just after the last node it needs (its
   last input, the previous collective, a mutation or barrier, the last placeholder).
-- ``reorder_for_overlap``: the cost-model list scheduler of :mod:`fcoll.passes.rewrites.schedule`: each
+- ``reorder_for_overlap``: the cost-model list scheduler of :mod:`fcoll.passes.rewrites.list_scheduler`: each
   collective is issued just early enough that the independent compute before its first use
   covers its estimated time (not as early as possible), with ``config.memory_budget_mb`` of
   extra peak memory and ``config.max_in_flight_mb`` of outstanding collective bytes;
@@ -39,14 +39,14 @@ from typing import Callable
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fcoll.passes.analysis.calibrate import cached_model, model_for
+from fcoll.passes.analysis.calibration import cached_model, model_for
 from fcoll.passes.analysis.cost import META_SIZE_ESTIMATE, CostModel, collective_size
 from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, is_collective, is_wait,
 )
 from fcoll.passes.analysis.memory import COLLECTIVE, op_class
 from fcoll.passes.registry import FcollPass, gc_paused, register_pass
-from fcoll.passes.rewrites.schedule import KeyScheduler, PredictedEvent, apply_order, dependencies, \
+from fcoll.passes.rewrites.list_scheduler import KeyScheduler, PredictedEvent, apply_order, dependencies, \
     list_schedule, ready_counts, simulate
 
 __all__ = ["SinkWaits", "RaiseCollectives", "ReorderForOverlap", "PredictedEvent", "predict",
@@ -60,7 +60,7 @@ _MIB = 2 ** 20
 def sink_waits_order(graph: fx.Graph) -> list[fx.Node]:
     """The order ``sink_waits`` makes: each wait just before the first node that needs it.
 
-    Method: :class:`~fcoll.passes.rewrites.schedule.KeyScheduler` backwards from the output (which stays
+    Method: :class:`~fcoll.passes.rewrites.list_scheduler.KeyScheduler` backwards from the output (which stays
     last) with the priority key "a ready wait first, the one a placement just unblocked first,
     then the latest original position; otherwise the latest original position". Why that is
     sink_waits: backwards, a wait is ready exactly when its first user (in the new order) is
@@ -85,7 +85,7 @@ def sink_waits_order(graph: fx.Graph) -> list[fx.Node]:
 def raise_collectives_order(graph: fx.Graph) -> list[fx.Node]:
     """The order ``raise_collectives`` makes: each collective just after the last node it needs.
 
-    Method: :class:`~fcoll.passes.rewrites.schedule.KeyScheduler` forwards with the priority key "a ready
+    Method: :class:`~fcoll.passes.rewrites.list_scheduler.KeyScheduler` forwards with the priority key "a ready
     collective first, the one a placement just unblocked first, then the earliest original
     position; otherwise the earliest original position", every collective also waiting for the
     last placeholder or attribute. Why that is raise_collectives: forwards, a collective is

@@ -16,7 +16,7 @@ One scheduler (:class:`ListScheduler`) places nodes from a ready set, backwards 
 that every order it makes keeps these constraints by construction; a reorder differs only in its
 priority: a static key (:class:`KeyScheduler`: ``sink_waits``, ``raise_collectives``) or the
 cost-model rule of :class:`OverlapScheduler` (``reorder_for_overlap``). Predictions come from
-the simulator of :mod:`fcoll.passes.analysis.timeline`.
+the simulator of :mod:`fcoll.passes.analysis.lanes`.
 
 Data-dependent (unbacked) sizes are never compared or converted with ``int()`` here: a
 collective's bytes come from :func:`fcoll.passes.analysis.cost.collective_size`, which estimates them by
@@ -40,7 +40,7 @@ from fcoll.passes.analysis.cost import SizeEstimate, collective_size
 from fcoll.passes.graph import arg_of
 from fcoll.passes.analysis.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
     _written_inputs, mutation_deps, peak_bytes, per_op, storage_model
-from fcoll.passes.analysis.timeline import CollectiveRecord, PredictedEvent, Timeline, records, simulate
+from fcoll.passes.analysis.lanes import CollectiveRecord, PredictedEvent, Timeline, records, simulate
 
 __all__ = ["Deps", "dependencies", "apply_order", "PredictedEvent", "Timeline", "simulate",
            "Plan", "CollectiveRecord", "ListScheduler", "KeyScheduler", "OverlapScheduler",
