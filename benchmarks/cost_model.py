@@ -16,7 +16,7 @@ Per backend (fcoll's shared-memory backend, and gloo), on ``--nproc`` ranks of t
    at every size); each rank's median per cell, and the slowest rank's median is the measured
    time (a step waits for its slowest rank; the root of a broadcast, for one, returns before
    its peers have copied the data out). The collectives are the calibration's calls
-   (:func:`fcoll.passes.analysis.calibration._collective`: the blocking c10d call of each kind; on gloo,
+   (:func:`fcoll.passes.analysis.calibration.blocking_collective`: the blocking c10d call of each kind; on gloo,
    reduce_scatter is fcoll's all_to_all plus a local sum). Per kind, fcoll then gloo;
 3. print per cell the predicted time (the calibrated curve), the measured time, the ratio
    predicted / measured and PASS when it is within ``1 +- tolerance`` (default 30 %), beside
@@ -71,7 +71,7 @@ def measure(pg, kind: str, sizes: list[int]) -> tuple[dict[int, float], dict[int
     A collective call: every rank calls it with the same arguments."""
     from fcoll.passes.analysis import calibration as cal
 
-    ops = {size: cal._collective(kind, pg, cal._buffers(pg, size))
+    ops = {size: cal.blocking_collective(kind, pg, cal.probe_buffers(pg, size))
            for size in sorted(sizes, reverse=True)}
     times: dict[int, list[float]] = {size: [] for size in sizes}
     waits: dict[int, dict] = {}

@@ -39,7 +39,7 @@ def _calibrate_rank(rank: int, world_size: int, backends: list[str], max_bytes: 
         pg = dist.group.WORLD if backend == "fcoll" else dist.new_group(backend=backend)
         t0 = time.perf_counter()
         _, comm = cal.calibrate_group(pg, max_bytes)
-        rec = cal._CACHE.groups[pg]
+        rec = cal.group_calibration(pg)
         out[backend] = {"seconds": time.perf_counter() - t0, "layout": rec.layout,
                         "curves": {k.kind: c.as_points() for k, c in comm.items()},
                         "path": calibration_cache.cache_path(backend, world_size, rec.layout)}

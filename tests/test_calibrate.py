@@ -166,8 +166,8 @@ def test_cells_are_timed_kind_by_kind_each_after_an_untimed_run_of_the_same_cell
     sizes = (4 * KiB, 256 * KiB, 16 * MiB)
     cells = [(kind, size) for kind in ("all_reduce", "broadcast") for size in sizes]
     # a cell's "buffers" are its size; its "collective" records the call
-    monkeypatch.setattr(calibrate, "_buffers", lambda pg, nbytes: nbytes)
-    monkeypatch.setattr(calibrate, "_collective",
+    monkeypatch.setattr(calibrate, "probe_buffers", lambda pg, nbytes: nbytes)
+    monkeypatch.setattr(calibrate, "blocking_collective",
                         lambda kind, pg, nbytes: lambda: calls.append((kind, nbytes)))
     times = calibrate.time_collectives(object(), cells)
     assert {cell: len(t) for cell, t in times.items()} == {
@@ -367,7 +367,8 @@ def test_fcoll_reduce_scatter_is_timed_by_the_single_tensor_call(monkeypatch):
                         lambda out, inp, group=None: seen.append((out.numel(), inp.numel())))
     monkeypatch.setattr(library, "start_reduce_scatter", lambda *a, **k: seen.append("coalesced"))
     world = dist.group.WORLD      # the fake process group
-    calibrate._collective("reduce_scatter", world, calibrate._buffers(world, 4 * KiB))()
+    bufs = calibrate.probe_buffers(world, 4 * KiB)
+    calibrate.blocking_collective("reduce_scatter", world, bufs)()
     assert seen == [(512, 1024)]
 
 

@@ -54,8 +54,9 @@ import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 
 from fcoll.passes.analysis import calibration_cache
-from fcoll.passes.analysis.calibration_probes import (_backend_name, _buffers, _collective, _host_layout,
-                                             host_identity, time_compute_rates)
+from fcoll.passes.analysis.calibration_probes import (
+    backend_of, blocking_collective, host_identity, host_layout, probe_buffers, time_compute_rates,
+)
 from fcoll.passes.analysis.comm_cost import CommCurve, CommKey, CommParams, CommTable
 from fcoll.passes.analysis.cost import KINDS, ComputeRates, CostModel, assemble_model, collective_size
 from fcoll.passes.graph import arg_of
@@ -65,7 +66,8 @@ __all__ = [
     "SWEEP_BYTES", "MIN_SWEEP_BYTES", "ROUNDS", "reps_for", "sizes_for",
     "time_collective", "time_collectives",
     "measure_compute_rates", "calibrate_group",
-    "fit_alpha_beta", "GroupCalibration", "calibrated_table", "calibration_stats",
+    "fit_alpha_beta", "GroupCalibration", "group_calibration", "calibrated_table",
+    "calibration_stats",
     "host_identity", "model_for", "cached_model", "needs_calibration",
 ]
 
@@ -214,10 +216,10 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
     per size is shared by the kinds.
     """
     reps = reps or reps_for
-    bufs = {size: _buffers(pg, size) for size in sorted({size for _, size in cells})}
+    bufs = {size: probe_buffers(pg, size) for size in sorted({size for _, size in cells})}
     kinds = list(dict.fromkeys(kind for kind, _ in cells))
     ordered = sorted(dict.fromkeys(cells), key=lambda cell: (kinds.index(cell[0]), -cell[1]))
-    ops = {cell: _collective(cell[0], pg, bufs[cell[1]]) for cell in ordered}
+    ops = {cell: blocking_collective(cell[0], pg, bufs[cell[1]]) for cell in ordered}
     for op in ops.values():
         op()
     times: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
@@ -352,7 +354,7 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     if cached is not None:   # never communicate again: a recompile may happen on one rank alone
         return cached.rates, cached.comm
     want = sizes_for(max_bytes)
-    backend, n, t0 = _backend_name(pg), pg.size(), time.perf_counter()
+    backend, n, t0 = backend_of(pg), pg.size(), time.perf_counter()
     # Inside torch.compile the Python dispatcher is on, and a c10d op then runs its kernel with
     # the GIL held (pybind released it, the Python dispatcher took it back). On gloo that
     # deadlocks: the enqueue waits for the worker's queue mutex, and the worker holds it while
@@ -360,7 +362,7 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     # (seen in native stacks of both ranks of tests/test_remaps.py's 2-rank program). Without
     # the Python dispatcher the GIL stays released in the kernel.
     with no_python_dispatcher():
-        layout = _host_layout(pg)   # its all_gather also lines the ranks up
+        layout = host_layout(pg)   # its all_gather also lines the ranks up
         message = torch.zeros(_S + 3 + _K * _S, dtype=torch.float64)
         if pg.rank() == 0:
             known = _known_on_rank_0(backend, n, layout)
@@ -385,6 +387,12 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
               getattr(pg, "group_name", "?"), backend, n, layout,
               (time.perf_counter() - t0) * 1e3, todo, result.comm)
     return result.rates, result.comm
+
+
+def group_calibration(pg: Any) -> GroupCalibration | None:
+    """What this process calibrated or read for ``pg`` (:func:`calibrate_group`), or None if
+    ``pg`` is not calibrated yet; never communicates."""
+    return _CACHE.groups.get(pg)
 
 
 def calibrated_table() -> CommTable:
@@ -417,7 +425,7 @@ def _real_group(name: str) -> Any | None:
         pg = c10d._resolve_process_group(name)
     except Exception:  # noqa: BLE001  unknown name, no c10d: no calibration possible
         return None
-    return None if _backend_name(pg) in ("fake", "unknown") else pg
+    return None if backend_of(pg) in ("fake", "unknown") else pg
 
 
 def _group_names(gm: fx.GraphModule) -> list[str]:

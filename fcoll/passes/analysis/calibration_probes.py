@@ -7,18 +7,17 @@ what to reuse:
   compute microbenchmark (:func:`time_compute_rates`: a transformer-sized matmul, a large copy,
   a tiny aten op as the executor calls it);
 - the blocking collective of each kind on a group over float32 buffers of a size
-  (:func:`_collective`, :func:`_buffers`; reduce_scatter on gloo by fcoll's own algorithm,
-  :func:`_reduce_scatter`) and the group's backend name (:func:`_backend_name`);
-- a group's host layout (:func:`_host_layout`: one all_gather of a hash of
+  (:func:`blocking_collective`, :func:`probe_buffers`; reduce_scatter on gloo by fcoll's own
+  algorithm) and the group's backend name (:func:`backend_of`);
+- a group's host layout (:func:`host_layout`: one all_gather of a hash of
   :func:`host_identity`), which decides the ``link`` of its curves and its cache key.
 
-Kept apart from :mod:`fcoll.passes.analysis.calibration`, which holds the protocol built on these: the
-sweep's sizes, runs, rounds and order (``time_collectives``), rank 0's decision and broadcast,
-the slowest rank's medians, the per-process cache and reuse, and the cost model of a graph's
-groups. Every name here is also reachable as ``fcoll.passes.analysis.calibration.<name>``. The code there
-reads ``_buffers``, ``_collective``, ``_backend_name`` and ``_host_layout`` through that
-module, so a test or benchmark that replaces ``calibrate._collective`` still changes what is
-timed; a name used only here (``host_identity``, ``_quiet``) is replaced on this module.
+Kept apart from :mod:`fcoll.passes.analysis.calibration`, which holds the protocol built on
+these: the sweep's sizes, runs, rounds and order (``time_collectives``), rank 0's decision and
+broadcast, the slowest rank's medians, the per-process cache and reuse, and the cost model of a
+graph's groups. That module imports :func:`probe_buffers`, :func:`blocking_collective`,
+:func:`backend_of` and :func:`host_layout` by name and calls them through its own globals, so a
+test or benchmark that replaces ``calibration.blocking_collective`` changes what is timed.
 """
 
 from __future__ import annotations
@@ -33,7 +32,8 @@ import torch
 
 from fcoll.passes.analysis.cost import ComputeRates
 
-__all__ = ["host_identity", "time_compute_rates"]
+__all__ = ["host_identity", "host_layout", "time_compute_rates", "backend_of", "probe_buffers",
+           "blocking_collective"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +97,9 @@ def time_compute_rates(reps: int = 5) -> ComputeRates:
 # ---------------------------------------------------------------------------------------------
 # The collectives that are timed
 
-def _backend_name(pg: Any) -> str:
+def backend_of(pg: Any) -> str:
+    """``pg``'s backend name as c10d reports it (``"gloo"``, ``"fcoll"``, ``"fake"``), or
+    ``"unknown"`` for a group c10d does not know (made outside its registry)."""
     import torch.distributed as dist
 
     try:
@@ -141,17 +143,23 @@ def _reduce_scatter(pg: Any, out: torch.Tensor, input: torch.Tensor) -> None:
         finish()
 
 
-def _buffers(pg: Any, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 buffers for collectives of ``nbytes`` on ``pg``: (whole, whole, shard)."""
+def probe_buffers(pg: Any, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 buffers for collectives of ``nbytes`` on ``pg``: (whole, whole, shard), whole
+    ``[max(n, nbytes // 4 // n * n)]`` and shard ``[whole // n]`` for ``n = pg.size()``."""
     n = pg.size()
     numel = max(n, nbytes // 4 // n * n)
     return torch.zeros(numel), torch.zeros(numel), torch.zeros(numel // n)
 
 
-def _collective(kind: str, pg: Any, bufs: tuple[torch.Tensor, ...]) -> Callable[[], None]:
-    """One blocking collective of ``kind`` on ``pg`` over :func:`_buffers`' tensors, moving
-    the whole buffer's bytes (the larger buffer, as :func:`fcoll.ops.facts.comm_bytes`
-    counts)."""
+def blocking_collective(kind: str, pg: Any, bufs: tuple[torch.Tensor, ...]
+                        ) -> Callable[[], None]:
+    """A call of one blocking collective of ``kind`` on ``pg`` over :func:`probe_buffers`'
+    tensors, moving the whole buffer's bytes (the larger buffer, as
+    :func:`fcoll.ops.facts.comm_bytes` counts). Every rank of ``pg`` must call it alike.
+
+    Raises:
+        KeyError: ``kind`` is not one of the five collective kinds.
+    """
     import torch.distributed as dist
 
     big, out, small = bufs
@@ -181,7 +189,7 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{netns}"
 
 
-def _host_layout(pg: Any) -> str:
+def host_layout(pg: Any) -> str:
     """Host index of each group rank, in order of first appearance (``"0.0.1"``): one
     all_gather of a 64-bit hash of :func:`host_identity`. A collective call."""
     import torch.distributed as dist

@@ -39,7 +39,7 @@ import torch.fx as fx
 from fcoll.passes.analysis.cost import SizeEstimate, collective_size
 from fcoll.passes.graph import arg_of
 from fcoll.passes.analysis.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
-    _written_inputs, mutation_deps, peak_bytes, per_op, storage_model
+    written_inputs, mutation_deps, peak_bytes, per_op, storage_model
 from fcoll.passes.analysis.lanes import CollectiveRecord, PredictedEvent, Timeline, records, simulate
 
 __all__ = ["Deps", "dependencies", "apply_order", "PredictedEvent", "Timeline", "simulate",
@@ -82,7 +82,7 @@ def _is_barrier(node: fx.Node, cls: OpClass) -> bool:
     target = node.target
     impure = _op_is_impure(target) if isinstance(target, torch._ops.OpOverload) \
         else node.is_impure()
-    return impure and not _written_inputs(node)
+    return impure and not written_inputs(node)
 
 
 def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
