@@ -24,7 +24,7 @@ from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, collectives, is_wait, start_of, waits_of,
 )
 from fcoll.passes.rewrites.overlap import predict as overlap_predict
-from fcoll.passes.rewrites.list_scheduler import PredictedEvent
+from fcoll.passes.analysis.lanes import PredictedEvent
 
 __all__ = ["Event", "PredictFn", "predicted_events", "CollectiveTiming", "collective_timings",
            "wait_positions", "schedule_positions"]

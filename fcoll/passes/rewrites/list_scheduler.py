@@ -40,9 +40,11 @@ from fcoll.passes.analysis.cost import SizeEstimate, collective_size
 from fcoll.passes.graph import arg_of
 from fcoll.passes.analysis.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
     written_inputs, mutation_deps, peak_bytes, per_op, storage_model
-from fcoll.passes.analysis.lanes import CollectiveRecord, PredictedEvent, Timeline, records, simulate
+from fcoll.passes.analysis.lanes import (
+    CollectiveRecord, PredictedEvent, Timeline, records, timeline_of,
+)
 
-__all__ = ["Deps", "dependencies", "apply_order", "PredictedEvent", "Timeline", "simulate",
+__all__ = ["Deps", "dependencies", "apply_order", "PredictedEvent", "Timeline", "timeline_of",
            "Plan", "CollectiveRecord", "ListScheduler", "KeyScheduler", "OverlapScheduler",
            "list_schedule"]
 
@@ -485,7 +487,7 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     else:
         log.debug("reorder_for_overlap: no plan within the memory budget; keeping the order")
         order, peak = deps.order, baseline
-    tl = simulate(order, facts.est.__getitem__, storage.cls, starts=storage.start,
-                  groups=facts.group, size_estimated=facts.sizes)
+    tl = timeline_of(order, facts.est.__getitem__, storage.cls, starts=storage.start,
+                     groups=facts.group, size_estimated=facts.sizes)
     return Plan(order=order, records=records(tl), timeline=tl, baseline_peak_bytes=baseline,
                 peak_bytes=peak, makespan_us=tl.now_us, size_estimates=facts.sizes)

@@ -41,13 +41,15 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fcoll.passes.analysis.calibration import cached_model, model_for
 from fcoll.passes.analysis.cost import META_SIZE_ESTIMATE, CostModel, collective_size
+from fcoll.passes.analysis.lanes import PredictedEvent, timeline_of
+from fcoll.passes.analysis.memory import COLLECTIVE, op_class
 from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, is_collective, is_wait,
 )
-from fcoll.passes.analysis.memory import COLLECTIVE, op_class
 from fcoll.passes.registry import FcollPass, gc_paused, register_pass
-from fcoll.passes.rewrites.list_scheduler import KeyScheduler, PredictedEvent, apply_order, dependencies, \
-    list_schedule, ready_counts, simulate
+from fcoll.passes.rewrites.list_scheduler import (
+    KeyScheduler, apply_order, dependencies, list_schedule, ready_counts,
+)
 
 __all__ = ["SinkWaits", "RaiseCollectives", "ReorderForOverlap", "PredictedEvent", "predict",
            "sink_waits_order", "raise_collectives_order"]
@@ -213,5 +215,5 @@ def predict(gm: fx.GraphModule, estimator=None) -> list[PredictedEvent]:
         v = node.meta.get(META_ESTIMATED_US)
         return float(v) if v is not None else model(node)
 
-    return list(simulate(list(gm.graph.nodes), estimate,
-                         size_estimated=estimated_sizes).events)
+    return list(timeline_of(list(gm.graph.nodes), estimate,
+                            size_estimated=estimated_sizes).events)
