@@ -115,10 +115,12 @@ def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
 
 def _two_point(curve, size: int) -> float:
     """The previous model: one alpha-beta through the sweep's 16 KiB and 4 MiB medians."""
-    from fcoll.passes.analysis.calibration import fit_alpha_beta
+    from fcoll.passes.analysis.comm_cost import fit_alpha_beta
 
     b1, b2 = 16 * KiB, 4 * MiB
-    return fit_alpha_beta(b1, curve.time_us(b1), b2, curve.time_us(b2)).time_us(size)
+    line = fit_alpha_beta([(b1, curve.time_us(b1)), (b2, curve.time_us(b2))],
+                          nonnegative=True)
+    return line.time_us(size)
 
 
 def report(results: list[dict], ops: list[str], sizes: list[int], tol: float) -> dict:

@@ -90,7 +90,8 @@ def test_curve_rejects_unusable_points():
 
 
 def test_two_point_fit_recovers_alpha_and_beta():
-    p = calibrate.fit_alpha_beta(1000, 50.0 + 1000 * 0.002, 100000, 50.0 + 100000 * 0.002)
+    p = comm_cost.fit_alpha_beta([(1000, 50.0 + 1000 * 0.002),
+                                  (100000, 50.0 + 100000 * 0.002)])
     assert (p.alpha_us, p.beta_us_per_byte) == (pytest.approx(50.0), pytest.approx(0.002))
 
 

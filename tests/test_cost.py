@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import canonical  # noqa: E402
 
 from fcoll.ops.facts import busbw_factor  # noqa: E402
-from fcoll.passes.analysis import calibration as calibrate, cost  # noqa: E402
+from fcoll.passes.analysis import calibration as calibrate, comm_cost, cost  # noqa: E402
 from fcoll.passes.graph import collectives, is_wait  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
@@ -35,10 +35,11 @@ class TestFormulas(TestCase):
         self.assertEqual(cost.default_comm("all_reduce", 4).beta_us_per_byte, 1.5e-3)
 
     def test_fit_recovers_alpha_and_beta(self):
-        p = calibrate.fit_alpha_beta(1000, 50.0 + 1000 * 0.002, 100000, 50.0 + 100000 * 0.002)
+        p = comm_cost.fit_alpha_beta([(1000, 50.0 + 1000 * 0.002),
+                                      (100000, 50.0 + 100000 * 0.002)])
         self.assertAlmostEqual(p.alpha_us, 50.0)
         self.assertAlmostEqual(p.beta_us_per_byte, 0.002)
-        noisy = calibrate.fit_alpha_beta(1000, 90.0, 100000, 80.0)  # larger measured faster
+        noisy = comm_cost.fit_alpha_beta([(1000, 90.0), (100000, 80.0)], nonnegative=True)
         self.assertGreater(noisy.beta_us_per_byte, 0)
         self.assertGreaterEqual(noisy.alpha_us, 0)
 

@@ -57,7 +57,7 @@ from fcoll.passes.analysis import calibration_cache
 from fcoll.passes.analysis.calibration_probes import (
     backend_of, blocking_collective, host_identity, host_layout, probe_buffers, time_compute_rates,
 )
-from fcoll.passes.analysis.comm_cost import CommCurve, CommKey, CommParams, CommTable
+from fcoll.passes.analysis.comm_cost import CommCurve, CommKey, CommTable
 from fcoll.passes.analysis.cost import KINDS, ComputeRates, CostModel, assemble_model, collective_size
 from fcoll.passes.graph import arg_of
 from fcoll.passes.analysis.memory import COLLECTIVE, op_class
@@ -66,7 +66,7 @@ __all__ = [
     "SWEEP_BYTES", "MIN_SWEEP_BYTES", "ROUNDS", "reps_for", "sizes_for",
     "time_collective", "time_collectives",
     "measure_compute_rates", "calibrate_group",
-    "fit_alpha_beta", "GroupCalibration", "group_calibration", "calibrated_table",
+    "GroupCalibration", "group_calibration", "calibrated_table",
     "calibration_stats",
     "host_identity", "model_for", "cached_model", "needs_calibration",
 ]
@@ -240,13 +240,6 @@ def time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> list[float]:
     warm-up run (which also lines the ranks up). A collective call: every rank of ``pg`` must
     call it with the same arguments."""
     return time_collectives(pg, [(kind, nbytes)], lambda _: reps)[(kind, nbytes)]
-
-
-def fit_alpha_beta(b1: int, t1: float, b2: int, t2: float) -> CommParams:
-    """Alpha-beta through two timed sizes (``b1 < b2`` bytes, ``t1``/``t2`` us). A larger
-    message measured faster (noise) gives a tiny positive beta; alpha is never negative."""
-    beta = max((t2 - t1) / (b2 - b1), 1e-9)
-    return CommParams(alpha_us=max(t1 - beta * b1, 0.0), beta_us_per_byte=beta)
 
 
 # The message rank 0 broadcasts: [want mask (S), compute rates (3), times (K x S, NaN unknown)]

@@ -47,13 +47,15 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Iterable, Mapping, NamedTuple, Sequence, Union
 
 from fcoll.ops.facts import KINDS, busbw_factor
 
 __all__ = ["LINKS", "CommKey", "CommParams", "CommCurve", "CommTable", "Comm",
-           "default_comm", "comm_time_us", "lower_envelope"]
+           "default_comm", "comm_time_us", "lower_envelope", "fit_alpha_beta",
+           "MIN_BETA_US_PER_BYTE"]
 
 #: Link kinds: one host (shared memory, loopback), or a group spanning hosts.
 LINKS = ("intra", "inter")
@@ -94,6 +96,53 @@ def lower_envelope(values: Sequence[float]) -> list[float]:
         low = min(low, float(v))
         out.append(low)
     return out[::-1]
+
+
+#: The smallest inverse bandwidth a nonnegative fit returns (1e-9 us/byte = 1 PB/s): a larger
+#: message measured faster than a smaller one is noise, not a free byte.
+MIN_BETA_US_PER_BYTE = 1e-9
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]], *,
+                   nonnegative: bool = False) -> CommParams:
+    """The alpha-beta (Hockney) line ``t = alpha + beta * x`` through ``points`` =
+    ``[(x, t_us), ...]``: through both points for two, by least squares for more (absolute
+    errors, so the large sizes, where most of the time is, set beta). ``x`` is the caller's
+    size: bytes for a curve segment, the bytes a ring moves per link for a link fit.
+
+    The one fitter of fcoll: :meth:`CommCurve.segment` (a segment through two neighbouring
+    sizes of a curve, as fitted), :func:`fcoll.sim.linkprobe.fit_ring_link` and
+    ``benchmarks/cost_model.py`` (``nonnegative=True``).
+
+    Args:
+        points: at least two distinct ``x``.
+        nonnegative: a line usable as a cost: where the fitted alpha is negative (noise at
+            small sizes), the least-squares line through the origin instead (alpha 0); beta at
+            least :data:`MIN_BETA_US_PER_BYTE`.
+
+    Raises:
+        ValueError: fewer than two distinct ``x``.
+    """
+    if len(points) == 2:
+        (x1, t1), (x2, t2) = points
+        if x1 == x2:
+            raise ValueError(f"fit_alpha_beta: need at least two distinct sizes, got {points}")
+        beta = (t2 - t1) / (x2 - x1)
+        alpha = t1 - beta * x1
+    else:
+        if len({x for x, _ in points}) < 2:
+            raise ValueError(f"fit_alpha_beta: need at least two distinct sizes, got {points}")
+        xs, ts = [x for x, _ in points], [t for _, t in points]
+        mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+        beta = (sum((x - mx) * (t - mt) for x, t in zip(xs, ts))
+                / sum((x - mx) ** 2 for x in xs))
+        alpha = mt - beta * mx
+    if nonnegative:
+        if alpha < 0:
+            alpha = 0.0
+            beta = sum(x * t for x, t in points) / sum(x * x for x, _ in points)
+        beta = max(beta, MIN_BETA_US_PER_BYTE)
+    return CommParams(alpha, beta)
 
 
 @dataclass(frozen=True)
@@ -139,11 +188,10 @@ class CommCurve:
         segment's alpha is negative), the last above the largest."""
         s, t = self.sizes, self.times_us
         i = min(max(bisect.bisect_right(s, nbytes) - 1, 0), len(s) - 2)
-        beta = (t[i + 1] - t[i]) / (s[i + 1] - s[i])
-        alpha = t[i] - beta * s[i]
-        if i == 0 and nbytes < s[0] and alpha < 0:
+        line = fit_alpha_beta(((s[i], t[i]), (s[i + 1], t[i + 1])))
+        if i == 0 and nbytes < s[0] and line.alpha_us < 0:
             return CommParams(t[0], 0.0)
-        return CommParams(alpha, beta)
+        return line
 
     def time_us(self, nbytes: int) -> float:
         """Microseconds for one collective of ``nbytes`` bytes (never negative)."""
