@@ -91,10 +91,6 @@ class ForcedPlans:
     def __contains__(self, group: str) -> bool:
         return group in self.plans
 
-    def bucket_of(self, node: fx.Node) -> tuple[str, int] | None:
-        """The planned bucket of collective ``node``, None if it goes alone or is not forced."""
-        return self.planned.get(node)
-
     def not_bucketed(self, node: fx.Node, why: str) -> None:
         """``node`` cannot join any bucket here (``why``).
 
