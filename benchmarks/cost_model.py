@@ -16,8 +16,8 @@ Per backend (fcoll's shared-memory backend, and gloo), on ``--nproc`` ranks of t
    at every size); each rank's median per cell, and the slowest rank's median is the measured
    time (a step waits for its slowest rank; the root of a broadcast, for one, returns before
    its peers have copied the data out). The collectives are the calibration's calls
-   (:func:`fcoll.passes.analysis.calibration.blocking_collective`: the blocking c10d call of each kind; on gloo,
-   reduce_scatter is fcoll's all_to_all plus a local sum). Per kind, fcoll then gloo;
+   (:func:`fcoll.passes.analysis.calibration.blocking_collective`: the blocking c10d call of each
+   kind; on gloo, reduce_scatter is fcoll's all_to_all plus a local sum). Per kind, fcoll then gloo;
 3. print per cell the predicted time (the calibrated curve), the measured time, the ratio
    predicted / measured and PASS when it is within ``1 +- tolerance`` (default 30 %), beside
    the previous two-point alpha-beta model (fitted through the same sweep's 16 KiB and 4 MiB

@@ -8,9 +8,9 @@ Usage::
 
 It spawns ``--nproc`` local ranks (:func:`fcoll.testing.run_ranks`), calibrates one group of
 each backend with the sweep up to ``--max-bytes`` (default: all of
-:data:`fcoll.passes.analysis.calibration.SWEEP_BYTES`) and leaves the numbers in the job's cache file
-(:mod:`fcoll.passes.analysis.calibration_cache`), keyed by backend, group size and host layout (one
-host here: a job spanning hosts calibrates its cross-host groups itself). It prints the fitted
+:data:`fcoll.passes.analysis.calibration.SWEEP_BYTES`) and leaves the numbers in the job's cache
+file (:mod:`fcoll.passes.analysis.calibration_cache`), keyed by backend, group size and host layout
+(one host here: a job spanning hosts calibrates its cross-host groups itself). It prints the fitted
 curves (median microseconds per kind and size) and where they were written.
 
 Exit status 2 without a job identity (``FCOLL_JOB_ID`` or ``TORCHELASTIC_RUN_ID``): the numbers

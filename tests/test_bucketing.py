@@ -1,4 +1,5 @@
-"""Tests of ``bucket_collectives`` (fcoll/passes/rewrites/bucket_plan.py, fcoll/passes/rewrites/bucketing.py).
+"""Tests of ``bucket_collectives`` (fcoll/passes/rewrites/bucket_plan.py,
+fcoll/passes/rewrites/bucketing.py).
 
 Single-process tests use PyTorch's fake process group (rank 0 of 2); value tests run the
 rewritten graphs on 2 real ranks (gloo and fcoll's shared-memory backend), one ``run_ranks`` call

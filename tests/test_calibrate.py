@@ -1,8 +1,8 @@
-"""Tests of the communication model's fit (fcoll.passes.analysis.comm_cost) on synthetic measurements,
-and of calibration reuse (fcoll.passes.analysis.calibration, fcoll.passes.analysis.calibration_cache): within a
-process, across processes of one job, and rank 0's numbers on every rank. No timing
-assertions: whether the fitted curves hold on this machine is ``benchmarks/cost_model.py``'s
-question."""
+"""Tests of the communication model's fit (fcoll.passes.analysis.comm_cost) on synthetic
+measurements, and of calibration reuse (fcoll.passes.analysis.calibration,
+fcoll.passes.analysis.calibration_cache): within a process, across processes of one job, and rank
+0's numbers on every rank. No timing assertions: whether the fitted curves hold on this machine is
+``benchmarks/cost_model.py``'s question."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 
 import canonical  # noqa: E402
 
-from fcoll.passes.analysis import calibration as calibrate, calibration_cache, comm_cost, cost  # noqa: E402
+from fcoll.passes.analysis import calibration as calibrate  # noqa: E402
+from fcoll.passes.analysis import calibration_cache, comm_cost, cost  # noqa: E402
 from fcoll.passes.analysis.comm_cost import CommCurve, CommKey, CommParams, CommTable  # noqa: E402
 from fcoll.passes.graph import collectives  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402

@@ -425,8 +425,9 @@ from fcoll.inspect import (  # noqa: E402
 
 class TestWithTheRealPredictor(TestCase):
     def test_table_report_and_timeline_agree_on_a_pipeline_result(self):
-        """ddp_backward through the default pipeline, timed by fcoll.passes.rewrites.overlap.predict:
-        the report's totals are the table's sums, and the passes do not add exposed time."""
+        """ddp_backward through the default pipeline, timed by
+        fcoll.passes.rewrites.overlap.predict: the report's totals are the table's sums, and the
+        passes do not add exposed time."""
         import copy
         import tempfile
         import xml.etree.ElementTree as ET

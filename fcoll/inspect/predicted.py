@@ -1,11 +1,11 @@
 """Predicted events and timings of a graph, for inspection: what tables, reports and timelines
 are drawn from.
 
-The events come from the overlap scheduler's simulator, ``fcoll.passes.rewrites.overlap.predict(gm)``,
-which replays the graph in its current order with the cost model (so it works on any graph,
-before or after the passes). Each event is one scheduled node: ``node`` (name), ``kind``
-("compute", "collective" or "wait"), ``lane`` ("compute" or the process group's name),
-``start_us``, ``end_us`` and ``exposed_us`` (microseconds).
+The events come from the overlap scheduler's simulator,
+``fcoll.passes.rewrites.overlap.predict(gm)``, which replays the graph in its current order with the
+cost model (so it works on any graph, before or after the passes). Each event is one scheduled node:
+``node`` (name), ``kind`` ("compute", "collective" or "wait"), ``lane`` ("compute" or the process
+group's name), ``start_us``, ``end_us`` and ``exposed_us`` (microseconds).
 
 Every public inspection function takes ``events=`` (precomputed events) or ``predict=`` (another
 simulator with the same contract) so callers can pin estimates, and tests can run without the

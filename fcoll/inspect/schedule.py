@@ -14,8 +14,8 @@
 
 Each curve: ``backend``, ``kind``, ``group_size``, ``link`` ("intra" or "inter") and
 ``points`` (``[[bytes, us], ...]``), the piecewise alpha-beta curves of
-:func:`fcoll.passes.analysis.calibration.calibrated_table`, so a simulation run later, in another process,
-uses the communication times this run measured.
+:func:`fcoll.passes.analysis.calibration.calibrated_table`, so a simulation run later, in another
+process, uses the communication times this run measured.
 
 Each node: ``name``; ``cls`` ("placeholder", "compute", "collective" or "wait"); ``inputs``
 (names of the nodes it reads); ``us`` (predicted duration in microseconds: compute from the
@@ -82,7 +82,8 @@ def step_schedule(gm: fx.GraphModule, name: str, *,
         name: the graph's name (``record.name``).
         events: its predicted events (:func:`fcoll.inspect.predicted_events`); compute
             durations are taken from them. Without events the cost model of this process
-            (:func:`fcoll.passes.analysis.calibration.cached_model`, never communicates) estimates them.
+            (:func:`fcoll.passes.analysis.calibration.cached_model`, never communicates) estimates
+            them.
 
     Returns:
         A dict of plain values (``json.dumps`` works on it).

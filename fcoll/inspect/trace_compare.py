@@ -7,8 +7,8 @@ events (``"ph": "X"``, ``"cat": "compute"``, name = node name); each collective 
 and ``dur`` are microseconds; ``pid`` is the rank.
 
 Per collective the report sets the cost model's prediction (``pred_us``: the node's estimated
-time from the calibrated piecewise alpha-beta curve, :mod:`fcoll.passes.analysis.comm_cost`) beside the
-measured time (``meas_us``: issue to wait return, averaged over occurrences) and their ratio
+time from the calibrated piecewise alpha-beta curve, :mod:`fcoll.passes.analysis.comm_cost`) beside
+the measured time (``meas_us``: issue to wait return, averaged over occurrences) and their ratio
 ``pred/meas``; a collective whose wait was not blocking (hidden) may have finished before its
 wait was asked for, so for it ``meas_us`` is an upper bound and a ratio below 1 is expected.
 The rows within :data:`TOLERANCE` of 1 are counted under the table.

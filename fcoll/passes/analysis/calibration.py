@@ -1,8 +1,9 @@
 """Calibration: measure the cost model's parameters on this machine and on real process groups.
 
 Everything here measures or looks up live process groups; the model itself
-(:mod:`fcoll.passes.analysis.cost`, :mod:`fcoll.passes.analysis.comm_cost`) is pure. The calls that are timed and
-the timing loops are in :mod:`fcoll.passes.analysis.calibration_probes`; here is the protocol around them.
+(:mod:`fcoll.passes.analysis.cost`, :mod:`fcoll.passes.analysis.comm_cost`) is pure. The calls that
+are timed and the timing loops are in :mod:`fcoll.passes.analysis.calibration_probes`; here is the
+protocol around them.
 
 - Compute rates (:func:`measure_compute_rates`): a short microbenchmark, once per process: the
   median time of a transformer-sized matmul (FLOPs/us), the fastest large copy (bytes/us), and a
@@ -58,7 +59,9 @@ from fcoll.passes.analysis.calibration_probes import (
     backend_of, blocking_collective, host_identity, host_layout, probe_buffers, time_compute_rates,
 )
 from fcoll.passes.analysis.comm_cost import CommCurve, CommKey, CommTable
-from fcoll.passes.analysis.cost import KINDS, ComputeRates, CostModel, assemble_model, collective_size
+from fcoll.passes.analysis.cost import (
+    KINDS, ComputeRates, CostModel, assemble_model, collective_size,
+)
 from fcoll.passes.graph import arg_of
 from fcoll.passes.analysis.memory import COLLECTIVE, op_class
 
@@ -335,8 +338,9 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     objects without communicating, whatever ``max_bytes`` is: a recompile may happen on one
     rank alone (Dynamo's guards are per rank), and a collective there would pair with another
     rank's next collective. Sizes beyond the calibrated ones are extrapolated by the curve's
-    last segment (:class:`~fcoll.passes.analysis.comm_cost.CommCurve`). (``benchmarks/cost_model.py`` and
-    ``benchmarks/passes_scaling.py --rank-costs`` print how long it takes.)
+    last segment (:class:`~fcoll.passes.analysis.comm_cost.CommCurve`).
+    (``benchmarks/cost_model.py`` and ``benchmarks/passes_scaling.py --rank-costs`` print how long
+    it takes.)
 
     Returns:
         (compute rates, ``{CommKey(backend, kind, group size, link): CommCurve}``).

@@ -74,9 +74,10 @@ _MM_SHAPE = (1024, 256, 768)
 
 
 def time_compute_rates(reps: int = 5) -> ComputeRates:
-    """Run the compute microbenchmark of :func:`fcoll.passes.analysis.calibration.measure_compute_rates`
-    now (that function documents what is timed and why, and caches the result per process).
-    Returns :class:`ComputeRates` (FLOPs/us, bytes/us, us per op)."""
+    """Run the compute microbenchmark of
+    :func:`fcoll.passes.analysis.calibration.measure_compute_rates` now (that function documents
+    what is timed and why, and caches the result per process). Returns :class:`ComputeRates`
+    (FLOPs/us, bytes/us, us per op)."""
     m, k, n = _MM_SHAPE
     a, b = torch.randn(m, k), torch.randn(k, n)
     src, dst = torch.randn(1 << 20), torch.empty(1 << 20)

@@ -3,8 +3,8 @@ nothing and never communicates; :mod:`fcoll.passes.analysis.calibration` measure
 
 Communication follows a piecewise alpha-beta (Hockney) model per (backend, collective kind,
 group size, link), fitted from a calibration sweep over message sizes (formula and sources:
-:mod:`fcoll.passes.analysis.comm_cost`); ``bytes`` is :func:`fcoll.passes.graph.collective_bytes`, the
-larger of the collective's input and output on this rank (the whole gathered output for
+:mod:`fcoll.passes.analysis.comm_cost`); ``bytes`` is :func:`fcoll.passes.graph.collective_bytes`,
+the larger of the collective's input and output on this rank (the whole gathered output for
 all_gather, the whole input for reduce_scatter).
 
 Compute follows a roofline: ``t = op_overhead_us + max(flops / flops_per_us,

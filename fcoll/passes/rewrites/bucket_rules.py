@@ -1,7 +1,7 @@
 """The rules of bucket planning: who may be a member, and who may join an open bucket.
 
-Positions and keys are those of :mod:`fcoll.passes.rewrites.bucket_plan` (its module docstring states
-the placement model and the lane plan); these are pure functions of the records below.
+Positions and keys are those of :mod:`fcoll.passes.rewrites.bucket_plan` (its module docstring
+states the placement model and the lane plan); these are pure functions of the records below.
 """
 
 from __future__ import annotations

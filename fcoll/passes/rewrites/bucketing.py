@@ -47,11 +47,11 @@ placed before a member's hiding compute, and a member whose hiding compute would
 past the first use of another member's result does not join.
 
 Rank agreement: which collectives merge is decided once per group, by the group's lowest rank,
-and applied by every rank of the group (:mod:`fcoll.passes.rewrites.shared_plan`): ranks whose graphs
-differ in compute would otherwise time their lanes differently. Where the merged collectives go
-reads only the rank's graph, so every rank issues the same buckets in the same order
-(:mod:`fcoll.passes.rewrites.bucket_plan` states why orders never differ). ``gm.meta[META_BUCKET_PLAN]``
-says where each group's plan came from.
+and applied by every rank of the group (:mod:`fcoll.passes.rewrites.shared_plan`): ranks whose
+graphs differ in compute would otherwise time their lanes differently. Where the merged collectives
+go reads only the rank's graph, so every rank issues the same buckets in the same order
+(:mod:`fcoll.passes.rewrites.bucket_plan` states why orders never differ).
+``gm.meta[META_BUCKET_PLAN]`` says where each group's plan came from.
 """
 
 from __future__ import annotations
@@ -481,8 +481,8 @@ class BucketCollectives(FcollPass):
     """Merge collectives into buckets of at most ``config.bucket_cap_mb`` MiB of input.
 
     The lane plan needs the groups' real numbers: at a group's first compile the pass
-    calibrates it (:func:`~fcoll.passes.analysis.calibration.model_for`). Each group's merges are its
-    lowest rank's plan on every rank (:mod:`fcoll.passes.rewrites.shared_plan`). Before either
+    calibrates it (:func:`~fcoll.passes.analysis.calibration.model_for`). Each group's merges are
+    its lowest rank's plan on every rank (:mod:`fcoll.passes.rewrites.shared_plan`). Before either
     rendezvous the pass runs ``check_rank_consistency`` on the unbucketed graph (once, unless
     ``config.check_ranks`` is off), since ranks whose graphs differ would hang in a calibration
     or wait for a plan nobody makes; the pipeline's own check, after this pass, still compares
@@ -496,8 +496,8 @@ class BucketCollectives(FcollPass):
         fcoll.passes.rewrites.consistency.RankMismatchError, RankTimeoutError: the unbucketed rank
             check failed.
         fcoll.passes.rewrites.group_plan.BucketPlanError: a group's plan cannot be applied here.
-        fcoll.passes.rewrites.shared_plan.BucketPlanTimeoutError: a group's planner did not publish its
-            plan within ``config.check_timeout_s``.
+        fcoll.passes.rewrites.shared_plan.BucketPlanTimeoutError: a group's planner did not publish
+            its plan within ``config.check_timeout_s``.
     """
 
     name = "bucket_collectives"

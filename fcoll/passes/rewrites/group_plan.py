@@ -1,11 +1,11 @@
 """A group's bucket plan in a form every rank of the group can apply, and the rules applying it.
 
 A :class:`GroupPlan` names each merged bucket by the indices of its members in the group's
-collective sequence (:func:`~fcoll.passes.rewrites.consistency.collectives_by_group` order: the sequence
-``check_rank_consistency`` fingerprints, the same on every rank). Node names, positions and
-timings differ between ranks; those indices do not. :mod:`fcoll.passes.rewrites.shared_plan` passes one
-rank's plan to the others; :func:`~fcoll.passes.rewrites.bucket_plan.plan_buckets` (``forced``) applies
-it with :class:`ForcedPlans`: members join exactly their planned bucket, each join checked
+collective sequence (:func:`~fcoll.passes.rewrites.consistency.collectives_by_group` order: the
+sequence ``check_rank_consistency`` fingerprints, the same on every rank). Node names, positions and
+timings differ between ranks; those indices do not. :mod:`fcoll.passes.rewrites.shared_plan` passes
+one rank's plan to the others; :func:`~fcoll.passes.rewrites.bucket_plan.plan_buckets` (``forced``)
+applies it with :class:`ForcedPlans`: members join exactly their planned bucket, each join checked
 against this rank's graph (:func:`~fcoll.passes.rewrites.bucket_rules.dependency_rejection`), and
 anything this graph cannot follow raises :class:`BucketPlanError`, never a silently
 different plan.

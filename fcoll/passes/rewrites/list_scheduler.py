@@ -9,7 +9,8 @@ Constraints every reorder keeps (:func:`dependencies`):
 - collectives keep their original relative order, across all groups: every rank issues the
   same sequence, because a different order on different ranks hangs (ranks run the same
   graph with the same cost numbers, so the scheduler's choices are the same on every rank);
-- writes stay ordered with the reads of the same storage (:func:`fcoll.passes.analysis.memory.mutation_deps`);
+- writes stay ordered with the reads of the same storage
+  (:func:`fcoll.passes.analysis.memory.mutation_deps`);
 - other side-effectful nodes (not waits, not collectives) are barriers: nothing crosses them.
 
 One scheduler (:class:`ListScheduler`) places nodes from a ready set, backwards or forwards, so
@@ -19,8 +20,8 @@ cost-model rule of :class:`OverlapScheduler` (``reorder_for_overlap``). Predicti
 the simulator of :mod:`fcoll.passes.analysis.lanes`.
 
 Data-dependent (unbacked) sizes are never compared or converted with ``int()`` here: a
-collective's bytes come from :func:`fcoll.passes.analysis.cost.collective_size`, which estimates them by
-the cost model's documented fallback; the estimate guides the plan (its time, the in-flight
+collective's bytes come from :func:`fcoll.passes.analysis.cost.collective_size`, which estimates
+them by the cost model's documented fallback; the estimate guides the plan (its time, the in-flight
 cap) and is reported in :attr:`Plan.size_estimates`, never needed for correctness, since the
 constraints above do not depend on sizes.
 """
@@ -457,9 +458,9 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     Cost: O((N + E) log N); estimates are asked once per node.
 
     The memory limit is checked on the finished order's peak (the :class:`LiveBytes` model of
-    :func:`fcoll.passes.analysis.memory.peak_bytes`, counted while planning; the planner's choices follow
-    the live bytes of a partial plan, a guide); over budget, the plan is redone with a quarter
-    of the budget, then none, then the original order is kept (at most 3 plans; logged at
+    :func:`fcoll.passes.analysis.memory.peak_bytes`, counted while planning; the planner's choices
+    follow the live bytes of a partial plan, a guide); over budget, the plan is redone with a
+    quarter of the budget, then none, then the original order is kept (at most 3 plans; logged at
     DEBUG).
 
     Returns:

@@ -6,11 +6,11 @@
   (its first user, or the first node ordered after it by a mutation or barrier).
 - ``raise_collectives``: every collective moves up to just after the last node it needs (its
   last input, the previous collective, a mutation or barrier, the last placeholder).
-- ``reorder_for_overlap``: the cost-model list scheduler of :mod:`fcoll.passes.rewrites.list_scheduler`: each
-  collective is issued just early enough that the independent compute before its first use
-  covers its estimated time (not as early as possible), with ``config.memory_budget_mb`` of
-  extra peak memory and ``config.max_in_flight_mb`` of outstanding collective bytes;
-  O((N + E) log N). It records per collective ``META_ESTIMATED_US``,
+- ``reorder_for_overlap``: the cost-model list scheduler of
+  :mod:`fcoll.passes.rewrites.list_scheduler`: each collective is issued just early enough that the
+  independent compute before its first use covers its estimated time (not as early as possible),
+  with ``config.memory_budget_mb`` of extra peak memory and ``config.max_in_flight_mb`` of
+  outstanding collective bytes; O((N + E) log N). It records per collective ``META_ESTIMATED_US``,
   ``META_HIDING`` (names of the compute nodes predicted to run while it is in flight) and
   ``META_EXPOSED_US`` in ``node.meta``.
 
@@ -62,9 +62,9 @@ _MIB = 2 ** 20
 def sink_waits_order(graph: fx.Graph) -> list[fx.Node]:
     """The order ``sink_waits`` makes: each wait just before the first node that needs it.
 
-    Method: :class:`~fcoll.passes.rewrites.list_scheduler.KeyScheduler` backwards from the output (which stays
-    last) with the priority key "a ready wait first, the one a placement just unblocked first,
-    then the latest original position; otherwise the latest original position". Why that is
+    Method: :class:`~fcoll.passes.rewrites.list_scheduler.KeyScheduler` backwards from the output
+    (which stays last) with the priority key "a ready wait first, the one a placement just unblocked
+    first, then the latest original position; otherwise the latest original position". Why that is
     sink_waits: backwards, a wait is ready exactly when its first user (in the new order) is
     placed, and is placed at once, so it lands just before that user; waits unblocked by one
     placement keep their original relative order, and a wait that another wait needs goes right
@@ -87,10 +87,10 @@ def sink_waits_order(graph: fx.Graph) -> list[fx.Node]:
 def raise_collectives_order(graph: fx.Graph) -> list[fx.Node]:
     """The order ``raise_collectives`` makes: each collective just after the last node it needs.
 
-    Method: :class:`~fcoll.passes.rewrites.list_scheduler.KeyScheduler` forwards with the priority key "a ready
-    collective first, the one a placement just unblocked first, then the earliest original
-    position; otherwise the earliest original position", every collective also waiting for the
-    last placeholder or attribute. Why that is raise_collectives: forwards, a collective is
+    Method: :class:`~fcoll.passes.rewrites.list_scheduler.KeyScheduler` forwards with the priority
+    key "a ready collective first, the one a placement just unblocked first, then the earliest
+    original position; otherwise the earliest original position", every collective also waiting for
+    the last placeholder or attribute. Why that is raise_collectives: forwards, a collective is
     ready exactly when the last node it needs is placed, and is placed at once, right after it
     (the next collective, which needs it, right after it in turn); every other node keeps its
     original relative order (the mirror of :func:`sink_waits_order`'s argument).

@@ -13,9 +13,10 @@ Protocol, per shared group ``g`` (below), in the default group's store
 (``c10d._get_default_store()``, as :mod:`fcoll.passes.rewrites.consistency`):
 
 1. The key is ``fcoll/bucket_plan/v1/<g>/<digest>/<options>``: ``digest`` is the sha256 of the
-   group's collective sequence *before* bucketing (:func:`~fcoll.passes.rewrites.consistency.fingerprint`,
-   so every rank that compiled the same collectives computes the same key), ``options`` the
-   ones planning reads (``bucket_cap_mb``, ``bucket_mode``, ``memory_budget_mb``).
+   group's collective sequence *before* bucketing
+   (:func:`~fcoll.passes.rewrites.consistency.fingerprint`, so every rank that compiled the same
+   collectives computes the same key), ``options`` the ones planning reads (``bucket_cap_mb``,
+   ``bucket_mode``, ``memory_budget_mb``).
 2. The planner is the group's lowest global rank (its group rank 0: c10d sorts a group's
    ranks). Every other rank waits for the key (``store.wait``, at most
    ``config.check_timeout_s``, then :class:`BucketPlanTimeoutError` naming the rank, the group,
@@ -30,8 +31,8 @@ Protocol, per shared group ``g`` (below), in the default group's store
    compile every rank applies the one plan stored under the key.
 4. A plan is rank-independent: each bucket is a list of indices into the group's sequence
    (:class:`~fcoll.passes.rewrites.group_plan.GroupPlan`). Every rank applies it with
-   :func:`~fcoll.passes.rewrites.bucket_plan.plan_buckets` (``forced``): exactly those merges, nothing
-   timed; where the merged collectives are issued and waited is each rank's own graph's
+   :func:`~fcoll.passes.rewrites.bucket_plan.plan_buckets` (``forced``): exactly those merges,
+   nothing timed; where the merged collectives are issued and waited is each rank's own graph's
    business. A plan this rank's graph cannot follow (its dependencies forbid a merge) raises
    :class:`~fcoll.passes.rewrites.group_plan.BucketPlanError` naming rank, group and collectives.
 
