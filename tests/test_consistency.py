@@ -207,7 +207,7 @@ def _same_shape(group: str, calls: int) -> fx.GraphModule:
 
 
 def _by_content(rank: int, world_size: int) -> dict:
-    """Issue #15.5: ranks meet on the content of the sequence, not on a count of compiles."""
+    """Ranks meet on the content of the sequence, not on a count of compiles."""
     import torch.distributed as dist
 
     import fcoll

@@ -40,7 +40,7 @@ __all__ = ["CompareRow", "TraceComparison", "compare", "load_trace", "measured_c
 
 log = logging.getLogger(__name__)
 
-#: A prediction "holds" within this relative error of the measured time (issue 16: +-30 %).
+#: A prediction "holds" within this relative error of the measured time (+-30 %).
 TOLERANCE = 0.30
 
 

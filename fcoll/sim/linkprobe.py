@@ -1,11 +1,11 @@
 """The inter-host link as gloo sees it: effective bandwidth and latency to give ``--inter``.
 
 A link's nominal rate is not what a collective gets from it: gloo's TCP transport on a shared
-CPU, a tbf bucket, the kernel's copies all take their share (gloo reached 0.15 GB/s on a 10 gbit
-tbf link here). This module measures it: ``python -m fcoll.launch ... -m fcoll.sim.linkprobe
---out FILE`` times gloo's all_reduce of float32 tensors of several sizes on the world group
-(run it with one rank per host, so every step crosses the link), and :func:`fit_ring_link` fits
-the ring model :func:`fcoll.sim.algorithms.flat_us` uses,
+CPU, a tbf bucket, the kernel's copies all take their share, often most of it. This module
+measures it: ``python -m fcoll.launch ... -m fcoll.sim.linkprobe --out FILE`` times gloo's
+all_reduce of float32 tensors of several sizes on the world group (run it with one rank per
+host, so every step crosses the link), and :func:`fit_ring_link` fits the ring model
+:func:`fcoll.sim.algorithms.flat_us` uses,
 
     t(S) = 2 (n - 1) * alpha + 2 (n - 1) / n * S / bandwidth
 

@@ -80,9 +80,7 @@ log = logging.getLogger(__name__)
 #: they span fcoll's shared-memory regimes (one-slot fast path, chunking through the slots,
 #: caches, DRAM) and a token-bucket link's burst and sustained rate. 2 MiB because an
 #: all_gather (or broadcast) of 2 ranks moves up to 2 x 1 MiB slots in one phase and chunks
-#: above: measured 1 / 2 / 4 MiB all_gather 148-358 / 269-438 / 678-1124 us (2 ranks, load
-#: 4-11, 6 runs), and the line from 1 to 4 MiB put 2 MiB at 1.19-1.56x in 11 of 12
-#: ``benchmarks/cost_model.py`` runs.
+#: above, so the line from 1 to 4 MiB overstates 2 MiB (``benchmarks/cost_model.py``).
 SWEEP_BYTES = tuple(sorted({4096 * 4 ** i for i in range(8)} | {2 << 20}))
 
 #: The sweep always covers sizes up to here (cheap: about 25 ms for all kinds on fcoll).
@@ -94,12 +92,10 @@ def reps_for(nbytes: int) -> int:
     back to back in each of the :data:`ROUNDS` rounds), 3 above. A function of the size only,
     so every rank issues the same collectives.
 
-    At least two per round at 1-4 MiB, not one or two (5 runs: 1, 2, 2): the first runs after a
-    change of size are slower on fcoll's backend (its waits adapt to their recent history), and
-    with 5 runs the calibrated 1 MiB medians were 1.27-1.44x what the same cells measure in a
-    longer back-to-back run (2 ranks, load 4-5, 3 paired repeats, five kinds); with 6, and the
-    untimed run at 4 MiB as well, 1.14-1.26x (9 runs: 1.00-1.24x, no better within the noise,
-    and 50 % more time at 4 MiB).
+    At least two per round at 1-4 MiB: the first runs after a change of size are slower on
+    fcoll's backend (its waits adapt to their recent history), so fewer runs overstate what the
+    same cells take in a longer back-to-back run; more than 6 gained nothing beyond the noise
+    for half again the time at 4 MiB (``benchmarks/cost_model.py`` checks the result).
     """
     return 9 if nbytes <= 256 << 10 else 6 if nbytes <= 4 << 20 else 3
 
@@ -173,15 +169,11 @@ ROUNDS = 3
 
 # Each round's runs of a cell follow one untimed run of the same cell: the ranks leave a
 # collective at different times, and the next collective on the faster rank includes the wait
-# for the slower one. After a 4-16 MiB all_reduce that exit skew was 0.4-0.5 ms (2 ranks, load
-# 7), and a 4 KiB all_reduce right after it took 0.6-0.8 ms against 0.1 ms after another 4 KiB
-# one; the untimed run absorbs the skew, so the timed runs see what back-to-back collectives of
-# one size see (a DDP step's buckets, an FSDP step's per-layer all_gathers). 16 and 64 MiB
-# cells once went without it (a third more calibration time there), but the skew is not small
-# against them for broadcast, whose root returns before its peers have copied the data out:
-# a 16 MiB broadcast timed right after a 64 MiB one measured 1.35-1.48x its back-to-back time
-# (fcoll and gloo, 2 ranks, load 1.5, benchmarks/cost_model.py), 1.03-1.09x with the untimed
-# run; a full sweep to 64 MiB then took 0.44 s on fcoll (0.32-0.35 s) and 2.2 s on gloo (1.5 s).
+# for the slower one (after a large all_reduce, several times a small one's own time). The
+# untimed run absorbs that exit skew, so the timed runs see what back-to-back collectives of one
+# size see (a DDP step's buckets, an FSDP step's per-layer all_gathers). The largest cells keep
+# it too: a broadcast's root returns before its peers have copied the data out, so the skew is
+# not small even against 16 and 64 MiB.
 
 
 def _runs_in_round(reps: int, r: int) -> int:
@@ -201,18 +193,12 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
     sizes largest first: a cell's neighbours are collectives of its own kind, as a step's
     buckets are (a DDP step's all_reduces, an FSDP step's per-layer all_gathers). Within a round
     a cell's runs are back to back, after one untimed run of the cell, which absorbs the exit
-    skew the previous cell left: without it a cell measures the skew of whatever ran before it
-    (measured: a 4 KiB all_reduce after a 4 MiB one took 4-8x its back-to-back time; a 16 MiB
-    broadcast after a 64 MiB one 1.35-1.48x).
+    skew the previous cell left: without it a cell measures the skew of whatever ran before it.
 
-    Why kind by kind: with the five kinds interleaved at each size (the order before), every
-    cell followed another kind's, and fcoll's small collectives measured 1.15-1.3x their
-    back-to-back time in a run of their own kind even after the untimed run (2 ranks, load
-    4-5, 4 repeats each, slowest rank's median of 9: all_reduce 4-256 KiB 1.17-1.31x,
-    all_gather and all_to_all 4-64 KiB 1.13-1.32x, broadcast 1.07-1.47x); kind by kind,
-    0.88-1.09x, in the same time (0.61 s for 4 KiB .. 64 MiB). fcoll's waits adapt to their
-    recent history (the spin backoff of :mod:`fcoll.shm.sync`), so what ran before a cell
-    matters.
+    Why kind by kind: fcoll's waits adapt to their recent history (the spin backoff of
+    :mod:`fcoll.shm.sync`), so what ran before a cell matters; with the kinds interleaved at
+    each size every cell followed another kind's, and small collectives measured above their
+    back-to-back time in a run of their own kind, even after the untimed run.
 
     The order depends only on the arguments: every rank of ``pg`` issues the same collectives
     (a collective call; every rank must call it with the same arguments). One set of buffers

@@ -127,9 +127,8 @@ def _reduce_scatter(pg: Any, out: torch.Tensor, input: torch.Tensor) -> None:
 
     Not ``start_reduce_scatter`` on fcoll's backend: there it is the backend's
     ``reduce_scatter_tensor_coalesced`` of one tensor, which takes the general path, and
-    compiled graphs do not run it (static shapes take the executor's direct path). Measured
-    (2 ranks, load 5, slowest rank's median): 4 KiB 343 us coalesced, 52 us single-tensor,
-    85-125 us direct; 64 KiB 277 / 55 / 91-169 us; 1 MiB 388 / 132 / 175-250 us.
+    compiled graphs do not run it (static shapes take the executor's direct path); the
+    coalesced call is several times slower than either at small sizes.
     """
     import torch.distributed as dist
 

@@ -6,12 +6,11 @@ link)``. A plain ``t = alpha + beta * bytes`` (R. W. Hockney, "The communication
 MPP: Intel Paragon and Meiko CS-2", Parallel Computing 20(3), 1994) does not fit one backend
 over 4 KiB .. 64 MiB: fcoll's shared-memory backend has a one-slot fast path, then slot-size
 chunking, then leaves the caches for DRAM, and each regime has its own latency and bandwidth
-(measured: all_reduce on 2 ranks 27 µs at 4 KiB, 0.5 ms at 1 MiB, 36 ms at 64 MiB; a two-point
-fit predicted a 64 KiB all_reduce at 2,006 µs that ran in 110 µs). Like LogGP's successors that
-measure the parameters as functions of the message size (PLogP: T. Kielmann, H. Bal, K.
-Verstoep, "Fast measurement of LogP parameters for message passing platforms", IPDPS 2000) and
-NCCL's tuner, which keeps one alpha-beta per protocol and picks by size, each size range gets
-its own alpha-beta:
+(one line through two sizes misjudges the sizes between them by an order of magnitude). Like
+LogGP's successors that measure the parameters as functions of the message size (PLogP: T.
+Kielmann, H. Bal, K. Verstoep, "Fast measurement of LogP parameters for message passing
+platforms", IPDPS 2000) and NCCL's tuner, which keeps one alpha-beta per protocol and picks by
+size, each size range gets its own alpha-beta:
 
 - the calibration measures the median time ``t_i`` at sizes ``s_0 < s_1 < ... < s_k``
   (:data:`fcoll.passes.analysis.calibration.SWEEP_BYTES`: 4 KiB .. 64 MiB, powers of 4 and 2 MiB);
@@ -20,14 +19,12 @@ its own alpha-beta:
   compares ``t(a) + t(b)`` with ``t(a + b)``); the minimum, not a least-squares (isotonic)
   pooling, because on a shared machine interference only ever adds time: a size whose median
   caught a burst of load is lowered to what a larger message took, instead of raising its
-  neighbours (measured at load 11: one 20 ms median pooled over six sizes put a 4 KiB gloo
-  all_reduce at 3.7 ms);
+  neighbours (pooling spreads one burst over every size around it);
 - between ``s_i`` and ``s_{i+1}``: ``t = alpha_i + beta_i * bytes`` through the two points;
 - below ``s_0``: the first segment's alpha-beta if its alpha is >= 0; else ``t_0`` flat (a
-  message smaller than the smallest one measured costs at least the latency, not less: with
-  a line through the origin, a noisy first segment (the 16 KiB median over 4x the 4 KiB one,
-  easy under load) priced a 48-byte collective at about 1 us, and such near-free collectives
-  tipped bucket plans);
+  message smaller than the smallest one measured costs at least the latency, not less: a noisy
+  first segment would otherwise price a tiny collective near zero, and such near-free
+  collectives tip bucket plans);
 - above ``s_k``: the last segment's alpha-beta (bandwidth-bound extrapolation).
 
 ``bytes`` is :func:`fcoll.ops.facts.comm_bytes`' (nccl-tests') size of one collective: the
