@@ -3,6 +3,12 @@
 Each pass is a ``torch.fx.passes.infra.pass_base.PassBase`` registered by name; run one with
 ``get_pass(name, config)(gm)`` or several with ``run_pipeline(gm, config, names)``.
 
+Layout: :mod:`~fcoll.passes.config` (``FcollConfig``, the pass order),
+:mod:`~fcoll.passes.graph` (every graph query) and :mod:`~fcoll.passes.registry` (registry,
+pipeline) at the top; :mod:`fcoll.passes.analysis`, what the passes read and never rewrite (cost
+model, storage model, lane simulator, calibration); :mod:`fcoll.passes.rewrites`, the passes
+below. ``analysis`` imports nothing from ``rewrites``.
+
 =========================  ===================================================================
 pass                       what it does
 =========================  ===================================================================
