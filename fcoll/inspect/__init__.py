@@ -18,7 +18,9 @@ from fcoll.inspect.artifacts import (
     artifacts_enabled, emit_artifacts, record_files, write_record,
 )
 from fcoll.inspect.format import format_graph, stable_names
-from fcoll.inspect.report import OverlapReport, OverlapTotals, overlap_report, overlap_totals
+from fcoll.inspect.overlap_report import (
+    OverlapReport, OverlapTotals, overlap_report, overlap_totals,
+)
 from fcoll.inspect.predicted import Event, predicted_events
 from fcoll.inspect.table import CollectiveRow, CollectivesTable, collectives
 from fcoll.inspect.timeline import timeline, timeline_svg
