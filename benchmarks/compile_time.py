@@ -3,7 +3,7 @@
 Usage: ``python benchmarks/compile_time.py [--reps 3] [--nproc 2] [--json compile_time.json]
 [--backends fcoll aot_eager]``
 
-The step (DDP style, issue #17.4): an MLP of 8 blocks (``Linear(64, 64)`` + ReLU) and a head
+The step (DDP style): an MLP of 8 blocks (``Linear(64, 64)`` + ReLU) and a head
 (``Linear(64, 1, bias=False)``): 17 parameters. The compiled function runs forward, loss and
 ``loss.backward()`` (a graph break: Dynamo compiles the forward + backward graph and, after the
 break, a graph of the 17 gradient ``fcoll.all_reduce(g, "avg", group)`` calls written back with
@@ -61,7 +61,7 @@ def _rank_fn(rank: int, world_size: int, backend: str) -> dict:
 
     import fcoll
     import fcoll.compile.backend as fb
-    import fcoll.passes.calibrate as cal
+    import fcoll.passes.analysis.calibration as cal
 
     phases: dict[str, float] = {}
 

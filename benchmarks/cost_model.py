@@ -6,7 +6,7 @@ Usage: ``python benchmarks/cost_model.py [--nproc 2] [--json out.json] [--ops al
 Per backend (fcoll's shared-memory backend, and gloo), on ``--nproc`` ranks of this host:
 
 1. calibrate the group from scratch with the whole sweep
-   (:func:`fcoll.passes.calibrate.calibrate_group`, the job cache file off), timing it;
+   (:func:`fcoll.passes.analysis.calibration.calibrate_group`, the job cache file off), timing it;
 2. measure each collective kind (all_reduce, all_gather, reduce_scatter, all_to_all,
    broadcast) at every size (default 4 KiB .. 64 MiB in powers of 2: the calibration's sizes
    and the ones halfway between them in log scale, where the curve interpolates) by this
@@ -16,8 +16,8 @@ Per backend (fcoll's shared-memory backend, and gloo), on ``--nproc`` ranks of t
    at every size); each rank's median per cell, and the slowest rank's median is the measured
    time (a step waits for its slowest rank; the root of a broadcast, for one, returns before
    its peers have copied the data out). The collectives are the calibration's calls
-   (:func:`fcoll.passes.calibrate._collective`: the blocking c10d call of each kind; on gloo,
-   reduce_scatter is fcoll's all_to_all plus a local sum). Per kind, fcoll then gloo;
+   (:func:`fcoll.passes.analysis.calibration.blocking_collective`: the blocking c10d call of each
+   kind; on gloo, reduce_scatter is fcoll's all_to_all plus a local sum). Per kind, fcoll then gloo;
 3. print per cell the predicted time (the calibrated curve), the measured time, the ratio
    predicted / measured and PASS when it is within ``1 +- tolerance`` (default 30 %), beside
    the previous two-point alpha-beta model (fitted through the same sweep's 16 KiB and 4 MiB
@@ -69,9 +69,9 @@ def measure(pg, kind: str, sizes: list[int]) -> tuple[dict[int, float], dict[int
     increments of the channel's ``spun`` / ``slept`` / ``spin_failed`` counters: a cell whose
     waits slept pays a wake-up per wait, tens of microseconds, where a spinning one does not).
     A collective call: every rank calls it with the same arguments."""
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
-    ops = {size: cal._collective(kind, pg, cal._buffers(pg, size))
+    ops = {size: cal.blocking_collective(kind, pg, cal.probe_buffers(pg, size))
            for size in sorted(sizes, reverse=True)}
     times: dict[int, list[float]] = {size: [] for size in sizes}
     waits: dict[int, dict] = {}
@@ -91,7 +91,7 @@ def measure(pg, kind: str, sizes: list[int]) -> tuple[dict[int, float], dict[int
 def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
     import torch.distributed as dist
 
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     groups = {"fcoll": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     out: dict = {"curves": {}, "calibration_s": {}, "measured": {}, "waits": {},
@@ -115,10 +115,12 @@ def _rank(rank: int, world: int, ops: list[str], sizes: list[int]) -> dict:
 
 def _two_point(curve, size: int) -> float:
     """The previous model: one alpha-beta through the sweep's 16 KiB and 4 MiB medians."""
-    from fcoll.passes.calibrate import fit_alpha_beta
+    from fcoll.passes.analysis.comm_cost import fit_alpha_beta
 
     b1, b2 = 16 * KiB, 4 * MiB
-    return fit_alpha_beta(b1, curve.time_us(b1), b2, curve.time_us(b2)).time_us(size)
+    line = fit_alpha_beta([(b1, curve.time_us(b1)), (b2, curve.time_us(b2))],
+                          nonnegative=True)
+    return line.time_us(size)
 
 
 def report(results: list[dict], ops: list[str], sizes: list[int], tol: float) -> dict:
@@ -155,7 +157,7 @@ def report(results: list[dict], ops: list[str], sizes: list[int], tol: float) ->
     for backend in ("fcoll", "gloo"):
         mine = [c for c in cells if c["backend"] == backend]
         errs = sorted(abs(c["ratio"] - 1) for c in mine)
-        from fcoll.passes.calibrate import SWEEP_BYTES
+        from fcoll.passes.analysis.calibration import SWEEP_BYTES
 
         at = [c for c in mine if c["bytes"] in SWEEP_BYTES]
         summary[backend] = {

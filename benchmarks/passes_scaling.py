@@ -31,7 +31,7 @@ step below: the check's cost per compile. Printed as a table and written under `
 Time cap: a run longer than ``--cap-s`` seconds is interrupted (``SIGALRM``); that size is reported
 as over the cap and larger sizes are skipped (they would only be slower).
 
-Targets (issue 6): at most 2 s at 50k nodes, and at most 2.3x time per doubling of nodes (reported
+Targets: at most 2 s at 50k nodes, and at most 2.3x time per doubling of nodes (reported
 as ``growth per doubling = ratio ** (1 / log2(n2 / n1))`` between consecutive measured sizes).
 """
 
@@ -226,9 +226,9 @@ def _rank_costs_on(rank: int, world_size: int) -> dict:  # noqa: ARG001  run_ran
     check's median time per compile, in milliseconds."""
     import torch.distributed as dist
 
-    from fcoll.passes.calibrate import calibrate_group
+    from fcoll.passes.analysis.calibration import calibrate_group
     from fcoll.passes.config import FcollConfig
-    from fcoll.passes.consistency import CheckRankConsistency
+    from fcoll.passes.rewrites.consistency import CheckRankConsistency
 
     out: dict = {}
     gloo = dist.new_group(backend="gloo")

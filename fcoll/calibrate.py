@@ -8,9 +8,9 @@ Usage::
 
 It spawns ``--nproc`` local ranks (:func:`fcoll.testing.run_ranks`), calibrates one group of
 each backend with the sweep up to ``--max-bytes`` (default: all of
-:data:`fcoll.passes.calibrate.SWEEP_BYTES`) and leaves the numbers in the job's cache file
-(:mod:`fcoll.passes.calibration_cache`), keyed by backend, group size and host layout (one
-host here: a job spanning hosts calibrates its cross-host groups itself). It prints the fitted
+:data:`fcoll.passes.analysis.calibration.SWEEP_BYTES`) and leaves the numbers in the job's cache
+file (:mod:`fcoll.passes.analysis.calibration_cache`), keyed by backend, group size and host layout
+(one host here: a job spanning hosts calibrates its cross-host groups itself). It prints the fitted
 curves (median microseconds per kind and size) and where they were written.
 
 Exit status 2 without a job identity (``FCOLL_JOB_ID`` or ``TORCHELASTIC_RUN_ID``): the numbers
@@ -31,15 +31,15 @@ _BACKENDS = ("fcoll", "gloo")
 def _calibrate_rank(rank: int, world_size: int, backends: list[str], max_bytes: int | None):
     import torch.distributed as dist
 
-    from fcoll.passes import calibrate as cal
-    from fcoll.passes import calibration_cache
+    from fcoll.passes.analysis import calibration as cal
+    from fcoll.passes.analysis import calibration_cache
 
     out = {}
     for backend in backends:
         pg = dist.group.WORLD if backend == "fcoll" else dist.new_group(backend=backend)
         t0 = time.perf_counter()
         _, comm = cal.calibrate_group(pg, max_bytes)
-        rec = cal._CACHE.groups[pg]
+        rec = cal.group_calibration(pg)
         out[backend] = {"seconds": time.perf_counter() - t0, "layout": rec.layout,
                         "curves": {k.kind: c.as_points() for k, c in comm.items()},
                         "path": calibration_cache.cache_path(backend, world_size, rec.layout)}
@@ -54,7 +54,7 @@ def _parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fcoll.passes import calibration_cache
+    from fcoll.passes.analysis import calibration_cache
     from fcoll.testing import run_ranks
 
     p = argparse.ArgumentParser(prog="python -m fcoll.calibrate", description=__doc__.split("\n")[0])

@@ -1,4 +1,5 @@
-"""Tests of ``bucket_collectives`` (fcoll/passes/bucket_plan.py, fcoll/passes/bucketing.py).
+"""Tests of ``bucket_collectives`` (fcoll/passes/rewrites/bucket_plan.py,
+fcoll/passes/rewrites/bucketing.py).
 
 Single-process tests use PyTorch's fake process group (rank 0 of 2); value tests run the
 rewritten graphs on 2 real ranks (gloo and fcoll's shared-memory backend), one ``run_ranks`` call
@@ -20,9 +21,9 @@ import canonical  # noqa: E402
 import fcoll  # noqa: E402
 from graphs_bucketing import Builder, random_graph, reachable, real_inputs  # noqa: E402
 from fcoll.inspect import format_graph  # noqa: E402
-from fcoll.passes.bucket_plan import MIB, plan_buckets
-from fcoll.passes.bucketing import BucketCollectives, apply_buckets
-from fcoll.passes.bucket_key import bucket_key
+from fcoll.passes.rewrites.bucket_plan import MIB, plan_buckets
+from fcoll.passes.rewrites.bucketing import BucketCollectives, apply_buckets
+from fcoll.passes.rewrites.bucket_key import bucket_key
 from fcoll.passes.graph import (  # noqa: E402
     META_HIDING, check_topological, collective_info, collectives, is_collective,
     is_wait,
@@ -307,7 +308,7 @@ class TestLanePlan(unittest.TestCase):
     def _segments(ready: list[float], use: float | list[float], cap: int = 1 << 30) -> list:
         from types import SimpleNamespace
 
-        from fcoll.passes.bucket_rules import Member, lane_segments
+        from fcoll.passes.rewrites.bucket_rules import Member, lane_segments
 
         uses = use if isinstance(use, list) else [use] * len(ready)
         def comm(nbytes: int) -> float:
@@ -498,7 +499,7 @@ class TestRankAgreement(unittest.TestCase):
         the compute rates that group's calibration carries) for its calibrated groups."""
         from unittest import mock
 
-        from fcoll.passes import calibrate as cal
+        from fcoll.passes.analysis import calibration as cal
 
         cache, pgs = cal._Cache(), {name: _Group() for name in rates}
         for name, r in rates.items():
@@ -521,7 +522,7 @@ class TestRankAgreement(unittest.TestCase):
         """
         import torch.distributed as dist
 
-        from fcoll.passes.cost import DEFAULT_COMPUTE, ComputeRates
+        from fcoll.passes.analysis.cost import DEFAULT_COMPUTE, ComputeRates
 
         dp, tp = dist.new_group([0, 1]).group_name, dist.new_group([0, 1]).group_name
 

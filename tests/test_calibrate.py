@@ -1,8 +1,8 @@
-"""Tests of the communication model's fit (fcoll.passes.comm_cost) on synthetic measurements,
-and of calibration reuse (fcoll.passes.calibrate, fcoll.passes.calibration_cache): within a
-process, across processes of one job, and rank 0's numbers on every rank. No timing
-assertions: whether the fitted curves hold on this machine is ``benchmarks/cost_model.py``'s
-question."""
+"""Tests of the communication model's fit (fcoll.passes.analysis.comm_cost) on synthetic
+measurements, and of calibration reuse (fcoll.passes.analysis.calibration,
+fcoll.passes.analysis.calibration_cache): within a process, across processes of one job, and rank
+0's numbers on every rank. No timing assertions: whether the fitted curves hold on this machine is
+``benchmarks/cost_model.py``'s question."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import pytest
 
 import canonical  # noqa: E402
 
-from fcoll.passes import calibrate, calibration_cache, comm_cost, cost  # noqa: E402
-from fcoll.passes.comm_cost import CommCurve, CommKey, CommParams, CommTable  # noqa: E402
+from fcoll.passes.analysis import calibration as calibrate  # noqa: E402
+from fcoll.passes.analysis import calibration_cache, comm_cost, cost  # noqa: E402
+from fcoll.passes.analysis.comm_cost import CommCurve, CommKey, CommParams, CommTable  # noqa: E402
 from fcoll.passes.graph import collectives  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
@@ -90,7 +91,8 @@ def test_curve_rejects_unusable_points():
 
 
 def test_two_point_fit_recovers_alpha_and_beta():
-    p = calibrate.fit_alpha_beta(1000, 50.0 + 1000 * 0.002, 100000, 50.0 + 100000 * 0.002)
+    p = comm_cost.fit_alpha_beta([(1000, 50.0 + 1000 * 0.002),
+                                  (100000, 50.0 + 100000 * 0.002)])
     assert (p.alpha_us, p.beta_us_per_byte) == (pytest.approx(50.0), pytest.approx(0.002))
 
 
@@ -166,8 +168,8 @@ def test_cells_are_timed_kind_by_kind_each_after_an_untimed_run_of_the_same_cell
     sizes = (4 * KiB, 256 * KiB, 16 * MiB)
     cells = [(kind, size) for kind in ("all_reduce", "broadcast") for size in sizes]
     # a cell's "buffers" are its size; its "collective" records the call
-    monkeypatch.setattr(calibrate, "_buffers", lambda pg, nbytes: nbytes)
-    monkeypatch.setattr(calibrate, "_collective",
+    monkeypatch.setattr(calibrate, "probe_buffers", lambda pg, nbytes: nbytes)
+    monkeypatch.setattr(calibrate, "blocking_collective",
                         lambda kind, pg, nbytes: lambda: calls.append((kind, nbytes)))
     times = calibrate.time_collectives(object(), cells)
     assert {cell: len(t) for cell, t in times.items()} == {
@@ -234,7 +236,7 @@ def test_bad_cache_files_are_ignored_with_a_warning(job_dir, caplog):
     path = calibration_cache.cache_path("fcoll", 2, "0.0")
     with open(path, "w") as f:
         f.write("{not json")
-    with caplog.at_level(logging.WARNING, logger="fcoll.passes.calibration_cache"):
+    with caplog.at_level(logging.WARNING, logger="fcoll.passes.analysis.calibration_cache"):
         assert calibration_cache.read_entry(path, KEY) is None
     assert "unreadable" in caplog.text
     bad = {"format": calibration_cache.FORMAT, "key": KEY, "compute": [1.0, 2.0, 3.0],
@@ -258,7 +260,7 @@ def test_no_job_identity_means_no_cache_file(monkeypatch, tmp_path):
 def test_a_directory_others_can_write_is_refused(job_dir, caplog):
     job_dir.mkdir(mode=0o777)
     os.chmod(job_dir, 0o777)
-    with caplog.at_level(logging.WARNING, logger="fcoll.passes.calibration_cache"):
+    with caplog.at_level(logging.WARNING, logger="fcoll.passes.analysis.calibration_cache"):
         assert calibration_cache.cache_path("fcoll", 2, "0.0") is None
     assert "not a private directory" in caplog.text
 
@@ -277,7 +279,7 @@ def _reuse_in_one_process(rank, world_size):
     4 MiB (rank 0's numbers reused, only 2 and 4 MiB timed)."""
     import torch.distributed as dist
 
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     os.environ["FCOLL_CALIBRATION_CACHE"] = "0"
     world = dist.group.WORLD
@@ -314,7 +316,7 @@ def test_calibration_is_reused_within_a_process_and_every_rank_has_rank_0s_curve
 def _calibrate_with_job_cache(rank, world_size, cache_dir, inject):
     import torch.distributed as dist
 
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     os.environ.update(FCOLL_CALIBRATION_DIR=cache_dir, FCOLL_JOB_ID="job-42")
     os.environ.pop("FCOLL_CALIBRATION_CACHE", None)
@@ -333,7 +335,7 @@ def _rank_dependent_times(rank, world_size):
     an outlier run of 1000 us) for every cell."""
     import torch.distributed as dist
 
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     os.environ["FCOLL_CALIBRATION_CACHE"] = "0"
     cal.time_collectives = lambda pg, cells, reps=None: {
@@ -367,7 +369,8 @@ def test_fcoll_reduce_scatter_is_timed_by_the_single_tensor_call(monkeypatch):
                         lambda out, inp, group=None: seen.append((out.numel(), inp.numel())))
     monkeypatch.setattr(library, "start_reduce_scatter", lambda *a, **k: seen.append("coalesced"))
     world = dist.group.WORLD      # the fake process group
-    calibrate._collective("reduce_scatter", world, calibrate._buffers(world, 4 * KiB))()
+    bufs = calibrate.probe_buffers(world, 4 * KiB)
+    calibrate.blocking_collective("reduce_scatter", world, bufs)()
     assert seen == [(512, 1024)]
 
 
@@ -437,7 +440,7 @@ def test_a_new_job_removes_job_directories_untouched_for_a_day(job_dir, monkeypa
 def _different_max_bytes(rank, world_size):
     import torch.distributed as dist
 
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     os.environ["FCOLL_CALIBRATION_CACHE"] = "0"
     mine = [64 * KiB, 4 * MiB][rank]      # as if a size hint differed between the ranks

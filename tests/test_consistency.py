@@ -1,4 +1,4 @@
-"""Tests of ``check_rank_consistency`` (fcoll/passes/consistency.py).
+"""Tests of ``check_rank_consistency`` (fcoll/passes/rewrites/consistency.py).
 
 One ``run_ranks`` call (fcoll backend; the check only uses the default store, the same FileStore
 under gloo) covers agreement, mismatches, a rank that never compiles, and
@@ -21,8 +21,8 @@ import torch.fx as fx
 
 import canonical  # noqa: E402
 from graphs_bucketing import Builder  # noqa: E402
-from fcoll.passes import consistency  # noqa: E402
-from fcoll.passes.consistency import (  # noqa: E402
+from fcoll.passes.rewrites import consistency  # noqa: E402
+from fcoll.passes.rewrites.consistency import (  # noqa: E402
     CheckRankConsistency, Fingerprint, RankMismatchError, RankTimeoutError, fingerprint,
 )
 from fcoll.passes.config import FcollConfig  # noqa: E402
@@ -69,14 +69,14 @@ class TestFingerprint(unittest.TestCase):
                                                      torch.float32)))["0"].digest)
 
     def test_noop_on_fake_process_group(self):
-        with mock.patch("fcoll.passes.consistency.compare_across_ranks") as compare:
+        with mock.patch("fcoll.passes.rewrites.consistency.compare_across_ranks") as compare:
             result = CheckRankConsistency()(_graph("0"))
         self.assertFalse(result.modified)
         compare.assert_not_called()
 
     def test_noop_without_process_group(self):
         with mock.patch("torch.distributed.is_initialized", return_value=False), \
-                mock.patch("fcoll.passes.consistency.compare_across_ranks") as compare:
+                mock.patch("fcoll.passes.rewrites.consistency.compare_across_ranks") as compare:
             CheckRankConsistency()(_graph("0"))
         compare.assert_not_called()
 
@@ -207,7 +207,7 @@ def _same_shape(group: str, calls: int) -> fx.GraphModule:
 
 
 def _by_content(rank: int, world_size: int) -> dict:
-    """Issue #15.5: ranks meet on the content of the sequence, not on a count of compiles."""
+    """Ranks meet on the content of the sequence, not on a count of compiles."""
     import torch.distributed as dist
 
     import fcoll

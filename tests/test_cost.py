@@ -1,5 +1,5 @@
-"""Tests of the cost model (fcoll.passes.cost): formulas, defaults, symbolic sizes, user
-estimators; and of calibration (fcoll.passes.calibrate) on two real ranks (one batched run).
+"""Tests of the cost model (fcoll.passes.analysis.cost): formulas, defaults, symbolic sizes, user
+estimators; and of calibration (fcoll.passes.analysis.calibration) on two real ranks (one batched run).
 How long calibration takes is printed by ``benchmarks/passes_scaling.py --rank-costs``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import canonical  # noqa: E402
 
 from fcoll.ops.facts import busbw_factor  # noqa: E402
-from fcoll.passes import calibrate, cost  # noqa: E402
+from fcoll.passes.analysis import calibration as calibrate, comm_cost, cost  # noqa: E402
 from fcoll.passes.graph import collectives, is_wait  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
@@ -35,10 +35,11 @@ class TestFormulas(TestCase):
         self.assertEqual(cost.default_comm("all_reduce", 4).beta_us_per_byte, 1.5e-3)
 
     def test_fit_recovers_alpha_and_beta(self):
-        p = calibrate.fit_alpha_beta(1000, 50.0 + 1000 * 0.002, 100000, 50.0 + 100000 * 0.002)
+        p = comm_cost.fit_alpha_beta([(1000, 50.0 + 1000 * 0.002),
+                                      (100000, 50.0 + 100000 * 0.002)])
         self.assertAlmostEqual(p.alpha_us, 50.0)
         self.assertAlmostEqual(p.beta_us_per_byte, 0.002)
-        noisy = calibrate.fit_alpha_beta(1000, 90.0, 100000, 80.0)  # larger measured faster
+        noisy = comm_cost.fit_alpha_beta([(1000, 90.0), (100000, 80.0)], nonnegative=True)
         self.assertGreater(noisy.beta_us_per_byte, 0)
         self.assertGreaterEqual(noisy.alpha_us, 0)
 
@@ -119,7 +120,7 @@ def _calibrate_on_two_ranks(rank, world_size):
     import torch.distributed as dist
 
     import canonical as c
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
     from fcoll.passes.registry import get_pass
 
     gloo = dist.new_group(backend="gloo")
@@ -165,7 +166,7 @@ def _calibrate_gloo_under_python_dispatcher(rank, world_size, rounds):
     import torch.distributed as dist
     from torch._dispatch.python import enable_python_dispatcher
 
-    from fcoll.passes import calibrate as cal
+    from fcoll.passes.analysis import calibration as cal
 
     with enable_python_dispatcher():
         for _ in range(rounds):
@@ -207,7 +208,7 @@ def _compute_core_groups(rank, world_size):
     import torch.distributed as dist
 
     import canonical as c
-    from fcoll.passes.bucket_plan import plan_buckets
+    from fcoll.passes.rewrites.bucket_plan import plan_buckets
     from fcoll.passes.config import FcollConfig
 
     gloo = dist.new_group(backend="gloo")
@@ -219,7 +220,7 @@ def _compute_core_groups(rank, world_size):
 
 
 def test_lane_plan_is_the_same_on_network_and_shared_memory_backends():
-    """The bucket planner's lane plan (fcoll.passes.bucket_rules.lane_segments) applies to every
+    """The bucket planner's lane plan (fcoll.passes.rewrites.bucket_rules.lane_segments) applies to every
     backend: 4 gradients whose one bucket still ends within the 5.4 ms of compute after the
     last merge on fcoll's backend and on gloo alike (uncalibrated: the default costs)."""
     r0, r1 = run_ranks(_compute_core_groups, 2, backend="fcoll", timeout_s=100)
@@ -244,7 +245,7 @@ def _trace_of(durations_us, nbytes=4096):
 
 
 def _predicted(collective_us):
-    from fcoll.passes.schedule import PredictedEvent
+    from fcoll.passes.rewrites.list_scheduler import PredictedEvent
 
     return [PredictedEvent("all_reduce", "collective", "0", 0.0, collective_us, 0.0),
             PredictedEvent("wait_tensor", "wait", "compute", collective_us, collective_us, 0.0)]

@@ -96,7 +96,7 @@ graph(%arg0: f32[s0, s1]):
         self.assertEqual(format_graph(gm), before)
 
 
-# --- a stand-in for fcoll.passes.overlap.predict (same contract), so these tests pin the
+# --- a stand-in for fcoll.passes.rewrites.overlap.predict (same contract), so these tests pin the
 # inspection logic independently of the cost model -------------------------------------------
 
 from types import SimpleNamespace  # noqa: E402
@@ -425,8 +425,9 @@ from fcoll.inspect import (  # noqa: E402
 
 class TestWithTheRealPredictor(TestCase):
     def test_table_report_and_timeline_agree_on_a_pipeline_result(self):
-        """ddp_backward through the default pipeline, timed by fcoll.passes.overlap.predict:
-        the report's totals are the table's sums, and the passes do not add exposed time."""
+        """ddp_backward through the default pipeline, timed by
+        fcoll.passes.rewrites.overlap.predict: the report's totals are the table's sums, and the
+        passes do not add exposed time."""
         import copy
         import tempfile
         import xml.etree.ElementTree as ET

@@ -2,8 +2,8 @@
 
 A module may import from its own layer and the layers below it, never from a layer above, at
 module level or inside a function (a function-level import hides a loop; it does not remove it).
-``fcoll/__init__.py``, ``fcoll/launch.py`` and ``fcoll/testing.py`` sit on top and may import
-anything. See docs/design.md, "Layers".
+``fcoll/__init__.py``, ``fcoll/launch.py``, ``fcoll/calibrate.py`` and the ``fcoll/testing/``
+package sit on top and may import anything. See docs/design.md, "Layers".
 """
 
 from __future__ import annotations

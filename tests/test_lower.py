@@ -18,7 +18,7 @@ import fcoll  # noqa: F401
 from fcoll.compat import AUTO_FUNCTIONALIZES_ALIASED_RETURNS
 from fcoll.inspect import format_graph
 from fcoll.passes import graph as G
-from fcoll.passes.lower import RULES
+from fcoll.passes.rewrites.lower import RULES
 from fcoll.passes.registry import get_pass, run_pipeline
 
 _C = torch.ops._c10d_functional
@@ -235,7 +235,7 @@ def test_point_to_point_ops_and_their_waits_lower_to_fcoll():
 def test_wait_on_an_op_without_fcoll_twin_stays_in_torch_namespace(monkeypatch):
     """An op the table does not lower (here isend, its rule removed) keeps its wait torch's,
     or the wait would not wait."""
-    from fcoll.passes import lower
+    from fcoll.passes.rewrites import lower
 
     monkeypatch.delitem(lower.RULES, _C.isend.default)
     graph = fx.Graph()

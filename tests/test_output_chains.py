@@ -11,7 +11,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fcoll  # noqa: F401  registers torch.ops.fcoll
 from fcoll.passes import get_pass
 from fcoll.passes.graph import is_collective, is_wait
-from fcoll.passes.output_chains import output_only_chains
+from fcoll.passes.rewrites.output_chains import output_only_chains
 
 
 def _reducer_graph() -> fx.GraphModule:

@@ -22,12 +22,12 @@ from fcoll.passes.graph import (  # noqa: E402
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, check_topological, collective_info,
     collectives, is_collective, is_wait, start_of, wait_of, waits_of,
 )
-from fcoll.passes.memory import peak_bytes, storage_model  # noqa: E402
-from fcoll.passes.overlap import (  # noqa: E402
+from fcoll.passes.analysis.memory import peak_bytes, storage_model  # noqa: E402
+from fcoll.passes.rewrites.overlap import (  # noqa: E402
     predict, raise_collectives_order, sink_waits_order,
 )
 from fcoll.passes.registry import get_pass, run_pipeline  # noqa: E402
-from fcoll.passes.schedule import list_schedule  # noqa: E402
+from fcoll.passes.rewrites.list_scheduler import list_schedule  # noqa: E402
 from fcoll.passes.config import FcollConfig  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
@@ -550,7 +550,7 @@ class TestRandomDags(TestCase):
         cls.graphs = [canonical.random_dag(seed) for seed in range(N_RANDOM)]
 
     def test_orders_are_topological_and_keep_collective_order(self):
-        from fcoll.passes.calibrate import cached_model
+        from fcoll.passes.analysis.calibration import cached_model
 
         for seed, gm in enumerate(self.graphs):
             colls = collectives(gm)
@@ -565,7 +565,7 @@ class TestRandomDags(TestCase):
 
     def test_same_graph_same_costs_same_schedule(self):
         """Every rank plans alone; the same graph and cost numbers must give the same order."""
-        from fcoll.passes.calibrate import cached_model
+        from fcoll.passes.analysis.calibration import cached_model
 
         for seed in range(0, N_RANDOM, 4):
             a, b = self.graphs[seed], canonical.random_dag(seed)  # a second, independent trace
@@ -576,7 +576,7 @@ class TestRandomDags(TestCase):
             self.assertEqual([n.name for n in pa.order], [n.name for n in pb.order], seed)
 
     def test_memory_budget_holds_on_planner_accounting(self):
-        from fcoll.passes.calibrate import cached_model
+        from fcoll.passes.analysis.calibration import cached_model
 
         tight = 0
         for seed, gm in enumerate(self.graphs):

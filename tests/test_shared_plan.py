@@ -1,4 +1,4 @@
-"""Tests of the shared bucket plan (fcoll/passes/shared_plan.py, group_plan.py).
+"""Tests of the shared bucket plan (fcoll/passes/rewrites/shared_plan.py, group_plan.py).
 
 Each group's merges are planned by its lowest rank and applied by every rank, so ranks whose
 graphs differ in compute still bucket alike. Two ``run_ranks`` calls (gloo and fcoll's
@@ -17,12 +17,12 @@ import torch.fx as fx
 
 import canonical  # noqa: E402
 import fcoll  # noqa: E402
-from fcoll.passes import shared_plan  # noqa: E402
-from fcoll.passes.bucket_plan import plan_buckets  # noqa: E402
-from fcoll.passes.bucketing import BucketCollectives  # noqa: E402
+from fcoll.passes.rewrites import shared_plan  # noqa: E402
+from fcoll.passes.rewrites.bucket_plan import plan_buckets  # noqa: E402
+from fcoll.passes.rewrites.bucketing import BucketCollectives  # noqa: E402
 from fcoll.passes.config import FcollConfig  # noqa: E402
-from fcoll.passes.group_plan import BucketPlanError, GroupPlan, group_plans  # noqa: E402
-from fcoll.passes.shared_plan import META_BUCKET_PLAN, BucketPlanTimeoutError  # noqa: E402
+from fcoll.passes.rewrites.group_plan import BucketPlanError, GroupPlan, group_plans  # noqa: E402
+from fcoll.passes.rewrites.shared_plan import META_BUCKET_PLAN, BucketPlanTimeoutError  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402
 
 ROWS, HIDDEN, LAYERS = 256, 128, 6
@@ -57,7 +57,7 @@ def _compile_on_ranks(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from fcoll.compile.backend import register_compile_listener
-    from fcoll.passes import calibrate
+    from fcoll.passes.analysis import calibration as calibrate
     from fcoll.passes.graph import collective_info, collectives
     from fcoll.passes.registry import run_pipeline
 
@@ -162,7 +162,7 @@ class TestApply(unittest.TestCase):
         self.assertEqual(plan[self.g].buckets, ((0, 1), (2, 3)))
         self.assertEqual(group_plans(g1, plan_buckets(g1, include_moves=True))[self.g].buckets,
                          ())
-        from fcoll.passes.bucket_plan import BucketCosts
+        from fcoll.passes.rewrites.bucket_plan import BucketCosts
 
         def untimed(*args):
             raise AssertionError("a forced group is not timed")
@@ -226,7 +226,7 @@ class TestFakeProcessGroup(unittest.TestCase):
         want = group_plans(gm, plan_buckets(gm, include_moves=True))[g].buckets
         self.assertEqual(want, ((0, 1), (2, 3)))
         with mock.patch("torch.distributed.distributed_c10d._get_default_store") as store, \
-                mock.patch("fcoll.passes.consistency.compare_across_ranks") as compare:
+                mock.patch("fcoll.passes.rewrites.consistency.compare_across_ranks") as compare:
             out = BucketCollectives(FcollConfig())(gm).graph_module
         store.assert_not_called()
         compare.assert_not_called()

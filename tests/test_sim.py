@@ -451,10 +451,10 @@ class TestOutsideTheGraphs(unittest.TestCase):
 class TestLinkProbeFit(unittest.TestCase):
     def test_exact_ring_times_give_back_alpha_and_bandwidth(self):
         """4 ranks, alpha 50 us, 100 bytes/us: t = 6 * 50 + 1.5 * S / 100."""
-        from fcoll.sim.linkprobe import fit_alpha_beta
+        from fcoll.sim.linkprobe import fit_ring_link
 
         pts = [(s, 6 * 50.0 + 1.5 * s / 100.0) for s in (64 << 10, 1 << 20, 16 << 20)]
-        alpha, bw = fit_alpha_beta(pts, 4)
+        alpha, bw = fit_ring_link(pts, 4)
         self.assertAlmostEqual(alpha, 50.0, places=6)
         self.assertAlmostEqual(bw, 100.0, places=6)
 
@@ -462,9 +462,9 @@ class TestLinkProbeFit(unittest.TestCase):
         """2 ranks (x = S): (1000 B, 5 us), (2000 B, 15 us) fit t = 10 x / 1000 - 5; clipped:
         slope through 0 = (1000*5 + 2000*15) / (1000**2 + 2000**2) = 35000 / 5e6 us per byte
         -> 142.857 bytes/us."""
-        from fcoll.sim.linkprobe import fit_alpha_beta, link_spec
+        from fcoll.sim.linkprobe import fit_ring_link, link_spec
 
-        alpha, bw = fit_alpha_beta([(1000, 5.0), (2000, 15.0)], 2)
+        alpha, bw = fit_ring_link([(1000, 5.0), (2000, 15.0)], 2)
         self.assertEqual(alpha, 0.0)
         self.assertAlmostEqual(bw, 142.857142, places=4)
         self.assertEqual(link_spec(alpha, bw), "0.1429GB/s,0us")
@@ -472,14 +472,14 @@ class TestLinkProbeFit(unittest.TestCase):
                          Link(125.0, 50.0, "0.125GB/s,50us"))
 
     def test_bad_points_raise_naming_the_problem(self):
-        from fcoll.sim.linkprobe import fit_alpha_beta
+        from fcoll.sim.linkprobe import fit_ring_link
 
         with self.assertRaisesRegex(ValueError, "two distinct sizes"):
-            fit_alpha_beta([(1000, 5.0), (1000, 6.0)], 2)
+            fit_ring_link([(1000, 5.0), (1000, 6.0)], 2)
         with self.assertRaisesRegex(ValueError, "ranks must be >= 2"):
-            fit_alpha_beta([(1000, 5.0), (2000, 6.0)], 1)
+            fit_ring_link([(1000, 5.0), (2000, 6.0)], 1)
         with self.assertRaisesRegex(ValueError, "do not grow with size"):
-            fit_alpha_beta([(1000, 9.0), (2000, 5.0)], 2)
+            fit_ring_link([(1000, 9.0), (2000, 5.0)], 2)
 
 
 class TestFromGraphs(unittest.TestCase):

@@ -1,5 +1,5 @@
 """The steps people compile reach fcoll: PyTorch's DDP and FSDP2 modules, compiled autograd, and
-fcoll's process group inside Dynamo (issue #12). Every case runs on 2 ranks, on fcoll's process
+fcoll's process group inside Dynamo. Every case runs on 2 ranks, on fcoll's process
 group and on gloo, and compares with the same module run eagerly."""
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _ddp_buckets_overlap_backward(rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fcoll.compile.backend import register_compile_listener
-    from fcoll.passes.bucketing import META_BUCKET
+    from fcoll.passes.rewrites.bucketing import META_BUCKET
     from fcoll.passes.graph import is_collective
 
     corpus = tg.Corpus(tg.load_text())

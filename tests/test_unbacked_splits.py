@@ -19,7 +19,7 @@ without it Dynamo breaks the graph at ``.tolist()``.
 
 Single-process tests (fake process group, ``make_fx`` symbolic graphs) pin the two documented
 rules: the rank check marks data-dependent sizes instead of guarding on them, and the cost
-model sizes such a collective by its fallback (``fcoll.passes.cost``), marked as estimated.
+model sizes such a collective by its fallback (``fcoll.passes.analysis.cost``), marked as estimated.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import canonical
-from fcoll.passes import cost
+from fcoll.passes.analysis import cost
 from fcoll.passes.config import FcollConfig
-from fcoll.passes.consistency import RankCheck, fingerprint
+from fcoll.passes.rewrites.consistency import RankCheck, fingerprint
 from fcoll.passes.graph import collectives
 from fcoll.testing import run_ranks
 
@@ -127,7 +127,7 @@ def test_value_range_bounds_the_fallback():
 def test_scheduler_records_estimated_sizes_and_timeline_marks_them():
     """reorder_for_overlap on the fake process group: the plan uses the fallback sizes and
     says so in node.meta and in the predicted timeline."""
-    from fcoll.passes.overlap import ReorderForOverlap, predict
+    from fcoll.passes.rewrites.overlap import ReorderForOverlap, predict
 
     gm, _ = _traced()
     ReorderForOverlap(FcollConfig())(gm)
@@ -143,7 +143,7 @@ def test_scheduler_records_estimated_sizes_and_timeline_marks_them():
 def test_bucketing_leaves_data_dependent_collectives_alone():
     """bucket_collectives never merges a collective whose splits or shapes are data-dependent
     (a bucket's buffer offsets and byte cap would need their values)."""
-    from fcoll.passes.bucketing import BucketCollectives
+    from fcoll.passes.rewrites.bucketing import BucketCollectives
 
     gm, _ = _traced()
     before = [n.name for n in collectives(gm)]
@@ -179,7 +179,7 @@ def _on_ranks(rank: int, world_size: int) -> dict:
     the split sizes seen, and what the compiled graphs' passes recorded."""
     import fcoll  # noqa: F401
     from fcoll.compile.backend import register_compile_listener
-    from fcoll.passes.consistency import META_RANK_CHECK
+    from fcoll.passes.rewrites.consistency import META_RANK_CHECK
 
     torch._dynamo.config.capture_scalar_outputs = True   # .tolist() inside the graph
     group = dist.group.WORLD

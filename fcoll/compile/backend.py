@@ -159,7 +159,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
     names = config.pipeline
     if name.endswith("_compiled_autograd") and config.passes is None:
         # compiled autograd's backward: DDP's reducer hooks copy each reduced gradient back at
-        # once; sinking those copies lets bucketing merge the gradients (fcoll.passes.output_chains)
+        # once; sinking those copies lets bucketing merge the gradients
+        # (fcoll.passes.rewrites.output_chains)
         names = ("sink_output_waits",) + tuple(names)
     with unset_fake_temporarily():
         gm = run_pipeline(gm, config, names)

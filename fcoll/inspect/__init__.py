@@ -10,7 +10,7 @@
   tlparse artifacts or files.
 - ``python -m fcoll.inspect script.py --out DIR -- ARGS``: run a script on N ranks and write it all.
 
-Times come from the overlap scheduler's simulator, ``fcoll.passes.overlap.predict``; every
+Times come from the overlap scheduler's simulator, ``fcoll.passes.rewrites.overlap.predict``; every
 function also accepts ``events=`` or ``predict=``.
 """
 
@@ -18,7 +18,9 @@ from fcoll.inspect.artifacts import (
     artifacts_enabled, emit_artifacts, record_files, write_record,
 )
 from fcoll.inspect.format import format_graph, stable_names
-from fcoll.inspect.report import OverlapReport, OverlapTotals, overlap_report, overlap_totals
+from fcoll.inspect.overlap_report import (
+    OverlapReport, OverlapTotals, overlap_report, overlap_totals,
+)
 from fcoll.inspect.predicted import Event, predicted_events
 from fcoll.inspect.table import CollectiveRow, CollectivesTable, collectives
 from fcoll.inspect.timeline import timeline, timeline_svg

@@ -22,7 +22,7 @@ from torch._logging import trace_structured
 
 from fcoll.compile.backend import register_compile_listener
 from fcoll.inspect.format import format_graph
-from fcoll.inspect.report import overlap_report
+from fcoll.inspect.overlap_report import overlap_report
 from fcoll.inspect.schedule import step_schedule
 from fcoll.inspect.predicted import PredictFn, predicted_events
 from fcoll.inspect.table import collectives

@@ -1,11 +1,11 @@
 """Predicted events and timings of a graph, for inspection: what tables, reports and timelines
 are drawn from.
 
-The events come from the overlap scheduler's simulator, ``fcoll.passes.overlap.predict(gm)``,
-which replays the graph in its current order with the cost model (so it works on any graph,
-before or after the passes). Each event is one scheduled node: ``node`` (name), ``kind``
-("compute", "collective" or "wait"), ``lane`` ("compute" or the process group's name),
-``start_us``, ``end_us`` and ``exposed_us`` (microseconds).
+The events come from the overlap scheduler's simulator,
+``fcoll.passes.rewrites.overlap.predict(gm)``, which replays the graph in its current order with the
+cost model (so it works on any graph, before or after the passes). Each event is one scheduled node:
+``node`` (name), ``kind`` ("compute", "collective" or "wait"), ``lane`` ("compute" or the process
+group's name), ``start_us``, ``end_us`` and ``exposed_us`` (microseconds).
 
 Every public inspection function takes ``events=`` (precomputed events) or ``predict=`` (another
 simulator with the same contract) so callers can pin estimates, and tests can run without the
@@ -23,8 +23,8 @@ import torch.fx as fx
 from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, collectives, is_wait, start_of, waits_of,
 )
-from fcoll.passes.overlap import predict as overlap_predict
-from fcoll.passes.schedule import PredictedEvent
+from fcoll.passes.rewrites.overlap import predict as overlap_predict
+from fcoll.passes.analysis.lanes import PredictedEvent
 
 __all__ = ["Event", "PredictFn", "predicted_events", "CollectiveTiming", "collective_timings",
            "wait_positions", "schedule_positions"]
@@ -60,7 +60,7 @@ def predicted_events(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
         gm: the graph.
         events: precomputed events (objects or dicts with the ``PredictedEvent`` fields); used
             as they are.
-        predict: a simulator ``gm -> events``; default ``fcoll.passes.overlap.predict``. A
+        predict: a simulator ``gm -> events``; default ``fcoll.passes.rewrites.overlap.predict``. A
             simulator that returns None declines (``node.meta`` estimates are used).
         required: raise instead of returning None when the simulator declines.
 

@@ -26,7 +26,7 @@ from typing import Any  # noqa: E402
 
 from fcoll.compile.backend import register_compile_listener  # noqa: E402
 from fcoll.inspect.artifacts import write_record  # noqa: E402
-from fcoll.inspect.report import overlap_report  # noqa: E402
+from fcoll.inspect.overlap_report import overlap_report  # noqa: E402
 from fcoll.inspect.trace_compare import compare  # noqa: E402
 
 log = logging.getLogger("fcoll.inspect.rank_main")

@@ -14,14 +14,14 @@
 
 Each curve: ``backend``, ``kind``, ``group_size``, ``link`` ("intra" or "inter") and
 ``points`` (``[[bytes, us], ...]``), the piecewise alpha-beta curves of
-:func:`fcoll.passes.calibrate.calibrated_table`, so a simulation run later, in another process,
-uses the communication times this run measured.
+:func:`fcoll.passes.analysis.calibration.calibrated_table`, so a simulation run later, in another
+process, uses the communication times this run measured.
 
 Each node: ``name``; ``cls`` ("placeholder", "compute", "collective" or "wait"); ``inputs``
 (names of the nodes it reads); ``us`` (predicted duration in microseconds: compute from the
 predicted schedule, a collective its estimate on this world size, 0 for placeholders and waits);
 ``out_bytes`` (bytes of its value on this rank); ``alloc_bytes`` (bytes it allocates, by the
-storage model of :mod:`fcoll.passes.memory`: 0 for views, in-place ops and waits) and
+storage model of :mod:`fcoll.passes.analysis.memory`: 0 for views, in-place ops and waits) and
 ``frees`` (names of the storages last used by this node, so freed after it; pinned storages,
 placeholders and graph outputs, are never freed). A collective adds ``kind``, ``op``,
 ``group``, ``group_size``, ``in_bytes``, ``out_bytes`` (all its outputs), ``dtype`` and
@@ -36,10 +36,10 @@ from typing import Any, Iterable
 import torch.fx as fx
 
 from fcoll.inspect.predicted import Event
-from fcoll.passes.calibrate import cached_model, calibrated_table
-from fcoll.passes.cost import collective_size
+from fcoll.passes.analysis.calibration import cached_model, calibrated_table
+from fcoll.passes.analysis.cost import collective_size
 from fcoll.passes.graph import collective_info, start_of
-from fcoll.passes.memory import COLLECTIVE, WAIT, storage_model, value_bytes
+from fcoll.passes.analysis.memory import COLLECTIVE, WAIT, storage_model, value_bytes
 
 __all__ = ["step_schedule", "comm_curves", "SCHEDULE_FORMAT", "SCHEDULE_VERSION"]
 
@@ -82,7 +82,8 @@ def step_schedule(gm: fx.GraphModule, name: str, *,
         name: the graph's name (``record.name``).
         events: its predicted events (:func:`fcoll.inspect.predicted_events`); compute
             durations are taken from them. Without events the cost model of this process
-            (:func:`fcoll.passes.calibrate.cached_model`, never communicates) estimates them.
+            (:func:`fcoll.passes.analysis.calibration.cached_model`, never communicates) estimates
+            them.
 
     Returns:
         A dict of plain values (``json.dumps`` works on it).

@@ -93,8 +93,8 @@ def collectives(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
     """Describe every collective of ``gm`` in graph order.
 
     Timing columns come from the predicted schedule of the graph in its current order
-    (``fcoll.passes.overlap.predict``, or ``events``/``predict`` given here); without one, from
-    the overlap scheduler's ``node.meta`` entries, and None where those are missing.
+    (``fcoll.passes.rewrites.overlap.predict``, or ``events``/``predict`` given here); without one,
+    from the overlap scheduler's ``node.meta`` entries, and None where those are missing.
 
     Args:
         gm: a graph holding ``fcoll`` or ``_c10d_functional`` collectives.

@@ -164,7 +164,7 @@ def timeline(gm: fx.GraphModule, path: str | os.PathLike, *,
             anything else a plain SVG document.
         events: precomputed predicted events (see :mod:`fcoll.inspect.predicted`).
         predict: a simulator ``gm -> events`` to use instead of
-            ``fcoll.passes.overlap.predict``.
+            ``fcoll.passes.rewrites.overlap.predict``.
         title: a heading for the picture.
 
     Returns:

@@ -7,8 +7,8 @@ events (``"ph": "X"``, ``"cat": "compute"``, name = node name); each collective 
 and ``dur`` are microseconds; ``pid`` is the rank.
 
 Per collective the report sets the cost model's prediction (``pred_us``: the node's estimated
-time from the calibrated piecewise alpha-beta curve, :mod:`fcoll.passes.comm_cost`) beside the
-measured time (``meas_us``: issue to wait return, averaged over occurrences) and their ratio
+time from the calibrated piecewise alpha-beta curve, :mod:`fcoll.passes.analysis.comm_cost`) beside
+the measured time (``meas_us``: issue to wait return, averaged over occurrences) and their ratio
 ``pred/meas``; a collective whose wait was not blocking (hidden) may have finished before its
 wait was asked for, so for it ``meas_us`` is an upper bound and a ratio below 1 is expected.
 The rows within :data:`TOLERANCE` of 1 are counted under the table.
@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from fcoll.inspect.predicted import PredictFn, collective_timings, predicted_events
 from fcoll.inspect.text import fmt_us, text_table
-from fcoll.passes.cost import collective_size
+from fcoll.passes.analysis.cost import collective_size
 from fcoll.passes.graph import collective_info, collectives as collective_nodes
 
 __all__ = ["CompareRow", "TraceComparison", "compare", "load_trace", "measured_collectives",
@@ -40,7 +40,7 @@ __all__ = ["CompareRow", "TraceComparison", "compare", "load_trace", "measured_c
 
 log = logging.getLogger(__name__)
 
-#: A prediction "holds" within this relative error of the measured time (issue 16: +-30 %).
+#: A prediction "holds" within this relative error of the measured time (+-30 %).
 TOLERANCE = 0.30
 
 
@@ -234,7 +234,7 @@ def compare(trace: str | os.PathLike | dict | list, gm: fx.GraphModule, *,
         trace: a rank's trace (path or loaded dict) of running ``gm``, as the runtime writes it.
         gm: the graph that ran (after the passes); its collective node names match the trace.
         events: precomputed predicted events of ``gm``.
-        predict: a simulator ``gm -> events``, instead of ``fcoll.passes.overlap.predict``.
+        predict: a simulator ``gm -> events``, instead of ``fcoll.passes.rewrites.overlap.predict``.
         graph: only trace events with ``args["graph"] == graph`` (see
             :func:`measured_collectives`). Events of a collective whose ``args["op"]`` differs
             from the node's op (a same-named node of another graph) are ignored either way.

@@ -3,7 +3,7 @@
 Inside ``torch.compile`` these calls become PyTorch's own functional collectives
 (``torch.ops._c10d_functional``, the ops PyTorch's remaps emit, so every backend, Inductor's comm
 passes included, sees what it would see without fcoll) plus a ``copy_`` into the caller's
-tensor; fcoll's backend lowers them to ``torch.ops.fcoll`` (``fcoll.passes.lower``). ``import
+tensor; fcoll's backend lowers them to ``torch.ops.fcoll`` (``fcoll.passes.rewrites.lower``). ``import
 fcoll`` thus changes other backends' graphs only where PyTorch would graph-break (broadcast,
 reduce, barrier, ``async_op=True``, which PyTorch does not remap):
 

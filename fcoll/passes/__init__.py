@@ -3,6 +3,12 @@
 Each pass is a ``torch.fx.passes.infra.pass_base.PassBase`` registered by name; run one with
 ``get_pass(name, config)(gm)`` or several with ``run_pipeline(gm, config, names)``.
 
+Layout: :mod:`~fcoll.passes.config` (``FcollConfig``, the pass order),
+:mod:`~fcoll.passes.graph` (every graph query) and :mod:`~fcoll.passes.registry` (registry,
+pipeline) at the top; :mod:`fcoll.passes.analysis`, what the passes read and never rewrite (cost
+model, storage model, lane simulator, calibration); :mod:`fcoll.passes.rewrites`, the passes
+below. ``analysis`` imports nothing from ``rewrites``.
+
 =========================  ===================================================================
 pass                       what it does
 =========================  ===================================================================
@@ -16,16 +22,16 @@ check_rank_consistency     compare collective fingerprints across ranks (raises,
 =========================  ===================================================================
 """
 
-from fcoll.passes.bucket_plan import Bucket, plan_buckets
-from fcoll.passes.bucketing import BucketCollectives, apply_buckets
-from fcoll.passes.group_plan import BucketPlanError
-from fcoll.passes.shared_plan import BucketPlanTimeoutError
-from fcoll.passes.consistency import (
+from fcoll.passes.rewrites.bucket_plan import Bucket, plan_buckets
+from fcoll.passes.rewrites.bucketing import BucketCollectives, apply_buckets
+from fcoll.passes.rewrites.group_plan import BucketPlanError
+from fcoll.passes.rewrites.shared_plan import BucketPlanTimeoutError
+from fcoll.passes.rewrites.consistency import (
     CheckRankConsistency, RankMismatchError, RankTimeoutError, fingerprint,
 )
-from fcoll.passes.lower import LowerC10dFunctional
-from fcoll.passes.output_chains import SinkOutputWaits
-from fcoll.passes.overlap import (
+from fcoll.passes.rewrites.lower import LowerC10dFunctional
+from fcoll.passes.rewrites.output_chains import SinkOutputWaits
+from fcoll.passes.rewrites.overlap import (
     PredictedEvent, RaiseCollectives, ReorderForOverlap, SinkWaits, predict,
 )
 from fcoll.passes.registry import (

@@ -12,11 +12,12 @@ from typing import Any, Callable, Mapping
 
 __all__ = ["FcollConfig", "DEFAULT_PASSES"]
 
-#: The default pass pipeline, in order. DESIGN.md's data flow puts the rank check last; it runs
-#: before the scheduler here because the scheduler's cost model calibrates each process group
-#: with real (blocking) collectives, which would hang on ranks whose graphs differ, while the
-#: check raises a named error instead. The scheduler keeps the relative order of collectives,
-#: so the fingerprint the check compares is the same before and after it.
+#: The default pass pipeline, in order (docs/design.md, "Data flow"; the backend runs
+#: ``sink_output_waits`` first on compiled autograd's backward graphs). The rank check runs
+#: before the scheduler because the scheduler's cost model calibrates each process group with
+#: real (blocking) collectives, which would hang on ranks whose graphs differ, while the check
+#: raises a named error instead. The scheduler keeps the relative order of collectives, so the
+#: fingerprint the check compares is the same before and after it.
 DEFAULT_PASSES: tuple[str, ...] = (
     "lower_c10d_functional",
     "bucket_collectives",

@@ -155,7 +155,7 @@ def args_by_name(node: fx.Node) -> dict[str, Any]:
 
 
 #: Value assumed for a data-dependent (unbacked) symbol without a hint: Inductor's default
-#: ``unbacked_symint_fallback``, as ``fcoll.passes.cost.UNBACKED_SIZE_FALLBACK``.
+#: ``unbacked_symint_fallback``, as ``fcoll.passes.analysis.cost.UNBACKED_SIZE_FALLBACK``.
 UNBACKED_SIZE_FALLBACK = 8192
 
 
@@ -165,7 +165,7 @@ def size_hint(x: Any) -> int:
     Never guards. A data-dependent (unbacked) ``SymInt`` has no hint: it is estimated by
     PyTorch's ``optimization_hint`` (a user hint, equalities the shape env knows, else
     :data:`UNBACKED_SIZE_FALLBACK` per unbacked symbol, clamped to its value range): the rule
-    of :mod:`fcoll.passes.cost`, which also says whether a size was estimated.
+    of :mod:`fcoll.passes.analysis.cost`, which also says whether a size was estimated.
     """
     if isinstance(x, int):
         return x

@@ -44,7 +44,8 @@ class FcollPass(PassBase):
         super().__init__()
         self.config = config if config is not None else FcollConfig()
         #: Set by :func:`run_pipeline` to one dict shared by the passes of the run: compute
-        #: estimates per node (see :func:`fcoll.passes.calibrate.model_for`). None: no sharing.
+        #: estimates per node (see :func:`fcoll.passes.analysis.calibration.model_for`). None: no
+        #: sharing.
         self.estimates: dict | None = None
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:  # pragma: no cover - abstract
@@ -184,4 +185,4 @@ def _load_builtin_passes() -> None:
     import importlib
 
     for module in ("lower", "overlap", "bucketing", "consistency"):
-        importlib.import_module(f"fcoll.passes.{module}")
+        importlib.import_module(f"fcoll.passes.rewrites.{module}")

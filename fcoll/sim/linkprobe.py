@@ -1,18 +1,18 @@
 """The inter-host link as gloo sees it: effective bandwidth and latency to give ``--inter``.
 
 A link's nominal rate is not what a collective gets from it: gloo's TCP transport on a shared
-CPU, a tbf bucket, the kernel's copies all take their share (gloo reached 0.15 GB/s on a 10 gbit
-tbf link here). This module measures it: ``python -m fcoll.launch ... -m fcoll.sim.linkprobe
---out FILE`` times gloo's all_reduce of float32 tensors of several sizes on the world group
-(run it with one rank per host, so every step crosses the link), and :func:`fit_alpha_beta` fits
-the ring model :func:`fcoll.sim.algorithms.flat_us` uses,
+CPU, a tbf bucket, the kernel's copies all take their share, often most of it. This module
+measures it: ``python -m fcoll.launch ... -m fcoll.sim.linkprobe --out FILE`` times gloo's
+all_reduce of float32 tensors of several sizes on the world group (run it with one rank per
+host, so every step crosses the link), and :func:`fit_ring_link` fits the ring model
+:func:`fcoll.sim.algorithms.flat_us` uses,
 
     t(S) = 2 (n - 1) * alpha + 2 (n - 1) / n * S / bandwidth
 
 (Patarasuk & Yuan 2009; the nccl-tests busbw convention: busbw = 2 (n - 1) / n * S / t), by
-least squares over the sizes' medians. Rank 0 writes ``{"spec": "<GB/s>GB/s,<us>us", "alpha_us",
-"bandwidth_GBps", "points": [[bytes, median_us], ...], "world_size"}``; ``spec`` is what
-``--inter`` takes.
+least squares over the sizes' medians (:func:`fcoll.passes.analysis.comm_cost.fit_alpha_beta`).
+Rank 0 writes ``{"spec": "<GB/s>GB/s,<us>us", "alpha_us", "bandwidth_GBps", "points": [[bytes,
+median_us], ...], "world_size"}``; ``spec`` is what ``--inter`` takes.
 """
 
 from __future__ import annotations
@@ -24,40 +24,38 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["PROBE_SIZES", "fit_alpha_beta", "link_spec", "main"]
+from fcoll.passes.analysis.comm_cost import fit_alpha_beta
+
+__all__ = ["PROBE_SIZES", "fit_ring_link", "link_spec", "main"]
 
 #: Bytes per all_reduce: small enough for a 1 gbit link in seconds, large enough for its rate.
 PROBE_SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
-def fit_alpha_beta(points: Sequence[tuple[float, float]], ranks: int) -> tuple[float, float]:
+def fit_ring_link(points: Sequence[tuple[float, float]], ranks: int) -> tuple[float, float]:
     """(alpha in us, bandwidth in bytes per us) of a ring all_reduce on ``ranks`` ranks whose
-    time is ``points`` = ``[(bytes, us), ...]`` (module docstring), by least squares of
-    ``t = 2 (n-1) alpha + x / bandwidth`` with ``x = 2 (n-1)/n * bytes`` (absolute errors: the large sizes, where a step's
-    communication time is, set the bandwidth; a fit on relative errors let a lucky 64 KiB
-    point give a 1 gbit tbf link 0.21 GB/s, above its line rate). A negative intercept
-    (noise at small sizes) is clipped to alpha = 0 and the bandwidth refitted through the
-    origin.
+    time is ``points`` = ``[(bytes, us), ...]`` (module docstring): the alpha-beta line of
+    ``t = 2 (n-1) alpha + x / bandwidth`` with ``x = 2 (n-1)/n * bytes``, fitted by
+    :func:`fcoll.passes.analysis.comm_cost.fit_alpha_beta` (least squares of absolute errors:
+    the large sizes, where a step's communication time is, set the bandwidth; relative errors
+    would let one fast small-size point put the bandwidth above the line rate). A negative
+    intercept (noise at small sizes) is clipped to alpha = 0 and the bandwidth refitted
+    through the origin.
 
     Raises:
         ValueError: fewer than two distinct sizes, ``ranks`` < 2, or times that do not grow
             with size (no bandwidth to fit).
     """
     if ranks < 2:
-        raise ValueError(f"fit_alpha_beta: ranks must be >= 2 (one rank moves nothing), got "
+        raise ValueError(f"fit_ring_link: ranks must be >= 2 (one rank moves nothing), got "
                          f"{ranks}")
     if len({s for s, _ in points}) < 2:
-        raise ValueError(f"fit_alpha_beta: need at least two distinct sizes, got {points}")
-    xs = [2 * (ranks - 1) / ranks * s for s, _ in points]
-    ys = [t for _, t in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    intercept = my - slope * mx
-    if intercept < 0:
-        slope, intercept = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0
-    if slope <= 0:
-        raise ValueError(f"fit_alpha_beta: times do not grow with size: {points}")
-    return intercept / (2 * (ranks - 1)), 1.0 / slope
+        raise ValueError(f"fit_ring_link: need at least two distinct sizes, got {points}")
+    per_link = [(2 * (ranks - 1) / ranks * s, t) for s, t in points]
+    if fit_alpha_beta(per_link).beta_us_per_byte <= 0:
+        raise ValueError(f"fit_ring_link: times do not grow with size: {points}")
+    line = fit_alpha_beta(per_link, nonnegative=True)
+    return line.alpha_us / (2 * (ranks - 1)), 1.0 / line.beta_us_per_byte
 
 
 def link_spec(alpha_us: float, bandwidth_bytes_per_us: float) -> str:
@@ -102,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     points = [(size, _time_all_reduce(size, opts.reps * (4 if size <= 1 << 20 else 1)))
               for size in sorted(opts.sizes)]
     if dist.get_rank() == 0:
-        alpha, bw = fit_alpha_beta(points, n)
+        alpha, bw = fit_ring_link(points, n)
         with open(opts.out, "w", encoding="utf-8") as f:
             json.dump({"spec": link_spec(alpha, bw), "alpha_us": alpha,
                        "bandwidth_GBps": bw / 1e3, "points": points, "world_size": n}, f)

@@ -110,11 +110,11 @@ SHM_DEFAULT_BUSBW_GBPS = 3.16
 def _fcoll_curves(recorded: Mapping[tuple[str, int], Sequence[Sequence[float]]]
                   ) -> dict[tuple[str, int], Any]:
     """``(kind, ranks) -> curve`` (``.time_us(nbytes)``) of fcoll's backend on one host: the
-    recorded points fitted by :class:`fcoll.passes.comm_cost.CommCurve`, overridden by what
-    this process calibrated (:func:`fcoll.passes.calibrate.calibrated_table`). The only code
-    of the simulator that reads fcoll's cost model."""
-    from fcoll.passes.calibrate import calibrated_table
-    from fcoll.passes.comm_cost import CommCurve
+    recorded points fitted by :class:`fcoll.passes.analysis.comm_cost.CommCurve`, overridden by what
+    this process calibrated (:func:`fcoll.passes.analysis.calibration.calibrated_table`). The only
+    code of the simulator that reads fcoll's cost model."""
+    from fcoll.passes.analysis.calibration import calibrated_table
+    from fcoll.passes.analysis.comm_cost import CommCurve
 
     curves: dict[tuple[str, int], Any] = {
         key: CommCurve.fit((int(b), float(t)) for b, t in pts) for key, pts in recorded.items()}

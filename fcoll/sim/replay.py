@@ -7,6 +7,12 @@ its group's communication stream is free, then occupies that stream for its dura
 blocks the compute stream until its collective ends; the time blocked is exposed
 communication. The graph ends when compute and every stream are done.
 
+These are the passes' rules too: the clock is :class:`fcoll.passes.analysis.lanes.LaneClock`,
+the one the overlap scheduler and ``fcoll.inspect`` predict with. What differs is the input: a
+recorded program must issue each collective before its wait (a wait before it raises here,
+where the passes' :class:`~fcoll.passes.analysis.lanes.Timeline` counts it as not blocking),
+and the replay adds memory.
+
 Memory follows the storage model written into the schedule (:mod:`fcoll.inspect.schedule`):
 inputs are live throughout; a node's allocation is live from the node until the node that
 frees it.
@@ -17,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from fcoll.passes.analysis.lanes import LaneClock
 from fcoll.sim.program import Node, Program
 
 __all__ = ["Replay", "replay"]
@@ -60,8 +67,8 @@ def replay(program: Program, duration: Callable[[Node], float],
     Raises:
         ValueError: a wait whose collective has not been issued before it.
     """
-    now = compute = comm = exposed = 0.0
-    stream_free: dict[str, float] = {}
+    clock = LaneClock()
+    compute = comm = exposed = 0.0
     ends: dict[str, float] = {}
     sizes: dict[str, float] = {}
     live = inputs = peak = 0.0
@@ -71,26 +78,21 @@ def replay(program: Program, duration: Callable[[Node], float],
             continue
         if n.cls == "compute":
             d = max(0.0, duration(n))
-            now += d
+            clock.compute(d)
             compute += d
         elif n.cls == "collective":
-            lane = str(n.group)
-            start = max(now, stream_free.get(lane, 0.0))
             d = max(0.0, duration(n))
-            stream_free[lane] = ends[n.name] = start + d
+            _, ends[n.name] = clock.issue(str(n.group), d)
             comm += d
         else:
             if n.collective not in ends:
                 raise ValueError(f"{program.name}: wait {n.name} comes before its collective "
                                  f"{n.collective}")
-            blocked = max(0.0, ends[n.collective] - now)
-            exposed += blocked
-            now += blocked
+            exposed += clock.wait(ends[n.collective])
         b = alloc(n)
         sizes[n.name] = b
         live += b
         peak = max(peak, live)
         for f in n.frees:
             live -= sizes.get(f, 0.0)
-    step = max([now, *stream_free.values()])
-    return Replay(step, compute, comm, exposed, inputs + peak, inputs)
+    return Replay(clock.end_us, compute, comm, exposed, inputs + peak, inputs)

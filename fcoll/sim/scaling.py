@@ -42,8 +42,8 @@ ASSUMPTIONS = (
     "moves data on the compute's cores, so on CPU hosts hidden communication is overstated",
     "flat algorithms across hosts run every step at the inter-host link's rate and latency; "
     "hierarchical ones use one inter-host link per rank (a NIC per rank)",
-    "peak memory: the storage model of fcoll.passes.memory (inputs pinned, every other value "
-    "freed after its last use, collective inputs held until their wait), shards scaled",
+    "peak memory: the storage model of fcoll.passes.analysis.memory (inputs pinned, every "
+    "other value freed after its last use, collective inputs held until their wait), shards scaled",
 )
 
 

@@ -108,8 +108,8 @@ def overlap_report(before: fx.GraphModule, after: fx.GraphModule | None = None, 
     """Compare communication, hidden and exposed time of a graph before and after the passes.
 
     Both graphs are simulated in their own node order with the same predictor
-    (``fcoll.passes.overlap.predict`` by default), so the difference is what the passes did.
-    Without a predictor, the overlap scheduler's ``node.meta`` estimates are summed.
+    (``fcoll.passes.rewrites.overlap.predict`` by default), so the difference is what the passes
+    did. Without a predictor, the overlap scheduler's ``node.meta`` estimates are summed.
 
     Args:
         before: the graph as traced (or any graph, for a one-column report).

@@ -2,7 +2,7 @@
 so that the processes of one job (a restarted rank, a second compile in a fresh process, an
 evaluation run launched under the same job) reuse a sweep instead of timing it again.
 
-Only a group's rank 0 reads and writes it (:func:`fcoll.passes.calibrate.calibrate_group`
+Only a group's rank 0 reads and writes it (:func:`fcoll.passes.analysis.calibration.calibrate_group`
 broadcasts rank 0's numbers), so the ranks never disagree about whether a size is known, and no
 file system is assumed shared between hosts.
 

@@ -4,8 +4,8 @@ Compiled autograd hands the backend the whole backward, with DDP's gradient hook
 ``optimize_ddp = "python_reducer"`` each gradient is all-reduced and copied back into its buffer
 right away (``all_reduce -> wait_tensor -> copy``), and the copy feeds only the graph's output.
 In that order every gradient's result is "first used" before the next gradient is even computed,
-so :mod:`fcoll.passes.bucket_plan` (which never moves a member's users) can merge nothing, and
-the DDP step pays one collective latency per parameter. Moving each such wait, with the chain of
+so :mod:`fcoll.passes.rewrites.bucket_plan` (which never moves a member's users) can merge nothing,
+and the DDP step pays one collective latency per parameter. Moving each such wait, with the chain of
 nodes that lead from it to the output, to the end of the graph (in their original relative order)
 changes no value: those nodes read only values computed earlier, and nothing but the output reads
 them. The bucketing pass then sees the gradients first used at the end, as PyTorch's reducer

@@ -1,7 +1,8 @@
 """Bucket planning: which collectives merge, and where each merged collective is issued and waited.
 
 Planning is pure: :func:`plan_buckets` reads a graph and returns frozen :class:`Bucket` records
-(member node names, key, bytes, placement); :mod:`fcoll.passes.bucketing` rewrites the graph.
+(member node names, key, bytes, placement); :mod:`fcoll.passes.rewrites.bucketing` rewrites the
+graph.
 
 Placement model. Number the graph's nodes ``0 .. N-1`` in graph (topological) order. A collective
 ``c`` with wait ``w`` may be issued anywhere after its input is ready and waited anywhere before the
@@ -24,7 +25,7 @@ directly or through compute) never share a bucket, because then ``F(c1) <= A``.
 
 Lane plan (buckets and overlap). Merging saves one collective's latency per member, but a
 bucket is issued only when its last member is ready. Before the walk, the timed members of each
-key are segmented by :func:`~fcoll.passes.bucket_rules.lane_segments`, a model of the key's
+key are segmented by :func:`~fcoll.passes.rewrites.bucket_rules.lane_segments`, a model of the key's
 communication lane (one collective at a time, each issued once its last member is ready and the
 lane is free) in estimated compute time, from the cost model's times of the merged sizes; a
 member never joins an open bucket of another segment. A member joins when that does not make
@@ -39,11 +40,11 @@ their last gradient is ready, each hidden by the backward that remains, whether 
 all_reduces were traced in order of readiness (compiled autograd's ``python_reducer``) or in
 parameter order (the first layer's gradient, ready last, first). The estimates come from the
 pass as :class:`BucketCosts` (:func:`model_costs`: the cost model's
-:func:`~fcoll.passes.calibrate.cached_model`, which never communicates; the user's estimator
-first); the planner itself reads no cost model. all_to_all has no lane plan: its bytes differ
-between ranks. The same rule holds for fcoll's shared-memory groups, whose curve is calibrated
-like any other (their collectives also take time on the compute's cores; where the cost model
-says their communication is cheap, buckets simply grow large).
+:func:`~fcoll.passes.analysis.calibration.cached_model`, which never communicates; the user's
+estimator first); the planner itself reads no cost model. all_to_all has no lane plan: its bytes
+differ between ranks. The same rule holds for fcoll's shared-memory groups, whose curve is
+calibrated like any other (their collectives also take time on the compute's cores; where the cost
+model says their communication is cheap, buckets simply grow large).
 
 Invariant (why ranks agree): every decision reads only the graph (order, shapes, dtypes, groups,
 scheduler metadata) and the cost model's numbers of the collective's own group: its curves
@@ -52,24 +53,25 @@ scheduler metadata) and the cost model's numbers of the collective's own group: 
 before calibration, which happens at the same compile on every rank). Not the model's
 ``compute``, the rates of the graph's first group, which on a rank of two groups (TP and DP)
 may be another process's measurement than on its TP peer
-(:meth:`~fcoll.passes.cost.CostModel.for_group`). Never rank-local state, so every rank that
-compiled the same graph gets the same buckets and the same collective order (a user
+(:meth:`~fcoll.passes.analysis.cost.CostModel.for_group`). Never rank-local state, so every rank
+that compiled the same graph gets the same buckets and the same collective order (a user
 ``estimator`` must keep that promise too). Different orders on different ranks would hang.
 Ranks whose graphs differ in compute (rank-dependent code: ``dist.reduce``'s copy on its
 destination only, uneven all_to_all sizes downstream) would time their lanes on their own
 graphs and could plan differently where a lane decision is close (the determinism audit: 1 in
 1000 random cost settings). So ``bucket_collectives`` does not let each rank decide: the
-group's lowest rank plans and every rank applies that plan (:mod:`fcoll.passes.shared_plan`),
-given here as ``forced`` (:class:`~fcoll.passes.group_plan.GroupPlan`: buckets as indices into
-the group's collective sequence). A forced group is not timed; its members join exactly their
-planned buckets, each join still checked against this graph's dependencies, and a plan this
-graph cannot follow raises :class:`~fcoll.passes.group_plan.BucketPlanError`. Issue and wait
-points (and moves) are always this graph's own; they never change what is issued.
+group's lowest rank plans and every rank applies that plan
+(:mod:`fcoll.passes.rewrites.shared_plan`), given here as ``forced``
+(:class:`~fcoll.passes.rewrites.group_plan.GroupPlan`: buckets as indices into the group's
+collective sequence). A forced group is not timed; its members join exactly their planned buckets,
+each join still checked against this graph's dependencies, and a plan this graph cannot follow
+raises :class:`~fcoll.passes.rewrites.group_plan.BucketPlanError`. Issue and wait points (and moves)
+are always this graph's own; they never change what is issued.
 
 Complexity: one pass over the nodes plus one over the collectives, O(N + E); there is no
 reachability query, because graph order already answers "does c2 depend on c1?" for the only
 question that matters (can they be issued and waited at a common point). Schemas are read once per
-op (:class:`~fcoll.passes.bucket_key.BucketKeys`), not once per node: a node that is not a
+op (:class:`~fcoll.passes.rewrites.bucket_key.BucketKeys`), not once per node: a node that is not a
 collective costs one dict lookup.
 """
 
@@ -83,13 +85,14 @@ from typing import Callable, Mapping
 import torch
 import torch.fx as fx
 
-from fcoll.passes.bucket_key import BucketKeys, OpArgs
-from fcoll.passes.bucket_rules import Member, OpenBucket, add, join_rejection, lane_segments, \
-    rejection, wait_index
+from fcoll.passes.rewrites.bucket_key import BucketKeys, OpArgs
+from fcoll.passes.rewrites.bucket_rules import (
+    Member, OpenBucket, add, join_rejection, lane_segments, rejection, wait_index,
+)
 from fcoll.passes.config import FcollConfig
-from fcoll.passes.group_plan import BucketPlanError, ForcedPlans, GroupPlan
+from fcoll.passes.rewrites.group_plan import BucketPlanError, ForcedPlans, GroupPlan
 from fcoll.passes.graph import META_HIDING, tensor_bytes, waits_of
-from fcoll.passes.memory import OTHER, op_class
+from fcoll.passes.analysis.memory import OTHER, op_class
 
 __all__ = ["Bucket", "BucketCosts", "model_costs", "plan_buckets", "BUCKETABLE_OPS", "MIB",
            "GroupPlan", "BucketPlanError", "lane_timed"]
@@ -115,8 +118,8 @@ class Bucket:
 
     Attributes:
         kind: "all_reduce", "all_gather", "reduce_scatter" or "all_to_all".
-        key: the shared :func:`fcoll.passes.bucket_key.bucket_key` (multi-dtype form) plus the
-            op namespace.
+        key: the shared :func:`fcoll.passes.rewrites.bucket_key.bucket_key` (multi-dtype form) plus
+            the op namespace.
         members: names of the member collective nodes, in graph order.
         dtypes: dtype of each member's input, in member order.
         in_bytes: bytes of all member inputs on this rank.
@@ -170,17 +173,17 @@ def model_costs(gm: fx.GraphModule, config: FcollConfig, estimates: dict | None 
     shared by a pipeline run), built once some member is timed.
 
     Args:
-        before_calibration: None: :func:`~fcoll.passes.calibrate.cached_model`, which never
-            communicates (defaults for groups not calibrated yet). Given: where a group of the
-            graph is not calibrated yet (:func:`~fcoll.passes.calibrate.needs_calibration`,
-            decided per group), this is called and then
-            :func:`~fcoll.passes.calibrate.model_for` calibrates the graph's groups (a
-            collective call on every rank, at a group's first compile): the pass runs the rank
-            check there, so ranks whose graphs differ raise a named error instead of hanging in
-            the calibration. Sizing buckets by the defaults (1 GB/s, 50 GFLOP/s) instead of the
-            link's and cores' own numbers misjudges which communication hides.
+        before_calibration: None: :func:`~fcoll.passes.analysis.calibration.cached_model`, which
+            never communicates (defaults for groups not calibrated yet). Given: where a group of the
+            graph is not calibrated yet
+            (:func:`~fcoll.passes.analysis.calibration.needs_calibration`, decided per group), this
+            is called and then :func:`~fcoll.passes.analysis.calibration.model_for` calibrates the
+            graph's groups (a collective call on every rank, at a group's first compile): the pass
+            runs the rank check there, so ranks whose graphs differ raise a named error instead of
+            hanging in the calibration. Sizing buckets by the defaults (1 GB/s, 50 GFLOP/s) instead
+            of the link's and cores' own numbers misjudges which communication hides.
     """
-    from fcoll.passes.calibrate import cached_model, model_for, needs_calibration
+    from fcoll.passes.analysis.calibration import cached_model, model_for, needs_calibration
 
     @functools.cache
     def model():
@@ -393,7 +396,7 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
             all_reduce per parameter in parameter order, and the first layer's gradient, ready
             last, would otherwise hold back every gradient traced after it (the scheduler keeps
             the relative order of collectives).
-        forced: group name -> the :class:`~fcoll.passes.group_plan.GroupPlan` that group's
+        forced: group name -> the :class:`~fcoll.passes.rewrites.group_plan.GroupPlan` that group's
             collectives follow instead of being planned here (module docstring); neither the
             cap, the memory budget nor the lane plan is applied to them (the plan's maker
             applied them to the same bytes).

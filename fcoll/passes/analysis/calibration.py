@@ -1,8 +1,9 @@
 """Calibration: measure the cost model's parameters on this machine and on real process groups.
 
 Everything here measures or looks up live process groups; the model itself
-(:mod:`fcoll.passes.cost`, :mod:`fcoll.passes.comm_cost`) is pure. The calls that are timed and
-the timing loops are in :mod:`fcoll.passes.calibration_probes`; here is the protocol around them.
+(:mod:`fcoll.passes.analysis.cost`, :mod:`fcoll.passes.analysis.comm_cost`) is pure. The calls that
+are timed and the timing loops are in :mod:`fcoll.passes.analysis.calibration_probes`; here is the
+protocol around them.
 
 - Compute rates (:func:`measure_compute_rates`): a short microbenchmark, once per process: the
   median time of a transformer-sized matmul (FLOPs/us), the fastest large copy (bytes/us), and a
@@ -11,7 +12,7 @@ the timing loops are in :mod:`fcoll.passes.calibration_probes`; here is the prot
   the sizes of :data:`SWEEP_BYTES` (4 KiB .. 64 MiB: powers of 4 and 2 MiB), kind by kind, a
   fixed number of back-to-back runs per size (:func:`reps_for`, :func:`time_collectives`); per
   cell the slowest rank's median, fitted to a piecewise alpha-beta curve
-  (:class:`~fcoll.passes.comm_cost.CommCurve`) per ``(backend, kind, group size, link)``.
+  (:class:`~fcoll.passes.analysis.comm_cost.CommCurve`) per ``(backend, kind, group size, link)``.
 
 Budget: a graph needs its collectives' sizes, so a group is timed only up to the first sweep
 size at or above the largest collective of the first graph compiled on it (at least
@@ -24,7 +25,7 @@ whole sweep for a job). Results are reused, without timing again:
 2. for another group of the same backend, size and host layout in this process: rank 0's
    numbers, one broadcast;
 3. across processes of one job: rank 0 reads the job's cache file
-   (:mod:`fcoll.passes.calibration_cache`), one broadcast.
+   (:mod:`fcoll.passes.analysis.calibration_cache`), one broadcast.
 
 Determinism: whether to time and what to time is decided by the group's rank 0 alone and
 broadcast; the numbers every rank uses are rank 0's where it knew them (broadcast in the same
@@ -53,19 +54,23 @@ import torch
 import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 
-from fcoll.passes import calibration_cache
-from fcoll.passes.calibration_probes import (_backend_name, _buffers, _collective, _host_layout,
-                                             host_identity, time_compute_rates)
-from fcoll.passes.comm_cost import CommCurve, CommKey, CommParams, CommTable
-from fcoll.passes.cost import KINDS, ComputeRates, CostModel, assemble_model, collective_size
+from fcoll.passes.analysis import calibration_cache
+from fcoll.passes.analysis.calibration_probes import (
+    backend_of, blocking_collective, host_identity, host_layout, probe_buffers, time_compute_rates,
+)
+from fcoll.passes.analysis.comm_cost import CommCurve, CommKey, CommTable
+from fcoll.passes.analysis.cost import (
+    KINDS, ComputeRates, CostModel, assemble_model, collective_size,
+)
 from fcoll.passes.graph import arg_of
-from fcoll.passes.memory import COLLECTIVE, op_class
+from fcoll.passes.analysis.memory import COLLECTIVE, op_class
 
 __all__ = [
     "SWEEP_BYTES", "MIN_SWEEP_BYTES", "ROUNDS", "reps_for", "sizes_for",
     "time_collective", "time_collectives",
     "measure_compute_rates", "calibrate_group",
-    "fit_alpha_beta", "GroupCalibration", "calibrated_table", "calibration_stats",
+    "GroupCalibration", "group_calibration", "calibrated_table",
+    "calibration_stats",
     "host_identity", "model_for", "cached_model", "needs_calibration",
 ]
 
@@ -75,9 +80,7 @@ log = logging.getLogger(__name__)
 #: they span fcoll's shared-memory regimes (one-slot fast path, chunking through the slots,
 #: caches, DRAM) and a token-bucket link's burst and sustained rate. 2 MiB because an
 #: all_gather (or broadcast) of 2 ranks moves up to 2 x 1 MiB slots in one phase and chunks
-#: above: measured 1 / 2 / 4 MiB all_gather 148-358 / 269-438 / 678-1124 us (2 ranks, load
-#: 4-11, 6 runs), and the line from 1 to 4 MiB put 2 MiB at 1.19-1.56x in 11 of 12
-#: ``benchmarks/cost_model.py`` runs.
+#: above, so the line from 1 to 4 MiB overstates 2 MiB (``benchmarks/cost_model.py``).
 SWEEP_BYTES = tuple(sorted({4096 * 4 ** i for i in range(8)} | {2 << 20}))
 
 #: The sweep always covers sizes up to here (cheap: about 25 ms for all kinds on fcoll).
@@ -89,12 +92,10 @@ def reps_for(nbytes: int) -> int:
     back to back in each of the :data:`ROUNDS` rounds), 3 above. A function of the size only,
     so every rank issues the same collectives.
 
-    At least two per round at 1-4 MiB, not one or two (5 runs: 1, 2, 2): the first runs after a
-    change of size are slower on fcoll's backend (its waits adapt to their recent history), and
-    with 5 runs the calibrated 1 MiB medians were 1.27-1.44x what the same cells measure in a
-    longer back-to-back run (2 ranks, load 4-5, 3 paired repeats, five kinds); with 6, and the
-    untimed run at 4 MiB as well, 1.14-1.26x (9 runs: 1.00-1.24x, no better within the noise,
-    and 50 % more time at 4 MiB).
+    At least two per round at 1-4 MiB: the first runs after a change of size are slower on
+    fcoll's backend (its waits adapt to their recent history), so fewer runs overstate what the
+    same cells take in a longer back-to-back run; more than 6 gained nothing beyond the noise
+    for half again the time at 4 MiB (``benchmarks/cost_model.py`` checks the result).
     """
     return 9 if nbytes <= 256 << 10 else 6 if nbytes <= 4 << 20 else 3
 
@@ -168,15 +169,11 @@ ROUNDS = 3
 
 # Each round's runs of a cell follow one untimed run of the same cell: the ranks leave a
 # collective at different times, and the next collective on the faster rank includes the wait
-# for the slower one. After a 4-16 MiB all_reduce that exit skew was 0.4-0.5 ms (2 ranks, load
-# 7), and a 4 KiB all_reduce right after it took 0.6-0.8 ms against 0.1 ms after another 4 KiB
-# one; the untimed run absorbs the skew, so the timed runs see what back-to-back collectives of
-# one size see (a DDP step's buckets, an FSDP step's per-layer all_gathers). 16 and 64 MiB
-# cells once went without it (a third more calibration time there), but the skew is not small
-# against them for broadcast, whose root returns before its peers have copied the data out:
-# a 16 MiB broadcast timed right after a 64 MiB one measured 1.35-1.48x its back-to-back time
-# (fcoll and gloo, 2 ranks, load 1.5, benchmarks/cost_model.py), 1.03-1.09x with the untimed
-# run; a full sweep to 64 MiB then took 0.44 s on fcoll (0.32-0.35 s) and 2.2 s on gloo (1.5 s).
+# for the slower one (after a large all_reduce, several times a small one's own time). The
+# untimed run absorbs that exit skew, so the timed runs see what back-to-back collectives of one
+# size see (a DDP step's buckets, an FSDP step's per-layer all_gathers). The largest cells keep
+# it too: a broadcast's root returns before its peers have copied the data out, so the skew is
+# not small even against 16 and 64 MiB.
 
 
 def _runs_in_round(reps: int, r: int) -> int:
@@ -196,28 +193,22 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
     sizes largest first: a cell's neighbours are collectives of its own kind, as a step's
     buckets are (a DDP step's all_reduces, an FSDP step's per-layer all_gathers). Within a round
     a cell's runs are back to back, after one untimed run of the cell, which absorbs the exit
-    skew the previous cell left: without it a cell measures the skew of whatever ran before it
-    (measured: a 4 KiB all_reduce after a 4 MiB one took 4-8x its back-to-back time; a 16 MiB
-    broadcast after a 64 MiB one 1.35-1.48x).
+    skew the previous cell left: without it a cell measures the skew of whatever ran before it.
 
-    Why kind by kind: with the five kinds interleaved at each size (the order before), every
-    cell followed another kind's, and fcoll's small collectives measured 1.15-1.3x their
-    back-to-back time in a run of their own kind even after the untimed run (2 ranks, load
-    4-5, 4 repeats each, slowest rank's median of 9: all_reduce 4-256 KiB 1.17-1.31x,
-    all_gather and all_to_all 4-64 KiB 1.13-1.32x, broadcast 1.07-1.47x); kind by kind,
-    0.88-1.09x, in the same time (0.61 s for 4 KiB .. 64 MiB). fcoll's waits adapt to their
-    recent history (the spin backoff of :mod:`fcoll.shm.sync`), so what ran before a cell
-    matters.
+    Why kind by kind: fcoll's waits adapt to their recent history (the spin backoff of
+    :mod:`fcoll.shm.sync`), so what ran before a cell matters; with the kinds interleaved at
+    each size every cell followed another kind's, and small collectives measured above their
+    back-to-back time in a run of their own kind, even after the untimed run.
 
     The order depends only on the arguments: every rank of ``pg`` issues the same collectives
     (a collective call; every rank must call it with the same arguments). One set of buffers
     per size is shared by the kinds.
     """
     reps = reps or reps_for
-    bufs = {size: _buffers(pg, size) for size in sorted({size for _, size in cells})}
+    bufs = {size: probe_buffers(pg, size) for size in sorted({size for _, size in cells})}
     kinds = list(dict.fromkeys(kind for kind, _ in cells))
     ordered = sorted(dict.fromkeys(cells), key=lambda cell: (kinds.index(cell[0]), -cell[1]))
-    ops = {cell: _collective(cell[0], pg, bufs[cell[1]]) for cell in ordered}
+    ops = {cell: blocking_collective(cell[0], pg, bufs[cell[1]]) for cell in ordered}
     for op in ops.values():
         op()
     times: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
@@ -238,13 +229,6 @@ def time_collective(kind: str, pg: Any, nbytes: int, reps: int) -> list[float]:
     warm-up run (which also lines the ranks up). A collective call: every rank of ``pg`` must
     call it with the same arguments."""
     return time_collectives(pg, [(kind, nbytes)], lambda _: reps)[(kind, nbytes)]
-
-
-def fit_alpha_beta(b1: int, t1: float, b2: int, t2: float) -> CommParams:
-    """Alpha-beta through two timed sizes (``b1 < b2`` bytes, ``t1``/``t2`` us). A larger
-    message measured faster (noise) gives a tiny positive beta; alpha is never negative."""
-    beta = max((t2 - t1) / (b2 - b1), 1e-9)
-    return CommParams(alpha_us=max(t1 - beta * b1, 0.0), beta_us_per_byte=beta)
 
 
 # The message rank 0 broadcasts: [want mask (S), compute rates (3), times (K x S, NaN unknown)]
@@ -340,8 +324,9 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     objects without communicating, whatever ``max_bytes`` is: a recompile may happen on one
     rank alone (Dynamo's guards are per rank), and a collective there would pair with another
     rank's next collective. Sizes beyond the calibrated ones are extrapolated by the curve's
-    last segment (:class:`~fcoll.passes.comm_cost.CommCurve`). (``benchmarks/cost_model.py`` and
-    ``benchmarks/passes_scaling.py --rank-costs`` print how long it takes.)
+    last segment (:class:`~fcoll.passes.analysis.comm_cost.CommCurve`).
+    (``benchmarks/cost_model.py`` and ``benchmarks/passes_scaling.py --rank-costs`` print how long
+    it takes.)
 
     Returns:
         (compute rates, ``{CommKey(backend, kind, group size, link): CommCurve}``).
@@ -352,7 +337,7 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     if cached is not None:   # never communicate again: a recompile may happen on one rank alone
         return cached.rates, cached.comm
     want = sizes_for(max_bytes)
-    backend, n, t0 = _backend_name(pg), pg.size(), time.perf_counter()
+    backend, n, t0 = backend_of(pg), pg.size(), time.perf_counter()
     # Inside torch.compile the Python dispatcher is on, and a c10d op then runs its kernel with
     # the GIL held (pybind released it, the Python dispatcher took it back). On gloo that
     # deadlocks: the enqueue waits for the worker's queue mutex, and the worker holds it while
@@ -360,7 +345,7 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     # (seen in native stacks of both ranks of tests/test_remaps.py's 2-rank program). Without
     # the Python dispatcher the GIL stays released in the kernel.
     with no_python_dispatcher():
-        layout = _host_layout(pg)   # its all_gather also lines the ranks up
+        layout = host_layout(pg)   # its all_gather also lines the ranks up
         message = torch.zeros(_S + 3 + _K * _S, dtype=torch.float64)
         if pg.rank() == 0:
             known = _known_on_rank_0(backend, n, layout)
@@ -387,9 +372,15 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     return result.rates, result.comm
 
 
+def group_calibration(pg: Any) -> GroupCalibration | None:
+    """What this process calibrated or read for ``pg`` (:func:`calibrate_group`), or None if
+    ``pg`` is not calibrated yet; never communicates."""
+    return _CACHE.groups.get(pg)
+
+
 def calibrated_table() -> CommTable:
     """Every curve this process calibrated or read (as some group's rank 0), as a
-    :class:`~fcoll.passes.comm_cost.CommTable`; never communicates."""
+    :class:`~fcoll.passes.analysis.comm_cost.CommTable`; never communicates."""
     entries: dict[CommKey, CommCurve] = {}
     for rec in [*_CACHE.by_key.values(), *_CACHE.groups.values()]:
         entries.update(rec.comm)
@@ -417,7 +408,7 @@ def _real_group(name: str) -> Any | None:
         pg = c10d._resolve_process_group(name)
     except Exception:  # noqa: BLE001  unknown name, no c10d: no calibration possible
         return None
-    return None if _backend_name(pg) in ("fake", "unknown") else pg
+    return None if backend_of(pg) in ("fake", "unknown") else pg
 
 
 def _group_names(gm: fx.GraphModule) -> list[str]:
@@ -477,7 +468,7 @@ def model_for(gm: fx.GraphModule, estimator: Callable[[Any], float | None] | Non
     """The cost model for ``gm``, calibrating each real group of its collectives if needed.
 
     A collective call on real groups (see :func:`calibrate_group`); defaults on the fake pg.
-    ``estimates``: see :func:`fcoll.passes.cost.assemble_model`.
+    ``estimates``: see :func:`fcoll.passes.analysis.cost.assemble_model`.
     """
     return _assemble(gm, estimator, calibrate=True, estimates=estimates)
 

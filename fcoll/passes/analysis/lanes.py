@@ -1,13 +1,23 @@
-"""The timeline simulator: predicted start, end and exposed time of each node of an order.
+"""The lane simulator: compute serial, one lane per group, a wait blocks compute.
 
-Model (the contract of ``predict``): compute runs serially on one lane; each collective runs on
-its group's lane from its issue, serially per group; a wait blocks compute until its collective
-ends; exposed time = the blocked time. Times are estimates in microseconds from the graph's
-start; the estimator is the caller's (the cost model, or a test's).
+One execution model, the executor's (:mod:`fcoll.compile.executor`), in :class:`LaneClock`:
+nodes are issued in order by one compute lane; a compute node runs when compute reaches it; a
+collective is issued when compute reaches it and starts when its group's lane is free, which it
+then holds for its duration (collectives of one group run serially, in issue order); a wait
+blocks compute until its collective ends, and the time blocked is exposed communication. Times
+are microseconds from the graph's start; durations are the caller's (the cost model, or a
+test's), negative ones counted as 0.
+
+Two users, one clock: :class:`Timeline` (here) runs an order of FX nodes for the passes, the
+scheduler and ``fcoll.inspect``, and records an event per node; :func:`fcoll.sim.replay.replay`
+runs a recorded program for ``fcoll.sim`` and adds the storage model's memory. They differ where
+their inputs do: a wait whose collective is not among the nodes run so far blocks nothing in a
+:class:`Timeline` (the scheduler simulates partial orders), while a recorded program must
+issue every collective before its wait, so :func:`~fcoll.sim.replay.replay` raises there.
 
 A collective whose size is data-dependent (unbacked split sizes, e.g. MoE routing) is costed
-with the cost model's documented fallback (:mod:`fcoll.passes.cost`); its event and record
-carry ``size_estimated = True`` so that a report can say the prediction assumed a size.
+with the cost model's documented fallback (:mod:`fcoll.passes.analysis.cost`); its event and
+record carry ``size_estimated = True`` so that a report can say the prediction assumed a size.
 """
 
 from __future__ import annotations
@@ -19,9 +29,50 @@ from typing import Callable, Collection, Sequence
 import torch.fx as fx
 
 from fcoll.passes.graph import arg_of, start_of
-from fcoll.passes.memory import COLLECTIVE, WAIT, OpClass, op_class
+from fcoll.passes.analysis.memory import COLLECTIVE, WAIT, OpClass, op_class
 
-__all__ = ["PredictedEvent", "Timeline", "simulate", "CollectiveRecord", "records"]
+__all__ = ["LaneClock", "PredictedEvent", "Timeline", "timeline_of", "CollectiveRecord",
+           "records"]
+
+
+class LaneClock:
+    """The clock of the lane model (module docstring): where compute is, and when each lane is
+    free. Every update is one of three steps, in the order the nodes are issued.
+
+    Attributes:
+        now_us: the compute lane's time (microseconds from the start).
+        lane_free: lane (a group name) -> when its last issued collective ends.
+    """
+
+    def __init__(self) -> None:
+        self.now_us = 0.0
+        self.lane_free: dict[str, float] = {}
+
+    def compute(self, dur_us: float) -> float:
+        """Run ``dur_us`` of compute (at least 0) from :attr:`now_us`; returns its end, the
+        new :attr:`now_us`."""
+        self.now_us = self.now_us + max(0.0, dur_us)
+        return self.now_us
+
+    def issue(self, lane: str, dur_us: float) -> tuple[float, float]:
+        """Issue a collective of ``dur_us`` (at least 0) on ``lane`` now: it starts when the
+        lane is free (at :attr:`now_us` or after the lane's previous collective). Returns
+        ``(start_us, end_us)``; compute does not move."""
+        start = max(self.now_us, self.lane_free.get(lane, 0.0))
+        end = start + max(0.0, dur_us)
+        self.lane_free[lane] = end
+        return start, end
+
+    def wait(self, end_us: float) -> float:
+        """Block compute until ``end_us`` (a collective's end); returns the time blocked."""
+        blocked = max(0.0, end_us - self.now_us)
+        self.now_us += blocked
+        return blocked
+
+    @property
+    def end_us(self) -> float:
+        """When compute and every lane are done."""
+        return max([self.now_us, *self.lane_free.values()])
 
 
 @dataclass
@@ -36,7 +87,7 @@ class PredictedEvent:
             when compute reaches it and when it unblocks).
         exposed_us: a wait: time compute is blocked on it; a collective: the sum over its waits.
         size_estimated: a collective whose bytes are data-dependent, so its duration assumes
-            the cost model's fallback size (:mod:`fcoll.passes.cost`); False otherwise.
+            the cost model's fallback size (:mod:`fcoll.passes.analysis.cost`); False otherwise.
     """
 
     node: str
@@ -53,8 +104,14 @@ class PredictedEvent:
         return max(0.0, self.end_us - self.start_us)
 
 
-class Timeline:
-    """Simulates nodes in the order they are fed (see the module docstring for the model)."""
+class Timeline(LaneClock):
+    """Runs FX nodes on a :class:`LaneClock` in the order they are fed (the module docstring's
+    model), with one :class:`PredictedEvent` per ``call_function`` node.
+
+    Attributes:
+        events: the events in the order run; ``by_node``: node -> its event.
+        issued: collective node -> its event (``exposed_us`` sums its waits' blocked time).
+    """
 
     def __init__(self, estimate: Callable[[fx.Node], float],
                  classes: dict[fx.Node, OpClass] | None = None, *,
@@ -64,8 +121,7 @@ class Timeline:
         self.estimate = estimate
         self.size_estimated = size_estimated
         self.classes = classes if classes is not None else {}
-        self.now_us = 0.0
-        self.lane_free: dict[str, float] = {}
+        super().__init__()
         self.issued: dict[fx.Node, PredictedEvent] = {}
         self.events: list[PredictedEvent] = []
         self.by_node: dict[fx.Node, PredictedEvent] = {}
@@ -77,13 +133,9 @@ class Timeline:
             self._starts[wait] = start_of(wait)
         return self._starts[wait]
 
-    def blocked_us(self, wait: fx.Node) -> float:
-        """How long ``wait`` would block compute if it ran now."""
-        start = self._start(wait)
-        ev = self.issued.get(start) if start is not None else None
-        return max(0.0, ev.end_us - self.now_us) if ev is not None else 0.0
-
     def run(self, node: fx.Node) -> PredictedEvent | None:
+        """Run ``node`` (placeholders and other non-calls are skipped: None); returns its
+        event."""
         if node.op != "call_function":
             return None
         cls = self.classes.get(node)
@@ -93,38 +145,35 @@ class Timeline:
             lane = self._groups.get(node)
             if lane is None:
                 lane = str(arg_of(node, "group_name"))
-            start = max(self.now_us, self.lane_free.get(lane, 0.0))
-            ev = PredictedEvent(node.name, "collective", lane, start,
-                                start + max(0.0, self.estimate(node)),
+            start, end = self.issue(lane, self.estimate(node))
+            ev = PredictedEvent(node.name, "collective", lane, start, end,
                                 size_estimated=node in self.size_estimated)
-            self.lane_free[lane] = ev.end_us
             self.issued[node] = ev
         elif cls == WAIT:
-            blocked = self.blocked_us(node)
-            ev = PredictedEvent(node.name, "wait", "compute", self.now_us,
-                                self.now_us + blocked, blocked)
-            self.now_us += blocked
+            at = self.now_us
             coll = self.issued.get(self._start(node))
+            blocked = self.wait(coll.end_us) if coll is not None else 0.0
+            ev = PredictedEvent(node.name, "wait", "compute", at, at + blocked, blocked)
             if coll is not None:
                 coll.exposed_us += blocked
         else:
-            ev = PredictedEvent(node.name, "compute", "compute", self.now_us,
-                                self.now_us + max(0.0, self.estimate(node)))
-            self.now_us = ev.end_us
+            at = self.now_us
+            ev = PredictedEvent(node.name, "compute", "compute", at,
+                                self.compute(self.estimate(node)))
         self.events.append(ev)
         self.by_node[node] = ev
         return ev
 
 
-def simulate(nodes: Sequence[fx.Node], estimate: Callable[[fx.Node], float],
-             classes: dict[fx.Node, OpClass] | None = None, *,
-             starts: dict[fx.Node, fx.Node] | None = None,
-             groups: dict[fx.Node, str] | None = None,
-             size_estimated: Collection[fx.Node] = ()) -> Timeline:
+def timeline_of(nodes: Sequence[fx.Node], estimate: Callable[[fx.Node], float],
+                classes: dict[fx.Node, OpClass] | None = None, *,
+                starts: dict[fx.Node, fx.Node] | None = None,
+                groups: dict[fx.Node, str] | None = None,
+                size_estimated: Collection[fx.Node] = ()) -> Timeline:
     """Run ``nodes`` in order through a fresh :class:`Timeline`.
 
     Known facts of the nodes, each optional (asked of the node when missing): ``classes``,
-    their :func:`~fcoll.passes.memory.op_class` (e.g. ``Storage.cls``); ``starts``, wait ->
+    their :func:`~fcoll.passes.analysis.memory.op_class` (e.g. ``Storage.cls``); ``starts``, wait ->
     its collective (``Storage.start``); ``groups``, collective -> its group name;
     ``size_estimated``, the collectives whose data-dependent sizes the estimate assumed (their
     events are marked ``size_estimated``).

@@ -6,18 +6,18 @@
   (its first user, or the first node ordered after it by a mutation or barrier).
 - ``raise_collectives``: every collective moves up to just after the last node it needs (its
   last input, the previous collective, a mutation or barrier, the last placeholder).
-- ``reorder_for_overlap``: the cost-model list scheduler of :mod:`fcoll.passes.schedule`: each
-  collective is issued just early enough that the independent compute before its first use
-  covers its estimated time (not as early as possible), with ``config.memory_budget_mb`` of
-  extra peak memory and ``config.max_in_flight_mb`` of outstanding collective bytes;
-  O((N + E) log N). It records per collective ``META_ESTIMATED_US``,
+- ``reorder_for_overlap``: the cost-model list scheduler of
+  :mod:`fcoll.passes.rewrites.list_scheduler`: each collective is issued just early enough that the
+  independent compute before its first use covers its estimated time (not as early as possible),
+  with ``config.memory_budget_mb`` of extra peak memory and ``config.max_in_flight_mb`` of
+  outstanding collective bytes; O((N + E) log N). It records per collective ``META_ESTIMATED_US``,
   ``META_HIDING`` (names of the compute nodes predicted to run while it is in flight) and
   ``META_EXPOSED_US`` in ``node.meta``.
 
 Data-dependent sizes (an all_to_all whose splits come from ``tensor.tolist()``): the scheduler
 never guards on them; the cost model sizes such a collective by its documented fallback
-(:mod:`fcoll.passes.cost`: the known side of an all_to_all, else PyTorch's
-``optimization_hint`` with :data:`~fcoll.passes.cost.UNBACKED_SIZE_FALLBACK` per unbacked
+(:mod:`fcoll.passes.analysis.cost`: the known side of an all_to_all, else PyTorch's
+``optimization_hint`` with :data:`~fcoll.passes.analysis.cost.UNBACKED_SIZE_FALLBACK` per unbacked
 symbol), and ``reorder_for_overlap`` records that estimate in
 ``node.meta[META_SIZE_ESTIMATE]`` (bytes, rule, symbols); :func:`predict` marks the
 collective's event ``size_estimated``. Only the plan depends on the guess: the relative order of
@@ -39,15 +39,17 @@ from typing import Callable
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fcoll.passes.calibrate import cached_model, model_for
-from fcoll.passes.cost import META_SIZE_ESTIMATE, CostModel, collective_size
+from fcoll.passes.analysis.calibration import cached_model, model_for
+from fcoll.passes.analysis.cost import META_SIZE_ESTIMATE, CostModel, collective_size
+from fcoll.passes.analysis.lanes import PredictedEvent, timeline_of
+from fcoll.passes.analysis.memory import COLLECTIVE, op_class
 from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, is_collective, is_wait,
 )
-from fcoll.passes.memory import COLLECTIVE, op_class
 from fcoll.passes.registry import FcollPass, gc_paused, register_pass
-from fcoll.passes.schedule import KeyScheduler, PredictedEvent, apply_order, dependencies, \
-    list_schedule, ready_counts, simulate
+from fcoll.passes.rewrites.list_scheduler import (
+    KeyScheduler, apply_order, dependencies, list_schedule, ready_counts,
+)
 
 __all__ = ["SinkWaits", "RaiseCollectives", "ReorderForOverlap", "PredictedEvent", "predict",
            "sink_waits_order", "raise_collectives_order"]
@@ -60,9 +62,9 @@ _MIB = 2 ** 20
 def sink_waits_order(graph: fx.Graph) -> list[fx.Node]:
     """The order ``sink_waits`` makes: each wait just before the first node that needs it.
 
-    Method: :class:`~fcoll.passes.schedule.KeyScheduler` backwards from the output (which stays
-    last) with the priority key "a ready wait first, the one a placement just unblocked first,
-    then the latest original position; otherwise the latest original position". Why that is
+    Method: :class:`~fcoll.passes.rewrites.list_scheduler.KeyScheduler` backwards from the output
+    (which stays last) with the priority key "a ready wait first, the one a placement just unblocked
+    first, then the latest original position; otherwise the latest original position". Why that is
     sink_waits: backwards, a wait is ready exactly when its first user (in the new order) is
     placed, and is placed at once, so it lands just before that user; waits unblocked by one
     placement keep their original relative order, and a wait that another wait needs goes right
@@ -85,10 +87,10 @@ def sink_waits_order(graph: fx.Graph) -> list[fx.Node]:
 def raise_collectives_order(graph: fx.Graph) -> list[fx.Node]:
     """The order ``raise_collectives`` makes: each collective just after the last node it needs.
 
-    Method: :class:`~fcoll.passes.schedule.KeyScheduler` forwards with the priority key "a ready
-    collective first, the one a placement just unblocked first, then the earliest original
-    position; otherwise the earliest original position", every collective also waiting for the
-    last placeholder or attribute. Why that is raise_collectives: forwards, a collective is
+    Method: :class:`~fcoll.passes.rewrites.list_scheduler.KeyScheduler` forwards with the priority
+    key "a ready collective first, the one a placement just unblocked first, then the earliest
+    original position; otherwise the earliest original position", every collective also waiting for
+    the last placeholder or attribute. Why that is raise_collectives: forwards, a collective is
     ready exactly when the last node it needs is placed, and is placed at once, right after it
     (the next collective, which needs it, right after it in turn); every other node keeps its
     original relative order (the mirror of :func:`sink_waits_order`'s argument).
@@ -168,7 +170,7 @@ class ReorderForOverlap(FcollPass):
                 node.meta[META_SIZE_ESTIMATE] = {"bytes": size.nbytes, "rule": size.rule,
                                                  "symbols": list(size.symbols)}
                 log.debug("reorder_for_overlap: %s has data-dependent sizes (%s): planned "
-                          "as %d bytes (rule %r, fcoll.passes.cost)", node.name,
+                          "as %d bytes (rule %r, fcoll.passes.analysis.cost)", node.name,
                           ", ".join(size.symbols), size.nbytes, size.rule)
             for node, rec in plan.records.items():
                 node.meta[META_ESTIMATED_US] = rec.estimated_us
@@ -213,5 +215,5 @@ def predict(gm: fx.GraphModule, estimator=None) -> list[PredictedEvent]:
         v = node.meta.get(META_ESTIMATED_US)
         return float(v) if v is not None else model(node)
 
-    return list(simulate(list(gm.graph.nodes), estimate,
-                         size_estimated=estimated_sizes).events)
+    return list(timeline_of(list(gm.graph.nodes), estimate,
+                            size_estimated=estimated_sizes).events)

@@ -1,7 +1,7 @@
 """The rules of bucket planning: who may be a member, and who may join an open bucket.
 
-Positions and keys are those of :mod:`fcoll.passes.bucket_plan` (its module docstring states
-the placement model and the lane plan); these are pure functions of the records below.
+Positions and keys are those of :mod:`fcoll.passes.rewrites.bucket_plan` (its module docstring
+states the placement model and the lane plan); these are pure functions of the records below.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fcoll.passes.bucket_key import OpArgs
+from fcoll.passes.rewrites.bucket_key import OpArgs
 
 __all__ = ["Member", "OpenBucket", "wait_index", "rejection", "join_rejection",
            "dependency_rejection", "add", "lane_segments"]
@@ -139,7 +139,7 @@ def dependency_rejection(b: OpenBucket, m: Member) -> str | None:
     """Why ``m`` cannot join ``b`` in this graph whatever the costs, or None: the merged bucket
     must be issued after every member input is ready and after the compute hiding a member,
     and waited before the first use of any member result (``W <= F``, module docstring of
-    :mod:`fcoll.passes.bucket_plan`)."""
+    :mod:`fcoll.passes.rewrites.bucket_plan`)."""
     ready = max(b.ready, m.ready)
     w = wait_index(ready, min(b.wait_idx, m.wait_idx), max(b.last_hide, m.last_hide))
     first_use = min(b.first_use, m.first_use)

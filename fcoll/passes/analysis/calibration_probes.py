@@ -7,18 +7,17 @@ what to reuse:
   compute microbenchmark (:func:`time_compute_rates`: a transformer-sized matmul, a large copy,
   a tiny aten op as the executor calls it);
 - the blocking collective of each kind on a group over float32 buffers of a size
-  (:func:`_collective`, :func:`_buffers`; reduce_scatter on gloo by fcoll's own algorithm,
-  :func:`_reduce_scatter`) and the group's backend name (:func:`_backend_name`);
-- a group's host layout (:func:`_host_layout`: one all_gather of a hash of
+  (:func:`blocking_collective`, :func:`probe_buffers`; reduce_scatter on gloo by fcoll's own
+  algorithm) and the group's backend name (:func:`backend_of`);
+- a group's host layout (:func:`host_layout`: one all_gather of a hash of
   :func:`host_identity`), which decides the ``link`` of its curves and its cache key.
 
-Kept apart from :mod:`fcoll.passes.calibrate`, which holds the protocol built on these: the
-sweep's sizes, runs, rounds and order (``time_collectives``), rank 0's decision and broadcast,
-the slowest rank's medians, the per-process cache and reuse, and the cost model of a graph's
-groups. Every name here is also reachable as ``fcoll.passes.calibrate.<name>``. The code there
-reads ``_buffers``, ``_collective``, ``_backend_name`` and ``_host_layout`` through that
-module, so a test or benchmark that replaces ``calibrate._collective`` still changes what is
-timed; a name used only here (``host_identity``, ``_quiet``) is replaced on this module.
+Kept apart from :mod:`fcoll.passes.analysis.calibration`, which holds the protocol built on
+these: the sweep's sizes, runs, rounds and order (``time_collectives``), rank 0's decision and
+broadcast, the slowest rank's medians, the per-process cache and reuse, and the cost model of a
+graph's groups. That module imports :func:`probe_buffers`, :func:`blocking_collective`,
+:func:`backend_of` and :func:`host_layout` by name and calls them through its own globals, so a
+test or benchmark that replaces ``calibration.blocking_collective`` changes what is timed.
 """
 
 from __future__ import annotations
@@ -31,9 +30,10 @@ from typing import Any, Callable
 
 import torch
 
-from fcoll.passes.cost import ComputeRates
+from fcoll.passes.analysis.cost import ComputeRates
 
-__all__ = ["host_identity", "time_compute_rates"]
+__all__ = ["host_identity", "host_layout", "time_compute_rates", "backend_of", "probe_buffers",
+           "blocking_collective"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,9 +74,10 @@ _MM_SHAPE = (1024, 256, 768)
 
 
 def time_compute_rates(reps: int = 5) -> ComputeRates:
-    """Run the compute microbenchmark of :func:`fcoll.passes.calibrate.measure_compute_rates`
-    now (that function documents what is timed and why, and caches the result per process).
-    Returns :class:`ComputeRates` (FLOPs/us, bytes/us, us per op)."""
+    """Run the compute microbenchmark of
+    :func:`fcoll.passes.analysis.calibration.measure_compute_rates` now (that function documents
+    what is timed and why, and caches the result per process). Returns :class:`ComputeRates`
+    (FLOPs/us, bytes/us, us per op)."""
     m, k, n = _MM_SHAPE
     a, b = torch.randn(m, k), torch.randn(k, n)
     src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
@@ -97,7 +98,9 @@ def time_compute_rates(reps: int = 5) -> ComputeRates:
 # ---------------------------------------------------------------------------------------------
 # The collectives that are timed
 
-def _backend_name(pg: Any) -> str:
+def backend_of(pg: Any) -> str:
+    """``pg``'s backend name as c10d reports it (``"gloo"``, ``"fcoll"``, ``"fake"``), or
+    ``"unknown"`` for a group c10d does not know (made outside its registry)."""
     import torch.distributed as dist
 
     try:
@@ -124,9 +127,8 @@ def _reduce_scatter(pg: Any, out: torch.Tensor, input: torch.Tensor) -> None:
 
     Not ``start_reduce_scatter`` on fcoll's backend: there it is the backend's
     ``reduce_scatter_tensor_coalesced`` of one tensor, which takes the general path, and
-    compiled graphs do not run it (static shapes take the executor's direct path). Measured
-    (2 ranks, load 5, slowest rank's median): 4 KiB 343 us coalesced, 52 us single-tensor,
-    85-125 us direct; 64 KiB 277 / 55 / 91-169 us; 1 MiB 388 / 132 / 175-250 us.
+    compiled graphs do not run it (static shapes take the executor's direct path); the
+    coalesced call is several times slower than either at small sizes.
     """
     import torch.distributed as dist
 
@@ -141,17 +143,23 @@ def _reduce_scatter(pg: Any, out: torch.Tensor, input: torch.Tensor) -> None:
         finish()
 
 
-def _buffers(pg: Any, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 buffers for collectives of ``nbytes`` on ``pg``: (whole, whole, shard)."""
+def probe_buffers(pg: Any, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 buffers for collectives of ``nbytes`` on ``pg``: (whole, whole, shard), whole
+    ``[max(n, nbytes // 4 // n * n)]`` and shard ``[whole // n]`` for ``n = pg.size()``."""
     n = pg.size()
     numel = max(n, nbytes // 4 // n * n)
     return torch.zeros(numel), torch.zeros(numel), torch.zeros(numel // n)
 
 
-def _collective(kind: str, pg: Any, bufs: tuple[torch.Tensor, ...]) -> Callable[[], None]:
-    """One blocking collective of ``kind`` on ``pg`` over :func:`_buffers`' tensors, moving
-    the whole buffer's bytes (the larger buffer, as :func:`fcoll.ops.facts.comm_bytes`
-    counts)."""
+def blocking_collective(kind: str, pg: Any, bufs: tuple[torch.Tensor, ...]
+                        ) -> Callable[[], None]:
+    """A call of one blocking collective of ``kind`` on ``pg`` over :func:`probe_buffers`'
+    tensors, moving the whole buffer's bytes (the larger buffer, as
+    :func:`fcoll.ops.facts.comm_bytes` counts). Every rank of ``pg`` must call it alike.
+
+    Raises:
+        KeyError: ``kind`` is not one of the five collective kinds.
+    """
     import torch.distributed as dist
 
     big, out, small = bufs
@@ -181,7 +189,7 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{netns}"
 
 
-def _host_layout(pg: Any) -> str:
+def host_layout(pg: Any) -> str:
     """Host index of each group rank, in order of first appearance (``"0.0.1"``): one
     all_gather of a 64-bit hash of :func:`host_identity`. A collective call."""
     import torch.distributed as dist

@@ -9,18 +9,19 @@ Constraints every reorder keeps (:func:`dependencies`):
 - collectives keep their original relative order, across all groups: every rank issues the
   same sequence, because a different order on different ranks hangs (ranks run the same
   graph with the same cost numbers, so the scheduler's choices are the same on every rank);
-- writes stay ordered with the reads of the same storage (:func:`fcoll.passes.memory.mutation_deps`);
+- writes stay ordered with the reads of the same storage
+  (:func:`fcoll.passes.analysis.memory.mutation_deps`);
 - other side-effectful nodes (not waits, not collectives) are barriers: nothing crosses them.
 
 One scheduler (:class:`ListScheduler`) places nodes from a ready set, backwards or forwards, so
 that every order it makes keeps these constraints by construction; a reorder differs only in its
 priority: a static key (:class:`KeyScheduler`: ``sink_waits``, ``raise_collectives``) or the
 cost-model rule of :class:`OverlapScheduler` (``reorder_for_overlap``). Predictions come from
-the simulator of :mod:`fcoll.passes.timeline`.
+the simulator of :mod:`fcoll.passes.analysis.lanes`.
 
 Data-dependent (unbacked) sizes are never compared or converted with ``int()`` here: a
-collective's bytes come from :func:`fcoll.passes.cost.collective_size`, which estimates them by
-the cost model's documented fallback; the estimate guides the plan (its time, the in-flight
+collective's bytes come from :func:`fcoll.passes.analysis.cost.collective_size`, which estimates
+them by the cost model's documented fallback; the estimate guides the plan (its time, the in-flight
 cap) and is reported in :attr:`Plan.size_estimates`, never needed for correctness, since the
 constraints above do not depend on sizes.
 """
@@ -36,13 +37,15 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from fcoll.passes.cost import SizeEstimate, collective_size
+from fcoll.passes.analysis.cost import SizeEstimate, collective_size
 from fcoll.passes.graph import arg_of
-from fcoll.passes.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
-    _written_inputs, mutation_deps, peak_bytes, per_op, storage_model
-from fcoll.passes.timeline import CollectiveRecord, PredictedEvent, Timeline, records, simulate
+from fcoll.passes.analysis.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
+    written_inputs, mutation_deps, peak_bytes, per_op, storage_model
+from fcoll.passes.analysis.lanes import (
+    CollectiveRecord, PredictedEvent, Timeline, records, timeline_of,
+)
 
-__all__ = ["Deps", "dependencies", "apply_order", "PredictedEvent", "Timeline", "simulate",
+__all__ = ["Deps", "dependencies", "apply_order", "PredictedEvent", "Timeline", "timeline_of",
            "Plan", "CollectiveRecord", "ListScheduler", "KeyScheduler", "OverlapScheduler",
            "list_schedule"]
 
@@ -82,7 +85,7 @@ def _is_barrier(node: fx.Node, cls: OpClass) -> bool:
     target = node.target
     impure = _op_is_impure(target) if isinstance(target, torch._ops.OpOverload) \
         else node.is_impure()
-    return impure and not _written_inputs(node)
+    return impure and not written_inputs(node)
 
 
 def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
@@ -455,9 +458,9 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     Cost: O((N + E) log N); estimates are asked once per node.
 
     The memory limit is checked on the finished order's peak (the :class:`LiveBytes` model of
-    :func:`fcoll.passes.memory.peak_bytes`, counted while planning; the planner's choices follow
-    the live bytes of a partial plan, a guide); over budget, the plan is redone with a quarter
-    of the budget, then none, then the original order is kept (at most 3 plans; logged at
+    :func:`fcoll.passes.analysis.memory.peak_bytes`, counted while planning; the planner's choices
+    follow the live bytes of a partial plan, a guide); over budget, the plan is redone with a
+    quarter of the budget, then none, then the original order is kept (at most 3 plans; logged at
     DEBUG).
 
     Returns:
@@ -485,7 +488,7 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
     else:
         log.debug("reorder_for_overlap: no plan within the memory budget; keeping the order")
         order, peak = deps.order, baseline
-    tl = simulate(order, facts.est.__getitem__, storage.cls, starts=storage.start,
-                  groups=facts.group, size_estimated=facts.sizes)
+    tl = timeline_of(order, facts.est.__getitem__, storage.cls, starts=storage.start,
+                     groups=facts.group, size_estimated=facts.sizes)
     return Plan(order=order, records=records(tl), timeline=tl, baseline_peak_bytes=baseline,
                 peak_bytes=peak, makespan_us=tl.now_us, size_estimates=facts.sizes)

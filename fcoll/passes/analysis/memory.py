@@ -29,7 +29,7 @@ import torch.fx as fx
 from fcoll.passes.graph import is_collective, is_wait, per_op, start_of, tensor_bytes, waits_of
 
 __all__ = ["Storage", "storage_model", "LiveBytes", "peak_bytes", "mutation_deps", "OpClass",
-           "op_class", "OTHER", "COLLECTIVE", "WAIT", "value_bytes"]
+           "op_class", "OTHER", "COLLECTIVE", "WAIT", "value_bytes", "written_inputs"]
 
 
 class OpClass(enum.IntEnum):
@@ -84,7 +84,7 @@ def _write_arguments(target: torch._ops.OpOverload) -> tuple[tuple[int, str], ..
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
-def _written_inputs(node: fx.Node) -> list[fx.Node]:
+def written_inputs(node: fx.Node) -> list[fx.Node]:
     """Input nodes whose storage ``node`` writes (``Tensor(a!)`` schema arguments)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
@@ -325,7 +325,7 @@ def mutation_deps(order: Sequence[fx.Node], storage: Storage) -> list[tuple[fx.N
             w = writes[id(target)] = bool(_write_arguments(target))
         if not w:
             continue
-        written = {storage.root[x] for x in _written_inputs(m)}
+        written = {storage.root[x] for x in written_inputs(m)}
         if not written:
             continue
         waits = waits_of(m) if is_collective(m) else []

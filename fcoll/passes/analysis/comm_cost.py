@@ -1,33 +1,30 @@
 """Communication cost: time of one collective from its kind, group, link and bytes. Pure: this
-module measures nothing (:mod:`fcoll.passes.calibrate` measures) and never communicates.
+module measures nothing (:mod:`fcoll.passes.analysis.calibration` measures) and never communicates.
 
 The model is a **piecewise alpha-beta** (Hockney) curve per ``(backend, kind, group size,
 link)``. A plain ``t = alpha + beta * bytes`` (R. W. Hockney, "The communication challenge for
 MPP: Intel Paragon and Meiko CS-2", Parallel Computing 20(3), 1994) does not fit one backend
 over 4 KiB .. 64 MiB: fcoll's shared-memory backend has a one-slot fast path, then slot-size
 chunking, then leaves the caches for DRAM, and each regime has its own latency and bandwidth
-(measured: all_reduce on 2 ranks 27 µs at 4 KiB, 0.5 ms at 1 MiB, 36 ms at 64 MiB; a two-point
-fit predicted a 64 KiB all_reduce at 2,006 µs that ran in 110 µs). Like LogGP's successors that
-measure the parameters as functions of the message size (PLogP: T. Kielmann, H. Bal, K.
-Verstoep, "Fast measurement of LogP parameters for message passing platforms", IPDPS 2000) and
-NCCL's tuner, which keeps one alpha-beta per protocol and picks by size, each size range gets
-its own alpha-beta:
+(one line through two sizes misjudges the sizes between them by an order of magnitude). Like
+LogGP's successors that measure the parameters as functions of the message size (PLogP: T.
+Kielmann, H. Bal, K. Verstoep, "Fast measurement of LogP parameters for message passing
+platforms", IPDPS 2000) and NCCL's tuner, which keeps one alpha-beta per protocol and picks by
+size, each size range gets its own alpha-beta:
 
 - the calibration measures the median time ``t_i`` at sizes ``s_0 < s_1 < ... < s_k``
-  (:data:`fcoll.passes.calibrate.SWEEP_BYTES`: 4 KiB .. 64 MiB, powers of 4 and 2 MiB);
+  (:data:`fcoll.passes.analysis.calibration.SWEEP_BYTES`: 4 KiB .. 64 MiB, powers of 4 and 2 MiB);
 - the times are made non-decreasing in size by their lower envelope from the right, ``t_i :=
   min(t_j for j >= i)``, so that noise never makes a larger message cheaper (the bucket planner
   compares ``t(a) + t(b)`` with ``t(a + b)``); the minimum, not a least-squares (isotonic)
   pooling, because on a shared machine interference only ever adds time: a size whose median
   caught a burst of load is lowered to what a larger message took, instead of raising its
-  neighbours (measured at load 11: one 20 ms median pooled over six sizes put a 4 KiB gloo
-  all_reduce at 3.7 ms);
+  neighbours (pooling spreads one burst over every size around it);
 - between ``s_i`` and ``s_{i+1}``: ``t = alpha_i + beta_i * bytes`` through the two points;
 - below ``s_0``: the first segment's alpha-beta if its alpha is >= 0; else ``t_0`` flat (a
-  message smaller than the smallest one measured costs at least the latency, not less: with
-  a line through the origin, a noisy first segment (the 16 KiB median over 4x the 4 KiB one,
-  easy under load) priced a 48-byte collective at about 1 us, and such near-free collectives
-  tipped bucket plans);
+  message smaller than the smallest one measured costs at least the latency, not less: a noisy
+  first segment would otherwise price a tiny collective near zero, and such near-free
+  collectives tip bucket plans);
 - above ``s_k``: the last segment's alpha-beta (bandwidth-bound extrapolation).
 
 ``bytes`` is :func:`fcoll.ops.facts.comm_bytes`' (nccl-tests') size of one collective: the
@@ -47,13 +44,15 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Iterable, Mapping, NamedTuple, Sequence, Union
 
 from fcoll.ops.facts import KINDS, busbw_factor
 
 __all__ = ["LINKS", "CommKey", "CommParams", "CommCurve", "CommTable", "Comm",
-           "default_comm", "comm_time_us", "lower_envelope"]
+           "default_comm", "comm_time_us", "lower_envelope", "fit_alpha_beta",
+           "MIN_BETA_US_PER_BYTE"]
 
 #: Link kinds: one host (shared memory, loopback), or a group spanning hosts.
 LINKS = ("intra", "inter")
@@ -94,6 +93,53 @@ def lower_envelope(values: Sequence[float]) -> list[float]:
         low = min(low, float(v))
         out.append(low)
     return out[::-1]
+
+
+#: The smallest inverse bandwidth a nonnegative fit returns (1e-9 us/byte = 1 PB/s): a larger
+#: message measured faster than a smaller one is noise, not a free byte.
+MIN_BETA_US_PER_BYTE = 1e-9
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]], *,
+                   nonnegative: bool = False) -> CommParams:
+    """The alpha-beta (Hockney) line ``t = alpha + beta * x`` through ``points`` =
+    ``[(x, t_us), ...]``: through both points for two, by least squares for more (absolute
+    errors, so the large sizes, where most of the time is, set beta). ``x`` is the caller's
+    size: bytes for a curve segment, the bytes a ring moves per link for a link fit.
+
+    The one fitter of fcoll: :meth:`CommCurve.segment` (a segment through two neighbouring
+    sizes of a curve, as fitted), :func:`fcoll.sim.linkprobe.fit_ring_link` and
+    ``benchmarks/cost_model.py`` (``nonnegative=True``).
+
+    Args:
+        points: at least two distinct ``x``.
+        nonnegative: a line usable as a cost: where the fitted alpha is negative (noise at
+            small sizes), the least-squares line through the origin instead (alpha 0); beta at
+            least :data:`MIN_BETA_US_PER_BYTE`.
+
+    Raises:
+        ValueError: fewer than two distinct ``x``.
+    """
+    if len(points) == 2:
+        (x1, t1), (x2, t2) = points
+        if x1 == x2:
+            raise ValueError(f"fit_alpha_beta: need at least two distinct sizes, got {points}")
+        beta = (t2 - t1) / (x2 - x1)
+        alpha = t1 - beta * x1
+    else:
+        if len({x for x, _ in points}) < 2:
+            raise ValueError(f"fit_alpha_beta: need at least two distinct sizes, got {points}")
+        xs, ts = [x for x, _ in points], [t for _, t in points]
+        mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+        beta = (sum((x - mx) * (t - mt) for x, t in zip(xs, ts))
+                / sum((x - mx) ** 2 for x in xs))
+        alpha = mt - beta * mx
+    if nonnegative:
+        if alpha < 0:
+            alpha = 0.0
+            beta = sum(x * t for x, t in points) / sum(x * x for x, _ in points)
+        beta = max(beta, MIN_BETA_US_PER_BYTE)
+    return CommParams(alpha, beta)
 
 
 @dataclass(frozen=True)
@@ -139,11 +185,10 @@ class CommCurve:
         segment's alpha is negative), the last above the largest."""
         s, t = self.sizes, self.times_us
         i = min(max(bisect.bisect_right(s, nbytes) - 1, 0), len(s) - 2)
-        beta = (t[i + 1] - t[i]) / (s[i + 1] - s[i])
-        alpha = t[i] - beta * s[i]
-        if i == 0 and nbytes < s[0] and alpha < 0:
+        line = fit_alpha_beta(((s[i], t[i]), (s[i + 1], t[i + 1])))
+        if i == 0 and nbytes < s[0] and line.alpha_us < 0:
             return CommParams(t[0], 0.0)
-        return CommParams(alpha, beta)
+        return line
 
     def time_us(self, nbytes: int) -> float:
         """Microseconds for one collective of ``nbytes`` bytes (never negative)."""
@@ -229,7 +274,7 @@ def comm_time_us(backend: str, kind: str, group_size: int, nbytes: int, link: st
     """Microseconds of one collective: the calibrated curve of ``table`` for ``(backend, kind,
     group_size, link)`` if it has one, else :func:`default_comm`. ``table`` may be a
     :class:`CommTable`, a plain mapping, or None (defaults only); the process's calibrated
-    table is :func:`fcoll.passes.calibrate.calibrated_table`.
+    table is :func:`fcoll.passes.analysis.calibration.calibrated_table`.
 
     Raises:
         ValueError: unknown kind or link, negative nbytes, group_size < 1.

@@ -1,6 +1,6 @@
 """One bucket plan per group: the group's lowest rank plans, every rank of the group applies it.
 
-Why. The lane plan (:mod:`fcoll.passes.bucket_plan`) times each rank's own graph: compute
+Why. The lane plan (:mod:`fcoll.passes.rewrites.bucket_plan`) times each rank's own graph: compute
 estimates per node, first-use and ready times. Ranks' graphs may legitimately differ while
 their collectives agree (fcoll's remap of ``dist.reduce`` copies the result on the destination
 only; uneven all_to_all splits change shapes downstream), so a close lane decision can fall
@@ -10,12 +10,13 @@ same communication costs on both ranks). Here the plan is the same on every rank
 construction: one rank makes it, the others apply it.
 
 Protocol, per shared group ``g`` (below), in the default group's store
-(``c10d._get_default_store()``, as :mod:`fcoll.passes.consistency`):
+(``c10d._get_default_store()``, as :mod:`fcoll.passes.rewrites.consistency`):
 
 1. The key is ``fcoll/bucket_plan/v1/<g>/<digest>/<options>``: ``digest`` is the sha256 of the
-   group's collective sequence *before* bucketing (:func:`~fcoll.passes.consistency.fingerprint`,
-   so every rank that compiled the same collectives computes the same key), ``options`` the
-   ones planning reads (``bucket_cap_mb``, ``bucket_mode``, ``memory_budget_mb``).
+   group's collective sequence *before* bucketing
+   (:func:`~fcoll.passes.rewrites.consistency.fingerprint`, so every rank that compiled the same
+   collectives computes the same key), ``options`` the ones planning reads (``bucket_cap_mb``,
+   ``bucket_mode``, ``memory_budget_mb``).
 2. The planner is the group's lowest global rank (its group rank 0: c10d sorts a group's
    ranks). Every other rank waits for the key (``store.wait``, at most
    ``config.check_timeout_s``, then :class:`BucketPlanTimeoutError` naming the rank, the group,
@@ -29,11 +30,11 @@ Protocol, per shared group ``g`` (below), in the default group's store
    this group, from another graph), the planner applies the stored one as well. So at every
    compile every rank applies the one plan stored under the key.
 4. A plan is rank-independent: each bucket is a list of indices into the group's sequence
-   (:class:`~fcoll.passes.group_plan.GroupPlan`). Every rank applies it with
-   :func:`~fcoll.passes.bucket_plan.plan_buckets` (``forced``): exactly those merges, nothing
-   timed; where the merged collectives are issued and waited is each rank's own graph's
+   (:class:`~fcoll.passes.rewrites.group_plan.GroupPlan`). Every rank applies it with
+   :func:`~fcoll.passes.rewrites.bucket_plan.plan_buckets` (``forced``): exactly those merges,
+   nothing timed; where the merged collectives are issued and waited is each rank's own graph's
    business. A plan this rank's graph cannot follow (its dependencies forbid a merge) raises
-   :class:`~fcoll.passes.group_plan.BucketPlanError` naming rank, group and collectives.
+   :class:`~fcoll.passes.rewrites.group_plan.BucketPlanError` naming rank, group and collectives.
 
 Before the exchange, when ``config.check_ranks``, the pass runs ``check_rank_consistency`` on
 the unbucketed graph (once; at a group's first compile it does so anyway, before calibrating).
@@ -74,10 +75,10 @@ from typing import Any, Callable, NamedTuple
 import torch.distributed as dist
 import torch.fx as fx
 
-from fcoll.passes import consistency
-from fcoll.passes.bucket_key import BucketKeys
-from fcoll.passes.bucket_plan import Bucket, BucketCosts, lane_timed, plan_buckets
-from fcoll.passes.group_plan import BucketPlanError, GroupPlan, group_plans
+from fcoll.passes.rewrites import consistency
+from fcoll.passes.rewrites.bucket_key import BucketKeys
+from fcoll.passes.rewrites.bucket_plan import Bucket, BucketCosts, lane_timed, plan_buckets
+from fcoll.passes.rewrites.group_plan import BucketPlanError, GroupPlan, group_plans
 from fcoll.passes.config import FcollConfig
 
 __all__ = ["agreed_buckets", "PlanOrigin", "BucketPlanTimeoutError", "META_BUCKET_PLAN",
@@ -156,7 +157,7 @@ def agreed_buckets(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
             check), not at all when no group is shared.
 
     Returns:
-        The buckets for :func:`~fcoll.passes.bucketing.apply_buckets`, and each group's
+        The buckets for :func:`~fcoll.passes.rewrites.bucketing.apply_buckets`, and each group's
         :class:`PlanOrigin`.
 
     Raises:

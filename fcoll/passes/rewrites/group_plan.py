@@ -1,12 +1,12 @@
 """A group's bucket plan in a form every rank of the group can apply, and the rules applying it.
 
 A :class:`GroupPlan` names each merged bucket by the indices of its members in the group's
-collective sequence (:func:`~fcoll.passes.consistency.collectives_by_group` order: the sequence
-``check_rank_consistency`` fingerprints, the same on every rank). Node names, positions and
-timings differ between ranks; those indices do not. :mod:`fcoll.passes.shared_plan` passes one
-rank's plan to the others; :func:`~fcoll.passes.bucket_plan.plan_buckets` (``forced``) applies
-it with :class:`ForcedPlans`: members join exactly their planned bucket, each join checked
-against this rank's graph (:func:`~fcoll.passes.bucket_rules.dependency_rejection`), and
+collective sequence (:func:`~fcoll.passes.rewrites.consistency.collectives_by_group` order: the
+sequence ``check_rank_consistency`` fingerprints, the same on every rank). Node names, positions and
+timings differ between ranks; those indices do not. :mod:`fcoll.passes.rewrites.shared_plan` passes
+one rank's plan to the others; :func:`~fcoll.passes.rewrites.bucket_plan.plan_buckets` (``forced``)
+applies it with :class:`ForcedPlans`: members join exactly their planned bucket, each join checked
+against this rank's graph (:func:`~fcoll.passes.rewrites.bucket_rules.dependency_rejection`), and
 anything this graph cannot follow raises :class:`BucketPlanError`, never a silently
 different plan.
 """
@@ -18,8 +18,8 @@ from typing import Any, Mapping, Sequence
 
 import torch.fx as fx
 
-from fcoll.passes.bucket_rules import Member, OpenBucket, dependency_rejection
-from fcoll.passes.consistency import collectives_by_group
+from fcoll.passes.rewrites.bucket_rules import Member, OpenBucket, dependency_rejection
+from fcoll.passes.rewrites.consistency import collectives_by_group
 
 __all__ = ["BucketPlanError", "GroupPlan", "group_plans", "ForcedPlans"]
 
@@ -45,7 +45,7 @@ class GroupPlan:
 
 
 def group_plans(gm: fx.GraphModule, buckets: Sequence[Any]) -> dict[str, GroupPlan]:
-    """The merges of ``buckets`` (:class:`~fcoll.passes.bucket_plan.Bucket` records planned
+    """The merges of ``buckets`` (:class:`~fcoll.passes.rewrites.bucket_plan.Bucket` records planned
     on ``gm``) per group; every group of ``gm`` has an entry, empty when nothing merges."""
     out: dict[str, list[tuple[int, ...]]] = {}
     index: dict[str, int] = {}
@@ -90,10 +90,6 @@ class ForcedPlans:
 
     def __contains__(self, group: str) -> bool:
         return group in self.plans
-
-    def bucket_of(self, node: fx.Node) -> tuple[str, int] | None:
-        """The planned bucket of collective ``node``, None if it goes alone or is not forced."""
-        return self.planned.get(node)
 
     def not_bucketed(self, node: fx.Node, why: str) -> None:
         """``node`` cannot join any bucket here (``why``).

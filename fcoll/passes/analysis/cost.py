@@ -1,10 +1,10 @@
 """Cost model: estimated time of each graph node, in microseconds. Pure: this module measures
-nothing and never communicates; :mod:`fcoll.passes.calibrate` measures the parameters.
+nothing and never communicates; :mod:`fcoll.passes.analysis.calibration` measures the parameters.
 
 Communication follows a piecewise alpha-beta (Hockney) model per (backend, collective kind,
 group size, link), fitted from a calibration sweep over message sizes (formula and sources:
-:mod:`fcoll.passes.comm_cost`); ``bytes`` is :func:`fcoll.passes.graph.collective_bytes`, the
-larger of the collective's input and output on this rank (the whole gathered output for
+:mod:`fcoll.passes.analysis.comm_cost`); ``bytes`` is :func:`fcoll.passes.graph.collective_bytes`,
+the larger of the collective's input and output on this rank (the whole gathered output for
 all_gather, the whole input for reduce_scatter).
 
 Compute follows a roofline: ``t = op_overhead_us + max(flops / flops_per_us,
@@ -50,13 +50,13 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fcoll.compat import optimization_hint
 from fcoll.ops.facts import KINDS
-from fcoll.passes.comm_cost import (
+from fcoll.passes.analysis.comm_cost import (
     LINKS, Comm, CommCurve, CommKey, CommParams, CommTable, comm_time_us, default_comm,
 )
 from fcoll.passes.graph import (
     arg_of, collective_bytes, input_bytes, node_bytes, op_kind, per_op, size_hint,
 )
-from fcoll.passes.memory import COLLECTIVE, WAIT, op_class
+from fcoll.passes.analysis.memory import COLLECTIVE, WAIT, op_class
 
 __all__ = [
     "CommParams", "CommCurve", "CommKey", "CommTable", "LINKS", "comm_time_us", "ComputeRates",

@@ -5,7 +5,7 @@ of many. The pass buckets all_reduce, all_gather_into_tensor, reduce_scatter_ten
 all_to_all_single (either namespace, ``fcoll`` or ``_c10d_functional``). PyTorch 2.13's
 ``torch/_inductor/fx_passes/bucketing.py`` buckets only *adjacent* all_gather, reduce_scatter and
 all_reduce calls of one dtype and never all_to_all; here any collectives of one key that can be
-issued and waited at a common point may merge (see :mod:`fcoll.passes.bucket_plan`).
+issued and waited at a common point may merge (see :mod:`fcoll.passes.rewrites.bucket_plan`).
 
 Modes (``config.bucket_mode``):
 
@@ -38,7 +38,7 @@ member's result follow that wait.
 Composition with ``reorder_for_overlap``: the default pipeline is ``lower_c10d_functional ->
 bucket_collectives -> check_rank_consistency -> reorder_for_overlap``. Bucketing first lets the
 scheduler place few large collectives (its cost model sees the merged sizes), and the planner's
-lane plan (:mod:`fcoll.passes.bucket_plan`) keeps buckets from swallowing the overlap the
+lane plan (:mod:`fcoll.passes.rewrites.bucket_plan`) keeps buckets from swallowing the overlap the
 scheduler could find: a member joins a bucket only if that ends no communication later past its
 first use than issuing them apart. Both read one cost model, and share its compute
 estimates within a pipeline run (``FcollPass.estimates``). When bucketing runs
@@ -47,11 +47,11 @@ placed before a member's hiding compute, and a member whose hiding compute would
 past the first use of another member's result does not join.
 
 Rank agreement: which collectives merge is decided once per group, by the group's lowest rank,
-and applied by every rank of the group (:mod:`fcoll.passes.shared_plan`): ranks whose graphs
-differ in compute would otherwise time their lanes differently. Where the merged collectives go
-reads only the rank's graph, so every rank issues the same buckets in the same order
-(:mod:`fcoll.passes.bucket_plan` states why orders never differ). ``gm.meta[META_BUCKET_PLAN]``
-says where each group's plan came from.
+and applied by every rank of the group (:mod:`fcoll.passes.rewrites.shared_plan`): ranks whose
+graphs differ in compute would otherwise time their lanes differently. Where the merged collectives
+go reads only the rank's graph, so every rank issues the same buckets in the same order
+(:mod:`fcoll.passes.rewrites.bucket_plan` states why orders never differ).
+``gm.meta[META_BUCKET_PLAN]`` says where each group's plan came from.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fcoll.ops.facts import OPS
-from fcoll.passes.bucket_plan import Bucket, model_costs, plan_buckets
-from fcoll.passes.shared_plan import META_BUCKET_PLAN, agreed_buckets
+from fcoll.passes.rewrites.bucket_plan import Bucket, model_costs, plan_buckets
+from fcoll.passes.rewrites.shared_plan import META_BUCKET_PLAN, agreed_buckets
 from fcoll.passes.graph import META_HIDING, args_by_name, check_topological, waits_of
 from fcoll.passes.registry import FcollPass, get_pass, register_pass
 from fcoll.passes.config import FcollConfig
@@ -481,8 +481,8 @@ class BucketCollectives(FcollPass):
     """Merge collectives into buckets of at most ``config.bucket_cap_mb`` MiB of input.
 
     The lane plan needs the groups' real numbers: at a group's first compile the pass
-    calibrates it (:func:`~fcoll.passes.calibrate.model_for`). Each group's merges are its
-    lowest rank's plan on every rank (:mod:`fcoll.passes.shared_plan`). Before either
+    calibrates it (:func:`~fcoll.passes.analysis.calibration.model_for`). Each group's merges are
+    its lowest rank's plan on every rank (:mod:`fcoll.passes.rewrites.shared_plan`). Before either
     rendezvous the pass runs ``check_rank_consistency`` on the unbucketed graph (once, unless
     ``config.check_ranks`` is off), since ranks whose graphs differ would hang in a calibration
     or wait for a plan nobody makes; the pipeline's own check, after this pass, still compares
@@ -493,11 +493,11 @@ class BucketCollectives(FcollPass):
     placement.
 
     Raises:
-        fcoll.passes.consistency.RankMismatchError, RankTimeoutError: the unbucketed rank
+        fcoll.passes.rewrites.consistency.RankMismatchError, RankTimeoutError: the unbucketed rank
             check failed.
-        fcoll.passes.group_plan.BucketPlanError: a group's plan cannot be applied here.
-        fcoll.passes.shared_plan.BucketPlanTimeoutError: a group's planner did not publish its
-            plan within ``config.check_timeout_s``.
+        fcoll.passes.rewrites.group_plan.BucketPlanError: a group's plan cannot be applied here.
+        fcoll.passes.rewrites.shared_plan.BucketPlanTimeoutError: a group's planner did not publish
+            its plan within ``config.check_timeout_s``.
     """
 
     name = "bucket_collectives"
