@@ -2,19 +2,19 @@
 
 Usage::
 
-    export FCOLL_JOB_ID=my-run              # the identity the job will run under
-    python -m fcoll.calibrate --nproc 2 [--backends fcoll gloo] [--max-bytes 64M]
+    python -m fcoll.calibrate --nproc 2 [--backends fcoll gloo] [--max-bytes 64M] [--refresh]
     torchrun --nproc-per-node 2 train.py    # its first compile reads the numbers (rank 0)
 
 It spawns ``--nproc`` local ranks (:func:`fcoll.testing.run_ranks`), calibrates one group of
 each backend with the sweep up to ``--max-bytes`` (default: all of
-:data:`fcoll.passes.analysis.calibration.SWEEP_BYTES`) and leaves the numbers in the job's cache
-file (:mod:`fcoll.passes.analysis.calibration_cache`), keyed by backend, group size and host layout
-(one host here: a job spanning hosts calibrates its cross-host groups itself). It prints the fitted
-curves (median microseconds per kind and size) and where they were written.
+:data:`fcoll.passes.analysis.calibration.SWEEP_BYTES`) and leaves the numbers in the cache
+file (:mod:`fcoll.passes.analysis.calibration_cache`: this machine's, or with ``FCOLL_JOB_ID`` set
+that job's), keyed by backend, group size and host layout (one host here: a job spanning hosts
+calibrates its cross-host groups itself). ``--refresh`` times every size again and rewrites the
+file (as ``FCOLL_RECALIBRATE=1`` does inside a job). It prints the fitted curves (median
+microseconds per kind and size) and where they were written.
 
-Exit status 2 without a job identity (``FCOLL_JOB_ID`` or ``TORCHELASTIC_RUN_ID``): the numbers
-would have nowhere to go.
+Exit status 2 with ``FCOLL_CALIBRATION_CACHE=0``: the numbers would have nowhere to go.
 """
 
 from __future__ import annotations
@@ -63,13 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bytes", type=_parse_size, default=None,
                    help="largest size to time (4K, 16M, ...); default: the whole sweep")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--refresh", action="store_true",
+                   help="time every size again and rewrite the cache file")
     args = p.parse_args(argv)
-    job = calibration_cache.job_id()
+    job = calibration_cache.cache_identity()
     if job is None:
-        print("python -m fcoll.calibrate: no job identity: set FCOLL_JOB_ID (or "
-              "TORCHELASTIC_RUN_ID) to the identity the job will run under", file=sys.stderr)
+        print("python -m fcoll.calibrate: FCOLL_CALIBRATION_CACHE=0 turns the cache file off: "
+              "the numbers would have nowhere to go", file=sys.stderr)
         return 2
-    r0 = run_ranks(_calibrate_rank, args.nproc, backend="fcoll",
+    env = {"FCOLL_RECALIBRATE": "1"} if args.refresh else None
+    r0 = run_ranks(_calibrate_rank, args.nproc, backend="fcoll", env=env,
                    args=(args.backends, args.max_bytes), timeout_s=args.timeout_s)[0]
     for backend in args.backends:
         res = r0[backend]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import weakref
 
 import pytest
@@ -246,15 +247,45 @@ def test_bad_cache_files_are_ignored_with_a_warning(job_dir, caplog):
     assert calibration_cache.read_entry(path, KEY) is None
 
 
-def test_no_job_identity_means_no_cache_file(monkeypatch, tmp_path):
+def test_without_a_job_identity_the_cache_is_this_machines(monkeypatch, tmp_path):
+    """The default: one directory per machine, whatever torchrun's run id (every launch has a
+    new one), so every run on this machine reuses the first run's numbers and plans alike;
+    ``FCOLL_JOB_ID`` gives a job its own; ``FCOLL_CALIBRATION_CACHE=0`` turns it off."""
     monkeypatch.setenv("FCOLL_CALIBRATION_DIR", str(tmp_path))
+    monkeypatch.delenv("FCOLL_CALIBRATION_CACHE", raising=False)
     monkeypatch.delenv("FCOLL_JOB_ID", raising=False)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")   # torchrun's default without an id
-    assert calibration_cache.cache_path("fcoll", 2, "0.0") is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
-    assert calibration_cache.cache_path("fcoll", 2, "0.0") is not None
+    machine = calibration_cache.cache_path("fcoll", 2, "0.0")
+    assert os.path.basename(os.path.dirname(machine)).startswith("machine-")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "def")
+    assert calibration_cache.cache_path("fcoll", 2, "0.0") == machine
+    monkeypatch.setenv("FCOLL_JOB_ID", "my-run")
+    job = calibration_cache.cache_path("fcoll", 2, "0.0")
+    assert os.path.basename(os.path.dirname(job)).startswith("job-") and job != machine
     monkeypatch.setenv("FCOLL_CALIBRATION_CACHE", "0")
     assert calibration_cache.cache_path("fcoll", 2, "0.0") is None
+
+
+def test_recalibrate_ignores_the_file_and_old_job_directories_go_but_machines_stay(
+        monkeypatch, tmp_path):
+    monkeypatch.setenv("FCOLL_CALIBRATION_DIR", str(tmp_path))
+    monkeypatch.delenv("FCOLL_CALIBRATION_CACHE", raising=False)
+    monkeypatch.delenv("FCOLL_JOB_ID", raising=False)
+    path = calibration_cache.cache_path("fcoll", 2, "0.0")
+    calibration_cache.write_entry(path, KEY, [1.0, 2.0, 3.0], {"all_reduce": [[4096, 20.0]]})
+    assert calibration_cache.read_entry(path, KEY) is not None
+    monkeypatch.setenv("FCOLL_RECALIBRATE", "1")
+    assert calibration_cache.read_entry(path, KEY) is None
+    monkeypatch.delenv("FCOLL_RECALIBRATE")
+    old = time.time() - calibration_cache.STALE_S - 60
+    monkeypatch.setenv("FCOLL_JOB_ID", "old-job")
+    old_job = os.path.dirname(calibration_cache.cache_path("fcoll", 2, "0.0"))
+    for d in (old_job, os.path.dirname(path)):
+        os.utime(d, (old, old))
+    monkeypatch.setenv("FCOLL_JOB_ID", "new-job")
+    calibration_cache.cache_path("fcoll", 2, "0.0")   # a new job directory prunes
+    assert not os.path.exists(old_job)
+    assert calibration_cache.read_entry(path, KEY) is not None   # the machine's stays
 
 
 def test_a_directory_others_can_write_is_refused(job_dir, caplog):
@@ -416,10 +447,14 @@ def test_precompute_cli_fills_the_job_cache(job_dir, monkeypatch, capsys):
     assert entry is not None
     assert {len(v) for v in entry["points"].values()} == {len(calibrate.sizes_for(4 * KiB))}
     assert path in capsys.readouterr().out
-    monkeypatch.delenv("FCOLL_JOB_ID")
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert main(["--nproc", "2", "--backends", "fcoll", "--max-bytes", "4K"]) == 0
+    assert "; 0 sizes timed, 1 read from the cache file)" in capsys.readouterr().out
+    assert main(["--nproc", "2", "--backends", "fcoll", "--max-bytes", "4K", "--refresh"]) == 0
+    assert f"; {len(calibrate.sizes_for(4 * KiB))} sizes timed, 0 read from the cache file)" \
+        in capsys.readouterr().out
+    monkeypatch.setenv("FCOLL_CALIBRATION_CACHE", "0")
     assert main(["--nproc", "2"]) == 2
-    assert "no job identity" in capsys.readouterr().err
+    assert "turns the cache file off" in capsys.readouterr().err
 
 
 def test_a_new_job_removes_job_directories_untouched_for_a_day(job_dir, monkeypatch):

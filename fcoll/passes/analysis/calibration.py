@@ -24,7 +24,7 @@ whole sweep for a job). Results are reused, without timing again:
    sizes in later graphs are extrapolated by the last segment;
 2. for another group of the same backend, size and host layout in this process: rank 0's
    numbers, one broadcast;
-3. across processes of one job: rank 0 reads the job's cache file
+3. across processes (every run on this machine, or one job's): rank 0 reads the cache file
    (:mod:`fcoll.passes.analysis.calibration_cache`), one broadcast.
 
 Determinism: whether to time and what to time is decided by the group's rank 0 alone and

@@ -1,23 +1,28 @@
-"""The calibration's per-job cache file: one JSON file per (backend, group size, host layout),
-so that the processes of one job (a restarted rank, a second compile in a fresh process, an
-evaluation run launched under the same job) reuse a sweep instead of timing it again.
+"""The calibration's cache file: one JSON file per (backend, group size, host layout), so that
+every run on this machine reuses a group shape's sweep instead of timing it again, and so gets
+the same cost model, hence the same bucket plan and schedule, in every run.
 
 Only a group's rank 0 reads and writes it (:func:`fcoll.passes.analysis.calibration.calibrate_group`
 broadcasts rank 0's numbers), so the ranks never disagree about whether a size is known, and no
 file system is assumed shared between hosts.
 
 Where: ``$FCOLL_CALIBRATION_DIR`` (default ``<tempdir>/fcoll-calibration-<uid>``), then one
-directory per job, named by a hash of the job's identity: ``$FCOLL_JOB_ID``, else torchrun's
-(and ``fcoll.launch``'s) ``$TORCHELASTIC_RUN_ID`` unless it is ``none``. Without a job identity
-nothing is read or written: numbers from an unrelated earlier job on a then-quieter (or busier)
-machine are not "safe" to reuse. ``FCOLL_CALIBRATION_CACHE=0`` turns the file off.
+directory per identity, named by its hash:
 
-Job directories untouched for a day are removed when a new job creates its own (every
-``fcoll.launch`` is a new job). Safety: the directories are created with mode 0700 and used only when they are real
-directories owned by this user and not readable by others; files are written to a temporary
-name and renamed (a reader sees the old or the new file, never half of one); a file that does
-not parse, whose key differs, or whose numbers are not finite and positive is ignored with a
-warning (the group is then timed again and the file rewritten).
+- by default, the **machine**'s (:func:`machine_identity`: host name, CPU model, CPU count, torch
+  version): the numbers of the first run on this machine serve every later run;
+- with ``$FCOLL_JOB_ID``, that **job**'s: its processes share numbers timed for it alone (a job
+  that wants its own, say on a machine whose load changed); job directories untouched for a
+  day are removed when a new job creates its own.
+
+``FCOLL_RECALIBRATE=1`` times every group again and rewrites its file (``python -m
+fcoll.calibrate --refresh`` does it before a job); ``FCOLL_CALIBRATION_CACHE=0`` turns the file
+off (every process times its groups, as the test suite does). Safety: the directories are
+created with mode 0700 and used only when they are real directories owned by this user and not
+readable by others; files are written to a temporary name and renamed (a reader sees the old or
+the new file, never half of one); a file that does not parse, whose key differs, or whose numbers
+are not finite and positive is ignored with a warning (the group is then timed again and the
+file rewritten).
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ import json
 import logging
 import math
 import os
+import platform
+import socket
 import stat
 import tempfile
 import time
 from typing import Any
 
-__all__ = ["FORMAT", "STALE_S", "job_id", "cache_dir", "cache_path", "read_entry", "write_entry"]
+__all__ = ["FORMAT", "STALE_S", "cache_identity", "machine_identity", "refresh_requested",
+           "cache_dir", "cache_path", "read_entry", "write_entry"]
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +48,33 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 
 
-def job_id() -> str | None:
-    """The job's identity, or None when there is none (then nothing is cached in files)."""
+def machine_identity() -> str:
+    """What makes numbers of one machine valid on another run of it: host name, CPU model,
+    CPU count and torch version (a new torch may time its kernels differently)."""
+    import torch
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"machine={socket.gethostname()}|{model}|{os.cpu_count()}|torch {torch.__version__}"
+
+
+def cache_identity() -> str | None:
+    """The identity the cache is kept under: ``FCOLL_JOB_ID=...`` when that is set, else
+    :func:`machine_identity`; None when ``FCOLL_CALIBRATION_CACHE=0`` (no file)."""
     if os.environ.get("FCOLL_CALIBRATION_CACHE", "1") == "0":
         return None
-    for var in ("FCOLL_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(var, "").strip()
-        if value and value.lower() != "none":
-            return f"{var}={value}"
-    return None
+    job = os.environ.get("FCOLL_JOB_ID", "").strip()
+    return f"FCOLL_JOB_ID={job}" if job else machine_identity()
+
+
+def refresh_requested() -> bool:
+    """``FCOLL_RECALIBRATE=1``: time every group again and rewrite its file."""
+    return os.environ.get("FCOLL_RECALIBRATE", "0") not in ("", "0")
 
 
 def _private_dir(path: str) -> bool:
@@ -67,14 +93,16 @@ def _private_dir(path: str) -> bool:
     return True
 
 
-def cache_dir(job: str | None = None) -> str | None:
-    """This job's cache directory (created, private), or None without a job identity."""
-    job = job if job is not None else job_id()
-    if job is None:
+def cache_dir(identity: str | None = None) -> str | None:
+    """The cache directory of ``identity`` (default :func:`cache_identity`; created, private):
+    ``machine-<hash>`` or ``job-<hash>``; None when the cache is off."""
+    identity = identity if identity is not None else cache_identity()
+    if identity is None:
         return None
     root = os.environ.get("FCOLL_CALIBRATION_DIR") or os.path.join(
         tempfile.gettempdir(), f"fcoll-calibration-{os.getuid()}")
-    path = os.path.join(root, hashlib.sha256(job.encode()).hexdigest()[:16])
+    kind = "machine" if identity.startswith("machine=") else "job"
+    path = os.path.join(root, f"{kind}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}")
     if not _private_dir(root):
         return None
     if not os.path.isdir(path):
@@ -87,8 +115,8 @@ STALE_S = 24 * 3600.0
 
 
 def _prune(root: str) -> None:
-    """Remove job directories of ``root`` (private, ours) untouched for :data:`STALE_S`: every
-    ``fcoll.launch`` is a new job, and nothing else would ever delete them."""
+    """Remove job directories of ``root`` (private, ours) untouched for :data:`STALE_S`:
+    nothing else would ever delete them. Machine directories stay: they are the default."""
     now = time.time()
     try:
         names = os.listdir(root)
@@ -96,6 +124,8 @@ def _prune(root: str) -> None:
         return
     for name in names:
         job = os.path.join(root, name)
+        if name.startswith("machine-"):
+            continue
         try:
             if os.path.islink(job) or not os.path.isdir(job):
                 continue
@@ -109,7 +139,7 @@ def _prune(root: str) -> None:
 
 
 def cache_path(backend: str, group_size: int, layout: str) -> str | None:
-    """The file of one (backend, group size, host layout) in this job's directory, or None."""
+    """The file of one (backend, group size, host layout) in the cache directory, or None."""
     d = cache_dir()
     if d is None:
         return None
@@ -135,8 +165,12 @@ def _valid(entry: Any, key: dict[str, Any]) -> bool:
 
 def read_entry(path: str | None, key: dict[str, Any]) -> dict[str, Any] | None:
     """The cached entry ``{"compute": [3 floats], "points": {kind: [[bytes, us], ...]}}`` at
-    ``path`` if it exists and is valid for ``key``; None otherwise (a bad file: warning)."""
+    ``path`` if it exists and is valid for ``key``; None otherwise (a bad file: warning;
+    ``FCOLL_RECALIBRATE=1``: always None, so the group is timed again and the file rewritten)."""
     if path is None or not os.path.exists(path):
+        return None
+    if refresh_requested():
+        log.info("calibration cache %s: FCOLL_RECALIBRATE is set, timing again", path)
         return None
     try:
         with open(path, encoding="utf-8") as f:
