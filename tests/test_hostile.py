@@ -2,7 +2,7 @@
 deliverables 3 and 4).
 
 - Crafted headers (a few bytes claiming gigabytes, deep nesting, huge counts, random mutations)
-  are rejected by :func:`fcoll.shm.headers.check` in O(header bytes) time and memory, with a
+  are rejected by :func:`fcoll.shm.transport.headers.check` in O(header bytes) time and memory, with a
   bounded message naming the rank.
 - Random byte flips from a third process in a live segment's headers: every call either returns
   the right result or raises ``CollectiveMismatchError``; the group stays usable.
@@ -31,10 +31,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fcoll.shm import headers as hdr
-from fcoll.shm.headers import CollectiveMismatchError, Header, MalformedHeaderError
-from fcoll.shm.segment import (HEADER_BYTES, NSLOTS, PAGE, Layout, default_slot_bytes,
-                               open_segment, proc_start_time, sweep_dead_segments)
+from fcoll.shm.transport import headers as hdr
+from fcoll.shm.transport.headers import CollectiveMismatchError, Header, MalformedHeaderError
+from fcoll.shm.transport.segment import (HEADER_BYTES, NSLOTS, PAGE, Layout, default_slot_bytes,
+                                         open_segment, proc_start_time, sweep_dead_segments)
 from fcoll.testing import fcoll_segments, run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

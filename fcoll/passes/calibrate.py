@@ -206,7 +206,7 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
     4-5, 4 repeats each, slowest rank's median of 9: all_reduce 4-256 KiB 1.17-1.31x,
     all_gather and all_to_all 4-64 KiB 1.13-1.32x, broadcast 1.07-1.47x); kind by kind,
     0.88-1.09x, in the same time (0.61 s for 4 KiB .. 64 MiB). fcoll's waits adapt to their
-    recent history (the spin backoff of :mod:`fcoll.shm.sync`), so what ran before a cell
+    recent history (the spin backoff of :mod:`fcoll.shm.transport.sync`), so what ran before a cell
     matters.
 
     The order depends only on the arguments: every rank of ``pg`` issues the same collectives

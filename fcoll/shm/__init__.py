@@ -25,14 +25,14 @@ BACKEND_NAME = "fcoll"
 def create_process_group(common_opts, backend_opts=None):
     """Backend creator for ``Backend.register_backend(..., extended_api=True)``.
 
-    The group's ranks first exchange their host identity (:func:`fcoll.shm.hosts.host_id`)
+    The group's ranks first exchange their host identity (:func:`fcoll.shm.multihost.host_layout.host_id`)
     through the group's store. Ranks all on one host get a plain
-    :class:`~fcoll.shm.process_group.FcollProcessGroup` (shared memory, no overhead); ranks on
-    several hosts get a :class:`~fcoll.shm.hierarchical.HierarchicalProcessGroup` (shared memory
+    :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (shared memory, no overhead); ranks on
+    several hosts get a :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` (shared memory
     inside each host, gloo between hosts). A group of one rank skips the exchange.
     """
-    from fcoll.shm.hosts import HostLayout, exchange_host_ids
-    from fcoll.shm.process_group import FcollProcessGroup
+    from fcoll.shm.multihost.host_layout import HostLayout, exchange_host_ids
+    from fcoll.shm.group.process_group import FcollProcessGroup
 
     store, rank, size = common_opts.store, common_opts.group_rank, common_opts.group_size
     global_ranks = list(common_opts.global_ranks_in_group or [])
@@ -41,7 +41,7 @@ def create_process_group(common_opts, backend_opts=None):
                                 common_opts.timeout)
         layout = HostLayout.from_host_ids(ids)
         if layout.num_hosts > 1:
-            from fcoll.shm.hierarchical import HierarchicalProcessGroup
+            from fcoll.shm.multihost.hierarchical import HierarchicalProcessGroup
 
             return HierarchicalProcessGroup(store, rank, size, common_opts.timeout, layout,
                                             global_ranks=global_ranks)
@@ -63,7 +63,7 @@ def register_backend() -> None:
 
 
 def cuda_path(group=None) -> str | None:
-    """The CUDA path of an fcoll group: ``"ipc"`` or ``"staged"`` (see :mod:`fcoll.shm.cuda`),
+    """The CUDA path of an fcoll group: ``"ipc"`` or ``"staged"`` (see :mod:`fcoll.shm.cuda.paths`),
     None before its first CUDA collective or for a group of another backend.
 
     Args:

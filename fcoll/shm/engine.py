@@ -24,7 +24,7 @@ would throttle the compute they overlap.
 Failure model: a header mismatch or invalid input raises on every rank at the same phase, so the
 group stays usable. A dead peer, a timeout or an unexpected error leaves the ranks at different
 phases: the group is marked broken and every later collective fails at once with that error, and
-the collective is fenced in shared memory (:meth:`~fcoll.shm.sync.Channel.give_up`): a peer
+the collective is fenced in shared memory (:meth:`~fcoll.shm.transport.sync.Channel.give_up`): a peer
 waiting for it, or arriving at it later, raises naming this rank instead of computing a result
 from data this rank abandoned, and is broken in turn. Destroying the group fences the next
 sequence number, so a peer still to call it raises at once instead of at the timeout.
@@ -45,11 +45,11 @@ from typing import Any, Callable
 import torch
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm.phases import Call
-from fcoll.shm.headers import CollectiveMismatchError
-from fcoll.shm.segment import Segment
-from fcoll.shm.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, TRANSFER_BYTES_PER_S, Channel,
-                            PeerError)
+from fcoll.shm.transport.phases import Call
+from fcoll.shm.transport.headers import CollectiveMismatchError
+from fcoll.shm.transport.segment import Segment
+from fcoll.shm.transport.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, TRANSFER_BYTES_PER_S,
+                                      Channel, PeerError)
 
 log = logging.getLogger(__name__)
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -203,13 +203,13 @@ class Engine:
         return True
 
     def run_now(self, plan, fn: Callable[..., None], args: tuple) -> BaseException | bool:
-        """Run a one-slot kernel (:mod:`fcoll.shm.one_slot`) on the caller's thread, if
+        """Run a one-slot kernel (:mod:`fcoll.shm.kernels.one_slot`) on the caller's thread, if
         nothing is queued or executing, and make no ``Work``: the direct path's form of
         :meth:`run_fast` (a ``Work`` and its checks behind Dynamo's eager wrapper cost about
         2 us a call).
 
         Args:
-            plan: a :class:`~fcoll.shm.one_slot.OneSlotPlan`: its ``name`` and header ``tail``
+            plan: a :class:`~fcoll.shm.kernels.one_slot.OneSlotPlan`: its ``name`` and header ``tail``
                 are used here.
             fn: the kernel, called ``fn(ch, plan, *args, payload, what, start)``.
             args: the user's tensors (and the root) for ``fn``; ``args[0]`` is what this rank

@@ -1,4 +1,4 @@
-"""The queue and the ``Work`` objects of :class:`fcoll.shm.hierarchical.HierarchicalProcessGroup`."""
+"""The queue and the ``Work`` objects of :class:`fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup`."""
 
 from __future__ import annotations
 

@@ -77,9 +77,9 @@ import os
 import threading
 import time
 
-from fcoll.shm.segment import (MAX_SLEEP_FLAGS, U32_BITS, U32_MASK, W_ARRIVE, W_CPU,
-                                W_GAVE_UP, W_GAVE_UP_WHY, W_PID, W_SLEEP, W_START_HI,
-                                W_START_LO, Segment, proc_alive)
+from fcoll.shm.transport.segment import (MAX_SLEEP_FLAGS, U32_BITS, U32_MASK, W_ARRIVE, W_CPU,
+                                         W_GAVE_UP, W_GAVE_UP_WHY, W_PID, W_SLEEP, W_START_HI,
+                                         W_START_LO, Segment, proc_alive)
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT = 0

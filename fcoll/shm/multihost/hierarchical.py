@@ -1,9 +1,9 @@
 """``HierarchicalProcessGroup``: an fcoll group whose ranks span several hosts.
 
 :func:`fcoll.shm.create_process_group` builds one when a group's ranks have more than one host
-identity (:mod:`fcoll.shm.hosts`). It holds three groups, made in this order on every rank:
+identity (:mod:`fcoll.shm.multihost.host_layout`). It holds three groups, made in this order on every rank:
 
-- ``intra``: an :class:`~fcoll.shm.process_group.FcollProcessGroup` of the ranks of this host
+- ``intra``: an :class:`~fcoll.shm.group.process_group.FcollProcessGroup` of the ranks of this host
   (shared memory), on the store prefix ``intra/<host>/``; absent on a host with one rank;
 - ``inter``: a gloo group of the ranks with this rank's *local rank* on every host (host ``h``
   is its group rank ``h``), on ``inter/<local rank>/``; only when every host holds the same
@@ -39,7 +39,7 @@ gather, scatter and point-to-point. Inter-host all_reduce of a dtype/op gloo can
 (complex product, ...) runs as an inter all_gather and a local reduction.
 
 Ops run in issue order, one at a time, on the group's worker thread or on the thread that
-waits for one (:class:`~fcoll.shm.hierarchical_work.OrderedRunner`: every rank issues the
+waits for one (:class:`~fcoll.shm.multihost.work.OrderedRunner`: every rank issues the
 inner groups' collectives in the same order); a ``Work`` completes when its op ran. CPU
 tensors are tested; CUDA tensors go through the inner groups' own CUDA support, untested here.
 
@@ -52,7 +52,7 @@ depends on the layout alone, the same on every rank.
 
 The class holds the sub-groups, identity, lifecycle, the queue and the pre-flight, and the ops
 that always run on ``flat`` (all_to_all, gather, scatter, point-to-point). The compositions of
-the table above are functions of :mod:`fcoll.shm.hierarchical_compositions`, bound here as
+the table above are functions of :mod:`fcoll.shm.multihost.compositions`, bound here as
 methods.
 """
 
@@ -68,16 +68,17 @@ import torch
 import torch.distributed as dist
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm import arg_checks as checks
-from fcoll.shm import hierarchical_compositions, movement
-from fcoll.shm.hierarchical_work import ChainedWork, HierarchicalWork, OrderedRunner
-from fcoll.shm.hosts import HostLayout
-from fcoll.shm.links import OP_CODES, SIGNATURE, agree, as_bytes, dtype_code
-from fcoll.shm.process_group import FcollProcessGroup
+from fcoll.shm.group import arg_checks as checks
+from fcoll.shm.multihost import compositions as hierarchical_compositions
+from fcoll.shm.kernels import movement
+from fcoll.shm.multihost.work import ChainedWork, HierarchicalWork, OrderedRunner
+from fcoll.shm.multihost.host_layout import HostLayout
+from fcoll.shm.multihost.gloo_link import OP_CODES, SIGNATURE, agree, as_bytes, dtype_code
+from fcoll.shm.group.process_group import FcollProcessGroup
 
 __all__ = ["HierarchicalProcessGroup", "HierarchicalWork"]
 
-#: The pre-flight's op code of each public op name (:data:`fcoll.shm.links.OP_CODES`).
+#: The pre-flight's op code of each public op name (:data:`fcoll.shm.multihost.gloo_link.OP_CODES`).
 _KIND = {"all_reduce": "all_reduce", "reduce": "reduce", "all_reduce_coalesced": "all_reduce",
          "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
          "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
@@ -96,7 +97,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         layout: which group ranks share a host (the same on every rank).
         global_ranks: global rank of each group rank (for error messages).
 
-    Shapes per rank are those of :class:`~fcoll.shm.process_group.FcollProcessGroup`.
+    Shapes per rank are those of :class:`~fcoll.shm.group.process_group.FcollProcessGroup`.
 
     Raises (from the methods): ``ValueError`` naming op, rank and shapes for arguments invalid
     on this rank (a reduce op undefined for the dtype, an all_gather output that is not
@@ -251,7 +252,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         futs, self._coalescing = self._coalescing or [], None
         return HierarchicalWork(futs, self._runner)
 
-    # ---- composed collectives (fcoll.shm.hierarchical_compositions) -----------------------
+    # ---- composed collectives (fcoll.shm.multihost.compositions) -----------------------
     allreduce = hierarchical_compositions.allreduce
     allreduce_out_of_place = hierarchical_compositions.allreduce_out_of_place
     reduce = hierarchical_compositions.reduce

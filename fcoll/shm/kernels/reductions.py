@@ -1,4 +1,4 @@
-"""Reducing collectives over the shared-memory slots (protocol: :mod:`fcoll.shm.phases`).
+"""Reducing collectives over the shared-memory slots (protocol: :mod:`fcoll.shm.transport.phases`).
 
 Algorithms (n ranks, this rank r, sizes per rank):
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from fcoll.ops.reduce import reduce_pair_inplace, reduce_rows
-from fcoll.shm.headers import NO_SEQ, Header, dtype_name
-from fcoll.shm.phases import SLICE_ALIGN_ELEMS, Call, ceil_div, pipelined, slice_of
+from fcoll.shm.transport.headers import NO_SEQ, Header, dtype_name
+from fcoll.shm.transport.phases import SLICE_ALIGN_ELEMS, Call, ceil_div, pipelined, slice_of
 
 SMALL_ALLREDUCE_BYTES = 64 << 10  # at 3+ ranks, one-phase all_reduce up to this size
 

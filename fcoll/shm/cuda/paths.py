@@ -55,9 +55,9 @@ from typing import Any, Callable
 import torch
 
 from fcoll.ops.reduce import divide_for_avg, logical_op
-from fcoll.shm import movement
-from fcoll.shm.phases import Call, slice_of
-from fcoll.shm.validate import Staging
+from fcoll.shm.kernels import movement
+from fcoll.shm.transport.phases import Call, slice_of
+from fcoll.shm.group.validate import Staging
 
 PATH_ENV = "FCOLL_CUDA_PATH"  #: ``auto`` | ``ipc`` | ``staged``
 TWO_SHOT_ENV = "FCOLL_CUDA_TWO_SHOT_BYTES"  #: all_reduce size from which 3+ ranks go two-shot

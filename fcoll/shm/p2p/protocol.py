@@ -1,12 +1,12 @@
-"""The transfer half of :mod:`fcoll.shm.p2p`: operation records, the rings and the matching.
+"""The transfer half of :mod:`fcoll.shm.p2p.sendrecv`: operation records, the rings and the matching.
 
 It holds ``_Op`` (one send or receive), ``_InMsg`` (the message a receive ring is copying) and
-``RingProtocol``, the mixin of :class:`~fcoll.shm.p2p.P2P`'s progress steps: ``_step`` moves
+``RingProtocol``, the mixin of :class:`~fcoll.shm.p2p.sendrecv.P2P`'s progress steps: ``_step`` moves
 every pending operation as far as it goes without waiting, ``_push`` writes a send's chunks into
 the peer's ring and reads its acks, ``_pull`` copies what a peer published, ``_match`` /
 ``_match_unexpected`` apply MPI's non-overtaking rule, and ``_accept`` writes the ack with the
-verdict (the protocol of :mod:`fcoll.shm.p2p`'s module docstring, over the layout of
-:mod:`fcoll.shm.inbox`).
+verdict (the protocol of :mod:`fcoll.shm.p2p.sendrecv`'s module docstring, over the layout of
+:mod:`fcoll.shm.p2p.inbox`).
 
 It is separate from ``p2p.py`` so that each file holds one idea: here, what moves through the
 rings and in what order, none of which ever waits; there, the per-rank state, issuing, waiting
@@ -24,10 +24,10 @@ import threading
 import torch
 
 from fcoll.shm.engine import settle_future
-from fcoll.shm.inbox import (ACK_MISMATCH, ACK_OK, ACKS, NCHUNKS, R_HEAD, R_TAIL, RECORD_BYTES,
+from fcoll.shm.p2p.inbox import (ACK_MISMATCH, ACK_OK, ACKS, NCHUNKS, R_HEAD, R_TAIL, RECORD_BYTES,
                              ack_marker, decode_record, encode_record, show_message)
-from fcoll.shm.segment import U32_MASK
-from fcoll.shm.sync import PeerError
+from fcoll.shm.transport.segment import U32_MASK
+from fcoll.shm.transport.sync import PeerError
 
 
 class _Op:
@@ -77,7 +77,7 @@ class _InMsg:
 
 
 class RingProtocol:
-    """Mixin: :class:`~fcoll.shm.p2p.P2P`'s progress steps over the rings (see module
+    """Mixin: :class:`~fcoll.shm.p2p.sendrecv.P2P`'s progress steps over the rings (see module
     docstring); called with the progress lock held, they never wait."""
 
     # ---- progress --------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 Each function returns why a call's arguments are invalid on this rank (a message naming the
 argument, as ``"output_tensors[1] has 5 elements, input_tensors[0] has 4"``), or None. Nothing
 here raises or communicates: the caller tells its peers before raising, so every rank fails
-the same call (:class:`fcoll.shm.hierarchical.HierarchicalProcessGroup` sends the message
-through its pre-flight step). The tensor-level checks are :mod:`fcoll.shm.validate`'s, so a
+the same call (:class:`fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` sends the message
+through its pre-flight step). The tensor-level checks are :mod:`fcoll.shm.group.validate`'s, so a
 call is refused for the same reasons, in the same words, as on a one-host fcoll group.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from fcoll.ops.reduce import check_reduce_op
-from fcoll.shm.validate import (
+from fcoll.shm.group.validate import (
     Staging,
     check_no_overlap,
     check_reduce_scatter,

@@ -1,8 +1,8 @@
-"""The composed collectives of :class:`~fcoll.shm.hierarchical.HierarchicalProcessGroup`.
+"""The composed collectives of :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup`.
 
 all_reduce (in place and out of place), reduce, all_reduce_coalesced (in place and out of place),
 all_gather and reduce_scatter (tensor, list and coalesced forms), broadcast and barrier: the ops
-of the table in :mod:`fcoll.shm.hierarchical`, each run as intra-host steps (shared memory) and
+of the table in :mod:`fcoll.shm.multihost.hierarchical`, each run as intra-host steps (shared memory) and
 inter-host steps (gloo), or on ``flat`` on an uneven layout. Each checks its arguments on this
 rank and queues its body through the group's ``_op`` (the pre-flight, then the body); barrier
 queues its steps through ``_submit`` (no pre-flight).
@@ -15,7 +15,7 @@ wraps only the methods a class defines itself, so ``HierarchicalProcessGroup`` b
 one in its own body (``allreduce = hierarchical_compositions.allreduce``) and they stay eager
 entry points under Dynamo, as before.
 
-Shapes per rank are those of :class:`~fcoll.shm.process_group.FcollProcessGroup`.
+Shapes per rank are those of :class:`~fcoll.shm.group.process_group.FcollProcessGroup`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from fcoll.ops.reduce import (
     reduce_op_name,
     reduce_rows_into,
 )
-from fcoll.shm import arg_checks as checks
-from fcoll.shm.hierarchical_work import HierarchicalWork
-from fcoll.shm.links import (
+from fcoll.shm.group import arg_checks as checks
+from fcoll.shm.multihost.work import HierarchicalWork
+from fcoll.shm.multihost.gloo_link import (
     REDUCE_CODES,
     as_bytes,
     chunk_spans,
@@ -44,10 +44,10 @@ from fcoll.shm.links import (
     gloo_reduce_scatter_rows,
     make_opts,
 )
-from fcoll.shm.validate import check_all_gather
+from fcoll.shm.group.validate import check_all_gather
 
 if TYPE_CHECKING:
-    from fcoll.shm.hierarchical import HierarchicalProcessGroup
+    from fcoll.shm.multihost.hierarchical import HierarchicalProcessGroup
 
 
 # ---- all_reduce -----------------------------------------------------------------------

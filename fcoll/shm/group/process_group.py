@@ -2,10 +2,10 @@
 
 Each method mirrors what ``torch.distributed.distributed_c10d`` (and C++ callers such as DDP's
 reducer, through the ``PyProcessGroup`` trampoline) call on a process group. A synchronous call
-of a small collective runs first through :mod:`fcoll.shm.fast_paths`. Otherwise the method
+of a small collective runs first through :mod:`fcoll.shm.group.fast_paths`. Otherwise the method
 validates its arguments on the calling thread, stages inputs (CUDA -> host, non-contiguous ->
 contiguous), queues a :class:`~fcoll.shm.engine.Job` whose ``run`` is an algorithm of
-:mod:`fcoll.shm.reductions` or :mod:`fcoll.shm.movement`, and returns a ``Work`` made from the
+:mod:`fcoll.shm.kernels.reductions` or :mod:`fcoll.shm.kernels.movement`, and returns a ``Work`` made from the
 job's future. Invalid arguments still queue a header-only job flagged invalid, so every peer
 raises the same message instead of hanging; the calling rank raises ``ValueError`` at once.
 
@@ -18,8 +18,8 @@ integers.
 The class holds the group's identity, lifecycle, submission (``_submit``) and its data-movement
 collectives (all_gather, all_to_all, broadcast, barrier, gather, scatter, point-to-point). The
 collectives that take a reduce op (all_reduce, reduce, their coalesced forms, reduce_scatter)
-are functions of :mod:`fcoll.shm.group_reductions`, bound here as methods; the CUDA submission
-helpers (path setup, staging, the IPC path) are the :class:`~fcoll.shm.group_cuda.CudaSubmission`
+are functions of :mod:`fcoll.shm.group.reducing`, bound here as methods; the CUDA submission
+helpers (path setup, staging, the IPC path) are the :class:`~fcoll.shm.cuda.submission.CudaSubmission`
 mixin.
 """
 
@@ -33,21 +33,22 @@ import torch
 import torch.distributed as dist
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm import group_reductions, movement
-from fcoll.shm.arg_checks import is_seq as _is_seq
-from fcoll.shm.arg_checks import list_error as _list_error
-from fcoll.shm.arg_checks import pairs_error as _pairs_error
-from fcoll.shm.cuda import CudaGroup, CudaStaging, IpcBuffers, header_dtype
+from fcoll.shm.group import reducing as group_reductions
+from fcoll.shm.kernels import movement
+from fcoll.shm.group.arg_checks import is_seq as _is_seq
+from fcoll.shm.group.arg_checks import list_error as _list_error
+from fcoll.shm.group.arg_checks import pairs_error as _pairs_error
+from fcoll.shm.cuda.paths import CudaGroup, CudaStaging, IpcBuffers, header_dtype
 from fcoll.shm.engine import Engine, FcollWork, Job
-from fcoll.shm.fast_paths import FastPaths
-from fcoll.shm.group_cuda import CudaSubmission
-from fcoll.shm.headers import NO_ROOT, Header, dtype_name
-from fcoll.shm.p2p import P2P
-from fcoll.shm.phases import Call
-from fcoll.shm.segment import default_slot_bytes, open_segment
-from fcoll.shm.sync import Channel
-from fcoll.shm.validate import (Staging, check_all_gather, check_no_overlap, check_tensor,
-                                check_tensors)
+from fcoll.shm.group.fast_paths import FastPaths
+from fcoll.shm.cuda.submission import CudaSubmission
+from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name
+from fcoll.shm.p2p.sendrecv import P2P
+from fcoll.shm.transport.phases import Call
+from fcoll.shm.transport.segment import default_slot_bytes, open_segment
+from fcoll.shm.transport.sync import Channel
+from fcoll.shm.group.validate import (Staging, check_all_gather, check_no_overlap, check_tensor,
+                                      check_tensors)
 
 ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
 
@@ -128,7 +129,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
     @property
     def cuda_path(self) -> str | None:
         """``"ipc"`` or ``"staged"``: the path of this group's CUDA collectives (see
-        :mod:`fcoll.shm.cuda`), None before its first CUDA collective."""
+        :mod:`fcoll.shm.cuda.paths`), None before its first CUDA collective."""
         return self._cuda.path
 
     # ---- submission -----------------------------------------------------------------------
@@ -178,7 +179,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
             self._coalescing.append(job)
         return FcollWork(eng, [job], name)
 
-    # ---- all_reduce / reduce (fcoll.shm.group_reductions) ------------------------------------
+    # ---- all_reduce / reduce (fcoll.shm.group.reducing) ------------------------------------
     allreduce = group_reductions.allreduce
     allreduce_out_of_place = group_reductions.allreduce_out_of_place
     reduce = group_reductions.reduce
@@ -269,7 +270,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    # ---- reduce_scatter (fcoll.shm.group_reductions) -----------------------------------------
+    # ---- reduce_scatter (fcoll.shm.group.reducing) -----------------------------------------
     reduce_scatter_single = group_reductions.reduce_scatter_single
     _reduce_scatter_base = reduce_scatter_single
     reduce_scatter = group_reductions.reduce_scatter
@@ -403,7 +404,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         self._engine.kick()
         return FcollWork(self._engine, jobs, "coalesced")
 
-    # ---- point-to-point (fcoll.shm.p2p: one inbox per rank, made at its first send/recv) ---
+    # ---- point-to-point (fcoll.shm.p2p.sendrecv: one inbox per rank, made at its first send/recv) ---
     def send(self, tensors, dstRank, tag=0) -> dist.Work:  # noqa: N803  (c10d's names)
         """Send ``tensors[0]`` to group rank ``dstRank``; the Work completes once the bytes are
         in shared memory and the receiver accepted them (a mismatch raises ValueError on

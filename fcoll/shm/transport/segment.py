@@ -33,7 +33,7 @@ Why a sealed memfd rather than a /dev/shm name (the design up to issue #15):
   symlink in (``O_NOFOLLOW`` does not apply to /proc's fd links; the fd checks above replace it).
 
 It needs every rank to see the creator in /proc and be allowed to read its fds (same uid, one
-pid namespace); the liveness checks of :mod:`fcoll.shm.sync` need the same.
+pid namespace); the liveness checks of :mod:`fcoll.shm.transport.sync` need the same.
 
 We never use ``multiprocessing.shared_memory``: its resource tracker unlinks segments in use
 (CPython gh-82300).
@@ -82,7 +82,7 @@ W_PID = 1
 W_START_LO = 2
 W_START_HI = 3
 W_GAVE_UP = 4  # 1 + the sequence number (mod 2**32) of the collective this rank gave up, or 0
-W_GAVE_UP_WHY = 5  # why it gave up and on which op (see fcoll.shm.sync.Channel.give_up)
+W_GAVE_UP_WHY = 5  # why it gave up and on which op (see fcoll.shm.transport.sync.Channel.give_up)
 W_SLEEP = 6  # W_SLEEP + q: rank q is (about to be) blocked in FUTEX_WAIT on this counter
 WORD_BYTES = 4  # control words are u32
 W_CPU = CONTROL_BYTES // WORD_BYTES - 1  # 1 + the CPU this rank last waited on, or 0
@@ -231,7 +231,7 @@ class Segment:
 def create_sealed_memfd(name: str, size: int, what: str = "shared-memory segment") -> int:
     """A memfd ``name`` of ``size`` bytes, mode 0600, sealed against shrinking and growing (no
     SIGBUS from a peer's truncate); returns its fd (close-on-exec). Used for the group segment
-    and for p2p inboxes (:mod:`fcoll.shm.inbox`)."""
+    and for p2p inboxes (:mod:`fcoll.shm.p2p.inbox`)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.fchmod(fd, MODE)

@@ -13,14 +13,14 @@ allocates the output, takes a sequence number and either
 - runs at once on the caller's thread through the one-slot kernel
   (:meth:`Engine.run_now`) when the executor says its wait comes right after it
   (``sync=True``: nothing could overlap it), the tensor fits one slot and nothing is queued; or
-- queues a :class:`Job` running :func:`fcoll.shm.reductions.all_reduce` on the group's worker
+- queues a :class:`Job` running :func:`fcoll.shm.kernels.reductions.all_reduce` on the group's worker
   (as the c10d path does for an async call) and keeps it for :meth:`DirectAllReduce.wait`.
 
 Both produce the same headers, slot layout and phases as the process group's own paths, so a
 peer on the c10d path interoperates (and compares headers with this one), and the result is the
 same, bit for bit (the same reduction kernels). Failures are the engine's: a cross-rank
-mismatch (:class:`~fcoll.shm.headers.CollectiveMismatchError`) raised on every rank with the
-group still usable, a dead peer or a timeout (:class:`~fcoll.shm.sync.PeerError`) after which
+mismatch (:class:`~fcoll.shm.transport.headers.CollectiveMismatchError`) raised on every rank with the
+group still usable, a dead peer or a timeout (:class:`~fcoll.shm.transport.sync.PeerError`) after which
 the group is broken, each raised by the call (sync) or its wait (async).
 
 Call-site tag: the header's ``extra`` carries ``tag`` (``"site <digest>#<index>"``: the digest
@@ -48,10 +48,10 @@ from fcoll.ops.reduce import (
     reduce_op_name,
     reduce_rows,
 )
-from fcoll.shm import movement, one_slot, reductions
+from fcoll.shm.kernels import movement, one_slot, reductions
 from fcoll.shm.engine import Job
-from fcoll.shm.headers import NO_ROOT, Header, dtype_name
-from fcoll.shm.segment import NSLOTS
+from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name
+from fcoll.shm.transport.segment import NSLOTS
 
 __all__ = ["DirectAllReduce", "DirectAllGather", "DirectReduceScatter", "direct_group",
            "wire_reduce_op"]
@@ -60,7 +60,7 @@ __all__ = ["DirectAllReduce", "DirectAllGather", "DirectReduceScatter", "direct_
 def direct_group(pg: Any) -> Any | None:
     """``pg`` if the direct path can use it (fcoll's process group of 2 ranks or more, alive),
     else None (gloo, nccl, fake, a group of one rank: the c10d path serves them)."""
-    from fcoll.shm.process_group import FcollProcessGroup
+    from fcoll.shm.group.process_group import FcollProcessGroup
 
     if not isinstance(pg, FcollProcessGroup) or pg.size() < 2:
         return None
@@ -143,7 +143,7 @@ class _DirectCall:
         return input.detach() if input.requires_grad else input
 
     def _submit(self, run: Any, out: torch.Tensor) -> torch.Tensor:
-        """Queue ``run`` (an algorithm of :mod:`fcoll.shm.reductions` / ``movement`` bound to
+        """Queue ``run`` (an algorithm of :mod:`fcoll.shm.kernels.reductions` / ``movement`` bound to
         its tensors) as the next collective of the group; sync: complete it here."""
         eng = self.engine
         seq = eng.seq
@@ -231,7 +231,7 @@ class DirectAllGather(_DirectCall):
     """One compiled call site of ``fcoll.all_gather_into_tensor(input, n, group)``.
 
     Shapes: ``input [N, *] -> output [n * N, *]`` (rank p's input at rows ``p*N..``), any
-    dtype, CPU; the algorithm is :func:`fcoll.shm.movement.all_gather` (the process group's).
+    dtype, CPU; the algorithm is :func:`fcoll.shm.kernels.movement.all_gather` (the process group's).
     Arguments and errors: :class:`_DirectCall` (``shape`` has at least one dim).
     """
 
@@ -259,7 +259,7 @@ class DirectReduceScatter(_DirectCall):
     """One compiled call site of ``fcoll.reduce_scatter_tensor(input, reduce_op, n, group)``.
 
     Shapes: ``input [n * N, *] -> output [N, *]`` (rank p gets rows ``p*N..`` reduced), dtype
-    ``dtype``, CPU; the algorithm is :func:`fcoll.shm.reductions.reduce_scatter`. Arguments and
+    ``dtype``, CPU; the algorithm is :func:`fcoll.shm.kernels.reductions.reduce_scatter`. Arguments and
     errors: :class:`_DirectCall` (``shape[0]`` a multiple of the group size).
     """
 
@@ -289,8 +289,8 @@ def _all_reduce_small_into(ch: Any, plan: one_slot.AllReducePlan, src: torch.Ten
                            dst: torch.Tensor, payload: bytes, what: str, start: float) -> None:
     """One-slot all_reduce of ``src`` into ``dst`` (same shape, dtype; ``src`` any strides), a
     kernel for :meth:`Engine.run_now`: copy in, exchange and check headers, reduce every rank's
-    row into ``dst``. The slot layout and phase of :func:`fcoll.shm.one_slot.all_reduce_small`,
-    and the reduction of :func:`fcoll.shm.reductions.all_reduce`'s out-of-place one-chunk case
+    row into ``dst``. The slot layout and phase of :func:`fcoll.shm.kernels.one_slot.all_reduce_small`,
+    and the reduction of :func:`fcoll.shm.kernels.reductions.all_reduce`'s out-of-place one-chunk case
     (``reduce_rows``), so the result is the c10d path's, bit for bit."""
     slot = ch.use % NSLOTS
     ch.use += 1

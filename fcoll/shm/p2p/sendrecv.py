@@ -2,13 +2,13 @@
 
 Memory. Each rank owns one *inbox* per group, created at its first send or receive: a sealed
 ``memfd`` that peers map through ``/proc/<pid>/fd``, with one ring of ``NCHUNKS`` slots and
-``ACKS`` ack records per source (:mod:`fcoll.shm.inbox`, which holds its layout). Nothing has a
+``ACKS`` ack records per source (:mod:`fcoll.shm.p2p.inbox`, which holds its layout). Nothing has a
 name in /dev/shm, so nothing can leak.
 
 Protocol. A message is one header (sequence number, tag, byte count, dtype, shape) and its
 bytes, cut in chunks that go round robin through the ring's ``NCHUNKS`` slots: the sender
 writes a chunk when ``head - tail < NCHUNKS``, then stores ``head`` (the store comes after the
-data; x86-64 keeps stores in order, as :mod:`fcoll.shm.sync` explains), the receiver copies it
+data; x86-64 keeps stores in order, as :mod:`fcoll.shm.transport.sync` explains), the receiver copies it
 out and stores ``tail``. The receiver matches the header to its posted receives (MPI's
 non-overtaking rule: messages of one source and tag are received in the order sent, and a
 message goes to the earliest posted receive that accepts it, ``recv_anysource`` included) and
@@ -32,7 +32,7 @@ pending operation with it within about 0.1-0.2 s, naming it; a timeout fails the
 make that peer unusable for later operations (a message may be half transferred).
 
 The operation records and the protocol's progress steps (rings, matching, acks) live in
-:mod:`fcoll.shm.p2p_protocol`, which ``P2P`` takes as a mixin; this module keeps the state,
+:mod:`fcoll.shm.p2p.protocol`, which ``P2P`` takes as a mixin; this module keeps the state,
 issuing, waiting and closing.
 """
 
@@ -50,11 +50,11 @@ import torch
 
 from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.engine import settle_future
-from fcoll.shm.inbox import (MAX_DIMS, PREFIX, W_DOOR, W_SLEEPERS, Inbox, Layout, chunk_bytes,
+from fcoll.shm.p2p.inbox import (MAX_DIMS, PREFIX, W_DOOR, W_SLEEPERS, Inbox, Layout, chunk_bytes,
                              create_inbox, open_inbox, segment_inode, show_message)
-from fcoll.shm.p2p_protocol import RingProtocol, _InMsg, _Op
-from fcoll.shm.segment import U32_BITS, W_PID, W_START_HI, W_START_LO, Segment, proc_alive
-from fcoll.shm.sync import PeerError, futex_wait, futex_wake
+from fcoll.shm.p2p.protocol import RingProtocol, _InMsg, _Op
+from fcoll.shm.transport.segment import U32_BITS, W_PID, W_START_HI, W_START_LO, Segment, proc_alive
+from fcoll.shm.transport.sync import PeerError, futex_wait, futex_wake
 
 SPIN_S = 20e-6  # poll the doorbell this long before sleeping (as sync.SPIN_US)
 _TICK_S = 0.1  # longest sleep between liveness and timeout checks
@@ -120,7 +120,7 @@ class P2P(RingProtocol):
 
         Raises:
             PeerError: ``p`` exited. RuntimeError: the file found fails
-                :func:`~fcoll.shm.inbox.check_fd`.
+                :func:`~fcoll.shm.p2p.inbox.check_fd`.
         """
         box = self.inboxes.get(p)
         if box is None:

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fcoll.shm.segment import HEADER_BYTES
+from fcoll.shm.transport.segment import HEADER_BYTES
 
 LEN_BYTES = 4  # the u32 length the segment stores before every encoded header
 MAX_PAYLOAD_BYTES = HEADER_BYTES - LEN_BYTES

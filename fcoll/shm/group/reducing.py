@@ -1,10 +1,10 @@
-"""The reducing collectives of :class:`~fcoll.shm.process_group.FcollProcessGroup`.
+"""The reducing collectives of :class:`~fcoll.shm.group.process_group.FcollProcessGroup`.
 
 all_reduce (in place and out of place), reduce, all_reduce_coalesced (in place and out of place)
 and reduce_scatter (tensor, list and coalesced forms): each checks its arguments (reduce op
 included, see :func:`fcoll.ops.reduce.check_reduce_op`), stages its inputs and submits an
-algorithm of :mod:`fcoll.shm.reductions` through the group's ``_submit`` (or, on the CUDA IPC
-path, a kernel body of :mod:`fcoll.shm.group_cuda`).
+algorithm of :mod:`fcoll.shm.kernels.reductions` through the group's ``_submit`` (or, on the CUDA IPC
+path, a kernel body of :mod:`fcoll.shm.cuda.submission`).
 
 They live apart from ``process_group.py`` so that each file holds one idea: there, the group
 (identity, lifecycle, submission) and its data-movement collectives; here, the collectives that
@@ -26,18 +26,18 @@ import torch
 import torch.distributed as dist
 
 from fcoll.ops.reduce import check_reduce_op, reduce_op_name
-from fcoll.shm import reductions
-from fcoll.shm.arg_checks import inputs_like_error
-from fcoll.shm.arg_checks import list_error as _list_error
-from fcoll.shm.arg_checks import pairs_error as _pairs_error
-from fcoll.shm.cuda import CudaStaging, IpcBuffers, header_dtype
-from fcoll.shm.fast_paths import plain
-from fcoll.shm.headers import NO_ROOT, dtype_name
-from fcoll.shm.phases import Call
-from fcoll.shm.validate import Staging, check_reduce_scatter, check_tensor
+from fcoll.shm.kernels import reductions
+from fcoll.shm.group.arg_checks import inputs_like_error
+from fcoll.shm.group.arg_checks import list_error as _list_error
+from fcoll.shm.group.arg_checks import pairs_error as _pairs_error
+from fcoll.shm.cuda.paths import CudaStaging, IpcBuffers, header_dtype
+from fcoll.shm.group.fast_paths import plain
+from fcoll.shm.transport.headers import NO_ROOT, dtype_name
+from fcoll.shm.transport.phases import Call
+from fcoll.shm.group.validate import Staging, check_reduce_scatter, check_tensor
 
 if TYPE_CHECKING:
-    from fcoll.shm.process_group import FcollProcessGroup
+    from fcoll.shm.group.process_group import FcollProcessGroup
 
 
 def allreduce(pg: FcollProcessGroup, tensors, opts=None) -> dist.Work:
@@ -119,7 +119,7 @@ def reduce(pg: FcollProcessGroup, tensors, opts=None) -> dist.Work:
 def allreduce_coalesced(pg: FcollProcessGroup, tensors, opts=None) -> dist.Work:
     """All-reduce every tensor of ``tensors`` in place (any shapes, dtypes mixed): one
     collective, in which the tensors of each dtype (in order of first appearance) are
-    reduced as if concatenated, through :func:`fcoll.shm.reductions.all_reduce_many` (no
+    reduced as if concatenated, through :func:`fcoll.shm.kernels.reductions.all_reduce_many` (no
     concatenated copy). Shapes and dtypes may differ by tensor, not by rank.
 
     The header of the first phase carries every tensor's dtype and shape, so ranks that
