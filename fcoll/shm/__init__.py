@@ -17,9 +17,9 @@ import platform
 
 import torch.distributed as dist
 
-__all__ = ["register_backend", "create_process_group", "cuda_path", "BACKEND_NAME"]
+from fcoll.shm.group.identity import BACKEND_NAME
 
-BACKEND_NAME = "fcoll"
+__all__ = ["register_backend", "create_process_group", "cuda_path", "BACKEND_NAME"]
 
 
 def create_process_group(common_opts, backend_opts=None):

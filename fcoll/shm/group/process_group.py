@@ -15,12 +15,12 @@ reduce_scatter ``[n * N, ...] -> [N, ...]``; all_to_all_single ``[sum(in_splits)
 :mod:`fcoll.ops.reduce`: ``avg`` is valid on every dtype but bool, and truncates toward zero on
 integers.
 
-The class holds the group's identity, lifecycle, submission (``_submit``) and its data-movement
-collectives (all_gather, all_to_all, broadcast, barrier, gather, scatter, point-to-point). The
-collectives that take a reduce op (all_reduce, reduce, their coalesced forms, reduce_scatter)
-are functions of :mod:`fcoll.shm.group.reducing`, bound here as methods; the CUDA submission
-helpers (path setup, staging, the IPC path) are the :class:`~fcoll.shm.cuda.submission.CudaSubmission`
-mixin.
+The class holds the group's lifecycle, submission (``_submit``) and its data-movement
+collectives (all_gather, all_to_all, broadcast, barrier, gather, scatter, point-to-point). Its
+mixins: the collectives that take a reduce op (all_reduce, reduce, their coalesced forms,
+reduce_scatter: :class:`~fcoll.shm.group.reducing.ReducingCollectives`), the CUDA submission
+helpers (path setup, staging, the IPC path: :class:`~fcoll.shm.cuda.submission.CudaSubmission`)
+and the c10d identity (:class:`~fcoll.shm.group.identity.GroupIdentity`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm.group import reducing as group_reductions
+from fcoll.shm.group.identity import GroupIdentity
+from fcoll.shm.group.reducing import ReducingCollectives
 from fcoll.shm.kernels import movement
 from fcoll.shm.group.arg_checks import is_seq as _is_seq
 from fcoll.shm.group.arg_checks import list_error as _list_error
@@ -53,7 +54,7 @@ from fcoll.shm.group.validate import (Staging, check_all_gather, check_no_overla
 ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
 
 @run_eagerly_under_dynamo
-class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
+class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist.ProcessGroup):
     """Shared-memory process group of the ranks of one host (CPU tensors; CUDA staged).
 
     Args:
@@ -66,11 +67,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
                  global_ranks: list[int] | None = None, slot_bytes: int | None = None):
         super().__init__(rank, size)
-        self._rank = rank
-        self._size = size
-        self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
-        self._group_name = ""
-        self._group_desc = ""
+        self._init_identity(rank, size, global_ranks)
         self._timeout_s = timeout.total_seconds()
         seg = open_segment(store, rank, size, slot_bytes or default_slot_bytes(), timeout)
         ch = Channel(seg, rank, size, self._timeout_s, self._global_ranks)
@@ -79,31 +76,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         self._coalescing: list[Any] | None = None
         self._cuda = CudaGroup(rank, size)
 
-    # ---- identity -------------------------------------------------------------------------
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def getBackendName(self) -> str:  # noqa: N802  (PyTorch's name)
-        return "fcoll"
-
-    def name(self) -> str:
-        return "fcoll"
-
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
-
-    def getGroupName(self) -> str:  # noqa: N802
-        return self._group_name
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._group_desc
-
+    # ---- identity (GroupIdentity), lifecycle -----------------------------------------------
     def __repr__(self) -> str:
         return f"FcollProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
 
@@ -178,13 +151,6 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         if self._coalescing is not None:
             self._coalescing.append(job)
         return FcollWork(eng, [job], name)
-
-    # ---- all_reduce / reduce (fcoll.shm.group.reducing) ------------------------------------
-    allreduce = group_reductions.allreduce
-    allreduce_out_of_place = group_reductions.allreduce_out_of_place
-    reduce = group_reductions.reduce
-    allreduce_coalesced = group_reductions.allreduce_coalesced
-    allreduce_coalesced_out_of_place = group_reductions.allreduce_coalesced_out_of_place
 
     # ---- all_gather ---------------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
@@ -269,13 +235,6 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         return works[-1] if works else self.barrier()
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    # ---- reduce_scatter (fcoll.shm.group.reducing) -----------------------------------------
-    reduce_scatter_single = group_reductions.reduce_scatter_single
-    _reduce_scatter_base = reduce_scatter_single
-    reduce_scatter = group_reductions.reduce_scatter
-    reduce_scatter_single_coalesced = group_reductions.reduce_scatter_single_coalesced
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # ---- all_to_all ---------------------------------------------------------------------------
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
