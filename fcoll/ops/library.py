@@ -18,7 +18,7 @@ op, the single-tensor forms with a list of one). A group of one rank is no excep
 backend is called like any other (a backend may count, trace or discard its collectives).
 Deliberate differences, all for speed on gloo: reduce_scatter moves its data with
 ``all_to_all_single`` and reduces locally (:func:`start_reduce_scatter`), all_gather calls
-``_allgather_base`` per tensor (:func:`_gathers_one_by_one`), and dtypes or reduce ops gloo
+``_allgather_base`` per tensor (:func:`gathers_one_by_one`), and dtypes or reduce ops gloo
 lacks are emulated;
 ``all_gather_into_tensor_out`` goes through the same coalesced call (PyTorch's calls the
 device backend's ``_allgather_base``, which a Python ``ProcessGroup`` does not have).
@@ -54,9 +54,9 @@ from fcoll.ops.groups import group_from_name
 from fcoll.ops.reduce import REDUCE_OPS, validate_reduce_op
 from fcoll.ops.schemas import _gathered_shape, _p2p_output, _scattered_shape, lib
 from fcoll.ops.schemas import SCHEMAS  # noqa: F401  moved; still importable from here
-from fcoll.ops.wire import (_allgather_options, _backend_name, _chain, _gathers_one_by_one,
-                            _reduce_args, _reduce_scatter_options, _reduces_scatter_by_all_to_all,
-                            _wire_input, _wire_output, start_reduce_scatter)
+from fcoll.ops.wire import (allgather_options, backend_name, chain, gathers_one_by_one,
+                            reduce_args, reduce_scatter_options, reduces_scatter_by_all_to_all,
+                            wire_input, wire_output, start_reduce_scatter)
 
 __all__ = ["lib", "REDUCE_OPS", "validate_reduce_op"]
 
@@ -96,10 +96,10 @@ def _all_reduce_into(out: torch.Tensor, reduce_op: str, group_name: str) -> None
     """Start an all_reduce that reduces ``out`` in place across the group."""
     validate_reduce_op("all_reduce", reduce_op, out.dtype)
     pg = group_from_name(group_name)
-    buf, copy_back = _wire_output(pg, out, initialised=True)
-    op, fin = _reduce_args(reduce_op, pg, out.dtype, buf)
+    buf, copy_back = wire_output(pg, out, initialised=True)
+    op, fin = reduce_args(reduce_op, pg, out.dtype, buf)
     work = dist.all_reduce(buf, op=op, group=pg, async_op=True)
-    pending.register(out, work, _chain(fin, copy_back))
+    pending.register(out, work, chain(fin, copy_back))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def _all_reduce(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.T
         # fresh output (one copy of the data fewer).
         validate_reduce_op("all_reduce", reduce_op, input.dtype)
         out = torch.empty_like(input, memory_format=torch.contiguous_format)
-        op, fin = _reduce_args(reduce_op, pg, input.dtype, out)
+        op, fin = reduce_args(reduce_op, pg, input.dtype, out)
         pending.register(out, out_of_place(input, out, op), fin)
         return out
     out = input.clone(memory_format=torch.contiguous_format)
@@ -149,7 +149,7 @@ def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str
     pg = group_from_name(group_name)
     if not outs:
         return
-    coalesce_dtypes = _backend_name(pg) == "fcoll"
+    coalesce_dtypes = backend_name(pg) == "fcoll"
     # A bucket holds hundreds of tensors: the dist op and call key are worked out once per
     # dtype, and a finisher only for the dtypes that have one (avg emulated as sum).
     per_dtype: dict[torch.dtype, tuple] = {}
@@ -157,21 +157,21 @@ def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str
     for i, t in enumerate(outs):
         # out of place, ``outs`` are fresh contiguous tensors, which fcoll's backend (the one
         # with the out-of-place form) takes as they are, in every dtype
-        buf, copy_back = (_wire_output(pg, t, initialised=True) if inputs is None
+        buf, copy_back = (wire_output(pg, t, initialised=True) if inputs is None
                           else (t, None))
         facts = per_dtype.get(t.dtype)
         if facts is None:
-            op, fin = _reduce_args(reduce_op, pg, t.dtype, buf)
+            op, fin = reduce_args(reduce_op, pg, t.dtype, buf)
             key = int(op) if coalesce_dtypes else (int(op), buf.dtype)
             facts = per_dtype[t.dtype] = (op, key, fin is not None)
         op, key, has_fin = facts
-        fin = _reduce_args(reduce_op, pg, t.dtype, buf)[1] if has_fin else None
+        fin = reduce_args(reduce_op, pg, t.dtype, buf)[1] if has_fin else None
         call = per_call.get(key)
         if call is None:
             call = per_call[key] = (op, [], [], [], [])
         call[1].append(t)
         call[2].append(buf)
-        call[3].append(fin if copy_back is None else _chain(fin, copy_back))
+        call[3].append(fin if copy_back is None else chain(fin, copy_back))
         if inputs is not None:
             call[4].append(inputs[i])
     for op, targets, bufs, finishers, ins in per_call.values():
@@ -227,14 +227,14 @@ def _gather_into(op: str, inputs: Sequence[torch.Tensor], outs: Sequence[torch.T
                              f"expected {expected} {input.dtype} {_where(group_name, input)}")
     if not outs:
         return
-    wired = [_wire_output(pg, out, initialised=False) for out in outs]
-    ins = [_wire_input(pg, t) for t in inputs]
-    if _gathers_one_by_one(pg):
-        works = [pg._allgather_base(buf, x, _allgather_options())
+    wired = [wire_output(pg, out, initialised=False) for out in outs]
+    ins = [wire_input(pg, t) for t in inputs]
+    if gathers_one_by_one(pg):
+        works = [pg._allgather_base(buf, x, allgather_options())
                  for (buf, _), x in zip(wired, ins)]
     else:
         works = [pg.allgather_into_tensor_coalesced([buf for buf, _ in wired], ins,
-                                                    _allgather_options())] * len(outs)
+                                                    allgather_options())] * len(outs)
     for out, (_, copy_back), work in zip(outs, wired, works):
         pending.register(out, work, copy_back)
 
@@ -294,18 +294,18 @@ def _reduce_scatter_into(pg: dist.ProcessGroup, inputs: Sequence[torch.Tensor],
     for i, t in enumerate(inputs):
         by_dtype.setdefault(t.dtype, []).append(i)
     for dtype, members in by_dtype.items():
-        wired = [_wire_output(pg, outs[i], initialised=False) for i in members]
-        ins = [_wire_input(pg, inputs[i]) for i in members]
-        if _reduces_scatter_by_all_to_all(pg):
+        wired = [wire_output(pg, outs[i], initialised=False) for i in members]
+        ins = [wire_input(pg, inputs[i]) for i in members]
+        if reduces_scatter_by_all_to_all(pg):
             started = [start_reduce_scatter(pg, buf, x, reduce_op, dtype)
                        for (buf, _), x in zip(wired, ins)]
         else:
-            op, _ = _reduce_args(reduce_op, pg, dtype, ins[0])
+            op, _ = reduce_args(reduce_op, pg, dtype, ins[0])
             work = pg.reduce_scatter_tensor_coalesced([buf for buf, _ in wired], ins,
-                                                      _reduce_scatter_options(op))
-            started = [(work, _reduce_args(reduce_op, pg, dtype, buf)[1]) for buf, _ in wired]
+                                                      reduce_scatter_options(op))
+            started = [(work, reduce_args(reduce_op, pg, dtype, buf)[1]) for buf, _ in wired]
         for i, (_, copy_back), (work, fin) in zip(members, wired, started):
-            pending.register(outs[i], work, _chain(fin, copy_back))
+            pending.register(outs[i], work, chain(fin, copy_back))
 
 
 @_impl("reduce_scatter_tensor_out")
@@ -352,8 +352,8 @@ def _all_to_all_single(input: torch.Tensor, output_split_sizes: list[int],
                          f"{list(input_split_sizes)} on a group of one rank "
                          f"{_where(group_name, input)}")
     out = input.new_empty([sum(output_split_sizes), *input.shape[1:]])
-    buf, copy_back = _wire_output(pg, out, initialised=False)
-    work = dist.all_to_all_single(buf, _wire_input(pg, input), list(output_split_sizes),
+    buf, copy_back = wire_output(pg, out, initialised=False)
+    work = dist.all_to_all_single(buf, wire_input(pg, input), list(output_split_sizes),
                                   list(input_split_sizes), group=pg, async_op=True)
     pending.register(out, work, copy_back)
     return out
@@ -364,7 +364,7 @@ def _broadcast_into(op: str, out: torch.Tensor, src: int, group_name: str) -> No
     if not 0 <= src < pg.size():
         raise ValueError(f"fcoll.{op}: src={src} is out of range for a group of {pg.size()} "
                          f"ranks {_where(group_name, out)}")
-    buf, copy_back = _wire_output(pg, out, initialised=True)
+    buf, copy_back = wire_output(pg, out, initialised=True)
     work = dist.broadcast(buf, group=pg, group_src=src, async_op=True)
     pending.register(out, work, copy_back)
 
@@ -391,10 +391,10 @@ def _start_p2p(op: str, t: torch.Tensor, peer: int, tag: int, group_name: str) -
     pg = group_from_name(group_name)
     out = _p2p_output(op, t)
     if op == "isend":
-        work = dist.isend(_wire_input(pg, t), peer, group=pg, tag=tag)
+        work = dist.isend(wire_input(pg, t), peer, group=pg, tag=tag)
         pending.register(out, work)
     else:
-        buf, copy_back = _wire_output(pg, out, initialised=False)
+        buf, copy_back = wire_output(pg, out, initialised=False)
         work = dist.irecv(buf, peer, group=pg, tag=tag)
         pending.register(out, work, copy_back)
     return out
@@ -422,10 +422,10 @@ def _batch_p2p_ops(op_list: list[str], peer_list: list[int], tag_list: list[int]
     p2p, finishers = [], []
     for op, peer, tag, t, out in zip(op_list, peer_list, tag_list, tensors, outs):
         if op == "isend":
-            p2p.append(dist.P2POp(dist.isend, _wire_input(pg, t), peer, pg, tag))
+            p2p.append(dist.P2POp(dist.isend, wire_input(pg, t), peer, pg, tag))
             finishers.append(None)
         else:
-            buf, copy_back = _wire_output(pg, out, initialised=False)
+            buf, copy_back = wire_output(pg, out, initialised=False)
             p2p.append(dist.P2POp(dist.irecv, buf, peer, pg, tag))
             finishers.append(copy_back)
     works = dist.batch_isend_irecv(p2p) if p2p else []

@@ -158,8 +158,9 @@ class Engine:
 
     Attributes:
         seg, ch: the group's segment and channel.
-        seq: the sequence number of the next collective issued on this group; whoever issues
-            one (the process group, or :meth:`run_fast`) takes it and increments it.
+        seq: the sequence number of the next collective issued on this group, taken by
+            :meth:`job` (a queued collective) or :meth:`run_now` (one run on the caller's
+            thread), the only two ways to issue one.
         broken: the error that made the group unusable, or None.
     """
 
@@ -177,6 +178,16 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name=f"fcoll-{label}", daemon=True)
         self._thread.start()
         _engines.add(self)
+
+    def job(self, name: str, encode: Callable[[int], bytes], run: Callable[[Call], None],
+            finish: Callable[[], None] | None = None, result: Any = None) -> Job:
+        """The group's next collective as a :class:`Job`: take its sequence number and encode
+        its header with it (``encode(seq)``). The caller queues it (:meth:`submit`) or runs it
+        (:meth:`run_inline`); every rank issues its collectives in one order, so the numbers
+        agree."""
+        seq = self.seq
+        self.seq = seq + 1
+        return Job(name, seq, encode(seq), run, finish, result)
 
     def submit(self, job: Job, wake: bool = True) -> Job:
         """Queue ``job``; ``wake=False`` leaves it to the caller's ``wait()`` (or to the worker

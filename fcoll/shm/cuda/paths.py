@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import torch
 
-from fcoll.ops.reduce import divide_for_avg, logical_op
+from fcoll.ops.reduce import reduce_views_into
 from fcoll.shm.kernels import movement
 from fcoll.shm.transport.phases import Call, slice_of
 from fcoll.shm.group.validate import Staging
@@ -96,36 +96,6 @@ def device_error(tensors: list[tuple[str, torch.Tensor]], device: int | None) ->
                     "device at the group's first CUDA collective; call torch.cuda.set_device "
                     "before it)")
     return None
-
-
-def header_dtype(dtype_name: str, t: torch.Tensor | None) -> str:
-    """The header's dtype field: the dtype, plus `` on cuda`` for a CUDA tensor, so ranks
-    that pass tensors of different devices to one collective fail the header check."""
-    return f"{dtype_name} on cuda" if t is not None and t.is_cuda else dtype_name
-
-
-# ---- reductions on the device -----------------------------------------------------------------
-_BINARY = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
-           "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
-
-
-def fold(views: list[torch.Tensor], op: str, out: torch.Tensor) -> None:
-    """``out = op(views[0], ..., views[n-1])`` elementwise, folded in rank order.
-
-    ``out`` may not alias any view but ``views[0]``. Semantics of :mod:`fcoll.ops.reduce`:
-    bool sum/max are or, product/min and; ``avg`` sums then divides (integers truncate).
-    """
-    n = len(views)
-    if n == 1:
-        out.copy_(views[0])
-        return
-    op = logical_op(op, out.dtype)
-    f = _BINARY["sum" if op == "avg" else op]
-    f(views[0], views[1], out=out)
-    for v in views[2:]:
-        f(out, v, out=out)
-    if op == "avg":
-        divide_for_avg(out, n)
 
 
 # ---- bounded records for the exchanges (no pickle, no marshal) --------------------------------
@@ -210,6 +180,8 @@ class CudaStaging(Staging):
     :attr:`event`, on which the ``Work``'s ``wait()`` makes the caller's stream wait. CPU
     tensors in the same call (never mixed by validated calls) behave as in :class:`Staging`.
     """
+
+    on_cuda = True
 
     def __init__(self, group: "CudaGroup"):
         super().__init__()
@@ -461,12 +433,12 @@ class CudaGroup:
         views = [b[:nbytes].view(dt) for b in ipc.bufs]
         flat = out.view(-1)
         if n < 3 or nbytes < self.two_shot_bytes:
-            fold(views, op, flat)
+            reduce_views_into(views, op, flat)
             self._done(ipc)
             return
         # reduce-scatter: chunk r of every buffer, reduced into out, then into own buffer
         a, b = slice_of(N, n, r)
-        fold([v[a:b] for v in views], op, flat[a:b])
+        reduce_views_into([v[a:b] for v in views], op, flat[a:b])
         views[r][a:b].copy_(flat[a:b])
         ipc.mid[r].record(self.stream)
         c.sync()
@@ -498,7 +470,7 @@ class CudaGroup:
             for i in idx:
                 x, y = pairs[i]
                 o, ln = layout[i], x.numel() * x.element_size()
-                fold([b[o:o + ln].view(dt) for b in ipc.bufs], op, y)
+                reduce_views_into([b[o:o + ln].view(dt) for b in ipc.bufs], op, y)
         self._done(ipc)
 
     def all_gather(self, c: Call, ipc: IpcBuffers, src: torch.Tensor,
@@ -519,7 +491,7 @@ class CudaGroup:
         dt, M, r = inp.dtype, out.numel(), self.rank
         ipc.bufs[r][:nbytes].view(dt).copy_(inp)
         self._phase2(c, ipc)
-        fold([b[:nbytes].view(dt)[r * M:(r + 1) * M] for b in ipc.bufs], op, out)
+        reduce_views_into([b[:nbytes].view(dt)[r * M:(r + 1) * M] for b in ipc.bufs], op, out)
         self._done(ipc)
 
     def broadcast(self, c: Call, ipc: IpcBuffers, buf: torch.Tensor, root: int) -> None:

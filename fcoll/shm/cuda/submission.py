@@ -1,7 +1,7 @@
 """``CudaSubmission``: the CUDA half of :class:`~fcoll.shm.group.process_group.FcollProcessGroup`.
 
 A mixin of the group's private helpers for CUDA tensors: the device check, the choice of the
-group's CUDA path at its first CUDA collective (``_cuda_setup``), staging (``_staging``), the
+group's CUDA path at its first CUDA collective (``_cuda_setup``), the
 CUDA part of ``_submit`` (``_cuda_job``: the event a ``Work`` makes the caller's stream wait
 on), IPC submission on the side stream (``_submit_ipc``, with the allocator-safety rule of
 :mod:`fcoll.shm.cuda.paths`), the contiguous views an IPC kernel reads and writes (``_dense``,
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fcoll.shm.cuda.paths import CudaStaging, IpcBuffers, device_error
+from fcoll.shm.cuda.paths import IpcBuffers, device_error
 from fcoll.shm.engine import Job
 from fcoll.shm.transport.headers import NO_ROOT
 from fcoll.shm.transport.phases import Call
@@ -56,9 +56,6 @@ class CudaSubmission:
             cg.bind()
             self._submit(name, t, run=cg.setup, **header).wait()
         return cg.path
-
-    def _staging(self, t: torch.Tensor) -> Staging:
-        return CudaStaging(self._cuda) if t.is_cuda else Staging()
 
     def _submit_ipc(self, name: str, shape_of: torch.Tensor,
                     body: Callable[[Call, IpcBuffers], None], keep: list[torch.Tensor],

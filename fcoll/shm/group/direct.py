@@ -41,17 +41,10 @@ from typing import Any
 import torch
 import torch.autograd.profiler as _profiler
 
-from fcoll.ops.reduce import (
-    DIST_REDUCE_OPS,
-    check_reduce_op,
-    divide_for_avg,
-    reduce_op_name,
-    reduce_rows,
-)
+from fcoll.ops.reduce import DIST_REDUCE_OPS, backend_reduce_op, check_reduce_op, divide_for_avg
 from fcoll.shm.kernels import movement, one_slot, reductions
 from fcoll.shm.engine import Job
 from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name
-from fcoll.shm.transport.segment import NSLOTS
 
 __all__ = ["DirectAllReduce", "DirectAllGather", "DirectReduceScatter", "direct_group",
            "wire_reduce_op"]
@@ -69,19 +62,11 @@ def direct_group(pg: Any) -> Any | None:
 
 def wire_reduce_op(reduce_op: str, dtype: torch.dtype) -> tuple[str, bool]:
     """The reduce op fcoll's backend runs for the functional op's ``reduce_op`` on ``dtype``,
-    and whether ``avg`` is finished by a division afterwards.
-
-    The same mapping as the c10d path (``fcoll.ops.library``): on bool, sum/max/bor are MAX and
-    product/min/band are MIN; integer ``avg`` is a ``sum`` divided (truncating) afterwards;
-    floating ``avg`` is the backend's own.
+    and whether ``avg`` is finished by a division afterwards: the c10d path's mapping
+    (:func:`fcoll.ops.reduce.backend_reduce_op`; fcoll's backend averages floating dtypes
+    itself, integer ``avg`` is a ``sum`` divided, truncating, afterwards).
     """
-    if reduce_op == "avg" and not dtype.is_floating_point:
-        return "sum", True
-    if dtype == torch.bool and reduce_op in ("sum", "max", "bor"):
-        return "max", False
-    if dtype == torch.bool and reduce_op in ("product", "min", "band"):
-        return "min", False
-    return reduce_op_name(DIST_REDUCE_OPS[reduce_op]), False
+    return backend_reduce_op(reduce_op, dtype, dtype.is_floating_point)
 
 
 class _DirectCall:
@@ -142,14 +127,12 @@ class _DirectCall:
                              f"{self.shape} {self.dtype} on cpu")
         return input.detach() if input.requires_grad else input
 
-    def _submit(self, run: Any, out: torch.Tensor) -> torch.Tensor:
-        """Queue ``run`` (an algorithm of :mod:`fcoll.shm.kernels.reductions` / ``movement`` bound to
-        its tensors) as the next collective of the group; sync: complete it here."""
+    def _issue(self, run: Any, out: torch.Tensor) -> torch.Tensor:
+        """Queue ``run`` (an algorithm of :mod:`fcoll.shm.kernels.reductions` / ``movement`` bound
+        to its tensors) as the group's next collective (:meth:`Engine.job`, the process group's
+        way); sync: complete it here."""
         eng = self.engine
-        seq = eng.seq
-        eng.seq = seq + 1
-        job = Job(self.name, seq, self.tail.encode(seq), run, None, None)
-        eng.submit(job, wake=not self.sync)
+        job = eng.submit(eng.job(self.name, self.tail.encode, run), wake=not self.sync)
         self.job = job
         if self.sync:
             self.wait(out)
@@ -214,7 +197,7 @@ class DirectAllReduce(_DirectCall):
         out = torch.empty(self.shape, dtype=self.dtype)
         plan = self.plan
         if plan is not None:
-            done = self.engine.run_now(plan, _all_reduce_small_into, (input, out))
+            done = self.engine.run_now(plan, one_slot.all_reduce_small_into, (input, out))
             if done is not False:
                 if done is not True:
                     raise done
@@ -224,7 +207,7 @@ class DirectAllReduce(_DirectCall):
         # async, larger than a slot, or the engine is busy: a job behind the earlier ones
         src = input if input.is_contiguous() else input.contiguous()
         flat_in, flat_out, op = src.view(-1), out.view(-1), self.op
-        return self._submit(lambda c: reductions.all_reduce(c, flat_in, flat_out, op), out)
+        return self._issue(lambda c: reductions.all_reduce(c, flat_in, flat_out, op), out)
 
 
 class DirectAllGather(_DirectCall):
@@ -252,7 +235,7 @@ class DirectAllGather(_DirectCall):
         out = torch.empty(self.out_shape, dtype=self.dtype)
         src = (input if input.is_contiguous() else input.contiguous()).view(-1).view(torch.uint8)
         dst = out.view(-1).view(torch.uint8).view(self.size, src.numel())
-        return self._submit(lambda c: movement.all_gather(c, src, dst), out)
+        return self._issue(lambda c: movement.all_gather(c, src, dst), out)
 
 
 class DirectReduceScatter(_DirectCall):
@@ -282,22 +265,7 @@ class DirectReduceScatter(_DirectCall):
         out = torch.empty(self.out_shape, dtype=self.dtype)
         src = (input if input.is_contiguous() else input.contiguous()).view(self.size, -1)
         dst, op = out.view(-1), self.op
-        return self._submit(lambda c: reductions.reduce_scatter(c, src, dst, op), out)
-
-
-def _all_reduce_small_into(ch: Any, plan: one_slot.AllReducePlan, src: torch.Tensor,
-                           dst: torch.Tensor, payload: bytes, what: str, start: float) -> None:
-    """One-slot all_reduce of ``src`` into ``dst`` (same shape, dtype; ``src`` any strides), a
-    kernel for :meth:`Engine.run_now`: copy in, exchange and check headers, reduce every rank's
-    row into ``dst``. The slot layout and phase of :func:`fcoll.shm.kernels.one_slot.all_reduce_small`,
-    and the reduction of :func:`fcoll.shm.kernels.reductions.all_reduce`'s out-of-place one-chunk case
-    (``reduce_rows``), so the result is the c10d path's, bit for bit."""
-    slot = ch.use % NSLOTS
-    ch.use += 1
-    mine, _, rows, row_list = plan.views[slot]
-    mine.copy_(src)
-    one_slot.exchange(ch, plan, slot, payload, what, start)
-    reduce_rows(rows, plan.op, dst, row_list)
+        return self._issue(lambda c: reductions.reduce_scatter(c, src, dst, op), out)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

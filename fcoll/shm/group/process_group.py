@@ -39,11 +39,11 @@ from fcoll.shm.kernels import movement
 from fcoll.shm.group.arg_checks import is_seq as _is_seq
 from fcoll.shm.group.arg_checks import list_error as _list_error
 from fcoll.shm.group.arg_checks import pairs_error as _pairs_error
-from fcoll.shm.cuda.paths import CudaGroup, CudaStaging, IpcBuffers, header_dtype
-from fcoll.shm.engine import Engine, FcollWork, Job
+from fcoll.shm.cuda.paths import CudaGroup, CudaStaging, IpcBuffers
+from fcoll.shm.engine import Engine, FcollWork
 from fcoll.shm.group.fast_paths import FastPaths
 from fcoll.shm.cuda.submission import CudaSubmission
-from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name
+from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name, header_dtype
 from fcoll.shm.p2p.sendrecv import P2P
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.transport.segment import default_slot_bytes, open_segment
@@ -106,6 +106,11 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         return self._cuda.path
 
     # ---- submission -----------------------------------------------------------------------
+    def _staging(self, t: torch.Tensor) -> Staging:
+        """How ``t``'s data reaches the shared slots: :class:`Staging` for a CPU tensor (no CUDA
+        code on its path), :class:`~fcoll.shm.cuda.paths.CudaStaging` for a CUDA one."""
+        return CudaStaging(self._cuda) if t.is_cuda else Staging()
+
     def _submit(self, name: str, shape_of: torch.Tensor | None, *, reduce_op: str = "",
                 root: int = NO_ROOT, extra: Any = None, error: str | None = None,
                 run: Callable[[Call], None] | None = None, st: Staging | None = None,
@@ -123,17 +128,18 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
                 header-only job that makes every peer raise the same message.
         """
         eng = self._engine
-        seq = eng.seq
-        eng.seq = seq + 1
         if error is not None:
             error = f"fcoll {name}: {eng.ch.describe(self._rank)}: {error}"
             if not isinstance(shape_of, torch.Tensor):
                 shape_of = None  # the header of an invalid call needs no dtype or shape
         dtype = header_dtype(dtype_name(shape_of.dtype), shape_of) if shape_of is not None else ""
         shape = tuple(shape_of.shape) if shape_of is not None else ()
-        payload = Header(seq, name, dtype, shape, reduce_op, root, extra, error).encode()
+
+        def encode(seq: int) -> bytes:
+            return Header(seq, name, dtype, shape, reduce_op, root, extra, error).encode()
+
         if error is not None:
-            eng.submit(Job(name, seq, payload, movement.barrier, None, None))
+            eng.submit(eng.job(name, encode, movement.barrier))
             raise ValueError(error)
         finish = st.finish if st is not None and st.needed() else None
         if post is not None:
@@ -142,8 +148,8 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         # in wait(); waking the worker would only make the two threads fight over the GIL.
         wake = (getattr(opts, "asyncOp", True) if opts is not None else True) or (
             self._coalescing is not None)
-        job = Job(name, seq, payload, run, finish, result)
-        if cuda_run is not None or isinstance(st, CudaStaging):
+        job = eng.job(name, encode, run, finish, result)
+        if cuda_run is not None or (st is not None and st.on_cuda):
             self._cuda_job(job, run, finish, st, cuda_run)
         if not wake and eng.run_inline(job):
             return FcollWork(eng, [job], name)

@@ -26,9 +26,9 @@ from fcoll.shm.kernels import reductions
 from fcoll.shm.group.arg_checks import inputs_like_error
 from fcoll.shm.group.arg_checks import list_error as _list_error
 from fcoll.shm.group.arg_checks import pairs_error as _pairs_error
-from fcoll.shm.cuda.paths import CudaStaging, IpcBuffers, header_dtype
+from fcoll.shm.cuda.paths import CudaStaging, IpcBuffers
 from fcoll.shm.group.fast_paths import plain
-from fcoll.shm.transport.headers import NO_ROOT, dtype_name
+from fcoll.shm.transport.headers import NO_ROOT, dtype_name, header_dtype
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.group.validate import Staging, check_reduce_scatter, check_tensor
 

@@ -99,8 +99,11 @@ class Staging:
 
     A tensor that already is contiguous on the CPU is used in place (no copy). Others (CUDA,
     non-contiguous) get a contiguous host copy; ``finish()`` (run by the worker after the data
-    moved) copies the results back into the user's tensors.
+    moved) copies the results back into the user's tensors. ``on_cuda``: a CUDA subclass
+    (its job records an event for the caller's stream).
     """
+
+    on_cuda = False
 
     def __init__(self) -> None:
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -114,6 +114,20 @@ def all_reduce_small(ch: Channel, plan: AllReducePlan, t: torch.Tensor, payload:
         reduce_rows(rows, plan.op, t, row_list)
 
 
+def all_reduce_small_into(ch: Channel, plan: AllReducePlan, src: torch.Tensor, dst: torch.Tensor,
+                          payload: bytes, what: str, start: float) -> None:
+    """:func:`all_reduce_small` out of place: ``src`` (any strides) reduced into ``dst`` (same
+    shape and dtype), every rank's row in rank order (``reduce_rows``, as the out-of-place
+    one-chunk case of :func:`fcoll.shm.kernels.reductions.all_reduce`), so the result is the
+    general path's, bit for bit. The direct path's synchronous all_reduce."""
+    slot = ch.use % NSLOTS
+    ch.use += 1
+    mine, _, rows, row_list = plan.views[slot]
+    mine.copy_(src)
+    exchange(ch, plan, slot, payload, what, start)
+    reduce_rows(rows, plan.op, dst, row_list)
+
+
 def all_gather_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: torch.Tensor,
                      payload: bytes, what: str, start: float) -> None:
     """One-slot all_gather ``src [*] -> dst [n * N, ...]`` in the packed layout of

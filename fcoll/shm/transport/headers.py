@@ -395,6 +395,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def header_dtype(dtype_name: str, t: torch.Tensor | None) -> str:
+    """The header's dtype field: the dtype, plus `` on cuda`` for a CUDA tensor, so ranks
+    that pass tensors of different devices to one collective fail the header check."""
+    return f"{dtype_name} on cuda" if t is not None and t.is_cuda else dtype_name
+
+
 def write(buf: memoryview, offset: int, payload: bytes, words: memoryview | None = None) -> None:
     """Store ``payload`` and its length at ``offset`` (4-byte aligned); ``words`` is ``buf``
     as u32, when the caller has it (one aligned store instead of packing the length)."""
