@@ -52,11 +52,14 @@ import torch.distributed as dist
 from fcoll.ops import pending
 from fcoll.ops.groups import group_from_name
 from fcoll.ops.reduce import REDUCE_OPS, validate_reduce_op
-from fcoll.ops.schemas import _gathered_shape, _p2p_output, _scattered_shape, lib
-from fcoll.ops.schemas import SCHEMAS  # noqa: F401  moved; still importable from here
+from fcoll.ops.schemas import gathered_shape, lib, p2p_output, scattered_shape
 from fcoll.ops.wire import (allgather_options, backend_name, chain, gathers_one_by_one,
                             reduce_args, reduce_scatter_options, reduces_scatter_by_all_to_all,
-                            wire_input, wire_output, start_reduce_scatter)
+                            start_reduce_scatter, wire_input, wire_output)
+
+# fcoll/passes/calibration_probes.py still imports the old private name from here; branch
+# ``passes`` imports ``fcoll.ops.wire.reduces_scatter_by_all_to_all`` instead and removes this.
+_reduces_scatter_by_all_to_all = reduces_scatter_by_all_to_all
 
 __all__ = ["lib", "REDUCE_OPS", "validate_reduce_op"]
 
@@ -221,7 +224,7 @@ def _gather_into(op: str, inputs: Sequence[torch.Tensor], outs: Sequence[torch.T
     pg = group_from_name(group_name)
     _check_group_size(op, group_size, pg, group_name)
     for input, out in zip(inputs, outs):
-        expected = _gathered_shape(input, group_size)
+        expected = gathered_shape(input, group_size)
         if list(out.shape) != expected or out.dtype != input.dtype:
             raise ValueError(f"fcoll.{op}: out has shape {list(out.shape)} {out.dtype}, "
                              f"expected {expected} {input.dtype} {_where(group_name, input)}")
@@ -242,7 +245,7 @@ def _gather_into(op: str, inputs: Sequence[torch.Tensor], outs: Sequence[torch.T
 @_impl("all_gather_into_tensor")
 def _all_gather_into_tensor(input: torch.Tensor, group_size: int,
                             group_name: str) -> torch.Tensor:
-    out = input.new_empty(_gathered_shape(input, group_size))
+    out = input.new_empty(gathered_shape(input, group_size))
     _gather_into("all_gather_into_tensor", [input], [out], group_size, group_name)
     return out
 
@@ -257,7 +260,7 @@ def _all_gather_into_tensor_out(input: torch.Tensor, group_size: int, group_name
 @_impl("all_gather_into_tensor_coalesced")
 def _all_gather_into_tensor_coalesced(inputs: list[torch.Tensor], group_size: int,
                                       group_name: str) -> list[torch.Tensor]:
-    outs = [t.new_empty(_gathered_shape(t, group_size)) for t in inputs]
+    outs = [t.new_empty(gathered_shape(t, group_size)) for t in inputs]
     _gather_into("all_gather_into_tensor_coalesced", inputs, outs, group_size, group_name)
     return outs
 
@@ -278,7 +281,7 @@ def _reduce_scatter_tensor(input: torch.Tensor, reduce_op: str, group_size: int,
                            group_name: str) -> torch.Tensor:
     pg = _validate_reduce_scatter("reduce_scatter_tensor", input, reduce_op, group_size,
                                   group_name)
-    out = input.new_empty(_scattered_shape(input, group_size))
+    out = input.new_empty(scattered_shape(input, group_size))
     _reduce_scatter_into(pg, [input], [out], reduce_op)
     return out
 
@@ -313,7 +316,7 @@ def _reduce_scatter_tensor_out(input: torch.Tensor, reduce_op: str, group_size: 
                                group_name: str, *, out: torch.Tensor) -> torch.Tensor:
     pg = _validate_reduce_scatter("reduce_scatter_tensor_out", input, reduce_op, group_size,
                                   group_name)
-    expected = _scattered_shape(input, group_size)
+    expected = scattered_shape(input, group_size)
     if list(out.shape) != expected or out.dtype != input.dtype:
         raise ValueError(f"fcoll.reduce_scatter_tensor_out: out has shape {list(out.shape)} "
                          f"{out.dtype}, expected {expected} {input.dtype} "
@@ -329,7 +332,7 @@ def _reduce_scatter_tensor_coalesced(inputs: list[torch.Tensor], reduce_op: str,
     for t in inputs:
         _validate_reduce_scatter("reduce_scatter_tensor_coalesced", t, reduce_op, group_size,
                                  group_name)
-    outs = [t.new_empty(_scattered_shape(t, group_size)) for t in inputs]
+    outs = [t.new_empty(scattered_shape(t, group_size)) for t in inputs]
     _reduce_scatter_into(pg, inputs, outs, reduce_op)
     return outs
 
@@ -389,7 +392,7 @@ def _start_p2p(op: str, t: torch.Tensor, peer: int, tag: int, group_name: str) -
     """Start one send or receive of ``t`` with global rank ``peer``; return the op's output:
     ``[0]`` for a send (a handle to wait on), a fresh ``t``-shaped tensor for a receive."""
     pg = group_from_name(group_name)
-    out = _p2p_output(op, t)
+    out = p2p_output(op, t)
     if op == "isend":
         work = dist.isend(wire_input(pg, t), peer, group=pg, tag=tag)
         pending.register(out, work)
@@ -418,7 +421,7 @@ def _batch_p2p_ops(op_list: list[str], peer_list: list[int], tag_list: list[int]
                          f"{len(op_list)}, {len(peer_list)}, {len(tag_list)} and "
                          f"{len(tensors)} entries {_where(group_name)}")
     pg = group_from_name(group_name)
-    outs = [_p2p_output(op, t) for op, t in zip(op_list, tensors)]
+    outs = [p2p_output(op, t) for op, t in zip(op_list, tensors)]
     p2p, finishers = [], []
     for op, peer, tag, t, out in zip(op_list, peer_list, tag_list, tensors, outs):
         if op == "isend":

@@ -52,7 +52,7 @@ from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.engine import settle_future
 from fcoll.shm.p2p.inbox import (MAX_DIMS, PREFIX, W_DOOR, W_SLEEPERS, Inbox, Layout, chunk_bytes,
                              create_inbox, open_inbox, segment_inode, show_message)
-from fcoll.shm.p2p.protocol import RingProtocol, _InMsg, _Op
+from fcoll.shm.p2p.protocol import RingProtocol, InMessage, PendingOp
 from fcoll.shm.transport.segment import U32_BITS, W_PID, W_START_HI, W_START_LO, Segment, proc_alive
 from fcoll.shm.transport.sync import PeerError, futex_wait, futex_wake
 
@@ -86,14 +86,14 @@ class P2P(RingProtocol):
         self.fd = -1
         self.inboxes: dict[int, Inbox] = {rank: self._create()}
         self.me = self.inboxes[rank]
-        self.sends: dict[int, collections.deque[_Op]] = {}  # dst -> ops not fully written
-        self.unacked: dict[int, dict[int, _Op]] = {}  # dst -> seq -> op
+        self.sends: dict[int, collections.deque[PendingOp]] = {}  # dst -> ops not fully written
+        self.unacked: dict[int, dict[int, PendingOp]] = {}  # dst -> seq -> op
         self.next_seq: dict[int, int] = {}  # dst -> sequence number of its next message
         self.head: dict[int, int] = {}  # dst -> chunks this rank published to it
         self.tail: dict[int, int] = {}  # src -> chunks this rank consumed from it
         self.expect: dict[int, int] = {}  # src -> next message number
-        self.cur: dict[int, _InMsg] = {}  # src -> message being copied
-        self.posted: list[_Op] = []  # receives not matched yet, in post order
+        self.cur: dict[int, InMessage] = {}  # src -> message being copied
+        self.posted: list[PendingOp] = []  # receives not matched yet, in post order
         self.unexpected: list[tuple[int, int, int, tuple, torch.Tensor]] = []
         self.broken: dict[int, BaseException] = {}  # peer -> error that ended its channel
         self.pending = 0  # operations issued and not done
@@ -174,7 +174,7 @@ class P2P(RingProtocol):
         t = tensors[0]
         if t.layout != torch.strided or t.dim() > MAX_DIMS:
             raise ValueError(f"{what}): needs a dense tensor of at most {MAX_DIMS} dims")
-        op = _Op(kind, peer, int(tag), t)
+        op = PendingOp(kind, peer, int(tag), t)
         if self.closed:
             op.finish(RuntimeError(f"{what}): the process group was destroyed"))
             return P2PWork(self, op)
@@ -197,7 +197,7 @@ class P2P(RingProtocol):
         return P2PWork(self, op)
 
     # ---- waiting ---------------------------------------------------------------------------
-    def wait(self, op: _Op, timeout_s: float | None) -> None:
+    def wait(self, op: PendingOp, timeout_s: float | None) -> None:
         """Drive progress until ``op`` is done; raise its error.
 
         Raises:
@@ -259,7 +259,7 @@ class P2P(RingProtocol):
     def _missing_inbox(self) -> bool:
         return any(d not in self.inboxes for d, q in self.sends.items() if q)
 
-    def _ops_with(self, peers: set[int]) -> list[_Op]:
+    def _ops_with(self, peers: set[int]) -> list[PendingOp]:
         ops = [o for d, q in self.sends.items() if d in peers for o in q]
         ops += [o for d, u in self.unacked.items() if d in peers for o in u.values()]
         ops += [o for o in self.posted if o.peer is None or o.peer in peers]
@@ -291,7 +291,7 @@ class P2P(RingProtocol):
                 f"fcoll p2p: {names} died (pid {', '.join(str(self.ident[p][0]) for p in sorted(dead))}) "
                 f"while {self.describe(self.rank)} had a send or receive pending with it"))
 
-    def _timeout(self, op: _Op, limit: float) -> None:
+    def _timeout(self, op: PendingOp, limit: float) -> None:
         peer = "any rank" if op.peer is None else self.describe(op.peer)
         verb = (f"send to {peer}" if op.kind == "send" else f"recv from {peer}")
         err = PeerError(f"fcoll p2p: {verb} (tag {op.tag}, {show_message(op.desc)}) timed out "
@@ -360,7 +360,7 @@ class P2PWork(torch.distributed.Work):
     """The ``Work`` of one send or receive; ``wait()`` drives the progress (see :class:`P2P`)
     and re-raises its error. ``_source_rank()`` is the group rank a receive came from."""
 
-    def __init__(self, p2p: P2P, op: _Op):
+    def __init__(self, p2p: P2P, op: PendingOp):
         super().__init__()
         self._p2p, self._op = p2p, op
 
