@@ -21,7 +21,6 @@ from fcoll.ops.reduce import DIST_REDUCE_OPS, logical_op, reduce_rows_into
 __all__ = [
     "MAX_CHUNKS",
     "MAX_MESSAGE_BYTES",
-    "OP_CODES",
     "PIPELINE_CHUNK_BYTES",
     "REDUCE_CODES",
     "SIGNATURE",
@@ -59,9 +58,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
-OP_CODES = {name: i + 1 for i, name in enumerate(
-    ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce",
-     "gather", "scatter"))}
 CODED_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
            torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
            torch.complex128]

@@ -74,20 +74,13 @@ from fcoll.shm.group.identity import GroupIdentity
 from fcoll.shm.group.validate import check_all_gather
 from fcoll.shm.multihost import compositions as comp
 from fcoll.shm.kernels import movement
+from fcoll.shm.transport.op_codes import kind_code
 from fcoll.shm.multihost.work import ChainedWork, HierarchicalWork, OrderedRunner
 from fcoll.shm.multihost.host_layout import HostLayout
-from fcoll.shm.multihost.gloo_link import (OP_CODES, REDUCE_CODES, SIGNATURE, agree, as_bytes,
-                                           dtype_code)
+from fcoll.shm.multihost.gloo_link import REDUCE_CODES, SIGNATURE, agree, as_bytes, dtype_code
 from fcoll.shm.group.process_group import FcollProcessGroup
 
 __all__ = ["HierarchicalProcessGroup", "HierarchicalWork"]
-
-#: The pre-flight's op code of each public op name (:data:`fcoll.shm.multihost.gloo_link.OP_CODES`).
-_KIND = {"all_reduce": "all_reduce", "reduce": "reduce", "all_reduce_coalesced": "all_reduce",
-         "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-         "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-         "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
-         "broadcast": "broadcast", "gather": "gather", "scatter": "scatter"}
 
 
 @run_eagerly_under_dynamo
@@ -193,7 +186,7 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
             ValueError: some rank's arguments are invalid (that rank's message), or ranks
                 passed different arguments.
         """
-        numbers = [OP_CODES[_KIND[name]], dtype_code(x.dtype) if x is not None else -1,
+        numbers = [kind_code(name), dtype_code(x.dtype) if x is not None else -1,
                    x.numel() if x is not None else -1, code]
         failure: BaseException | None = self._error(name, error) if error else None
         if on_flat or not self.layout.even:

@@ -77,6 +77,7 @@ import os
 import threading
 import time
 
+from fcoll.shm.transport.op_codes import op_code, op_of_code
 from fcoll.shm.transport.segment import (MAX_SLEEP_FLAGS, U32_BITS, U32_MASK, W_ARRIVE, W_CPU,
                                          W_GAVE_UP, W_GAVE_UP_WHY, W_PID, W_SLEEP, W_START_HI,
                                          W_START_LO, Segment, proc_alive)
@@ -119,11 +120,6 @@ _WHY = {GAVE_UP_ERROR: "it failed with an unexpected error", GAVE_UP_TIMEOUT: "i
         GAVE_UP_DESTROYED: "its process group was destroyed"}
 _WHY_PEER = {GAVE_UP_TIMEOUT: "it timed out waiting for {}", GAVE_UP_PEER_DIED: "{} died",
              GAVE_UP_PEER_GAVE_UP: "{} gave up first"}
-#: Collectives named in a fence (the second byte of W_GAVE_UP_WHY: index + 1; 0 = not listed).
-FENCE_OPS = ("all_reduce", "reduce", "all_reduce_coalesced", "all_gather_into_tensor",
-             "all_gather", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single",
-             "all_to_all", "broadcast", "scatter", "gather", "barrier")
-_FENCE_OP_CODE = {name: i + 1 for i, name in enumerate(FENCE_OPS)}
 
 
 class PeerError(RuntimeError):
@@ -447,7 +443,7 @@ class Channel:
         if words[mine]:
             return
         words[self.seg.layout.word(self.rank, W_GAVE_UP_WHY)] = (
-            (reason & 0xFF) | (_FENCE_OP_CODE.get(op, 0) << 8)
+            (reason & 0xFF) | (op_code(op) << 8)
             | (((peer + 1) & 0xFFFF) << 16))
         words[mine] = ((seq + 1) & U32_MASK) or 1
         lock = self._fence_lock
@@ -464,7 +460,7 @@ class Channel:
             return None
         why = self.words[lay.word(p, W_GAVE_UP_WHY)]
         code = (why >> 8) & 0xFF
-        op = FENCE_OPS[code - 1] if 0 < code <= len(FENCE_OPS) else "a collective"
+        op = op_of_code(code) or "a collective"
         return (mark - 1) & U32_MASK, op, why & 0xFF, (why >> 16) - 1
 
     def _check_fences(self, what: str) -> None:
