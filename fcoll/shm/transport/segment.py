@@ -143,10 +143,6 @@ class Layout:
     slot_bytes: int
 
     @property
-    def control_off(self) -> int:
-        return 0
-
-    @property
     def header_off(self) -> int:
         return _round_up(self.world * CONTROL_BYTES)
 
