@@ -17,9 +17,9 @@ Threads: a collective executed on the caller's thread runs its torch kernels wit
 :func:`collective_threads` intra-op threads (the CPUs divided among the ranks), whatever
 ``torch.set_num_threads`` says, and gives the caller its count back afterwards: every rank
 copies and reduces at once, and an OpenMP team that needs a core the peer holds stalls the
-collective (2 ranks, 2 cores, torch's default of 2 threads: all_reduce 1 MiB 54 ms, 1 thread
-286 us). The worker's collectives keep the caller's count: the setting acts process-wide and
-would throttle the compute they overlap.
+collective (by orders of magnitude on a machine with as many cores as ranks). The worker's
+collectives keep the caller's count: the setting acts process-wide and would throttle the
+compute they overlap.
 
 Failure model: a header mismatch or invalid input raises on every rank at the same phase, so the
 group stays usable. A dead peer, a timeout or an unexpected error leaves the ranks at different
@@ -66,9 +66,7 @@ def collective_threads(world: int) -> int:
     Every rank of a shared-memory collective copies and reduces at the same time, so more
     threads than that oversubscribe the cores, and an OpenMP team whose second thread waits
     for a core that the peer holds (spinning in its wait, or copying) stalls the whole
-    collective: measured on the 2-core machine, 2 ranks at torch's default of 2 threads, a
-    1 MiB one-slot all_reduce took a median 32 ms per call against 45 us with 1 thread, in
-    the same minute (load 5).
+    collective for a scheduler time slice.
     """
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -80,11 +78,11 @@ def collective_threads(world: int) -> int:
 class _FewerThreads:
     """Context manager: torch's intra-op threads at most ``limit`` inside, as before after.
 
-    ``torch.set_num_threads`` acts process-wide (measured: a thread that sets it changes
-    what ``torch.get_num_threads`` returns on every thread), so it is used only on the thread
-    that issued the collective and waits for it (it computes nothing meanwhile), never on the
+    ``torch.set_num_threads`` acts process-wide (a thread that sets it changes what
+    ``torch.get_num_threads`` returns on every thread), so it is used only on the thread that
+    issued the collective and waits for it (it computes nothing meanwhile), never on the
     background worker, whose collectives overlap the caller's compute. Costs one
-    ``get_num_threads`` (0.13 us) when the limit does not bite, two sets more when it does.
+    ``get_num_threads`` when the limit does not bite, two sets more when it does.
     """
 
     __slots__ = ("limit", "saved")

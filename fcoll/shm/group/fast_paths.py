@@ -27,9 +27,8 @@ from fcoll.shm.transport.segment import NSLOTS
 
 MAX_PLANS = 256  # plans cached per group before the cache starts over
 # At 2 ranks, reduce_scatter pieces and all_to_all rows of at least this many bytes skip
-# the slot for this rank's own part (half the copy-in); below it the extra tensor views
-# (1.5-2 us each on the 2-core machine) cost more than the copy they save (measured: even at
-# 128 KiB pieces the split is 2 us slower, at 512 KiB 20 us faster).
+# the slot for this rank's own part (half the copy-in); below it the extra tensor views cost
+# more than the copy they save.
 SPLIT_BYTES = 256 << 10
 
 _STRIDED = torch.strided

@@ -257,11 +257,11 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
     :func:`reduce_pair_inplace`; in place, one foreach call per chunk). At 3+ ranks the chunk
     is reduced whole over the rows, in rank order, into a private scratch row, and its pieces
     are copied out with one foreach call: per-piece reductions over n rows cost more in
-    per-op overhead than the copy (4 ranks, measured: 200 tensors of 54 KiB in all 2.5 ->
-    1.7 ms, 0.87 MiB 4.8 -> 2.6 ms, 13.9 MiB 21.5 -> 21.0 ms). Above ``small_bytes`` in all
-    they take :func:`all_reduce`'s two-phase path the same way, so each output element is
-    still computed by exactly one rank. Compared with concatenating, this saves a copy of
-    every byte in and one out, and a fresh buffer's page faults.
+    per-op overhead than the copy (up to twice as slow for buckets of many small tensors).
+    Above ``small_bytes`` in all they take :func:`all_reduce`'s two-phase path the same way
+    (:func:`two_phase`), so each output element is still computed by exactly one rank.
+    Compared with concatenating, this saves a copy of every byte in and one out, and a fresh
+    buffer's page faults.
     """
     ch = c.ch
     n, r = ch.world, ch.rank

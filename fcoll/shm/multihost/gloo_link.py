@@ -181,11 +181,8 @@ def gloo_all_reduce_start(group: dist.ProcessGroup, x: torch.Tensor,
 
 
 #: Composed ops move their data in pieces of about this many bytes, so that one piece's
-#: intra-host step overlaps another's inter-host step (measured at 1 gbit, 16 MiB all_gather:
-#: the unpipelined intra all_gather and reordering copy added 60 % to the link time). 1, 2, 4
-#: and 8 MiB pieces measured alike (2 x 2 ranks, alternating, load 10-12; 1 gbit all_reduce
-#: 16 MiB 157-165 ms against 134 ms link-bound, 64 MiB 586-592 ms against 537 ms; at 10 gbit
-#: the CPU, not the piece size, decides).
+#: intra-host step overlaps another's inter-host step (unpipelined, the intra-host steps add
+#: to the link time); piece sizes of 1 to 8 MiB perform alike.
 PIPELINE_CHUNK_BYTES = 4 << 20
 MAX_CHUNKS = 16
 

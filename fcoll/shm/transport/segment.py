@@ -15,7 +15,7 @@ runs :func:`open_segment`):
    in the store; every rank waits for the count (initialisation is a barrier: all control
    records are filled before the first collective), then the creator closes its fd.
 
-Why a sealed memfd rather than a /dev/shm name (the design up to issue #15):
+Why a sealed memfd rather than a /dev/shm name (what earlier versions used):
 
 - *Nothing can leak.* A memfd has no name: the memory lives exactly as long as some process
   maps it or holds its fd, so a job killed in any phase (even between create and attach) leaves
@@ -100,10 +100,9 @@ def _round_up(n: int, m: int = PAGE) -> int:
 def default_slot_bytes() -> int:
     """Bytes of one data slot (per rank, ``NSLOTS`` slots each): 1 MiB.
 
-    Measured at 2 ranks on the 2-core machine (128 MiB all_reduce, same CPU time of about 43 ms
-    per rank): 49 ms with 1 MiB slots against 86 ms with 2 or 8 MiB slots, because a peer's next
-    chunk arrives within the bounded spin, so no rank sleeps, and the slots stay in cache;
-    256-512 KiB slots add too many synchronisations. ``FCOLL_SHM_SLOT_BYTES`` overrides it,
+    With 1 MiB slots a large all_reduce beats larger slots (a peer's next chunk arrives within
+    the bounded spin, so no rank sleeps, and the slots stay in cache), and smaller slots add
+    too many synchronisations. ``FCOLL_SHM_SLOT_BYTES`` overrides it,
     rounded down to whole pages, at least one (tests use small slots to exercise chunking).
     """
     if os.environ.get("FCOLL_SHM_SLOT_BYTES"):
