@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from fcoll.ops.reduce import reduce_pair_inplace, reduce_rows
+from fcoll.shm.transport import header_checks
 from fcoll.shm.transport import headers as hdr
 from fcoll.shm.kernels.movement import longest_segment_bytes, rounds_for
 from fcoll.shm.transport.segment import NSLOTS
@@ -92,8 +93,8 @@ def exchange(ch: Channel, plan: OneSlotPlan, slot: int, payload: bytes, what: st
     ch.wait_all(what, start)
     for off in plan.peer_hoffs[slot]:
         if not hdr.equals(buf, words, off, payload):
-            hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name, ch.describe,
-                      payload)
+            header_checks.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name,
+                                ch.describe, payload)
             break
 
 
@@ -206,8 +207,8 @@ def all_to_all_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: tor
     rounds = 1
     for off in plan.peer_hoffs[slot]:
         if not hdr.equals(buf, ch.words, off, payload):
-            heads = hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name,
-                              ch.describe, payload)
+            heads = header_checks.check([hdr.read(buf, o) for o in plan.hoffs[slot]],
+                                        plan.name, ch.describe, payload)
             row_bytes, sub = plan.extra
             rounds = rounds_for(longest_segment_bytes(heads, row_bytes), sub)
             break

@@ -18,6 +18,7 @@ The algorithms: :mod:`fcoll.shm.kernels.reductions` (all_reduce, coalesced all_r
 
 from __future__ import annotations
 
+from fcoll.shm.transport import header_checks
 from fcoll.shm.transport import headers as hdr
 from fcoll.shm.transport.segment import NSLOTS
 from fcoll.shm.transport.sync import TRANSFER_BYTES_PER_S, Channel
@@ -74,7 +75,7 @@ class Call:
         lay = ch.seg.layout
         heads = [hdr.read(ch.seg.buf, lay.header(slot, p)) for p in range(ch.world)]
         try:
-            return hdr.check(heads, self.name, ch.describe, self.payload)
+            return header_checks.check(heads, self.name, ch.describe, self.payload)
         except hdr.CollectiveMismatchError:
             ch.use = self.first_use + 1
             raise
