@@ -36,9 +36,7 @@ from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.group.identity import GroupIdentity
 from fcoll.shm.group.reducing import ReducingCollectives
 from fcoll.shm.kernels import movement
-from fcoll.shm.group.arg_checks import is_seq as _is_seq
-from fcoll.shm.group.arg_checks import list_error as _list_error
-from fcoll.shm.group.arg_checks import pairs_error as _pairs_error
+from fcoll.shm.group import arg_checks as checks
 from fcoll.shm.cuda.paths import CudaGroup, CudaStaging, IpcBuffers
 from fcoll.shm.engine import Engine, FcollWork
 from fcoll.shm.group.fast_paths import FastPaths
@@ -48,8 +46,7 @@ from fcoll.shm.p2p.sendrecv import P2P
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.transport.segment import default_slot_bytes, open_segment
 from fcoll.shm.transport.sync import Channel
-from fcoll.shm.group.validate import (Staging, check_all_gather, check_no_overlap, check_tensor,
-                                      check_tensors)
+from fcoll.shm.group.validate import Staging, check_all_gather, check_tensor
 
 ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
 
@@ -197,22 +194,12 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         """:meth:`allgather` under another name (``gather`` goes through it). Every output is
         checked, element by element, before anything is written."""
         n = self._size
-        err = _list_error("input_tensors", input_tensors, 1) or _list_error(
-            "output_tensors", output_tensors, 1)
-        if not err:
-            err = (_list_error("output_tensors", output_tensors[0], n)
-                   or check_tensor(input_tensors[0], "input_tensors[0]"))
+        err = checks.all_gather_list_error(output_tensors, input_tensors, n, self._rank)
         if err:
-            inp = input_tensors[0] if err and _is_seq(input_tensors) and input_tensors else None
-            return self._submit(name, inp, error=err)
+            return self._submit(name, checks.first(input_tensors), error=err)
         inp, outs = input_tensors[0], output_tensors[0]
         for i, o in enumerate(outs):
-            arg = f"output_tensors[{i}]"
-            err = (check_tensor(o, arg, True) or Staging.check_same_dtype(inp, o, arg)
-                   or (None if o.numel() == inp.numel() else
-                       f"{arg} has {o.numel()} elements, input_tensors[0] has {inp.numel()}")
-                   or check_no_overlap(inp, o, o if i == self._rank else None)
-                   or self._device_error([("input_tensors[0]", inp), (arg, o)]))
+            err = self._device_error([("input_tensors[0]", inp), (f"output_tensors[{i}]", o)])
             if err:
                 return self._submit(name, inp, error=err)
         st = Staging()
@@ -227,14 +214,14 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         return self._submit(name, inp, run=run, st=st, result=[list(outs)], opts=opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
-        err = _pairs_error("output_lists", output_lists, "input_list", input_list)
+        err = checks.pairs_error("output_lists", output_lists, "input_list", input_list)
         if err:
             return self._submit("all_gather", None, error=err)
         works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
         return works[-1] if works else self.barrier()
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
-        err = _pairs_error("outputs", outputs, "inputs", inputs)
+        err = checks.pairs_error("outputs", outputs, "inputs", inputs)
         if err:
             return self._submit("all_gather_into_tensor", None, error=err)
         works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
@@ -252,15 +239,13 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
                 return work
         name = "all_to_all_single"
         n = self._size
-        err = check_tensor(input, "input") or check_tensor(output, "output", True)
-        in_s = out_s = []
-        if not err:
-            in_s, out_s, err = Staging.check_splits(
-                input, output, list(input_split_sizes or []), list(output_split_sizes or []), n)
-        err = err or Staging.check_same_dtype(input, output) or check_no_overlap(
-            input, output) or self._device_error([("input", input), ("output", output)])
+        err = checks.all_to_all_single_error(output, input, output_split_sizes,
+                                             input_split_sizes, n) or self._device_error(
+            [("input", input), ("output", output)])
         if err:
             return self._submit(name, input, extra=None, error=err)
+        in_s, out_s, _ = Staging.check_splits(
+            input, output, list(input_split_sizes or []), list(output_split_sizes or []), n)
         row = math.prod(input.shape[1:]) * input.element_size()  # also with 0 rows
         if input.is_cuda and self._cuda_setup(name, input, extra=(in_s, out_s)) == "ipc":
             cg = self._cuda
@@ -292,17 +277,7 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         checked (one dtype for all) before anything moves."""
         n = self._size
         name = "all_to_all"
-        err = _list_error("input_tensors", input_tensors, n) or _list_error(
-            "output_tensors", output_tensors, n)
-        if not err:
-            named = [(f"input_tensors[{i}]", t, False) for i, t in enumerate(input_tensors)]
-            named += [(f"output_tensors[{i}]", t, True) for i, t in enumerate(output_tensors)]
-            err = check_tensors(named)
-            dt = input_tensors[0].dtype if not err else None
-            for arg, t, _ in named:
-                if not err and t.dtype != dt:
-                    err = (f"{arg} has dtype {str(t.dtype)[6:]} but input_tensors[0] has "
-                           f"{str(dt)[6:]}; one dtype for every tensor")
+        err = checks.all_to_all_error(output_tensors, input_tensors, n)
         if err:
             return self._submit(name, None, error=err)
         dt = input_tensors[0].dtype
@@ -331,13 +306,7 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
 
     def _broadcast(self, tensors, root: int, name: str = "broadcast", post=None,
                    result=None, opts=None) -> dist.Work:
-        err = None
-        if len(tensors) != 1:
-            err = f"tensors: expects 1 tensor, got {len(tensors)}"
-        elif not 0 <= root < self._size:
-            err = f"root (src) {root} is out of range for a group of size {self._size}"
-        else:
-            err = check_tensor(tensors[0], "tensor", True)
+        err = checks.broadcast_error(tensors, root, self._size)
         t = tensors[0] if len(tensors) == 1 and not err else None
         err = err or (self._device_error([("tensor", t)]) if t is not None else None)
         if err:
@@ -399,7 +368,7 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         root = opts.rootRank if opts is not None else 0
         n = self._size
         name = "gather"
-        err = _list_error("input_tensors", input_tensors, 1)
+        err = checks.list_error("input_tensors", input_tensors, 1)
         err = err or check_tensor(input_tensors[0], "input_tensors[0]")
         if not err and not 0 <= root < n:
             err = f"root (dst) {root} is out of range for a group of size {n}"
@@ -416,22 +385,7 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         root = opts.rootRank if opts is not None else 0
         n = self._size
         name = "scatter"
-        err = _list_error("output_tensors", output_tensors, 1)
-        err = err or check_tensor(output_tensors[0], "output_tensors[0]", True)
-        if not err and not 0 <= root < n:
-            err = f"root (src) {root} is out of range for a group of size {n}"
-        if not err and self._rank == root:
-            out = output_tensors[0]
-            err = _list_error("input_tensors", input_lists, 1) or _list_error(
-                "input_tensors", input_lists[0], n)
-            for i, x in enumerate(input_lists[0] if not err else ()):
-                arg = f"input_tensors[{i}]"
-                err = (check_tensor(x, arg) or Staging.check_same_dtype(x, out)
-                       or (None if x.shape == out.shape else
-                           f"{arg} has shape {list(x.shape)}, output_tensors[0] has "
-                           f"{list(out.shape)}"))
-                if err:
-                    break
+        err = checks.scatter_error(output_tensors, input_lists, root, self._rank, n)
         if err:
             return self._submit(name, None, root=root, error=err)
         out = output_tensors[0]

@@ -23,9 +23,7 @@ import torch.distributed as dist
 
 from fcoll.ops.reduce import check_reduce_op, reduce_op_name
 from fcoll.shm.kernels import reductions
-from fcoll.shm.group.arg_checks import inputs_like_error
-from fcoll.shm.group.arg_checks import list_error as _list_error
-from fcoll.shm.group.arg_checks import pairs_error as _pairs_error
+from fcoll.shm.group import arg_checks as checks
 from fcoll.shm.cuda.paths import CudaStaging, IpcBuffers
 from fcoll.shm.group.fast_paths import plain
 from fcoll.shm.transport.headers import NO_ROOT, dtype_name, header_dtype
@@ -51,14 +49,11 @@ class ReducingCollectives:
 
     def _allreduce(self, name: str, tensors, op: str, root: int | None = None,
                    opts=None) -> dist.Work:
-        if len(tensors) != 1:
-            return self._submit(name, None, reduce_op=op, error=f"tensors: expects 1 tensor, "
-                                f"got {len(tensors)}")
+        err = checks.all_reduce_error(tensors, op, self._size, root)
+        if err and not (checks.is_seq(tensors) and len(tensors) == 1):
+            return self._submit(name, None, reduce_op=op, error=err)
         t = tensors[0]
-        err = (check_tensor(t, "tensor", True) or check_reduce_op(op, t.dtype)
-               or self._device_error([("tensor", t)]))
-        if root is not None and not 0 <= root < self._size:
-            err = err or f"root {root} is out of range for a group of size {self._size}"
+        err = err or self._device_error([("tensor", t)])
         hroot = NO_ROOT if root is None else root
         if err:
             return self._submit(name, t, reduce_op=op, root=hroot, error=err)
@@ -260,11 +255,11 @@ class ReducingCollectives:
         n = self._size
         name = "reduce_scatter"
         op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
-        err = _list_error("output_tensors", output_tensors, 1) or _list_error(
+        err = checks.list_error("output_tensors", output_tensors, 1) or checks.list_error(
             "input_tensors", input_lists, 1)
-        err = err or _list_error("input_tensors", input_lists[0], n) or check_tensor(
+        err = err or checks.list_error("input_tensors", input_lists[0], n) or check_tensor(
             output_tensors[0], "output_tensors[0]", True)
-        err = err or inputs_like_error(input_lists[0], output_tensors[0])
+        err = err or checks.inputs_like_error(input_lists[0], output_tensors[0])
         if err:
             return self._submit(name, None, reduce_op=op, error=err)
         stacked = torch.stack([i.detach().reshape(-1).cpu() for i in input_lists[0]])
@@ -273,7 +268,7 @@ class ReducingCollectives:
 
     def reduce_scatter_single_coalesced(self, outputs, inputs,
                                         opts=None) -> dist.Work:
-        err = _pairs_error("outputs", outputs, "inputs", inputs)
+        err = checks.pairs_error("outputs", outputs, "inputs", inputs)
         if err:
             return self._submit("reduce_scatter_tensor", None, error=err)
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
