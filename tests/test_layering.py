@@ -182,3 +182,14 @@ def test_known_private_imports_are_only_other_branches_and_still_exist():
     seen = {(m, src, name) for m, src, name, _ in private}
     assert all(m.startswith(_KNOWN_OWNERS) for m, _, _ in KNOWN_PRIVATE_IMPORTS)
     assert KNOWN_PRIVATE_IMPORTS <= seen, f"fixed, remove from the list: {KNOWN_PRIVATE_IMPORTS - seen}"
+
+
+def test_shm_folder_map_names_every_module():
+    """``fcoll/shm/__init__.py``'s docstring is the backend's map: it names every module."""
+    import fcoll.shm
+
+    doc = fcoll.shm.__doc__
+    missing = [m for m in _modules() if m.startswith("fcoll.shm.")
+               and f"``{m.rsplit('.', 1)[1]}``" not in doc
+               and f"``{m.rsplit('.', 1)[1]}/``" not in doc]
+    assert not missing, f"modules missing from fcoll/shm/__init__.py's folder map: {missing}"

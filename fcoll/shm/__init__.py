@@ -1,14 +1,34 @@
 """fcoll's shared-memory collective backend (``dist.init_process_group("fcoll")``).
 
-Modules, bottom layer first: ``segment`` (the /dev/shm segment and its layout), ``sync``
-(arrival counters, futex waits, liveness, timeouts), ``headers`` (per-collective headers and
-cross-rank checks), ``phases`` (the slot and phase protocol every algorithm runs on),
-``reductions`` (all_reduce, coalesced all_reduce, reduce_scatter), ``movement`` (all_gather,
-broadcast, all_to_all, barrier), ``one_slot`` (one-phase kernels with cached views), ``engine``
-(the per-group executor and worker thread), ``fast_paths`` (when and how a synchronous small
-collective runs on the caller's thread), ``validate`` (argument checks, staging),
-``cuda`` (CUDA tensors: the staged and IPC paths, stream-ordered), ``process_group`` (the
-``dist.ProcessGroup`` that c10d calls).
+Folder map, bottom layer first (each sub-package is one concept; nothing imports upward in it):
+
+- ``transport/``: what every collective runs on. ``segment`` (the sealed memfd segment and its
+  layout), ``sync`` (arrival counters, futex waits, liveness, timeouts, fences), ``op_codes``
+  (the one table of collective names and their codes), ``headers`` (the per-collective header
+  and its wire format), ``header_checks`` (the cross-rank check of headers), ``phases`` (the
+  slot and phase protocol every algorithm runs on).
+- ``kernels/``: the algorithms over slots. ``reductions`` (all_reduce, coalesced all_reduce,
+  reduce_scatter), ``movement`` (all_gather, broadcast, all_to_all, barrier), ``one_slot``
+  (one-phase kernels with cached views, for the fast paths and the direct path).
+- ``engine``: the per-group executor and worker thread, and the one way to issue a collective
+  (:meth:`~fcoll.shm.engine.Engine.job` takes the sequence number;
+  :meth:`~fcoll.shm.engine.Engine.run_now` runs one on the caller's thread).
+- ``cuda/``: CUDA tensors. ``paths`` (the staged and IPC paths, stream-ordered, the device
+  check), ``submission`` (the process group's CUDA helpers, a mixin).
+- ``p2p/``: point-to-point. ``inbox`` (per-rank sealed memfd inboxes), ``protocol`` (operation
+  records, the ring and matching steps), ``sendrecv`` (the send/recv engine of a group).
+- ``group/``: the c10d surface. ``process_group`` (``FcollProcessGroup``, the
+  ``dist.ProcessGroup`` c10d calls: lifecycle, submission, data movement), ``reducing`` (its
+  collectives that take a reduce op, a mixin), ``identity`` (the c10d identity both process
+  groups share), ``arg_checks`` (the per-call argument checks of both process groups),
+  ``validate`` (tensor-level checks, staging), ``fast_paths`` (when and how a synchronous
+  small collective runs on the caller's thread), ``direct`` (compiled graphs' calls straight
+  into the engine).
+- ``multihost/``: groups across hosts. ``host_layout`` (host identity, which ranks share a
+  host), ``gloo_link`` (gloo between hosts: byte views, reductions gloo lacks, the agreement
+  across the link, pipeline pieces), ``work`` (the ordered queue and its ``Work``s),
+  ``compositions`` (the composed collectives as algorithms over the sub-groups),
+  ``hierarchical`` (``HierarchicalProcessGroup``).
 """
 
 from __future__ import annotations
