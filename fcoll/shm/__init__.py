@@ -13,8 +13,9 @@ Folder map, bottom layer first (each sub-package is one concept; nothing imports
 - ``engine``: the per-group executor and worker thread, and the one way to issue a collective
   (:meth:`~fcoll.shm.engine.Engine.job` takes the sequence number;
   :meth:`~fcoll.shm.engine.Engine.run_now` runs one on the caller's thread).
-- ``cuda/``: CUDA tensors. ``paths`` (the staged and IPC paths, stream-ordered, the device
-  check), ``submission`` (the process group's CUDA helpers, a mixin).
+- ``cuda/``: CUDA tensors. ``paths`` (the path choice, the IPC path, the device check; all
+  stream-ordered), ``staging`` (the staged path), ``submission`` (the process group's CUDA
+  helpers, a mixin).
 - ``p2p/``: point-to-point. ``inbox`` (per-rank sealed memfd inboxes), ``protocol`` (operation
   records, the ring and matching steps), ``sendrecv`` (the send/recv engine of a group).
 - ``group/``: the c10d surface. ``process_group`` (``FcollProcessGroup``, the

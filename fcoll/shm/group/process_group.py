@@ -37,7 +37,8 @@ from fcoll.shm.group.identity import GroupIdentity
 from fcoll.shm.group.reducing import ReducingCollectives
 from fcoll.shm.kernels import movement
 from fcoll.shm.group import arg_checks as checks
-from fcoll.shm.cuda.paths import CudaGroup, CudaStaging, IpcBuffers
+from fcoll.shm.cuda.paths import CudaGroup, IpcBuffers
+from fcoll.shm.cuda.staging import CudaStaging
 from fcoll.shm.engine import Engine, FcollWork
 from fcoll.shm.group.fast_paths import FastPaths
 from fcoll.shm.cuda.submission import CudaSubmission

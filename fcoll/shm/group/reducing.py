@@ -24,7 +24,8 @@ import torch.distributed as dist
 from fcoll.ops.reduce import check_reduce_op, reduce_op_name
 from fcoll.shm.kernels import reductions
 from fcoll.shm.group import arg_checks as checks
-from fcoll.shm.cuda.paths import CudaStaging, IpcBuffers
+from fcoll.shm.cuda.paths import IpcBuffers
+from fcoll.shm.cuda.staging import CudaStaging
 from fcoll.shm.group.fast_paths import plain
 from fcoll.shm.transport.headers import NO_ROOT, dtype_name, header_dtype
 from fcoll.shm.transport.phases import Call
