@@ -152,13 +152,11 @@ def inputs_like_error(xs, out, arg: str = "input_tensors",
     and, shape included, scatter)."""
     for i, x in enumerate(xs):
         name = f"{arg}[{i}]"
-        if same_shape:
-            differs = None if x.shape == out.shape else (
-                f"{name} has shape {list(x.shape)}, {out_arg} has {list(out.shape)}")
-        else:
-            differs = None if x.numel() == out.numel() else (
-                f"{name} has {x.numel()} elements, {out_arg} has {out.numel()}")
-        err = check_tensor(x, name) or Staging.check_same_dtype(x, out) or differs
+        err = check_tensor(x, name) or Staging.check_same_dtype(x, out)
+        if err is None and same_shape and x.shape != out.shape:
+            err = f"{name} has shape {list(x.shape)}, {out_arg} has {list(out.shape)}"
+        elif err is None and not same_shape and x.numel() != out.numel():
+            err = f"{name} has {x.numel()} elements, {out_arg} has {out.numel()}"
         if err:
             return err
     return None
