@@ -57,7 +57,7 @@ def direct_group(pg: Any) -> Any | None:
 
     if not isinstance(pg, FcollProcessGroup) or pg.size() < 2:
         return None
-    return pg if getattr(pg, "_engine", None) is not None else None
+    return pg if pg.engine is not None else None
 
 
 def wire_reduce_op(reduce_op: str, dtype: torch.dtype) -> tuple[str, bool]:
@@ -106,7 +106,7 @@ class _DirectCall:
                                  f"{why}")
             self.op, self.avg_div = wire_reduce_op(reduce_op, dtype)
         self.name = op_name
-        self.engine = pg._engine
+        self.engine = pg.engine
         self.dtype, self.shape, self.size = dtype, tuple(shape), pg.size()
         self.tail = Header(0, op_name, dtype_name(dtype), self.shape, self.op, NO_ROOT,
                            tag).tail()

@@ -98,6 +98,12 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
             p2p.close()
 
     @property
+    def engine(self) -> Engine:
+        """The group's executor: the direct path (:mod:`fcoll.shm.group.direct`) issues its
+        collectives into it."""
+        return self._engine
+
+    @property
     def cuda_path(self) -> str | None:
         """``"ipc"`` or ``"staged"``: the path of this group's CUDA collectives (see
         :mod:`fcoll.shm.cuda.paths`), None before its first CUDA collective."""
