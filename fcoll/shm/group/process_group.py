@@ -112,7 +112,7 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
     # ---- submission -----------------------------------------------------------------------
     def _staging(self, t: torch.Tensor) -> Staging:
         """How ``t``'s data reaches the shared slots: :class:`Staging` for a CPU tensor (no CUDA
-        code on its path), :class:`~fcoll.shm.cuda.paths.CudaStaging` for a CUDA one."""
+        code on its path), :class:`~fcoll.shm.cuda.staging.CudaStaging` for a CUDA one."""
         return CudaStaging(self._cuda) if t.is_cuda else Staging()
 
     def _submit(self, name: str, shape_of: torch.Tensor | None, *, reduce_op: str = "",
