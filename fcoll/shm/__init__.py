@@ -46,11 +46,12 @@ __all__ = ["register_backend", "create_process_group", "cuda_path", "BACKEND_NAM
 def create_process_group(common_opts, backend_opts=None):
     """Backend creator for ``Backend.register_backend(..., extended_api=True)``.
 
-    The group's ranks first exchange their host identity (:func:`fcoll.shm.multihost.host_layout.host_id`)
-    through the group's store. Ranks all on one host get a plain
-    :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (shared memory, no overhead); ranks on
-    several hosts get a :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` (shared memory
-    inside each host, gloo between hosts). A group of one rank skips the exchange.
+    The group's ranks first exchange their host identity
+    (:func:`fcoll.shm.multihost.host_layout.host_id`) through the group's store. Ranks all on one
+    host get a plain :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (shared memory, no
+    overhead); ranks on several hosts get a
+    :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` (shared memory inside each
+    host, gloo between hosts). A group of one rank skips the exchange.
     """
     from fcoll.shm.multihost.host_layout import HostLayout, exchange_host_ids
     from fcoll.shm.group.process_group import FcollProcessGroup

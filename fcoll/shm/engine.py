@@ -24,8 +24,8 @@ compute they overlap.
 Failure model: a header mismatch or invalid input raises on every rank at the same phase, so the
 group stays usable. A dead peer, a timeout or an unexpected error leaves the ranks at different
 phases: the group is marked broken and every later collective fails at once with that error, and
-the collective is fenced in shared memory (:meth:`~fcoll.shm.transport.sync.Channel.give_up`): a peer
-waiting for it, or arriving at it later, raises naming this rank instead of computing a result
+the collective is fenced in shared memory (:meth:`~fcoll.shm.transport.sync.Channel.give_up`): a
+peer waiting for it, or arriving at it later, raises naming this rank instead of computing a result
 from data this rank abandoned, and is broken in turn. Destroying the group fences the next
 sequence number, so a peer still to call it raises at once instead of at the timeout.
 """
@@ -218,8 +218,8 @@ class Engine:
         2 us a call).
 
         Args:
-            plan: a :class:`~fcoll.shm.kernels.one_slot.OneSlotPlan`: its ``name`` and header ``tail``
-                are used here.
+            plan: a :class:`~fcoll.shm.kernels.one_slot.OneSlotPlan`: its ``name`` and header
+                ``tail`` are used here.
             fn: the kernel, called ``fn(ch, plan, *args, payload, what, start)``.
             args: the user's tensors (and the root) for ``fn``; ``args[0]`` is what this rank
                 copies in (its bytes set :attr:`Channel.transfer_s`).

@@ -15,10 +15,10 @@ cannot map each other) or ``staged`` overrides it. Every rank decides from the s
 data, so all take the same path.
 
 **Staged path** (any placement): :class:`~fcoll.shm.cuda.staging.CudaStaging`. The
-device-to-host copies of the inputs run on the side stream into pinned host buffers (torch's caching host allocator reuses them,
-and keeps each one until the copies that used it completed), the shared-memory algorithm of
-the CPU path runs on them on the group's worker thread after the copies' event, and the
-host-to-device copies of the outputs run on the side stream.
+device-to-host copies of the inputs run on the side stream into pinned host buffers (torch's caching
+host allocator reuses them, and keeps each one until the copies that used it completed), the
+shared-memory algorithm of the CPU path runs on them on the group's worker thread after the copies'
+event, and the host-to-device copies of the outputs run on the side stream.
 
 **IPC path** (ranks on one GPU, or GPUs with peer access): :class:`IpcBuffers`. Each rank owns
 one device buffer (grown on demand to the largest collective input, in bytes) and three

@@ -31,7 +31,8 @@ from fcoll.shm.group.validate import Staging
 
 
 class CudaSubmission:
-    """Mixin: :class:`~fcoll.shm.group.process_group.FcollProcessGroup`'s CUDA submission helpers."""
+    """Mixin: :class:`~fcoll.shm.group.process_group.FcollProcessGroup`'s CUDA submission
+    helpers."""
 
     def _device_error(self, tensors: list[tuple[str, torch.Tensor]]) -> str | None:
         """Mixed CPU/CUDA tensors, or a CUDA tensor off this rank's device (None if fine)."""

@@ -13,15 +13,15 @@ allocates the output, takes a sequence number and either
 - runs at once on the caller's thread through the one-slot kernel
   (:meth:`Engine.run_now`) when the executor says its wait comes right after it
   (``sync=True``: nothing could overlap it), the tensor fits one slot and nothing is queued; or
-- queues a :class:`Job` running :func:`fcoll.shm.kernels.reductions.all_reduce` on the group's worker
-  (as the c10d path does for an async call) and keeps it for :meth:`DirectAllReduce.wait`.
+- queues a :class:`Job` running :func:`fcoll.shm.kernels.reductions.all_reduce` on the group's
+  worker (as the c10d path does for an async call) and keeps it for :meth:`DirectAllReduce.wait`.
 
 Both produce the same headers, slot layout and phases as the process group's own paths, so a
 peer on the c10d path interoperates (and compares headers with this one), and the result is the
 same, bit for bit (the same reduction kernels). Failures are the engine's: a cross-rank
-mismatch (:class:`~fcoll.shm.transport.headers.CollectiveMismatchError`) raised on every rank with the
-group still usable, a dead peer or a timeout (:class:`~fcoll.shm.transport.sync.PeerError`) after which
-the group is broken, each raised by the call (sync) or its wait (async).
+mismatch (:class:`~fcoll.shm.transport.headers.CollectiveMismatchError`) raised on every rank with
+the group still usable, a dead peer or a timeout (:class:`~fcoll.shm.transport.sync.PeerError`)
+after which the group is broken, each raised by the call (sync) or its wait (async).
 
 Call-site tag: the header's ``extra`` carries ``tag`` (``"site <digest>#<index>"``: the digest
 of the graph's collective sequence on the group and the call's index in it), so two ranks that
@@ -214,8 +214,8 @@ class DirectAllGather(_DirectCall):
     """One compiled call site of ``fcoll.all_gather_into_tensor(input, n, group)``.
 
     Shapes: ``input [N, *] -> output [n * N, *]`` (rank p's input at rows ``p*N..``), any
-    dtype, CPU; the algorithm is :func:`fcoll.shm.kernels.movement.all_gather` (the process group's).
-    Arguments and errors: :class:`_DirectCall` (``shape`` has at least one dim).
+    dtype, CPU; the algorithm is :func:`fcoll.shm.kernels.movement.all_gather` (the process
+    group's). Arguments and errors: :class:`_DirectCall` (``shape`` has at least one dim).
     """
 
     __name__ = "fcoll_direct_all_gather_into_tensor"
@@ -242,8 +242,8 @@ class DirectReduceScatter(_DirectCall):
     """One compiled call site of ``fcoll.reduce_scatter_tensor(input, reduce_op, n, group)``.
 
     Shapes: ``input [n * N, *] -> output [N, *]`` (rank p gets rows ``p*N..`` reduced), dtype
-    ``dtype``, CPU; the algorithm is :func:`fcoll.shm.kernels.reductions.reduce_scatter`. Arguments and
-    errors: :class:`_DirectCall` (``shape[0]`` a multiple of the group size).
+    ``dtype``, CPU; the algorithm is :func:`fcoll.shm.kernels.reductions.reduce_scatter`. Arguments
+    and errors: :class:`_DirectCall` (``shape[0]`` a multiple of the group size).
     """
 
     __name__ = "fcoll_direct_reduce_scatter_tensor"

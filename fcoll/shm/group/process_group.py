@@ -5,9 +5,10 @@ reducer, through the ``PyProcessGroup`` trampoline) call on a process group. A s
 of a small collective runs first through :mod:`fcoll.shm.group.fast_paths`. Otherwise the method
 validates its arguments on the calling thread, stages inputs (CUDA -> host, non-contiguous ->
 contiguous), queues a :class:`~fcoll.shm.engine.Job` whose ``run`` is an algorithm of
-:mod:`fcoll.shm.kernels.reductions` or :mod:`fcoll.shm.kernels.movement`, and returns a ``Work`` made from the
-job's future. Invalid arguments still queue a header-only job flagged invalid, so every peer
-raises the same message instead of hanging; the calling rank raises ``ValueError`` at once.
+:mod:`fcoll.shm.kernels.reductions` or :mod:`fcoll.shm.kernels.movement`, and returns a ``Work``
+made from the job's future. Invalid arguments still queue a header-only job flagged invalid, so
+every peer raises the same message instead of hanging; the calling rank raises ``ValueError`` at
+once.
 
 Shapes per rank (n = group size): all_reduce ``[*] -> [*]``; all_gather ``[*] -> [n * N, ...]``;
 reduce_scatter ``[n * N, ...] -> [N, ...]``; all_to_all_single ``[sum(in_splits), ...] ->
@@ -345,7 +346,7 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         self._engine.kick()
         return FcollWork(self._engine, jobs, "coalesced")
 
-    # ---- point-to-point (fcoll.shm.p2p.sendrecv: one inbox per rank, made at its first send/recv) ---
+    # ---- point-to-point (fcoll.shm.p2p.sendrecv: an inbox per rank, made at its first use) ---
     def send(self, tensors, dstRank, tag=0) -> dist.Work:  # noqa: N803  (c10d's names)
         """Send ``tensors[0]`` to group rank ``dstRank``; the Work completes once the bytes are
         in shared memory and the receiver accepted them (a mismatch raises ValueError on

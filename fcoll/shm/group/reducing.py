@@ -3,8 +3,8 @@
 all_reduce (in place and out of place), reduce, all_reduce_coalesced (in place and out of place)
 and reduce_scatter (tensor, list and coalesced forms): each checks its arguments (reduce op
 included, see :func:`fcoll.ops.reduce.check_reduce_op`), stages its inputs and submits an
-algorithm of :mod:`fcoll.shm.kernels.reductions` through the group's ``_submit`` (or, on the CUDA IPC
-path, a kernel body of :mod:`fcoll.shm.cuda.submission`).
+algorithm of :mod:`fcoll.shm.kernels.reductions` through the group's ``_submit`` (or, on the CUDA
+IPC path, a kernel body of :mod:`fcoll.shm.cuda.submission`).
 
 They are a mixin of the group (:class:`ReducingCollectives`) so that each file holds one idea:
 in ``process_group.py``, the group (lifecycle, submission) and its data-movement collectives;

@@ -3,9 +3,9 @@
 A recurring small collective of one (op, dtype, shape) gets a plan once
 (:mod:`fcoll.shm.group.fast_paths`): its header without the sequence number, the header offsets of
 every slot, and tensor views of every slot laid out as the general algorithm of the same
-collective lays it out (:mod:`fcoll.shm.kernels.reductions`, :mod:`fcoll.shm.kernels.movement`). Each call
-then copies in, publishes its header, waits, compares the headers as bytes (decoding them only
-if they differ), and copies or reduces out, making no tensor views and running no Python loop
+collective lays it out (:mod:`fcoll.shm.kernels.reductions`, :mod:`fcoll.shm.kernels.movement`).
+Each call then copies in, publishes its header, waits, compares the headers as bytes (decoding them
+only if they differ), and copies or reduces out, making no tensor views and running no Python loop
 over ranks. Because the slot layout and phases are the general path's, a peer that takes the
 general path for the same collective (a non-contiguous input, say) interoperates.
 
@@ -132,8 +132,8 @@ def all_reduce_small_into(ch: Channel, plan: AllReducePlan, src: torch.Tensor, d
 def all_gather_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: torch.Tensor,
                      payload: bytes, what: str, start: float) -> None:
     """One-slot all_gather ``src [*] -> dst [n * N, ...]`` in the packed layout of
-    :func:`fcoll.shm.kernels.movement.all_gather`: ``plan.views[slot] = (my part shaped like src, every
-    rank's part together shaped like dst)``; the copy out is one contiguous copy."""
+    :func:`fcoll.shm.kernels.movement.all_gather`: ``plan.views[slot] = (my part shaped like src,
+    every rank's part together shaped like dst)``; the copy out is one contiguous copy."""
     slot = ch.use % NSLOTS
     ch.use += 1
     mine, packed = plan.views[slot]
@@ -186,8 +186,8 @@ def all_to_all_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: tor
                      payload: bytes, what: str, start: float) -> None:
     """One-slot all_to_all with even splits; ``src``/``dst`` viewed ``[n, m]``;
     ``plan.views[slot] = (my n sub-slots [n, m], sub-slot r of every rank [n, m])``, the layout
-    of :func:`fcoll.shm.kernels.movement.all_to_all`. If a peer's header differs (a general-path peer
-    with other splits that still agree with ours), the rounds it needs are run too, with
+    of :func:`fcoll.shm.kernels.movement.all_to_all`. If a peer's header differs (a general-path
+    peer with other splits that still agree with ours), the rounds it needs are run too, with
     nothing to move here. With 2 ranks and large rows (``plan.split``) only the peer's row goes
     through shared memory and this rank's own row is copied straight from ``src`` to ``dst``
     (no rank reads its own sub-slot of a peer, so the layout is unchanged)."""

@@ -1,5 +1,5 @@
-"""gloo between hosts, for :mod:`fcoll.shm.multihost.hierarchical`: byte views, reductions gloo lacks,
-the argument check across the link, and the pieces composed ops are pipelined in.
+"""gloo between hosts, for :mod:`fcoll.shm.multihost.hierarchical`: byte views, reductions gloo
+lacks, the argument check across the link, and the pieces composed ops are pipelined in.
 
 gloo takes only some dtypes (no int16, no complex products, ...) and checks nothing across
 ranks (mismatched shapes abort the process: NOTES, "gloo under faults"). So data crosses hosts

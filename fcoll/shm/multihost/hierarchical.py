@@ -1,7 +1,8 @@
 """``HierarchicalProcessGroup``: an fcoll group whose ranks span several hosts.
 
 :func:`fcoll.shm.create_process_group` builds one when a group's ranks have more than one host
-identity (:mod:`fcoll.shm.multihost.host_layout`). It holds three groups, made in this order on every rank:
+identity (:mod:`fcoll.shm.multihost.host_layout`). It holds three groups, made in this order on
+every rank:
 
 - ``intra``: an :class:`~fcoll.shm.group.process_group.FcollProcessGroup` of the ranks of this host
   (shared memory), on the store prefix ``intra/<host>/``; absent on a host with one rank;

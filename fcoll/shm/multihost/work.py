@@ -1,4 +1,5 @@
-"""The queue and the ``Work`` objects of :class:`fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup`."""
+"""The queue and the ``Work`` objects of
+:class:`fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup`."""
 
 from __future__ import annotations
 

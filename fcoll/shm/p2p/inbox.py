@@ -1,7 +1,7 @@
 """A rank's point-to-point *inbox* on fcoll's backend: its memory, its name, and its records.
 
-The protocol that moves messages through inboxes is :mod:`fcoll.shm.p2p.sendrecv`; this module is the
-memory it runs on. Each rank owns one inbox per group: a sealed ``memfd`` (mode 0600, sealed
+The protocol that moves messages through inboxes is :mod:`fcoll.shm.p2p.sendrecv`; this module is
+the memory it runs on. Each rank owns one inbox per group: a sealed ``memfd`` (mode 0600, sealed
 against shrinking and growing, as the group segment of :mod:`fcoll.shm.transport.segment`) named
 ``fcoll-p2p-<group segment inode>-<group rank>`` (:func:`segment_inode`), which the rank keeps
 open while the group lives. A peer finds it without any store, among ``/proc/<owner pid>/fd``

@@ -1,14 +1,15 @@
-"""The transfer half of :mod:`fcoll.shm.p2p.sendrecv`: operation records, the rings and the matching.
+"""The transfer half of :mod:`fcoll.shm.p2p.sendrecv`: operation records, the rings and the
+matching.
 
-It holds ``PendingOp`` (one send or receive), ``InMessage`` (the message a receive ring is copying) and
-``RingProtocol``, the mixin of :class:`~fcoll.shm.p2p.sendrecv.P2P`'s progress steps: ``_step`` moves
-every pending operation as far as it goes without waiting, ``_push`` writes a send's chunks into
-the peer's ring and reads its acks, ``_pull`` copies what a peer published, ``_match`` /
+It holds ``PendingOp`` (one send or receive), ``InMessage`` (the message a receive ring is copying)
+and ``RingProtocol``, the mixin of :class:`~fcoll.shm.p2p.sendrecv.P2P`'s progress steps: ``_step``
+moves every pending operation as far as it goes without waiting, ``_push`` writes a send's chunks
+into the peer's ring and reads its acks, ``_pull`` copies what a peer published, ``_match`` /
 ``_match_unexpected`` apply MPI's non-overtaking rule, and ``_accept`` writes the ack with the
 verdict (the protocol of :mod:`fcoll.shm.p2p.sendrecv`'s module docstring, over the layout of
 :mod:`fcoll.shm.p2p.inbox`).
 
-It is separate from ``p2p.py`` so that each file holds one idea: here, what moves through the
+It is separate from ``sendrecv.py`` so that each file holds one idea: here, what moves through the
 rings and in what order, none of which ever waits; there, the per-rank state, issuing, waiting
 (doorbell, futex sleeps, liveness and timeout checks, the background thread) and closing. The
 host class provides ``rank``, ``world``, ``lay``, ``me``, ``describe``, the per-peer

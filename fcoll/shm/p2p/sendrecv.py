@@ -8,8 +8,8 @@ name in /dev/shm, so nothing can leak.
 Protocol. A message is one header (sequence number, tag, byte count, dtype, shape) and its
 bytes, cut in chunks that go round robin through the ring's ``NCHUNKS`` slots: the sender
 writes a chunk when ``head - tail < NCHUNKS``, then stores ``head`` (the store comes after the
-data; x86-64 keeps stores in order, as :mod:`fcoll.shm.transport.sync` explains), the receiver copies it
-out and stores ``tail``. The receiver matches the header to its posted receives (MPI's
+data; x86-64 keeps stores in order, as :mod:`fcoll.shm.transport.sync` explains), the receiver
+copies it out and stores ``tail``. The receiver matches the header to its posted receives (MPI's
 non-overtaking rule: messages of one source and tag are received in the order sent, and a
 message goes to the earliest posted receive that accepts it, ``recv_anysource`` included) and
 writes an *ack* with its verdict: a send completes once its bytes are in the ring **and** the

@@ -7,12 +7,12 @@ peers (its copy overlaps theirs). That is safe: the slot's previous use is ``u -
 finished reading it before it arrived at a phase of use ``u - 1``, which this rank has waited
 for.
 
-The first phase of every collective also carries the header (:mod:`fcoll.shm.transport.headers`); headers
-are checked on every rank before anything is written to an output, so an invalid or mismatched
-call raises everywhere and moves no data.
+The first phase of every collective also carries the header (:mod:`fcoll.shm.transport.headers`);
+headers are checked on every rank before anything is written to an output, so an invalid or
+mismatched call raises everywhere and moves no data.
 
-The algorithms: :mod:`fcoll.shm.kernels.reductions` (all_reduce, coalesced all_reduce, reduce_scatter),
-:mod:`fcoll.shm.kernels.movement` (all_gather, broadcast, all_to_all, barrier) and
+The algorithms: :mod:`fcoll.shm.kernels.reductions` (all_reduce, coalesced all_reduce,
+reduce_scatter), :mod:`fcoll.shm.kernels.movement` (all_gather, broadcast, all_to_all, barrier) and
 :mod:`fcoll.shm.kernels.one_slot` (one-phase forms of those, with cached views, for the fast paths).
 """
 
