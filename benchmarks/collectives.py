@@ -211,7 +211,7 @@ def _make_call(op: str, size: int, n: int, group):
     raise ValueError(op)
 
 
-# the wait counters of fcoll's channel a cell reports (fcoll.shm.sync.Channel.stats): waits
+# the wait counters of fcoll's channel a cell reports (fcoll.shm.transport.sync.Channel.stats): waits
 # that polled the peer in, that slept, and spins that ran out
 WAIT_KINDS = ("spun", "slept", "spin_failed")
 
@@ -506,8 +506,8 @@ def _run_once(args, load: int) -> dict:
 # collective runs it; prints the best of 7 medians, in ns per phase. Runs in either tree.
 _MICRO = """
 import mmap, statistics, time
-from fcoll.shm.segment import Layout, Segment, W_ARRIVE
-from fcoll.shm.sync import Channel
+from fcoll.shm.transport.segment import Layout, Segment, W_ARRIVE
+from fcoll.shm.transport.sync import Channel
 lay = Layout(2, 4096)
 seg = Segment(mmap.mmap(-1, lay.total), lay)
 seg.words[lay.word(1, W_ARRIVE)] = 0x7FFFFFF0  # the peer arrived at every phase we run

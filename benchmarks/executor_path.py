@@ -4,7 +4,7 @@ Usage: ``python benchmarks/executor_path.py --executor [--nproc 2] [--sizes 4K 6
 [--reps 15] [--json executor_path.json]``
 
 Issue #17.2: the executor issues collectives on fcoll's groups straight into the shared-memory
-engine (``fcoll/shm/direct.py``) instead of through the op, c10d and the in-flight registry.
+engine (``fcoll/shm/group/direct.py``) instead of through the op, c10d and the in-flight registry.
 Target: all_reduce of 4 KiB at most 25 us per call through the executor's direct path on a
 quiet machine, with the c10d path's figure beside it.
 

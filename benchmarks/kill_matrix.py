@@ -72,7 +72,7 @@ def _shm_names() -> set[str]:
 
 def _mapped_by_anyone(pids: list[int]) -> list[str]:
     """``memfd:fcoll-<pid>-`` mappings of any of ``pids`` still in some process's maps."""
-    from fcoll.shm.segment import proc_maps
+    from fcoll.shm.transport.segment import proc_maps
 
     needles = [f"memfd:fcoll-{p}-".encode() for p in pids]
     found = []
@@ -89,7 +89,7 @@ def run_matrix(phases=PHASES, iterations: int = 5, world: int = 2, jitter_scale:
         ``{"landed": {phase: {last phase rank 0 reported: count}}, "hung": [...],
         "names_left": [...], "swept": [...], "mapped_left": [...], "seconds": float}``.
     """
-    from fcoll.shm.segment import sweep_dead_segments
+    from fcoll.shm.transport.segment import sweep_dead_segments
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "fcoll"])

@@ -140,7 +140,7 @@ def link_bytes_per_host(op: str, size: int, hosts: int, per_host: int) -> tuple[
     Flat: gloo's ring over all n = hosts * per_host ranks numbered host by host crosses each
     host's link once, and a ring all_reduce sends 2 (n-1)/n * size over every ring link, a
     ring all_gather (n-1)/n * size (Patarasuk & Yuan 2009). Hierarchical
-    (:mod:`fcoll.shm.hierarchical`): each of the per_host ranks all-reduces a 1/per_host
+    (:mod:`fcoll.shm.multihost.hierarchical`): each of the per_host ranks all-reduces a 1/per_host
     shard among the hosts, 2 (H-1)/H * size in all (the minimum for all_reduce); all_gather
     and reduce_scatter send (H-1)/H * size. gloo's reduce_scatter is not a ring (measured as
     slow as its all_reduce): its flat figure is NaN.

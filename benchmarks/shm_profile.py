@@ -10,7 +10,7 @@ default 256 KiB, 1 MiB, 4 MiB of float32 per rank):
   ``add`` = ``t.add_(peer_row)`` of the size, the peer's row read from shared memory (the
   reduction of a 2-rank all_reduce); ``ceiling`` = copy + add, the least data movement a
   2-rank all_reduce can do with its input copied in once (read C, write C; read 2C, write C).
-* **all_reduce phases** of the one-slot kernel (:func:`fcoll.shm.one_slot.all_reduce_small`,
+* **all_reduce phases** of the one-slot kernel (:func:`fcoll.shm.kernels.one_slot.all_reduce_small`,
   the sizes up to one slot), timed step by step with the kernel's own pieces: ``copy_in``
   (``mine.copy_(t)``), ``exchange`` (header, ``arrive``, ``wait_all``, header check: includes
   waiting for the slower rank; the wait's spin allowance, ``Channel.transfer_s``, is the one
@@ -48,9 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives import _make_call, fmt_size, parse_size
 
 from fcoll.ops.reduce import reduce_pair_inplace
-from fcoll.shm import one_slot
-from fcoll.shm.segment import NSLOTS
-from fcoll.shm.sync import TRANSFER_BYTES_PER_S
+from fcoll.shm.kernels import one_slot
+from fcoll.shm.transport.segment import NSLOTS
+from fcoll.shm.transport.sync import TRANSFER_BYTES_PER_S
 from fcoll.testing import run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -121,7 +121,7 @@ def _rank(rank: int, world: int, sizes: list[int], calls: int, reps: int) -> lis
     import warnings
 
     warnings.filterwarnings("ignore")
-    from fcoll.shm.process_group import FcollProcessGroup
+    from fcoll.shm.group.process_group import FcollProcessGroup
 
     pg = dist.group.WORLD
     if not isinstance(pg, FcollProcessGroup):

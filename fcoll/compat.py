@@ -188,7 +188,8 @@ C10D_PRIVATE_ENTRY_POINTS = frozenset({
 
 
 def run_eagerly_under_dynamo(cls: type, *, keep: tuple[str, ...] = ("size", "rank")) -> type:
-    """Class decorator: every method ``cls`` defines runs eagerly when compiled code calls it.
+    """Class decorator: every method of ``cls`` and of its fcoll bases runs eagerly when compiled
+    code calls it.
 
     A Python ``dist.ProcessGroup`` (or ``dist.Work``) subclass looks to Dynamo like the C++ class
     it derives from, but its methods are Python code, which Dynamo would inline. Inlining a
@@ -200,14 +201,27 @@ def run_eagerly_under_dynamo(cls: type, *, keep: tuple[str, ...] = ("size", "ran
     methods does. ``keep`` names the methods left alone (read at trace time for real; wrapping
     them would only add ~0.4 us to every eager call). Dunder methods, and underscore methods
     other than :data:`C10D_PRIVATE_ENTRY_POINTS`, are left alone.
+
+    The methods are those ``cls`` resolves along its MRO to a class defined in fcoll (its mixins
+    included; never ``dist.ProcessGroup``, ``dist.Work`` or ``object``), so a mixin is an ordinary
+    class: the wrapper is set on ``cls``, the mixin itself is unchanged. A method already wrapped
+    (inherited from a decorated fcoll class) is not wrapped again.
     """
-    for name, value in list(vars(cls).items()):
-        if name.startswith("__") or name in keep or not inspect.isfunction(value):
-            continue
-        if name.startswith("_") and name not in C10D_PRIVATE_ENTRY_POINTS:
-            continue   # an internal helper: only ever called from an already-disabled method
-        setattr(cls, name, torch._dynamo.disable(value, reason=f"fcoll: {cls.__name__}.{name} "
-                                                 "is a collective's eager entry point"))
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        ours = klass.__module__.split(".")[0] == "fcoll"
+        for name, value in list(vars(klass).items()):
+            if name in seen:
+                continue   # overridden by a class earlier in the MRO
+            seen.add(name)
+            if not ours or name.startswith("__") or name in keep or not inspect.isfunction(value):
+                continue
+            if name.startswith("_") and name not in C10D_PRIVATE_ENTRY_POINTS:
+                continue   # an internal helper: only ever called from an already-disabled method
+            if getattr(value, "_torchdynamo_disable", False):
+                continue   # inherited from an fcoll class that is decorated already
+            setattr(cls, name, torch._dynamo.disable(
+                value, reason=f"fcoll: {cls.__name__}.{name} is a collective's eager entry point"))
     if issubclass(cls, dist.ProcessGroup):
         _let_dynamo_211_see_a_process_group(cls)
     return cls

@@ -13,7 +13,8 @@ stream with a ``[rank N] `` prefix. When a rank fails, the others get SIGTERM, t
 after ``--grace-s`` seconds; the exit status is the first failing rank's (128 + signal number
 for a rank killed by a signal), or 0. Before starting the ranks and after they all ended, the
 launcher removes the /dev/shm segment names that earlier fcoll versions left behind
-(:func:`fcoll.shm.segment.sweep_dead_segments`; this version's segments have no name to leave).
+(:func:`fcoll.shm.transport.segment.sweep_dead_segments`; this version's segments have no name
+to leave).
 When the ranks share a GPU, ``--mps`` (default ``auto``) starts an MPS control daemon for the
 job and stops it at exit, or says once why small collectives will be slow without one
 (:mod:`fcoll.mps`).
@@ -148,7 +149,7 @@ def _describe_exit(code: int) -> str:
 def _sweep(err: IO[bytes]) -> None:
     """Remove dead fcoll segment names; say which on ``err``. Never fails the launch."""
     try:
-        from fcoll.shm.segment import sweep_dead_segments
+        from fcoll.shm.transport.segment import sweep_dead_segments
 
         removed = sweep_dead_segments()
     except Exception as e:  # noqa: BLE001  cleanup must not stop a job

@@ -611,7 +611,8 @@ def _threads_in_collectives(rank, world):
     reduce op patched to record ``torch.get_num_threads()``, and the caller's count is back
     afterwards; results are gloo's."""
     from fcoll.ops import reduce as reduce_mod
-    from fcoll.shm import engine, one_slot, reductions
+    from fcoll.shm import engine
+    from fcoll.shm.kernels import one_slot, reductions
 
     torch.set_num_threads(2)
     seen = []

@@ -271,7 +271,7 @@ def test_device_errors_raise_on_every_rank():
 
 
 def test_tensor_on_another_device_than_the_ranks():
-    from fcoll.shm.cuda import device_error
+    from fcoll.shm.cuda.paths import device_error
 
     t = torch.ones(2, device="cuda:0")
     msg = device_error([("tensor", t)], device=1)

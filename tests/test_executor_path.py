@@ -1,4 +1,4 @@
-"""The executor's direct path (fcoll.compile.direct_calls, fcoll.shm.direct) on 2 real ranks.
+"""The executor's direct path (fcoll.compile.direct_calls, fcoll.shm.group.direct) on 2 real ranks.
 
 Every check compares the direct path with the c10d path (``direct_collectives=False``) and with
 eager calls, bit for bit; and checks which nodes took the direct path (structure, not timing).

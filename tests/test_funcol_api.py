@@ -396,7 +396,7 @@ def _compiled_p2p(rank, world_size):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["gloo", "fcoll"])
 def test_p2p_ops_trace_and_run_compiled(backend):
-    """fcoll's batch_p2p_ops compiled; on the fcoll backend it runs on fcoll.shm.p2p."""
+    """fcoll's batch_p2p_ops compiled; on the fcoll backend it runs on fcoll.shm.p2p.sendrecv."""
     results = run_ranks(_compiled_p2p, 2, backend=backend, timeout_s=100)
     for rank, got in enumerate(results):
         torch.testing.assert_close(got, (torch.arange(3.0) + 10 * (1 - rank)) * 2 + 1)

@@ -3,7 +3,7 @@
 The checks of tests/test_backend.py (every op, dtype, reduce op, layout and form against gloo)
 and tests/test_ops_multiprocess.py (fcoll's functional ops and their gradients against the
 single-process reference) run unchanged on 4 ranks laid out as 2 hosts x 2 ranks, where
-``init_process_group("fcoll")`` builds a :class:`fcoll.shm.hierarchical.HierarchicalProcessGroup`;
+``init_process_group("fcoll")`` builds a :class:`fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup`;
 then on an interleaved layout (ranks 0, 2 on one host) and an uneven one (3 + 1: the flat gloo
 fallback). Real network namespaces are in tests/test_multihost.py.
 """
@@ -23,8 +23,8 @@ TWO_BY_TWO = [0, 0, 1, 1]
 
 def _describe_groups(rank, world):
     """Which class each group is: the world, a subgroup inside a host, one across hosts."""
-    from fcoll.shm.hierarchical import HierarchicalProcessGroup
-    from fcoll.shm.process_group import FcollProcessGroup
+    from fcoll.shm.multihost.hierarchical import HierarchicalProcessGroup
+    from fcoll.shm.group.process_group import FcollProcessGroup
 
     within = dist.new_group([0, 1]), dist.new_group([2, 3])
     across = dist.new_group([0, 2]), dist.new_group([1, 3])

@@ -1,4 +1,4 @@
-"""The queue of fcoll.shm.hierarchical's groups (``OrderedRunner``): jobs run one at a time,
+"""The queue of fcoll.shm.multihost.hierarchical's groups (``OrderedRunner``): jobs run one at a time,
 in submission order, whether the worker thread or a waiting thread runs them. One process,
 no collectives; the hierarchical groups themselves are tested in tests/test_hierarchical.py."""
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from fcoll.shm.hierarchical_work import HierarchicalWork, OrderedRunner
+from fcoll.shm.multihost.work import HierarchicalWork, OrderedRunner
 
 
 def test_jobs_run_in_submission_order_and_one_at_a_time_whoever_waits():

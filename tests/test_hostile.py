@@ -2,7 +2,7 @@
 deliverables 3 and 4).
 
 - Crafted headers (a few bytes claiming gigabytes, deep nesting, huge counts, random mutations)
-  are rejected by :func:`fcoll.shm.headers.check` in O(header bytes) time and memory, with a
+  are rejected by :func:`fcoll.shm.transport.header_checks.check` in O(header bytes) time and memory, with a
   bounded message naming the rank.
 - Random byte flips from a third process in a live segment's headers: every call either returns
   the right result or raises ``CollectiveMismatchError``; the group stays usable.
@@ -31,10 +31,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fcoll.shm import headers as hdr
-from fcoll.shm.headers import CollectiveMismatchError, Header, MalformedHeaderError
-from fcoll.shm.segment import (HEADER_BYTES, NSLOTS, PAGE, Layout, default_slot_bytes,
-                               open_segment, proc_start_time, sweep_dead_segments)
+from fcoll.shm.transport import header_checks
+from fcoll.shm.transport import headers as hdr
+from fcoll.shm.transport.headers import CollectiveMismatchError, Header, MalformedHeaderError
+from fcoll.shm.transport.segment import (HEADER_BYTES, NSLOTS, PAGE, Layout, default_slot_bytes,
+                                         open_segment, proc_start_time, sweep_dead_segments)
 from fcoll.testing import fcoll_segments, run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -51,7 +52,7 @@ def _check_peer(bad: bytes) -> MalformedHeaderError | CollectiveMismatchError | 
     """check() of [a good header, ``bad``] as rank 1's; the error, or None if accepted."""
     good = Header(5, "all_reduce", "float32", (4,), "sum").encode()
     try:
-        hdr.check([good, bad[:hdr.MAX_PAYLOAD_BYTES]], "all_reduce", _describe, good)
+        header_checks.check([good, bad[:hdr.MAX_PAYLOAD_BYTES]], "all_reduce", _describe, good)
     except CollectiveMismatchError as e:
         return e
     return None
@@ -90,7 +91,7 @@ def test_oversized_own_headers_are_digested_or_cut_and_never_raise():
     assert d.extra[0] == "digest" and len(h.encode()) <= hdr.MAX_PAYLOAD_BYTES
     other = Header(1, "all_reduce_coalesced", "", (), "sum", extra=many[:-1] + (("int8", (1,)),))
     with pytest.raises(CollectiveMismatchError, match="passed different tensors"):
-        hdr.check([h.encode(), other.encode()], "all_reduce_coalesced", _describe)
+        header_checks.check([h.encode(), other.encode()], "all_reduce_coalesced", _describe)
     for bad in (Header(1, "x", error="é" * 5000), Header(1, "all_to_all_single", "f", (1,),
                                                          extra=(list(range(3000)), [0])),
                 Header(1, "y", "f", tuple(range(100))), Header(1, "z", extra=1.5),
@@ -179,11 +180,11 @@ def test_messages_built_from_peer_fields_are_bounded():
     h0 = Header(1, "all_reduce", "float32", (4,), "sum")
     wide = Header(1, "all_reduce", "float32", tuple([1 << 60] * hdr.MAX_DIMS), "sum")
     with pytest.raises(CollectiveMismatchError) as ei:
-        hdr.check([h0.encode(), wide.encode()], "all_reduce", _describe)
+        header_checks.check([h0.encode(), wide.encode()], "all_reduce", _describe)
     assert len(str(ei.value)) <= MAX_MESSAGE_CHARS and "..." in str(ei.value)
     long_error = Header(1, "all_reduce", error="x" * 100000)
     with pytest.raises(CollectiveMismatchError) as ei:
-        hdr.check([h0.encode(), long_error.encode()], "all_reduce", _describe)
+        header_checks.check([h0.encode(), long_error.encode()], "all_reduce", _describe)
     assert len(str(ei.value)) == hdr.MAX_ERROR_CHARS
 
 
@@ -193,7 +194,7 @@ def test_all_to_all_splits_of_the_wrong_form_are_malformed_not_a_crash():
                   ((2, 2), [2, 2])):
         bad = good._replace(extra=extra).encode()
         with pytest.raises(MalformedHeaderError, match="rank 1 is malformed"):
-            hdr.check([good.encode(), bad], "all_to_all_single", _describe, good.encode())
+            header_checks.check([good.encode(), bad], "all_to_all_single", _describe, good.encode())
 
 
 # ---- byte flips from a third process in a live segment ----------------------------------------

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespa
 SCRIPT = """
     import os
     import torch, torch.distributed as dist, fcoll
-    from fcoll.shm.hosts import host_id
+    from fcoll.shm.multihost.host_layout import host_id
     dist.init_process_group("fcoll")
     rank, n = dist.get_rank(), dist.get_world_size()
     t = torch.arange(1000, dtype=torch.float32) + rank

@@ -1,4 +1,4 @@
-"""Point-to-point on fcoll's backend (fcoll.shm.p2p): send, recv, isend/irecv,
+"""Point-to-point on fcoll's backend (fcoll.shm.p2p.sendrecv): send, recv, isend/irecv,
 batch_isend_irecv, recv from any source, and a 2-stage torch.distributed.pipelining schedule,
 compared with gloo; size mismatches, a dead peer and a timeout raise errors naming the ranks.
 
@@ -207,7 +207,7 @@ def _faults(rank, world):
 
     import torch.distributed as dist
 
-    from fcoll.shm.sync import PeerError
+    from fcoll.shm.transport.sync import PeerError
 
     if rank == 1:
         os._exit(3)

@@ -248,7 +248,7 @@ def _cases(rank: int, n: int = WORLD) -> list[tuple[str, str, str, object]]:
 
 def _fcoll_pg():
     g = dist.group.WORLD
-    from fcoll.shm.hierarchical import HierarchicalProcessGroup
+    from fcoll.shm.multihost.hierarchical import HierarchicalProcessGroup
 
     if hasattr(g, "_engine") or isinstance(g, HierarchicalProcessGroup):
         return g

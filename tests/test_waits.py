@@ -1,8 +1,8 @@
-"""The wait primitives of fcoll's shared-memory backend (:mod:`fcoll.shm.sync`).
+"""The wait primitives of fcoll's shared-memory backend (:mod:`fcoll.shm.transport.sync`).
 
 Ranks here are processes forked from the test (no process group, no torch work): they share an
 anonymous ``MAP_SHARED`` mapping laid out as a real segment and talk through real
-:class:`~fcoll.shm.sync.Channel` objects. Every run has a hard timeout (:func:`_run_forked`
+:class:`~fcoll.shm.transport.sync.Channel` objects. Every run has a hard timeout (:func:`_run_forked`
 kills the ranks and fails), and every test has a pytest timeout on top.
 
 What is checked: the full barrier of ``arrive`` (a store-buffering litmus test), no lost
@@ -24,10 +24,10 @@ import traceback
 
 import pytest
 
-from fcoll.shm import sync
-from fcoll.shm.segment import (W_PID, W_START_HI, W_START_LO, Layout, Segment,
-                               proc_start_time)
-from fcoll.shm.sync import Channel, PeerError, futex_wait, futex_wake
+from fcoll.shm.transport import sync
+from fcoll.shm.transport.segment import (W_PID, W_START_HI, W_START_LO, Layout, Segment,
+                                         proc_start_time)
+from fcoll.shm.transport.sync import Channel, PeerError, futex_wait, futex_wake
 
 SLOT = 4096
 TICK_S = 0.1  # sync._TICK_S: a lost wake-up costs a whole tick
@@ -413,7 +413,7 @@ def test_a_rank_on_its_peers_cpu_moves_off_it_and_keeps_its_affinity(monkeypatch
     last waited on its CPU moves its thread to another CPU (while the machine runs at most
     SPREAD_MAX_RUNNABLE_PER_CPU tasks per CPU), at most once per SPREAD_INTERVAL_S, and its
     affinity mask is what it was."""
-    from fcoll.shm.segment import W_CPU
+    from fcoll.shm.transport.segment import W_CPU
 
     mask = os.sched_getaffinity(0)
     crowded = sync.SPREAD_MAX_RUNNABLE_PER_CPU * len(mask)  # the most tasks it moves at

@@ -2,7 +2,7 @@
 
 The executor (:mod:`fcoll.compile.executor`) runs a collective node through its op (the c10d
 path: dispatcher, Python kernel, process-group method, ``Work``, in-flight registry) unless
-:func:`direct_impls` gives the node a prepared call of :mod:`fcoll.shm.direct`, checked once
+:func:`direct_impls` gives the node a prepared call of :mod:`fcoll.shm.group.direct`, checked once
 here. A node qualifies when all of these hold, read from the graph once:
 
 - it is ``fcoll.all_reduce`` (the gradient and bucket graphs), ``fcoll.all_gather_into_tensor``
@@ -61,7 +61,7 @@ def _static_cpu_tensor(val: Any) -> bool:
 
 
 def _group(name: Any) -> Any | None:
-    from fcoll.shm.direct import direct_group
+    from fcoll.shm.group.direct import direct_group
 
     try:
         return direct_group(group_from_name(name))
@@ -76,7 +76,7 @@ def _prepare(node: fx.Node, pg: Any, val: torch.Tensor, tag: str, sync: bool) ->
         ValueError: the call cannot take the direct path (an invalid reduce op, a group size
             that is not the group's, a shape the op rejects): the op raises its own error.
     """
-    from fcoll.shm import direct
+    from fcoll.shm.group import direct
 
     shape, a = tuple(val.shape), node.args
     if node.target is _OPS.all_reduce.default:

@@ -53,7 +53,7 @@ def is_comm_node(node: fx.Node) -> bool:
 @dataclass
 class ComputeSegment:
     """A maximal run of compute nodes of the lowered graph (not to be confused with
-    :class:`fcoll.shm.segment.Segment`, a shared-memory segment).
+    :class:`fcoll.shm.transport.segment.Segment`, a shared-memory segment).
 
     Attributes:
         name: "segment_{i}".

@@ -43,7 +43,7 @@ from torch.autograd import Function
 from fcoll.ops import functional as F
 from fcoll.ops.async_tensor import AsyncCollectiveTensor
 from fcoll.ops.groups import group_size, resolve_group_name
-from fcoll.ops.remaps import _group_rank, _rank_in, reduce_op_name
+from fcoll.ops.remaps import group_rank_of, rank_in, reduce_op_name
 
 __all__ = ["broadcast", "gather", "scatter", "reduce", "reduce_scatter", "all_gather",
            "all_to_all", "all_to_all_single", "all_reduce"]
@@ -60,7 +60,7 @@ def _done(t: torch.Tensor) -> torch.Tensor:
 
 
 def _root(name: str, global_rank: int) -> int:
-    return _group_rank(name, global_rank)
+    return group_rank_of(name, global_rank)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def _reduce_scatter(op, name, shape, inputs):
 
 def _gather(dst, name, tensor):
     out = _all_gather(name, tensor)
-    if _rank_in(name) != _root(name, dst):
+    if rank_in(name) != _root(name, dst):
         out = tuple(torch.zeros_like(t) for t in out)
     return out
 
@@ -180,7 +180,7 @@ def _scatter(src, name, tensors):
                          f"got shapes {[list(t.shape) for t in tensors]}")
     numel, root = tensors[0].numel(), _root(name, src)
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    if _rank_in(name) == root:
+    if rank_in(name) == root:
         in_splits = [numel] * n
     else:
         flat, in_splits = flat[:0], [0] * n
@@ -212,7 +212,7 @@ class _Broadcast(Function):
     @staticmethod
     def backward(ctx, grad):
         gx = _reduce(ctx.src, ReduceOp.SUM, ctx.name, grad)
-        if _rank_in(ctx.name) != _root(ctx.name, ctx.src):
+        if rank_in(ctx.name) != _root(ctx.name, ctx.src):
             gx = torch.zeros_like(gx)
         return None, None, gx
 

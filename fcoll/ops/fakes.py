@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fcoll.ops.schemas import _gathered_shape, _p2p_output, _scattered_shape, lib
+from fcoll.ops.schemas import gathered_shape, p2p_output, scattered_shape, lib
 
 
 def _fake(name: str):
@@ -38,7 +38,7 @@ def _(inputs, reduce_op, group_name):
 
 @_fake("all_gather_into_tensor")
 def _(input, group_size, group_name):
-    return input.new_empty(_gathered_shape(input, group_size))
+    return input.new_empty(gathered_shape(input, group_size))
 
 
 @_fake("all_gather_into_tensor_out")
@@ -48,12 +48,12 @@ def _(input, group_size, group_name, *, out):
 
 @_fake("all_gather_into_tensor_coalesced")
 def _(inputs, group_size, group_name):
-    return [t.new_empty(_gathered_shape(t, group_size)) for t in inputs]
+    return [t.new_empty(gathered_shape(t, group_size)) for t in inputs]
 
 
 @_fake("reduce_scatter_tensor")
 def _(input, reduce_op, group_size, group_name):
-    return input.new_empty(_scattered_shape(input, group_size))
+    return input.new_empty(scattered_shape(input, group_size))
 
 
 @_fake("reduce_scatter_tensor_out")
@@ -63,7 +63,7 @@ def _(input, reduce_op, group_size, group_name, *, out):
 
 @_fake("reduce_scatter_tensor_coalesced")
 def _(inputs, reduce_op, group_size, group_name):
-    return [t.new_empty(_scattered_shape(t, group_size)) for t in inputs]
+    return [t.new_empty(scattered_shape(t, group_size)) for t in inputs]
 
 
 @_fake("all_to_all_single")
@@ -99,4 +99,4 @@ def _(tensor, src, tag, group_name):
 
 @_fake("batch_p2p_ops")
 def _(op_list, peer_list, tag_list, tensors, group_name):
-    return [_p2p_output(op, t) for op, t in zip(op_list, tensors)]
+    return [p2p_output(op, t) for op, t in zip(op_list, tensors)]

@@ -27,7 +27,7 @@ from fcoll.ops.async_tensor import complete, is_tracing, wrap_async
 from fcoll.ops.functional import all_gather_single, all_reduce, all_to_all_single, \
     reduce_scatter_single
 from fcoll.ops.groups import GroupLike, group_size, resolve_group_name
-from fcoll.ops.remaps import _rank_in
+from fcoll.ops.remaps import rank_in
 from fcoll.ops.reduce import DIST_REDUCE_OPS
 
 __all__ = [
@@ -145,7 +145,7 @@ def permute_tensor(self: torch.Tensor, src_dst: list[int], group: GroupLike,
         ValueError: ``src_dst`` is not a permutation of the group's ranks.
     """
     name = resolve_group_name(group, tag)
-    n, me = group_size(name), _rank_in(name)   # both fold to constants under Dynamo
+    n, me = group_size(name), rank_in(name)   # both fold to constants under Dynamo
     if sorted(src_dst) != list(range(n)):
         raise ValueError(f"fcoll.permute_tensor: src_dst={list(src_dst)} is not a permutation "
                          f"of range({n})")

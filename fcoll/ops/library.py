@@ -18,7 +18,7 @@ op, the single-tensor forms with a list of one). A group of one rank is no excep
 backend is called like any other (a backend may count, trace or discard its collectives).
 Deliberate differences, all for speed on gloo: reduce_scatter moves its data with
 ``all_to_all_single`` and reduces locally (:func:`start_reduce_scatter`), all_gather calls
-``_allgather_base`` per tensor (:func:`_gathers_one_by_one`), and dtypes or reduce ops gloo
+``_allgather_base`` per tensor (:func:`gathers_one_by_one`), and dtypes or reduce ops gloo
 lacks are emulated;
 ``all_gather_into_tensor_out`` goes through the same coalesced call (PyTorch's calls the
 device backend's ``_allgather_base``, which a Python ``ProcessGroup`` does not have).
@@ -52,11 +52,10 @@ import torch.distributed as dist
 from fcoll.ops import pending
 from fcoll.ops.groups import group_from_name
 from fcoll.ops.reduce import REDUCE_OPS, validate_reduce_op
-from fcoll.ops.schemas import _gathered_shape, _p2p_output, _scattered_shape, lib
-from fcoll.ops.schemas import SCHEMAS  # noqa: F401  moved; still importable from here
-from fcoll.ops.wire import (_allgather_options, _backend_name, _chain, _gathers_one_by_one,
-                            _reduce_args, _reduce_scatter_options, _reduces_scatter_by_all_to_all,
-                            _wire_input, _wire_output, start_reduce_scatter)
+from fcoll.ops.schemas import gathered_shape, lib, p2p_output, scattered_shape
+from fcoll.ops.wire import (allgather_options, backend_name, chain, gathers_one_by_one,
+                            reduce_args, reduce_scatter_options, reduces_scatter_by_all_to_all,
+                            start_reduce_scatter, wire_input, wire_output)
 
 __all__ = ["lib", "REDUCE_OPS", "validate_reduce_op"]
 
@@ -96,10 +95,10 @@ def _all_reduce_into(out: torch.Tensor, reduce_op: str, group_name: str) -> None
     """Start an all_reduce that reduces ``out`` in place across the group."""
     validate_reduce_op("all_reduce", reduce_op, out.dtype)
     pg = group_from_name(group_name)
-    buf, copy_back = _wire_output(pg, out, initialised=True)
-    op, fin = _reduce_args(reduce_op, pg, out.dtype, buf)
+    buf, copy_back = wire_output(pg, out, initialised=True)
+    op, fin = reduce_args(reduce_op, pg, out.dtype, buf)
     work = dist.all_reduce(buf, op=op, group=pg, async_op=True)
-    pending.register(out, work, _chain(fin, copy_back))
+    pending.register(out, work, chain(fin, copy_back))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +120,7 @@ def _all_reduce(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.T
         # fresh output (one copy of the data fewer).
         validate_reduce_op("all_reduce", reduce_op, input.dtype)
         out = torch.empty_like(input, memory_format=torch.contiguous_format)
-        op, fin = _reduce_args(reduce_op, pg, input.dtype, out)
+        op, fin = reduce_args(reduce_op, pg, input.dtype, out)
         pending.register(out, out_of_place(input, out, op), fin)
         return out
     out = input.clone(memory_format=torch.contiguous_format)
@@ -149,7 +148,7 @@ def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str
     pg = group_from_name(group_name)
     if not outs:
         return
-    coalesce_dtypes = _backend_name(pg) == "fcoll"
+    coalesce_dtypes = backend_name(pg) == "fcoll"
     # A bucket holds hundreds of tensors: the dist op and call key are worked out once per
     # dtype, and a finisher only for the dtypes that have one (avg emulated as sum).
     per_dtype: dict[torch.dtype, tuple] = {}
@@ -157,21 +156,21 @@ def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str
     for i, t in enumerate(outs):
         # out of place, ``outs`` are fresh contiguous tensors, which fcoll's backend (the one
         # with the out-of-place form) takes as they are, in every dtype
-        buf, copy_back = (_wire_output(pg, t, initialised=True) if inputs is None
+        buf, copy_back = (wire_output(pg, t, initialised=True) if inputs is None
                           else (t, None))
         facts = per_dtype.get(t.dtype)
         if facts is None:
-            op, fin = _reduce_args(reduce_op, pg, t.dtype, buf)
+            op, fin = reduce_args(reduce_op, pg, t.dtype, buf)
             key = int(op) if coalesce_dtypes else (int(op), buf.dtype)
             facts = per_dtype[t.dtype] = (op, key, fin is not None)
         op, key, has_fin = facts
-        fin = _reduce_args(reduce_op, pg, t.dtype, buf)[1] if has_fin else None
+        fin = reduce_args(reduce_op, pg, t.dtype, buf)[1] if has_fin else None
         call = per_call.get(key)
         if call is None:
             call = per_call[key] = (op, [], [], [], [])
         call[1].append(t)
         call[2].append(buf)
-        call[3].append(fin if copy_back is None else _chain(fin, copy_back))
+        call[3].append(fin if copy_back is None else chain(fin, copy_back))
         if inputs is not None:
             call[4].append(inputs[i])
     for op, targets, bufs, finishers, ins in per_call.values():
@@ -221,20 +220,20 @@ def _gather_into(op: str, inputs: Sequence[torch.Tensor], outs: Sequence[torch.T
     pg = group_from_name(group_name)
     _check_group_size(op, group_size, pg, group_name)
     for input, out in zip(inputs, outs):
-        expected = _gathered_shape(input, group_size)
+        expected = gathered_shape(input, group_size)
         if list(out.shape) != expected or out.dtype != input.dtype:
             raise ValueError(f"fcoll.{op}: out has shape {list(out.shape)} {out.dtype}, "
                              f"expected {expected} {input.dtype} {_where(group_name, input)}")
     if not outs:
         return
-    wired = [_wire_output(pg, out, initialised=False) for out in outs]
-    ins = [_wire_input(pg, t) for t in inputs]
-    if _gathers_one_by_one(pg):
-        works = [pg._allgather_base(buf, x, _allgather_options())
+    wired = [wire_output(pg, out, initialised=False) for out in outs]
+    ins = [wire_input(pg, t) for t in inputs]
+    if gathers_one_by_one(pg):
+        works = [pg._allgather_base(buf, x, allgather_options())
                  for (buf, _), x in zip(wired, ins)]
     else:
         works = [pg.allgather_into_tensor_coalesced([buf for buf, _ in wired], ins,
-                                                    _allgather_options())] * len(outs)
+                                                    allgather_options())] * len(outs)
     for out, (_, copy_back), work in zip(outs, wired, works):
         pending.register(out, work, copy_back)
 
@@ -242,7 +241,7 @@ def _gather_into(op: str, inputs: Sequence[torch.Tensor], outs: Sequence[torch.T
 @_impl("all_gather_into_tensor")
 def _all_gather_into_tensor(input: torch.Tensor, group_size: int,
                             group_name: str) -> torch.Tensor:
-    out = input.new_empty(_gathered_shape(input, group_size))
+    out = input.new_empty(gathered_shape(input, group_size))
     _gather_into("all_gather_into_tensor", [input], [out], group_size, group_name)
     return out
 
@@ -257,7 +256,7 @@ def _all_gather_into_tensor_out(input: torch.Tensor, group_size: int, group_name
 @_impl("all_gather_into_tensor_coalesced")
 def _all_gather_into_tensor_coalesced(inputs: list[torch.Tensor], group_size: int,
                                       group_name: str) -> list[torch.Tensor]:
-    outs = [t.new_empty(_gathered_shape(t, group_size)) for t in inputs]
+    outs = [t.new_empty(gathered_shape(t, group_size)) for t in inputs]
     _gather_into("all_gather_into_tensor_coalesced", inputs, outs, group_size, group_name)
     return outs
 
@@ -278,7 +277,7 @@ def _reduce_scatter_tensor(input: torch.Tensor, reduce_op: str, group_size: int,
                            group_name: str) -> torch.Tensor:
     pg = _validate_reduce_scatter("reduce_scatter_tensor", input, reduce_op, group_size,
                                   group_name)
-    out = input.new_empty(_scattered_shape(input, group_size))
+    out = input.new_empty(scattered_shape(input, group_size))
     _reduce_scatter_into(pg, [input], [out], reduce_op)
     return out
 
@@ -294,18 +293,18 @@ def _reduce_scatter_into(pg: dist.ProcessGroup, inputs: Sequence[torch.Tensor],
     for i, t in enumerate(inputs):
         by_dtype.setdefault(t.dtype, []).append(i)
     for dtype, members in by_dtype.items():
-        wired = [_wire_output(pg, outs[i], initialised=False) for i in members]
-        ins = [_wire_input(pg, inputs[i]) for i in members]
-        if _reduces_scatter_by_all_to_all(pg):
+        wired = [wire_output(pg, outs[i], initialised=False) for i in members]
+        ins = [wire_input(pg, inputs[i]) for i in members]
+        if reduces_scatter_by_all_to_all(pg):
             started = [start_reduce_scatter(pg, buf, x, reduce_op, dtype)
                        for (buf, _), x in zip(wired, ins)]
         else:
-            op, _ = _reduce_args(reduce_op, pg, dtype, ins[0])
+            op, _ = reduce_args(reduce_op, pg, dtype, ins[0])
             work = pg.reduce_scatter_tensor_coalesced([buf for buf, _ in wired], ins,
-                                                      _reduce_scatter_options(op))
-            started = [(work, _reduce_args(reduce_op, pg, dtype, buf)[1]) for buf, _ in wired]
+                                                      reduce_scatter_options(op))
+            started = [(work, reduce_args(reduce_op, pg, dtype, buf)[1]) for buf, _ in wired]
         for i, (_, copy_back), (work, fin) in zip(members, wired, started):
-            pending.register(outs[i], work, _chain(fin, copy_back))
+            pending.register(outs[i], work, chain(fin, copy_back))
 
 
 @_impl("reduce_scatter_tensor_out")
@@ -313,7 +312,7 @@ def _reduce_scatter_tensor_out(input: torch.Tensor, reduce_op: str, group_size: 
                                group_name: str, *, out: torch.Tensor) -> torch.Tensor:
     pg = _validate_reduce_scatter("reduce_scatter_tensor_out", input, reduce_op, group_size,
                                   group_name)
-    expected = _scattered_shape(input, group_size)
+    expected = scattered_shape(input, group_size)
     if list(out.shape) != expected or out.dtype != input.dtype:
         raise ValueError(f"fcoll.reduce_scatter_tensor_out: out has shape {list(out.shape)} "
                          f"{out.dtype}, expected {expected} {input.dtype} "
@@ -329,7 +328,7 @@ def _reduce_scatter_tensor_coalesced(inputs: list[torch.Tensor], reduce_op: str,
     for t in inputs:
         _validate_reduce_scatter("reduce_scatter_tensor_coalesced", t, reduce_op, group_size,
                                  group_name)
-    outs = [t.new_empty(_scattered_shape(t, group_size)) for t in inputs]
+    outs = [t.new_empty(scattered_shape(t, group_size)) for t in inputs]
     _reduce_scatter_into(pg, inputs, outs, reduce_op)
     return outs
 
@@ -352,8 +351,8 @@ def _all_to_all_single(input: torch.Tensor, output_split_sizes: list[int],
                          f"{list(input_split_sizes)} on a group of one rank "
                          f"{_where(group_name, input)}")
     out = input.new_empty([sum(output_split_sizes), *input.shape[1:]])
-    buf, copy_back = _wire_output(pg, out, initialised=False)
-    work = dist.all_to_all_single(buf, _wire_input(pg, input), list(output_split_sizes),
+    buf, copy_back = wire_output(pg, out, initialised=False)
+    work = dist.all_to_all_single(buf, wire_input(pg, input), list(output_split_sizes),
                                   list(input_split_sizes), group=pg, async_op=True)
     pending.register(out, work, copy_back)
     return out
@@ -364,7 +363,7 @@ def _broadcast_into(op: str, out: torch.Tensor, src: int, group_name: str) -> No
     if not 0 <= src < pg.size():
         raise ValueError(f"fcoll.{op}: src={src} is out of range for a group of {pg.size()} "
                          f"ranks {_where(group_name, out)}")
-    buf, copy_back = _wire_output(pg, out, initialised=True)
+    buf, copy_back = wire_output(pg, out, initialised=True)
     work = dist.broadcast(buf, group=pg, group_src=src, async_op=True)
     pending.register(out, work, copy_back)
 
@@ -389,12 +388,12 @@ def _start_p2p(op: str, t: torch.Tensor, peer: int, tag: int, group_name: str) -
     """Start one send or receive of ``t`` with global rank ``peer``; return the op's output:
     ``[0]`` for a send (a handle to wait on), a fresh ``t``-shaped tensor for a receive."""
     pg = group_from_name(group_name)
-    out = _p2p_output(op, t)
+    out = p2p_output(op, t)
     if op == "isend":
-        work = dist.isend(_wire_input(pg, t), peer, group=pg, tag=tag)
+        work = dist.isend(wire_input(pg, t), peer, group=pg, tag=tag)
         pending.register(out, work)
     else:
-        buf, copy_back = _wire_output(pg, out, initialised=False)
+        buf, copy_back = wire_output(pg, out, initialised=False)
         work = dist.irecv(buf, peer, group=pg, tag=tag)
         pending.register(out, work, copy_back)
     return out
@@ -418,14 +417,14 @@ def _batch_p2p_ops(op_list: list[str], peer_list: list[int], tag_list: list[int]
                          f"{len(op_list)}, {len(peer_list)}, {len(tag_list)} and "
                          f"{len(tensors)} entries {_where(group_name)}")
     pg = group_from_name(group_name)
-    outs = [_p2p_output(op, t) for op, t in zip(op_list, tensors)]
+    outs = [p2p_output(op, t) for op, t in zip(op_list, tensors)]
     p2p, finishers = [], []
     for op, peer, tag, t, out in zip(op_list, peer_list, tag_list, tensors, outs):
         if op == "isend":
-            p2p.append(dist.P2POp(dist.isend, _wire_input(pg, t), peer, pg, tag))
+            p2p.append(dist.P2POp(dist.isend, wire_input(pg, t), peer, pg, tag))
             finishers.append(None)
         else:
-            buf, copy_back = _wire_output(pg, out, initialised=False)
+            buf, copy_back = wire_output(pg, out, initialised=False)
             p2p.append(dist.P2POp(dist.irecv, buf, peer, pg, tag))
             finishers.append(copy_back)
     works = dist.batch_isend_irecv(p2p) if p2p else []

@@ -39,7 +39,8 @@ import torch.distributed as dist
 __all__ = [
     "REDUCE_OPS", "DIST_REDUCE_OPS", "DATA_DTYPES", "REDUCE_DTYPES", "reduce_op_name",
     "check_dtype", "check_reduce_op", "validate_reduce_op",
-    "logical_op", "divide_for_avg", "reduce_rows", "reduce_rows_into", "reduce_pair_inplace",
+    "logical_op", "backend_reduce_op", "divide_for_avg", "BINARY_REDUCERS", "reduce_views_into",
+    "reduce_rows", "reduce_rows_into", "reduce_pair_inplace",
 ]
 
 #: Every reduce op name, as the functional ops take it.
@@ -157,6 +158,24 @@ def logical_op(op: str, dtype: torch.dtype) -> str:
     return _LOGICAL.get(op, op) if dtype == torch.bool else op
 
 
+def backend_reduce_op(reduce_op: str, dtype: torch.dtype, native_avg: bool) -> tuple[str, bool]:
+    """The reduce op a backend runs for ``reduce_op`` on ``dtype``, and whether ``avg`` is then
+    finished by :func:`divide_for_avg` (the one mapping of every path that hands a reduction to
+    a backend: :mod:`fcoll.ops.wire`, the shared-memory backend's direct path).
+
+    On bool, sum/max/bor run as ``max`` and product/min/band as ``min`` (logical or / and, the
+    ops every backend has on bool); ``avg`` where the backend does not average ``dtype`` itself
+    (``native_avg`` False) runs as ``sum`` and is divided afterwards; anything else is itself.
+    """
+    if reduce_op == "avg" and not native_avg:
+        return "sum", True
+    if dtype == torch.bool and reduce_op in ("sum", "max", "bor"):
+        return "max", False
+    if dtype == torch.bool and reduce_op in ("product", "min", "band"):
+        return "min", False
+    return reduce_op, False
+
+
 def divide_for_avg(t: torch.Tensor, n: int) -> None:
     """``t /= n`` in place, the second half of ``avg``: integers truncate toward zero."""
     if t.is_floating_point() or t.is_complex():
@@ -166,6 +185,31 @@ def divide_for_avg(t: torch.Tensor, n: int) -> None:
 
 
 _BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+#: reduce op -> the elementwise binary function (``f(a, b, out=out)``) that computes it, for every
+#: op but ``avg`` (a ``sum`` then :func:`divide_for_avg`); on bool use :func:`logical_op` first.
+BINARY_REDUCERS = {"sum": torch.add, "product": torch.mul, "min": torch.minimum,
+                   "max": torch.maximum, **_BITWISE}
+
+
+def reduce_views_into(views: list[torch.Tensor], op: str, out: torch.Tensor) -> None:
+    """``out = op(views[0], ..., views[n-1])`` elementwise, folded in rank order (any device;
+    the views need not lie in one tensor, e.g. peers' buffers mapped by CUDA IPC).
+
+    ``out`` may not alias any view but ``views[0]``. bool sum/max are or, product/min and;
+    ``avg`` sums then divides (integers truncate).
+    """
+    n = len(views)
+    if n == 1:
+        out.copy_(views[0])
+        return
+    op = logical_op(op, out.dtype)
+    f = BINARY_REDUCERS["sum" if op == "avg" else op]
+    f(views[0], views[1], out=out)
+    for v in views[2:]:
+        f(out, v, out=out)
+    if op == "avg":
+        divide_for_avg(out, n)
 
 
 def reduce_rows_into(rows: torch.Tensor, reduce_op: str, out: torch.Tensor,

@@ -72,7 +72,7 @@ import torch.distributed as dist
 from fcoll import compat
 from fcoll.ops.groups import group_from_name, group_rank, group_size
 
-__all__ = ["install", "installed", "REMAPPED", "reduce_op_name"]
+__all__ = ["install", "installed", "REMAPPED", "reduce_op_name", "group_rank_of", "rank_in"]
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,13 @@ def reduce_op_name(op: Any, call: str = "all_reduce") -> str:
 # The trace-time helpers below take the group's name, not the group: Dynamo 2.11 wraps a
 # ProcessGroup subclass (fcoll's backend) as a plain object, which it cannot pass to them.
 @torch.compiler.assume_constant_result
-def _group_rank(group_name: str, global_rank: int) -> int:
+def group_rank_of(group_name: str, global_rank: int) -> int:
     """Rank inside the group of the global rank ``global_rank`` (run once, at trace time)."""
     return dist.get_group_rank(group_from_name(group_name), global_rank)
 
 
 @torch.compiler.assume_constant_result
-def _rank_in(group_name: str) -> int:
+def rank_in(group_name: str) -> int:
     """This process's rank inside the group (run once, at trace time)."""
     return group_rank(group_name)
 
@@ -141,7 +141,7 @@ def _root(group: Any, global_rank: Any, group_rank: Any, call: str, arg: str) ->
         return group_rank
     if global_rank is None:
         raise ValueError(f"fcoll: dist.{call} needs {arg} or group_{arg}")
-    return _group_rank(group.group_name, global_rank)
+    return group_rank_of(group.group_name, global_rank)
 
 
 class TracedWork:
@@ -285,7 +285,7 @@ def reduce(tensor, dst=None, op=_RO.SUM, group=None, async_op=False, group_dst=N
     group = _world(group)
     root = _root(group, dst, group_dst, "reduce", "dst")
     r = _F.all_reduce.default(tensor, reduce_op_name(op, "reduce"), group.group_name)
-    copies = [(tensor, None, None)] if _rank_in(group.group_name) == root else []
+    copies = [(tensor, None, None)] if rank_in(group.group_name) == root else []
     return _complete(r, copies, async_op)
 
 

@@ -97,17 +97,26 @@ for _inplace in ("all_reduce_", "all_reduce_coalesced_", "all_gather_into_tensor
 # ---------------------------------------------------------------------------------------------
 # Output shapes (per rank; shared by the eager and fake kernels)
 
-def _gathered_shape(input: torch.Tensor, group_size: int) -> list:
+def gathered_shape(input: torch.Tensor, group_size: int) -> list:
+    """all_gather's output shape: ``input [N, *] -> [group_size * N, *]`` (0-dim:
+    ``[group_size]``)."""
     if input.dim() == 0:
         return [group_size]
     return [group_size * input.size(0), *input.shape[1:]]
 
 
-def _scattered_shape(input: torch.Tensor, group_size: int) -> list:
+def scattered_shape(input: torch.Tensor, group_size: int) -> list:
+    """reduce_scatter's output shape: ``input [group_size * N, *] -> [N, *]``."""
     return [input.size(0) // group_size, *input.shape[1:]]
 
 
-def _p2p_output(op: str, t: torch.Tensor) -> torch.Tensor:
+def p2p_output(op: str, t: torch.Tensor) -> torch.Tensor:
+    """The output ``batch_p2p_ops`` returns for one operation on ``t``: an empty tensor for
+    ``"isend"``, a fresh contiguous tensor like ``t`` for ``"irecv"``.
+
+    Raises:
+        ValueError: ``op`` is neither.
+    """
     if op == "isend":
         return t.new_empty(0)
     if op == "irecv":

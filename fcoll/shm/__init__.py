@@ -1,14 +1,35 @@
 """fcoll's shared-memory collective backend (``dist.init_process_group("fcoll")``).
 
-Modules, bottom layer first: ``segment`` (the /dev/shm segment and its layout), ``sync``
-(arrival counters, futex waits, liveness, timeouts), ``headers`` (per-collective headers and
-cross-rank checks), ``phases`` (the slot and phase protocol every algorithm runs on),
-``reductions`` (all_reduce, coalesced all_reduce, reduce_scatter), ``movement`` (all_gather,
-broadcast, all_to_all, barrier), ``one_slot`` (one-phase kernels with cached views), ``engine``
-(the per-group executor and worker thread), ``fast_paths`` (when and how a synchronous small
-collective runs on the caller's thread), ``validate`` (argument checks, staging),
-``cuda`` (CUDA tensors: the staged and IPC paths, stream-ordered), ``process_group`` (the
-``dist.ProcessGroup`` that c10d calls).
+Folder map, bottom layer first (each sub-package is one concept; nothing imports upward in it):
+
+- ``transport/``: what every collective runs on. ``segment`` (the sealed memfd segment and its
+  layout), ``sync`` (arrival counters, futex waits, liveness, timeouts, fences), ``op_codes``
+  (the one table of collective names and their codes), ``headers`` (the per-collective header
+  and its wire format), ``header_checks`` (the cross-rank check of headers), ``phases`` (the
+  slot and phase protocol every algorithm runs on).
+- ``kernels/``: the algorithms over slots. ``reductions`` (all_reduce, coalesced all_reduce,
+  reduce_scatter), ``movement`` (all_gather, broadcast, all_to_all, barrier), ``one_slot``
+  (one-phase kernels with cached views, for the fast paths and the direct path).
+- ``engine``: the per-group executor and worker thread, and the one way to issue a collective
+  (:meth:`~fcoll.shm.engine.Engine.job` takes the sequence number;
+  :meth:`~fcoll.shm.engine.Engine.run_now` runs one on the caller's thread).
+- ``cuda/``: CUDA tensors. ``paths`` (the path choice, the IPC path, the device check; all
+  stream-ordered), ``staging`` (the staged path), ``submission`` (the process group's CUDA
+  helpers, a mixin).
+- ``p2p/``: point-to-point. ``inbox`` (per-rank sealed memfd inboxes), ``protocol`` (operation
+  records, the ring and matching steps), ``sendrecv`` (the send/recv engine of a group).
+- ``group/``: the c10d surface. ``process_group`` (``FcollProcessGroup``, the
+  ``dist.ProcessGroup`` c10d calls: lifecycle, submission, data movement), ``reducing`` (its
+  collectives that take a reduce op, a mixin), ``identity`` (the c10d identity both process
+  groups share), ``arg_checks`` (the per-call argument checks of both process groups),
+  ``validate`` (tensor-level checks, staging), ``fast_paths`` (when and how a synchronous
+  small collective runs on the caller's thread), ``direct`` (compiled graphs' calls straight
+  into the engine).
+- ``multihost/``: groups across hosts. ``host_layout`` (host identity, which ranks share a
+  host), ``gloo_link`` (gloo between hosts: byte views, reductions gloo lacks, the agreement
+  across the link, pipeline pieces), ``work`` (the ordered queue and its ``Work``s),
+  ``compositions`` (the composed collectives as algorithms over the sub-groups),
+  ``hierarchical`` (``HierarchicalProcessGroup``).
 """
 
 from __future__ import annotations
@@ -17,22 +38,23 @@ import platform
 
 import torch.distributed as dist
 
-__all__ = ["register_backend", "create_process_group", "cuda_path", "BACKEND_NAME"]
+from fcoll.shm.group.identity import BACKEND_NAME
 
-BACKEND_NAME = "fcoll"
+__all__ = ["register_backend", "create_process_group", "cuda_path", "BACKEND_NAME"]
 
 
 def create_process_group(common_opts, backend_opts=None):
     """Backend creator for ``Backend.register_backend(..., extended_api=True)``.
 
-    The group's ranks first exchange their host identity (:func:`fcoll.shm.hosts.host_id`)
-    through the group's store. Ranks all on one host get a plain
-    :class:`~fcoll.shm.process_group.FcollProcessGroup` (shared memory, no overhead); ranks on
-    several hosts get a :class:`~fcoll.shm.hierarchical.HierarchicalProcessGroup` (shared memory
-    inside each host, gloo between hosts). A group of one rank skips the exchange.
+    The group's ranks first exchange their host identity
+    (:func:`fcoll.shm.multihost.host_layout.host_id`) through the group's store. Ranks all on one
+    host get a plain :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (shared memory, no
+    overhead); ranks on several hosts get a
+    :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` (shared memory inside each
+    host, gloo between hosts). A group of one rank skips the exchange.
     """
-    from fcoll.shm.hosts import HostLayout, exchange_host_ids
-    from fcoll.shm.process_group import FcollProcessGroup
+    from fcoll.shm.multihost.host_layout import HostLayout, exchange_host_ids
+    from fcoll.shm.group.process_group import FcollProcessGroup
 
     store, rank, size = common_opts.store, common_opts.group_rank, common_opts.group_size
     global_ranks = list(common_opts.global_ranks_in_group or [])
@@ -41,7 +63,7 @@ def create_process_group(common_opts, backend_opts=None):
                                 common_opts.timeout)
         layout = HostLayout.from_host_ids(ids)
         if layout.num_hosts > 1:
-            from fcoll.shm.hierarchical import HierarchicalProcessGroup
+            from fcoll.shm.multihost.hierarchical import HierarchicalProcessGroup
 
             return HierarchicalProcessGroup(store, rank, size, common_opts.timeout, layout,
                                             global_ranks=global_ranks)
@@ -63,7 +85,7 @@ def register_backend() -> None:
 
 
 def cuda_path(group=None) -> str | None:
-    """The CUDA path of an fcoll group: ``"ipc"`` or ``"staged"`` (see :mod:`fcoll.shm.cuda`),
+    """The CUDA path of an fcoll group: ``"ipc"`` or ``"staged"`` (see :mod:`fcoll.shm.cuda.paths`),
     None before its first CUDA collective or for a group of another backend.
 
     Args:

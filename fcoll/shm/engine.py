@@ -17,15 +17,15 @@ Threads: a collective executed on the caller's thread runs its torch kernels wit
 :func:`collective_threads` intra-op threads (the CPUs divided among the ranks), whatever
 ``torch.set_num_threads`` says, and gives the caller its count back afterwards: every rank
 copies and reduces at once, and an OpenMP team that needs a core the peer holds stalls the
-collective (2 ranks, 2 cores, torch's default of 2 threads: all_reduce 1 MiB 54 ms, 1 thread
-286 us). The worker's collectives keep the caller's count: the setting acts process-wide and
-would throttle the compute they overlap.
+collective (by orders of magnitude on a machine with as many cores as ranks). The worker's
+collectives keep the caller's count: the setting acts process-wide and would throttle the
+compute they overlap.
 
 Failure model: a header mismatch or invalid input raises on every rank at the same phase, so the
 group stays usable. A dead peer, a timeout or an unexpected error leaves the ranks at different
 phases: the group is marked broken and every later collective fails at once with that error, and
-the collective is fenced in shared memory (:meth:`~fcoll.shm.sync.Channel.give_up`): a peer
-waiting for it, or arriving at it later, raises naming this rank instead of computing a result
+the collective is fenced in shared memory (:meth:`~fcoll.shm.transport.sync.Channel.give_up`): a
+peer waiting for it, or arriving at it later, raises naming this rank instead of computing a result
 from data this rank abandoned, and is broken in turn. Destroying the group fences the next
 sequence number, so a peer still to call it raises at once instead of at the timeout.
 """
@@ -45,11 +45,11 @@ from typing import Any, Callable
 import torch
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm.phases import Call
-from fcoll.shm.headers import CollectiveMismatchError
-from fcoll.shm.segment import Segment
-from fcoll.shm.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, TRANSFER_BYTES_PER_S, Channel,
-                            PeerError)
+from fcoll.shm.transport.phases import Call
+from fcoll.shm.transport.headers import CollectiveMismatchError
+from fcoll.shm.transport.segment import Segment
+from fcoll.shm.transport.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, TRANSFER_BYTES_PER_S,
+                                      Channel, PeerError)
 
 log = logging.getLogger(__name__)
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -66,9 +66,7 @@ def collective_threads(world: int) -> int:
     Every rank of a shared-memory collective copies and reduces at the same time, so more
     threads than that oversubscribe the cores, and an OpenMP team whose second thread waits
     for a core that the peer holds (spinning in its wait, or copying) stalls the whole
-    collective: measured on the 2-core machine, 2 ranks at torch's default of 2 threads, a
-    1 MiB one-slot all_reduce took a median 32 ms per call against 45 us with 1 thread, in
-    the same minute (load 5).
+    collective for a scheduler time slice.
     """
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -80,11 +78,11 @@ def collective_threads(world: int) -> int:
 class _FewerThreads:
     """Context manager: torch's intra-op threads at most ``limit`` inside, as before after.
 
-    ``torch.set_num_threads`` acts process-wide (measured: a thread that sets it changes
-    what ``torch.get_num_threads`` returns on every thread), so it is used only on the thread
-    that issued the collective and waits for it (it computes nothing meanwhile), never on the
+    ``torch.set_num_threads`` acts process-wide (a thread that sets it changes what
+    ``torch.get_num_threads`` returns on every thread), so it is used only on the thread that
+    issued the collective and waits for it (it computes nothing meanwhile), never on the
     background worker, whose collectives overlap the caller's compute. Costs one
-    ``get_num_threads`` (0.13 us) when the limit does not bite, two sets more when it does.
+    ``get_num_threads`` when the limit does not bite, two sets more when it does.
     """
 
     __slots__ = ("limit", "saved")
@@ -158,8 +156,9 @@ class Engine:
 
     Attributes:
         seg, ch: the group's segment and channel.
-        seq: the sequence number of the next collective issued on this group; whoever issues
-            one (the process group, or :meth:`run_fast`) takes it and increments it.
+        seq: the sequence number of the next collective issued on this group, taken by
+            :meth:`job` (a queued collective) or :meth:`run_now` (one run on the caller's
+            thread), the only two ways to issue one.
         broken: the error that made the group unusable, or None.
     """
 
@@ -177,6 +176,16 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name=f"fcoll-{label}", daemon=True)
         self._thread.start()
         _engines.add(self)
+
+    def job(self, name: str, encode: Callable[[int], bytes], run: Callable[[Call], None],
+            finish: Callable[[], None] | None = None, result: Any = None) -> Job:
+        """The group's next collective as a :class:`Job`: take its sequence number and encode
+        its header with it (``encode(seq)``). The caller queues it (:meth:`submit`) or runs it
+        (:meth:`run_inline`); every rank issues its collectives in one order, so the numbers
+        agree."""
+        seq = self.seq
+        self.seq = seq + 1
+        return Job(name, seq, encode(seq), run, finish, result)
 
     def submit(self, job: Job, wake: bool = True) -> Job:
         """Queue ``job``; ``wake=False`` leaves it to the caller's ``wait()`` (or to the worker
@@ -203,14 +212,14 @@ class Engine:
         return True
 
     def run_now(self, plan, fn: Callable[..., None], args: tuple) -> BaseException | bool:
-        """Run a one-slot kernel (:mod:`fcoll.shm.one_slot`) on the caller's thread, if
+        """Run a one-slot kernel (:mod:`fcoll.shm.kernels.one_slot`) on the caller's thread, if
         nothing is queued or executing, and make no ``Work``: the direct path's form of
         :meth:`run_fast` (a ``Work`` and its checks behind Dynamo's eager wrapper cost about
         2 us a call).
 
         Args:
-            plan: a :class:`~fcoll.shm.one_slot.OneSlotPlan`: its ``name`` and header ``tail``
-                are used here.
+            plan: a :class:`~fcoll.shm.kernels.one_slot.OneSlotPlan`: its ``name`` and header
+                ``tail`` are used here.
             fn: the kernel, called ``fn(ch, plan, *args, payload, what, start)``.
             args: the user's tensors (and the root) for ``fn``; ``args[0]`` is what this rank
                 copies in (its bytes set :attr:`Channel.transfer_s`).

@@ -153,7 +153,7 @@ def run_ranks(
         allow_failures: if True, failing ranks do not raise; their slot in the result holds a
             :class:`RankFailure` for that rank instead.
         hosts: the emulated host of each rank (``hosts[r]``, any str or int): rank r runs with
-            ``FCOLL_HOST_ID`` set from it (see :mod:`fcoll.shm.hosts`), and ``LOCAL_RANK`` /
+            ``FCOLL_HOST_ID`` set from it (see :mod:`fcoll.shm.multihost.host_layout`), and ``LOCAL_RANK`` /
             ``LOCAL_WORLD_SIZE`` of its host, so ranks with different hosts form a
             hierarchical group without network namespaces. None: one host.
 

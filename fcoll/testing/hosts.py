@@ -12,7 +12,7 @@ deleting a namespace removes its links. Traffic between hosts stays inside these
 traffic between the ranks of one host goes over that host's loopback, unlimited, as on a real
 machine. Processes are started in a host with :meth:`EmulatedHosts.popen` (``ip netns exec``);
 the hosts share the machine's filesystem and ``/dev/shm``, and their network namespaces differ,
-so :func:`fcoll.shm.hosts.host_id` tells them apart.
+so :func:`fcoll.shm.multihost.host_layout.host_id` tells them apart.
 
 On exit (also on an exception, and on SIGTERM while the ``with`` block runs in the main thread)
 every process started in a host is killed (its whole session) and every namespace deleted.

@@ -196,7 +196,7 @@ def time_collectives(pg: Any, cells: list[tuple[str, int]],
     skew the previous cell left: without it a cell measures the skew of whatever ran before it.
 
     Why kind by kind: fcoll's waits adapt to their recent history (the spin backoff of
-    :mod:`fcoll.shm.sync`), so what ran before a cell matters; with the kinds interleaved at
+    :mod:`fcoll.shm.transport.sync`), so what ran before a cell matters; with the kinds interleaved at
     each size every cell followed another kind's, and small collectives measured above their
     back-to-back time in a run of their own kind, even after the untimed run.
 

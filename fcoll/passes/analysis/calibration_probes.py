@@ -132,9 +132,9 @@ def _reduce_scatter(pg: Any, out: torch.Tensor, input: torch.Tensor) -> None:
     """
     import torch.distributed as dist
 
-    from fcoll.ops.library import _reduces_scatter_by_all_to_all, start_reduce_scatter
+    from fcoll.ops.wire import reduces_scatter_by_all_to_all, start_reduce_scatter
 
-    if not _reduces_scatter_by_all_to_all(pg):
+    if not reduces_scatter_by_all_to_all(pg):
         _quiet(dist.reduce_scatter_tensor, out, input, group=pg)
         return
     work, finish = start_reduce_scatter(pg, out, input, "sum", input.dtype)

@@ -53,7 +53,7 @@ data-dependent sizes gets a note in :attr:`Fingerprint.data_dependent` naming th
 report of every group in ``gm.meta[META_RANK_CHECK]`` (:class:`RankCheck`, its ``format()`` is
 the table). Those sizes are compared at run time by fcoll's backend: the first phase of every
 collective exchanges each rank's header (shape, split sizes) and raises the same error on every
-rank if they disagree (``fcoll/shm/headers.py``); other backends (gloo) do not compare them.
+rank if they disagree (``fcoll/shm/transport/headers.py``); other backends (gloo) do not compare them.
 
 No-op (logged at DEBUG) without an initialised process group, on PyTorch's fake process group, on
 groups of one rank, and on graphs without collectives. Cost when the ranks agree: four ``set``,

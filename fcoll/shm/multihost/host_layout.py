@@ -1,10 +1,11 @@
 """Host identity and the host layout of a process group.
 
-Two ranks share memory (and so may share an :class:`~fcoll.shm.process_group.FcollProcessGroup`)
-exactly when they run on the same host: the same kernel (hostname) and the same network namespace
-(the inode of ``/proc/self/ns/net``). Emulated hosts (``fcoll.testing.hosts``) are network
-namespaces of one machine, so the namespace is part of the identity; a test can also give every
-rank a host of its choosing with the environment variable ``FCOLL_HOST_ID`` (no namespace needed).
+Two ranks share memory (and so may share an
+:class:`~fcoll.shm.group.process_group.FcollProcessGroup`) exactly when they run on the same host:
+the same kernel (hostname) and the same network namespace (the inode of ``/proc/self/ns/net``).
+Emulated hosts (``fcoll.testing.hosts``) are network namespaces of one machine, so the namespace is
+part of the identity; a test can also give every rank a host of its choosing with the environment
+variable ``FCOLL_HOST_ID`` (no namespace needed).
 
 A group's :class:`HostLayout` is computed the same way on every rank, from every rank's host id
 exchanged through the group's store, so every rank builds the same sub-groups.

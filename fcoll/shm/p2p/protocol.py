@@ -1,14 +1,15 @@
-"""The transfer half of :mod:`fcoll.shm.p2p`: operation records, the rings and the matching.
+"""The transfer half of :mod:`fcoll.shm.p2p.sendrecv`: operation records, the rings and the
+matching.
 
-It holds ``_Op`` (one send or receive), ``_InMsg`` (the message a receive ring is copying) and
-``RingProtocol``, the mixin of :class:`~fcoll.shm.p2p.P2P`'s progress steps: ``_step`` moves
-every pending operation as far as it goes without waiting, ``_push`` writes a send's chunks into
-the peer's ring and reads its acks, ``_pull`` copies what a peer published, ``_match`` /
+It holds ``PendingOp`` (one send or receive), ``InMessage`` (the message a receive ring is copying)
+and ``RingProtocol``, the mixin of :class:`~fcoll.shm.p2p.sendrecv.P2P`'s progress steps: ``_step``
+moves every pending operation as far as it goes without waiting, ``_push`` writes a send's chunks
+into the peer's ring and reads its acks, ``_pull`` copies what a peer published, ``_match`` /
 ``_match_unexpected`` apply MPI's non-overtaking rule, and ``_accept`` writes the ack with the
-verdict (the protocol of :mod:`fcoll.shm.p2p`'s module docstring, over the layout of
-:mod:`fcoll.shm.inbox`).
+verdict (the protocol of :mod:`fcoll.shm.p2p.sendrecv`'s module docstring, over the layout of
+:mod:`fcoll.shm.p2p.inbox`).
 
-It is separate from ``p2p.py`` so that each file holds one idea: here, what moves through the
+It is separate from ``sendrecv.py`` so that each file holds one idea: here, what moves through the
 rings and in what order, none of which ever waits; there, the per-rank state, issuing, waiting
 (doorbell, futex sleeps, liveness and timeout checks, the background thread) and closing. The
 host class provides ``rank``, ``world``, ``lay``, ``me``, ``describe``, the per-peer
@@ -24,13 +25,13 @@ import threading
 import torch
 
 from fcoll.shm.engine import settle_future
-from fcoll.shm.inbox import (ACK_MISMATCH, ACK_OK, ACKS, NCHUNKS, R_HEAD, R_TAIL, RECORD_BYTES,
+from fcoll.shm.p2p.inbox import (ACK_MISMATCH, ACK_OK, ACKS, NCHUNKS, R_HEAD, R_TAIL, RECORD_BYTES,
                              ack_marker, decode_record, encode_record, show_message)
-from fcoll.shm.segment import U32_MASK
-from fcoll.shm.sync import PeerError
+from fcoll.shm.transport.segment import U32_MASK
+from fcoll.shm.transport.sync import PeerError
 
 
-class _Op:
+class PendingOp:
     """One send or receive. ``bytes_`` is the flat uint8 view the ring reads or fills; a receive
     into a non-contiguous or CUDA tensor fills a contiguous CPU buffer copied out at the end."""
 
@@ -66,18 +67,18 @@ class _Op:
             settle_future(fut, error, [self.tensor])
 
 
-class _InMsg:
+class InMessage:
     """The message a receive ring is copying: into ``dest`` (a receive's bytes or a buffer of
     an unexpected message), or nowhere (discarded after a mismatch)."""
 
-    def __init__(self, seq: int, nchunks: int, tag: int, desc: tuple, op: _Op | None,
+    def __init__(self, seq: int, nchunks: int, tag: int, desc: tuple, op: PendingOp | None,
                  dest: torch.Tensor | None):
         self.seq, self.nchunks, self.tag, self.desc = seq, nchunks, tag, desc
         self.op, self.dest, self.got, self.left = op, dest, 0, nchunks
 
 
 class RingProtocol:
-    """Mixin: :class:`~fcoll.shm.p2p.P2P`'s progress steps over the rings (see module
+    """Mixin: :class:`~fcoll.shm.p2p.sendrecv.P2P`'s progress steps over the rings (see module
     docstring); called with the progress lock held, they never wait."""
 
     # ---- progress --------------------------------------------------------------------------
@@ -191,7 +192,7 @@ class RingProtocol:
             self._ring(src)
         return moved
 
-    def _match(self, src: int, seq: int, nchunks: int, tag: int, desc: tuple) -> _InMsg | None:
+    def _match(self, src: int, seq: int, nchunks: int, tag: int, desc: tuple) -> InMessage | None:
         """The copy target of a new message from ``src``: the earliest posted receive that
         accepts it (acked), a buffer (it blocks a receive posted behind it), or None (wait)."""
         want = self.expect.get(src, 0)
@@ -202,15 +203,15 @@ class RingProtocol:
             return None
         self.expect[src] = (want + 1) & U32_MASK
         if op is None:
-            msg = _InMsg(seq, nchunks, tag, desc, None, torch.empty(desc[2], dtype=torch.uint8))
+            msg = InMessage(seq, nchunks, tag, desc, None, torch.empty(desc[2], dtype=torch.uint8))
         else:
             self.posted.remove(op)
             ok = self._accept(src, seq, tag, desc, op)
-            msg = _InMsg(seq, nchunks, tag, desc, op, op.bytes_ if ok else None)
+            msg = InMessage(seq, nchunks, tag, desc, op, op.bytes_ if ok else None)
         self.cur[src] = msg
         return msg
 
-    def _accept(self, src: int, seq: int, tag: int, desc: tuple, op: _Op) -> bool:
+    def _accept(self, src: int, seq: int, tag: int, desc: tuple, op: PendingOp) -> bool:
         """Check message ``seq`` (``desc``) against receive ``op``, ack the verdict to ``src``;
         a mismatch fails ``op`` (the sender fails with the same message)."""
         ok = desc[:1] == op.desc[:1] and desc[2] == op.desc[2]
@@ -246,7 +247,7 @@ class RingProtocol:
                 f"{self.describe(dst)}, whose receive is {show_message(recv)}: the dtype and "
                 "element count must match")
 
-    def _done(self, op: _Op, error: BaseException | None = None) -> None:
+    def _done(self, op: PendingOp, error: BaseException | None = None) -> None:
         if op.done:
             return
         op.finish(error if error is not None else op.error)

@@ -15,7 +15,7 @@ runs :func:`open_segment`):
    in the store; every rank waits for the count (initialisation is a barrier: all control
    records are filled before the first collective), then the creator closes its fd.
 
-Why a sealed memfd rather than a /dev/shm name (the design up to issue #15):
+Why a sealed memfd rather than a /dev/shm name (what earlier versions used):
 
 - *Nothing can leak.* A memfd has no name: the memory lives exactly as long as some process
   maps it or holds its fd, so a job killed in any phase (even between create and attach) leaves
@@ -33,7 +33,7 @@ Why a sealed memfd rather than a /dev/shm name (the design up to issue #15):
   symlink in (``O_NOFOLLOW`` does not apply to /proc's fd links; the fd checks above replace it).
 
 It needs every rank to see the creator in /proc and be allowed to read its fds (same uid, one
-pid namespace); the liveness checks of :mod:`fcoll.shm.sync` need the same.
+pid namespace); the liveness checks of :mod:`fcoll.shm.transport.sync` need the same.
 
 We never use ``multiprocessing.shared_memory``: its resource tracker unlinks segments in use
 (CPython gh-82300).
@@ -82,7 +82,7 @@ W_PID = 1
 W_START_LO = 2
 W_START_HI = 3
 W_GAVE_UP = 4  # 1 + the sequence number (mod 2**32) of the collective this rank gave up, or 0
-W_GAVE_UP_WHY = 5  # why it gave up and on which op (see fcoll.shm.sync.Channel.give_up)
+W_GAVE_UP_WHY = 5  # why it gave up and on which op (see fcoll.shm.transport.sync.Channel.give_up)
 W_SLEEP = 6  # W_SLEEP + q: rank q is (about to be) blocked in FUTEX_WAIT on this counter
 WORD_BYTES = 4  # control words are u32
 W_CPU = CONTROL_BYTES // WORD_BYTES - 1  # 1 + the CPU this rank last waited on, or 0
@@ -100,10 +100,9 @@ def _round_up(n: int, m: int = PAGE) -> int:
 def default_slot_bytes() -> int:
     """Bytes of one data slot (per rank, ``NSLOTS`` slots each): 1 MiB.
 
-    Measured at 2 ranks on the 2-core machine (128 MiB all_reduce, same CPU time of about 43 ms
-    per rank): 49 ms with 1 MiB slots against 86 ms with 2 or 8 MiB slots, because a peer's next
-    chunk arrives within the bounded spin, so no rank sleeps, and the slots stay in cache;
-    256-512 KiB slots add too many synchronisations. ``FCOLL_SHM_SLOT_BYTES`` overrides it,
+    With 1 MiB slots a large all_reduce beats larger slots (a peer's next chunk arrives within
+    the bounded spin, so no rank sleeps, and the slots stay in cache), and smaller slots add
+    too many synchronisations. ``FCOLL_SHM_SLOT_BYTES`` overrides it,
     rounded down to whole pages, at least one (tests use small slots to exercise chunking).
     """
     if os.environ.get("FCOLL_SHM_SLOT_BYTES"):
@@ -141,10 +140,6 @@ class Layout:
 
     world: int
     slot_bytes: int
-
-    @property
-    def control_off(self) -> int:
-        return 0
 
     @property
     def header_off(self) -> int:
@@ -231,7 +226,7 @@ class Segment:
 def create_sealed_memfd(name: str, size: int, what: str = "shared-memory segment") -> int:
     """A memfd ``name`` of ``size`` bytes, mode 0600, sealed against shrinking and growing (no
     SIGBUS from a peer's truncate); returns its fd (close-on-exec). Used for the group segment
-    and for p2p inboxes (:mod:`fcoll.shm.inbox`)."""
+    and for p2p inboxes (:mod:`fcoll.shm.p2p.inbox`)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.fchmod(fd, MODE)

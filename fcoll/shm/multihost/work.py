@@ -1,4 +1,5 @@
-"""The queue and the ``Work`` objects of :class:`fcoll.shm.hierarchical.HierarchicalProcessGroup`."""
+"""The queue and the ``Work`` objects of
+:class:`fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup`."""
 
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ class OrderedRunner:
 
     A caller that waits right after issuing an op (a blocking collective, most small ones)
     would otherwise hand the op to the worker and sleep until it is done: two thread
-    wake-ups per op, which on 4 ranks sharing 2 loaded cores cost milliseconds (measured at
-    1 gbit, load 8: a 64 KiB all_reduce through the worker 6.8 ms, the same steps run on the
-    caller's thread 2.7 ms). :meth:`run_until` instead runs the queue up to that op on the
+    wake-ups per op, which on ranks sharing loaded cores cost milliseconds.
+    :meth:`run_until` instead runs the queue up to that op on the
     waiting thread, as the shared-memory engine does (``fcoll.shm.engine.Engine.wait``).
 
     Invariant: a job is taken from the queue and run while holding ``_run_lock``, so jobs run

@@ -1,4 +1,4 @@
-"""Collectives that move data without reducing it (protocol: :mod:`fcoll.shm.phases`).
+"""Collectives that move data without reducing it (protocol: :mod:`fcoll.shm.transport.phases`).
 
 Algorithms (n ranks, this rank r, sizes per rank, all in bytes: tensors are viewed as uint8):
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fcoll.shm.phases import Call, ceil_div, pipelined
+from fcoll.shm.transport.phases import Call, ceil_div, pipelined
 
 SUBSLOT_ALIGN_BYTES = 64  # all_to_all sub-slots start on cache lines
 
@@ -44,7 +44,7 @@ def all_gather(c: Call, src: torch.Tensor, dst: torch.Tensor) -> None:
     When ``B`` fits one slot (``B <= slot_bytes``) the parts are *packed*: rank p writes its B
     bytes at offset ``p * B`` of the slot's ``n * slot_bytes`` bytes (the slot index is the
     group's, so the whole region belongs to this collective, as for broadcast), and the copy
-    out is one contiguous copy; :func:`fcoll.shm.one_slot.all_gather_small` uses the same
+    out is one contiguous copy; :func:`fcoll.shm.kernels.one_slot.all_gather_small` uses the same
     layout. Larger messages go chunk by chunk through each rank's own row.
     """
     ch = c.ch

@@ -3,7 +3,7 @@
 When c10d calls a collective synchronously (``asyncOp`` False: it waits right away), nothing is
 queued on the group, and the tensors are dense, contiguous CPU tensors outside autograd whose
 data fits one slot, the collective runs right there as a one-phase kernel of
-:mod:`fcoll.shm.one_slot` with views prepared once per (collective, dtype, shape, ...): no
+:mod:`fcoll.shm.kernels.one_slot` with views prepared once per (collective, dtype, shape, ...): no
 ``Job``, no ``Staging``, no thread hand-off. Anything else returns None and the process group
 takes its general path, which computes the same result with the same slot layout (a rank on the
 fast path and a peer on the general path interoperate).
@@ -19,17 +19,16 @@ import torch
 import torch.distributed as dist
 
 from fcoll.ops.reduce import check_dtype, check_reduce_op, reduce_op_name
-from fcoll.shm import one_slot
+from fcoll.shm.kernels import one_slot
 from fcoll.shm.engine import Engine
-from fcoll.shm.headers import Header, dtype_name
-from fcoll.shm.movement import subslot_bytes
-from fcoll.shm.segment import NSLOTS
+from fcoll.shm.transport.headers import Header, dtype_name
+from fcoll.shm.kernels.movement import subslot_bytes
+from fcoll.shm.transport.segment import NSLOTS
 
 MAX_PLANS = 256  # plans cached per group before the cache starts over
 # At 2 ranks, reduce_scatter pieces and all_to_all rows of at least this many bytes skip
-# the slot for this rank's own part (half the copy-in); below it the extra tensor views
-# (1.5-2 us each on the 2-core machine) cost more than the copy they save (measured: even at
-# 128 KiB pieces the split is 2 us slower, at 512 KiB 20 us faster).
+# the slot for this rank's own part (half the copy-in); below it the extra tensor views cost
+# more than the copy they save.
 SPLIT_BYTES = 256 << 10
 
 _STRIDED = torch.strided

@@ -14,11 +14,11 @@ the staged path. ``FCOLL_CUDA_PATH`` = ``auto`` (default), ``ipc`` (an error whe
 cannot map each other) or ``staged`` overrides it. Every rank decides from the same exchanged
 data, so all take the same path.
 
-**Staged path** (any placement): :class:`CudaStaging`. The device-to-host copies of the inputs
-run on the side stream into pinned host buffers (torch's caching host allocator reuses them,
-and keeps each one until the copies that used it completed), the shared-memory algorithm of
-the CPU path runs on them on the group's worker thread after the copies' event, and the
-host-to-device copies of the outputs run on the side stream.
+**Staged path** (any placement): :class:`~fcoll.shm.cuda.staging.CudaStaging`. The
+device-to-host copies of the inputs run on the side stream into pinned host buffers (torch's caching
+host allocator reuses them, and keeps each one until the copies that used it completed), the
+shared-memory algorithm of the CPU path runs on them on the group's worker thread after the copies'
+event, and the host-to-device copies of the outputs run on the side stream.
 
 **IPC path** (ranks on one GPU, or GPUs with peer access): :class:`IpcBuffers`. Each rank owns
 one device buffer (grown on demand to the largest collective input, in bytes) and three
@@ -54,10 +54,9 @@ from typing import Any, Callable
 
 import torch
 
-from fcoll.ops.reduce import divide_for_avg, logical_op
-from fcoll.shm import movement
-from fcoll.shm.phases import Call, slice_of
-from fcoll.shm.validate import Staging
+from fcoll.ops.reduce import reduce_views_into
+from fcoll.shm.kernels import movement
+from fcoll.shm.transport.phases import Call, slice_of
 
 PATH_ENV = "FCOLL_CUDA_PATH"  #: ``auto`` | ``ipc`` | ``staged``
 TWO_SHOT_ENV = "FCOLL_CUDA_TWO_SHOT_BYTES"  #: all_reduce size from which 3+ ranks go two-shot
@@ -96,36 +95,6 @@ def device_error(tensors: list[tuple[str, torch.Tensor]], device: int | None) ->
                     "device at the group's first CUDA collective; call torch.cuda.set_device "
                     "before it)")
     return None
-
-
-def header_dtype(dtype_name: str, t: torch.Tensor | None) -> str:
-    """The header's dtype field: the dtype, plus `` on cuda`` for a CUDA tensor, so ranks
-    that pass tensors of different devices to one collective fail the header check."""
-    return f"{dtype_name} on cuda" if t is not None and t.is_cuda else dtype_name
-
-
-# ---- reductions on the device -----------------------------------------------------------------
-_BINARY = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
-           "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
-
-
-def fold(views: list[torch.Tensor], op: str, out: torch.Tensor) -> None:
-    """``out = op(views[0], ..., views[n-1])`` elementwise, folded in rank order.
-
-    ``out`` may not alias any view but ``views[0]``. Semantics of :mod:`fcoll.ops.reduce`:
-    bool sum/max are or, product/min and; ``avg`` sums then divides (integers truncate).
-    """
-    n = len(views)
-    if n == 1:
-        out.copy_(views[0])
-        return
-    op = logical_op(op, out.dtype)
-    f = _BINARY["sum" if op == "avg" else op]
-    f(views[0], views[1], out=out)
-    for v in views[2:]:
-        f(out, v, out=out)
-    if op == "avg":
-        divide_for_avg(out, n)
 
 
 # ---- bounded records for the exchanges (no pickle, no marshal) --------------------------------
@@ -197,88 +166,6 @@ def _mappable(device: int) -> list[bytes]:
         if j != device and torch.cuda.can_device_access_peer(device, j):
             out.append(_uuid(j))
     return out[:MAX_MAPPABLE]
-
-
-# ---- the staged path --------------------------------------------------------------------------
-class CudaStaging(Staging):
-    """Staging of CUDA tensors through pinned host memory, ordered on the group's side stream.
-
-    ``input``/``inout`` enqueue the device-to-host copy on the side stream at issue (after
-    the caller's current stream, through an event); :meth:`seal` records when they are done;
-    the worker calls :meth:`wait_inputs` before the shared-memory algorithm reads the host
-    buffers, and :meth:`finish` enqueues the host-to-device copies of the outputs and records
-    :attr:`event`, on which the ``Work``'s ``wait()`` makes the caller's stream wait. CPU
-    tensors in the same call (never mixed by validated calls) behave as in :class:`Staging`.
-    """
-
-    def __init__(self, group: "CudaGroup"):
-        super().__init__()
-        self._g = group
-        self._started = False
-        self._ready: torch.cuda.Event | None = None
-        self.event: torch.cuda.Event | None = None
-
-    def _start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._g.stream.wait_stream(torch.cuda.current_stream(self._g.device))
-
-    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-
-    def input(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if not t.is_cuda:
-            return super().input(t)
-        self._start()
-        host = self._pinned(t)
-        s = self._g.stream
-        with torch.cuda.stream(s):
-            host.copy_(t, non_blocking=True)
-        t.record_stream(s)
-        return host
-
-    def output(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if not t.is_cuda:
-            return super().output(t)
-        self._start()  # the write-back must also follow the caller's earlier work on t
-        host = self._pinned(t)
-        t.record_stream(self._g.stream)
-        self._back.append((t, host))
-        return host
-
-    def inout(self, t: torch.Tensor, read: bool = True) -> torch.Tensor:
-        t = t.detach()
-        if not t.is_cuda:
-            return super().inout(t, read)
-        host = self.input(t) if read else self.output(t)
-        if read:
-            self._back.append((t, host))
-        return host
-
-    def seal(self) -> None:
-        """Record the end of the device-to-host copies (call once every input is staged)."""
-        if self._started:
-            self._ready = torch.cuda.Event()
-            self._ready.record(self._g.stream)
-
-    def wait_inputs(self) -> None:
-        """Block this (worker) thread until the input copies are done."""
-        if self._ready is not None:
-            self._ready.synchronize()
-
-    def needed(self) -> bool:
-        return self._started or bool(self._back)
-
-    def finish(self) -> None:
-        s = self._g.stream
-        with torch.cuda.device(self._g.device), torch.cuda.stream(s):
-            for t, host in self._back:
-                t.copy_(host, non_blocking=t.is_cuda)
-            ev = torch.cuda.Event()
-            ev.record(s)
-        self.event = ev
 
 
 # ---- the IPC path -----------------------------------------------------------------------------
@@ -461,12 +348,12 @@ class CudaGroup:
         views = [b[:nbytes].view(dt) for b in ipc.bufs]
         flat = out.view(-1)
         if n < 3 or nbytes < self.two_shot_bytes:
-            fold(views, op, flat)
+            reduce_views_into(views, op, flat)
             self._done(ipc)
             return
         # reduce-scatter: chunk r of every buffer, reduced into out, then into own buffer
         a, b = slice_of(N, n, r)
-        fold([v[a:b] for v in views], op, flat[a:b])
+        reduce_views_into([v[a:b] for v in views], op, flat[a:b])
         views[r][a:b].copy_(flat[a:b])
         ipc.mid[r].record(self.stream)
         c.sync()
@@ -498,7 +385,7 @@ class CudaGroup:
             for i in idx:
                 x, y = pairs[i]
                 o, ln = layout[i], x.numel() * x.element_size()
-                fold([b[o:o + ln].view(dt) for b in ipc.bufs], op, y)
+                reduce_views_into([b[o:o + ln].view(dt) for b in ipc.bufs], op, y)
         self._done(ipc)
 
     def all_gather(self, c: Call, ipc: IpcBuffers, src: torch.Tensor,
@@ -519,7 +406,7 @@ class CudaGroup:
         dt, M, r = inp.dtype, out.numel(), self.rank
         ipc.bufs[r][:nbytes].view(dt).copy_(inp)
         self._phase2(c, ipc)
-        fold([b[:nbytes].view(dt)[r * M:(r + 1) * M] for b in ipc.bufs], op, out)
+        reduce_views_into([b[:nbytes].view(dt)[r * M:(r + 1) * M] for b in ipc.bufs], op, out)
         self._done(ipc)
 
     def broadcast(self, c: Call, ipc: IpcBuffers, buf: torch.Tensor, root: int) -> None:

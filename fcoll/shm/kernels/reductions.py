@@ -1,4 +1,4 @@
-"""Reducing collectives over the shared-memory slots (protocol: :mod:`fcoll.shm.phases`).
+"""Reducing collectives over the shared-memory slots (protocol: :mod:`fcoll.shm.transport.phases`).
 
 Algorithms (n ranks, this rank r, sizes per rank):
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from fcoll.ops.reduce import reduce_pair_inplace, reduce_rows
-from fcoll.shm.headers import NO_SEQ, Header, dtype_name
-from fcoll.shm.phases import SLICE_ALIGN_ELEMS, Call, ceil_div, pipelined, slice_of
+from fcoll.shm.transport.headers import NO_SEQ, Header, dtype_name
+from fcoll.shm.transport.phases import SLICE_ALIGN_ELEMS, Call, ceil_div, pipelined, slice_of
 
 SMALL_ALLREDUCE_BYTES = 64 << 10  # at 3+ ranks, one-phase all_reduce up to this size
 
@@ -94,45 +94,78 @@ def _all_reduce_one_phase(c: Call, src: torch.Tensor, dst: torch.Tensor | None, 
 
 def _all_reduce_two_phase(c: Call, src: torch.Tensor, dst: torch.Tensor | None, op: str,
                           per: int) -> None:
-    """3+ ranks, large: per chunk of ``per`` elements, phase A, rank r reduces slice r over all
-    rows (into ``dst``, or a scratch row when ``dst`` is None) and back into its own slot row,
-    phase B, the other slices are copied out."""
+    """3+ ranks, large: :func:`two_phase` over chunks of ``per`` elements; rank r reduces slice
+    r into ``dst`` (or a scratch row when ``dst`` is None), then copies the other slices out."""
     ch = c.ch
     n, r = ch.world, ch.rank
     seg = ch.seg
     M = src.numel()
     starts = list(range(0, M, per))
+    lengths = [min(per, M - c0) for c0 in starts]
     scratch = None if dst is not None else torch.empty(ceil_div(per, n) + SLICE_ALIGN_ELEMS,
                                                         dtype=src.dtype)
+
+    def write(i: int, slot: int) -> None:
+        c0 = starts[i]
+        seg.rows(slot, src.dtype)[r, :lengths[i]].copy_(src[c0:c0 + lengths[i]])
+
+    def own(i: int, rows: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        c0 = starts[i]
+        tgt = dst[c0 + a:c0 + b] if dst is not None else scratch[:b - a]
+        reduce_rows(rows[:, a:b], op, tgt)
+        return tgt
+
+    def gather(i: int, rows: torch.Tensor, L: int) -> None:
+        if dst is not None:
+            c0 = starts[i]
+            for p, a, b in other_slices(L, n, r):
+                dst[c0 + a:c0 + b].copy_(rows[p, a:b])
+
+    two_phase(c, src.dtype, lengths, write, own, gather)
+
+
+def other_slices(L: int, n: int, r: int):
+    """``(p, a, b)`` for every rank ``p != r`` whose slice ``[a, b)`` of ``L`` is not empty."""
+    for p in range(n):
+        if p != r:
+            a, b = slice_of(L, n, p)
+            if b > a:
+                yield p, a, b
+
+
+def two_phase(c: Call, dtype: torch.dtype, lengths: list[int], write, own, gather) -> None:
+    """The reduce-scatter + all-gather loop of a large all_reduce at 3+ ranks, chunk by chunk.
+
+    Chunk ``u`` has ``lengths[u]`` elements of ``dtype``. ``write(u, slot)`` copies this rank's
+    chunk into its row of ``slot``. Phase A: once every rank's chunk is in, rank r reduces its
+    slice ``[a, b)`` over all rows (``own(u, rows, a, b)`` returns the reduced slice, which is
+    copied back into this rank's row). Phase B: once every rank's reduced slice is in,
+    ``gather(u, rows, L)`` copies the other slices out. Each output element is computed by
+    exactly one rank, so every rank gets the same bits. The next chunk is written into the next
+    slot between the two phases (safe: see :mod:`fcoll.shm.transport.phases`).
+    """
+    ch = c.ch
+    n, r = ch.world, ch.rank
+    seg = ch.seg
     slot = c.slot()
-    seg.rows(slot, src.dtype)[r, :min(per, M)].copy_(src[:min(per, M)])
-    for i, c0 in enumerate(starts):
-        L = min(per, M - c0)
-        rows = seg.rows(slot, src.dtype)[:, :L]
-        if i == 0:
+    write(0, slot)
+    for u, L in enumerate(lengths):
+        rows = seg.rows(slot, dtype)[:, :L]
+        if u == 0:
             c.first_sync(slot)
         else:
             c.sync()
         a, b = slice_of(L, n, r)
         if b > a:
-            tgt = dst[c0 + a:c0 + b] if dst is not None else scratch[:b - a]
-            reduce_rows(rows[:, a:b], op, tgt)
-            rows[r, a:b].copy_(tgt)
+            rows[r, a:b].copy_(own(u, rows, a, b))
         ch.arrive()
-        if i + 1 < len(starts):
-            nxt = starts[i + 1]
+        nslot = -1
+        if u + 1 < len(lengths):
             nslot = c.slot()
-            nl = min(per, M - nxt)
-            seg.rows(nslot, src.dtype)[r, :nl].copy_(src[nxt:nxt + nl])
+            write(u + 1, nslot)
         ch.wait_all(c.what, c.start)
-        if dst is not None:
-            for p in range(n):
-                if p != r:
-                    a, b = slice_of(L, n, p)
-                    if b > a:
-                        dst[c0 + a:c0 + b].copy_(rows[p, a:b])
-        if i + 1 < len(starts):
-            slot = nslot
+        gather(u, rows, L)
+        slot = nslot
 
 
 def chunk_pieces(srcs: list[torch.Tensor], dsts: list[torch.Tensor] | None,
@@ -224,11 +257,11 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
     :func:`reduce_pair_inplace`; in place, one foreach call per chunk). At 3+ ranks the chunk
     is reduced whole over the rows, in rank order, into a private scratch row, and its pieces
     are copied out with one foreach call: per-piece reductions over n rows cost more in
-    per-op overhead than the copy (4 ranks, measured: 200 tensors of 54 KiB in all 2.5 ->
-    1.7 ms, 0.87 MiB 4.8 -> 2.6 ms, 13.9 MiB 21.5 -> 21.0 ms). Above ``small_bytes`` in all
-    they take :func:`all_reduce`'s two-phase path the same way, so each output element is
-    still computed by exactly one rank. Compared with concatenating, this saves a copy of
-    every byte in and one out, and a fresh buffer's page faults.
+    per-op overhead than the copy (up to twice as slow for buckets of many small tensors).
+    Above ``small_bytes`` in all they take :func:`all_reduce`'s two-phase path the same way
+    (:func:`two_phase`), so each output element is still computed by exactly one rank.
+    Compared with concatenating, this saves a copy of every byte in and one out, and a fresh
+    buffer's page faults.
     """
     ch = c.ch
     n, r = ch.world, ch.rank
@@ -280,39 +313,23 @@ def all_reduce_many(c: Call, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
 
 def _all_reduce_many_two_phase(c: Call, plan: list, write, dtype: torch.dtype, op: str,
                                scratch: torch.Tensor) -> None:
-    """:func:`all_reduce`'s reduce-scatter + all-gather path (3+ ranks) for
-    :func:`all_reduce_many`: rank r reduces slice r of each chunk into ``scratch`` (a private
-    row of ``slot_bytes``) and back into its own slot row; after phase B it gathers the other
-    slices into ``scratch`` and copies the chunk's pieces out with one foreach call."""
-    ch = c.ch
-    n, r = ch.world, ch.rank
-    seg = ch.seg
-    slot = c.slot()
-    write(0, slot)
-    for u, (_, outs, _, lens, L) in enumerate(plan):
-        rows = seg.rows(slot, dtype)
-        if u == 0:
-            c.first_sync(slot)
-        else:
-            c.sync()
-        a, b = slice_of(L, n, r)
-        if b > a:
-            reduce_rows(rows[:, a:b], op, scratch[a:b])
-            rows[r, a:b].copy_(scratch[a:b])
-        ch.arrive()
-        nslot = -1
-        if u + 1 < len(plan):
-            nslot = c.slot()
-            write(u + 1, nslot)
-        ch.wait_all(c.what, c.start)
-        for p in range(n):
-            if p != r:
-                a, b = slice_of(L, n, p)
-                if b > a:
-                    scratch[a:b].copy_(rows[p, a:b])
+    """:func:`two_phase` for :func:`all_reduce_many`: rank r reduces slice r of each chunk into
+    ``scratch`` (a private row of ``slot_bytes``); after phase B it gathers the other slices
+    into ``scratch`` and copies the chunk's pieces out with one foreach call."""
+    n, r = c.ch.world, c.ch.rank
+
+    def own(u: int, rows: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        reduce_rows(rows[:, a:b], op, scratch[a:b])
+        return scratch[a:b]
+
+    def gather(u: int, rows: torch.Tensor, L: int) -> None:
+        for p, a, b in other_slices(L, n, r):
+            scratch[a:b].copy_(rows[p, a:b])
+        _, outs, _, lens, _ = plan[u]
         if outs:
             torch._foreach_copy_(outs, scratch[:L].split_with_sizes(lens))
-        slot = nslot
+
+    two_phase(c, dtype, [p[4] for p in plan], write, own, gather)
 
 
 def reduce_scatter(c: Call, src: torch.Tensor, dst: torch.Tensor, op: str) -> None:

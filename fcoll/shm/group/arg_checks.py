@@ -1,11 +1,15 @@
-"""Whole-call argument checks of the c10d ``ProcessGroup`` methods, as error messages.
+"""Whole-call argument checks of the c10d ``ProcessGroup`` methods, as error messages: the one
+per-call check module of both fcoll process groups.
 
 Each function returns why a call's arguments are invalid on this rank (a message naming the
 argument, as ``"output_tensors[1] has 5 elements, input_tensors[0] has 4"``), or None. Nothing
 here raises or communicates: the caller tells its peers before raising, so every rank fails
-the same call (:class:`fcoll.shm.hierarchical.HierarchicalProcessGroup` sends the message
-through its pre-flight step). The tensor-level checks are :mod:`fcoll.shm.validate`'s, so a
-call is refused for the same reasons, in the same words, as on a one-host fcoll group.
+the same call (:class:`~fcoll.shm.group.process_group.FcollProcessGroup` in an invalid call's
+header, :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` through its
+pre-flight step). The tensor-level checks are :mod:`fcoll.shm.group.validate`'s, so a call is
+refused for the same reasons, in the same words, on a group of one host or of several. What
+only one group can check (the CUDA device of a one-host group's tensors) is added by that
+group after these.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from fcoll.ops.reduce import check_reduce_op
-from fcoll.shm.validate import (
+from fcoll.shm.group.validate import (
     Staging,
     check_no_overlap,
     check_reduce_scatter,
@@ -142,14 +146,17 @@ def reduce_scatter_tensor_error(output, input, op: str, n: int) -> str | None:  
 
 
 def inputs_like_error(xs, out, arg: str = "input_tensors",
-                      out_arg: str = "output_tensors[0]") -> str | None:
+                      out_arg: str = "output_tensors[0]", same_shape: bool = False) -> str | None:
     """Why some ``xs[i]`` (argument ``arg[i]``, read) is not a tensor of ``out``'s dtype and
-    number of elements (the list inputs of reduce_scatter and scatter), or None."""
+    number of elements (``same_shape``: and shape), or None (the list inputs of reduce_scatter
+    and, shape included, scatter)."""
     for i, x in enumerate(xs):
         name = f"{arg}[{i}]"
-        err = (check_tensor(x, name) or Staging.check_same_dtype(x, out)
-               or (None if x.numel() == out.numel() else
-                   f"{name} has {x.numel()} elements, {out_arg} has {out.numel()}"))
+        err = check_tensor(x, name) or Staging.check_same_dtype(x, out)
+        if err is None and same_shape and x.shape != out.shape:
+            err = f"{name} has shape {list(x.shape)}, {out_arg} has {list(out.shape)}"
+        elif err is None and not same_shape and x.numel() != out.numel():
+            err = f"{name} has {x.numel()} elements, {out_arg} has {out.numel()}"
         if err:
             return err
     return None
@@ -200,7 +207,7 @@ def all_to_all_error(output_tensors, input_tensors, n: int) -> str | None:
     for arg, t, _ in named:
         if t.dtype != first:
             return (f"{arg} has dtype {str(t.dtype)[6:]} but input_tensors[0] has "
-                    f"{str(first)[6:]}")
+                    f"{str(first)[6:]}; one dtype for every tensor")
     return None
 
 
@@ -225,14 +232,14 @@ def gather_error(output_lists, input_tensors, root: int, rank: int, n: int) -> s
 
 def scatter_error(output_tensors, input_lists, root: int, rank: int, n: int) -> str | None:
     """scatter: ``output_tensors == [out]``; on the root, ``input_lists == [[x_0 .. x_n-1]]``
-    of ``out``'s dtype and size."""
+    of ``out``'s dtype and shape."""
     err = list_error("output_tensors", output_tensors, 1)
     err = err or check_tensor(output_tensors[0], "output_tensors[0]", True)
     err = err or _root_error(root, n, "root (src)")
     if err is None and rank == root:
         err = (list_error("input_tensors", input_lists, 1)
                or list_error("input_tensors", input_lists[0], n)
-               or inputs_like_error(input_lists[0], output_tensors[0]))
+               or inputs_like_error(input_lists[0], output_tensors[0], same_shape=True))
     return err
 
 

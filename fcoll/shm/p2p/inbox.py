@@ -1,8 +1,8 @@
 """A rank's point-to-point *inbox* on fcoll's backend: its memory, its name, and its records.
 
-The protocol that moves messages through inboxes is :mod:`fcoll.shm.p2p`; this module is the
-memory it runs on. Each rank owns one inbox per group: a sealed ``memfd`` (mode 0600, sealed
-against shrinking and growing, as the group segment of :mod:`fcoll.shm.segment`) named
+The protocol that moves messages through inboxes is :mod:`fcoll.shm.p2p.sendrecv`; this module is
+the memory it runs on. Each rank owns one inbox per group: a sealed ``memfd`` (mode 0600, sealed
+against shrinking and growing, as the group segment of :mod:`fcoll.shm.transport.segment`) named
 ``fcoll-p2p-<group segment inode>-<group rank>`` (:func:`segment_inode`), which the rank keeps
 open while the group lives. A peer finds it without any store, among ``/proc/<owner pid>/fd``
 (:func:`open_inbox`), and maps it only after :func:`check_fd`. Layout (4096-aligned)::
@@ -28,9 +28,9 @@ import struct
 
 import torch
 
-from fcoll.shm import segment
-from fcoll.shm.segment import Segment, proc_start_time
-from fcoll.shm.sync import PeerError
+from fcoll.shm.transport import segment
+from fcoll.shm.transport.segment import Segment, proc_start_time
+from fcoll.shm.transport.sync import PeerError
 
 PREFIX = "fcoll-p2p-"
 PAGE = 4096
@@ -99,7 +99,7 @@ def find_fd(pid: int, target: str) -> str | None:
 
 
 def check_fd(fd: int, path: str, size: int) -> None:
-    """:func:`fcoll.shm.segment.check_fd` for an inbox of ``size`` bytes.
+    """:func:`fcoll.shm.transport.segment.check_fd` for an inbox of ``size`` bytes.
 
     Raises:
         RuntimeError: naming ``path`` and the check that failed.

@@ -1,9 +1,10 @@
 """``HierarchicalProcessGroup``: an fcoll group whose ranks span several hosts.
 
 :func:`fcoll.shm.create_process_group` builds one when a group's ranks have more than one host
-identity (:mod:`fcoll.shm.hosts`). It holds three groups, made in this order on every rank:
+identity (:mod:`fcoll.shm.multihost.host_layout`). It holds three groups, made in this order on
+every rank:
 
-- ``intra``: an :class:`~fcoll.shm.process_group.FcollProcessGroup` of the ranks of this host
+- ``intra``: an :class:`~fcoll.shm.group.process_group.FcollProcessGroup` of the ranks of this host
   (shared memory), on the store prefix ``intra/<host>/``; absent on a host with one rank;
 - ``inter``: a gloo group of the ranks with this rank's *local rank* on every host (host ``h``
   is its group rank ``h``), on ``inter/<local rank>/``; only when every host holds the same
@@ -39,21 +40,21 @@ gather, scatter and point-to-point. Inter-host all_reduce of a dtype/op gloo can
 (complex product, ...) runs as an inter all_gather and a local reduction.
 
 Ops run in issue order, one at a time, on the group's worker thread or on the thread that
-waits for one (:class:`~fcoll.shm.hierarchical_work.OrderedRunner`: every rank issues the
+waits for one (:class:`~fcoll.shm.multihost.work.OrderedRunner`: every rank issues the
 inner groups' collectives in the same order); a ``Work`` completes when its op ran. CPU
 tensors are tested; CUDA tensors go through the inner groups' own CUDA support, untested here.
 
 No size threshold switches small ops to ``flat``: gloo aborts on mismatched sizes, so a flat
 op needs the same argument check across the link as a composed one (an intra-host exchange of
-the arguments and one inter-host exchange), and so measured (2 x 2 ranks, 1 and 10 gbit,
-all_reduce 64 KiB, 256 KiB, 1 MiB, 15 alternating runs, load 6-7) check + flat took 4.9-12.9
-ms where the composed steps took 3.3-11.7 ms (less in all six cells). The algorithm therefore
-depends on the layout alone, the same on every rank.
+the arguments and one inter-host exchange), and check + flat measured slower than the composed
+steps at 64 KiB - 1 MiB (docs/design.md, "Across hosts"). The algorithm therefore depends on
+the layout alone, the same on every rank.
 
-The class holds the sub-groups, identity, lifecycle, the queue and the pre-flight, and the ops
-that always run on ``flat`` (all_to_all, gather, scatter, point-to-point). The compositions of
-the table above are functions of :mod:`fcoll.shm.hierarchical_compositions`, bound here as
-methods.
+The class holds the sub-groups, lifecycle, the queue and the pre-flight, every op's argument
+check, and the ops that always run on ``flat`` (all_to_all, gather, scatter, point-to-point).
+The compositions of the table above are algorithms over the group's
+:class:`~fcoll.shm.multihost.compositions.Subgroups` (:mod:`fcoll.shm.multihost.compositions`);
+the c10d identity is :class:`~fcoll.shm.group.identity.GroupIdentity`'s.
 """
 
 from __future__ import annotations
@@ -67,26 +68,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fcoll.ops.reduce import reduce_op_name
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm import arg_checks as checks
-from fcoll.shm import hierarchical_compositions, movement
-from fcoll.shm.hierarchical_work import ChainedWork, HierarchicalWork, OrderedRunner
-from fcoll.shm.hosts import HostLayout
-from fcoll.shm.links import OP_CODES, SIGNATURE, agree, as_bytes, dtype_code
-from fcoll.shm.process_group import FcollProcessGroup
+from fcoll.shm.group import arg_checks as checks
+from fcoll.shm.group.identity import GroupIdentity
+from fcoll.shm.group.validate import check_all_gather
+from fcoll.shm.multihost import compositions as comp
+from fcoll.shm.kernels import movement
+from fcoll.shm.transport.op_codes import kind_code
+from fcoll.shm.multihost.work import ChainedWork, HierarchicalWork, OrderedRunner
+from fcoll.shm.multihost.host_layout import HostLayout
+from fcoll.shm.multihost.gloo_link import REDUCE_CODES, SIGNATURE, agree, as_bytes, dtype_code
+from fcoll.shm.group.process_group import FcollProcessGroup
 
 __all__ = ["HierarchicalProcessGroup", "HierarchicalWork"]
 
-#: The pre-flight's op code of each public op name (:data:`fcoll.shm.links.OP_CODES`).
-_KIND = {"all_reduce": "all_reduce", "reduce": "reduce", "all_reduce_coalesced": "all_reduce",
-         "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-         "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-         "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
-         "broadcast": "broadcast", "gather": "gather", "scatter": "scatter"}
-
 
 @run_eagerly_under_dynamo
-class HierarchicalProcessGroup(dist.ProcessGroup):
+class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
     """fcoll process group over several hosts: shared memory inside a host, gloo between hosts.
 
     Args:
@@ -96,7 +95,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         layout: which group ranks share a host (the same on every rank).
         global_ranks: global rank of each group rank (for error messages).
 
-    Shapes per rank are those of :class:`~fcoll.shm.process_group.FcollProcessGroup`.
+    Shapes per rank are those of :class:`~fcoll.shm.group.process_group.FcollProcessGroup`.
 
     Raises (from the methods): ``ValueError`` naming op, rank and shapes for arguments invalid
     on this rank (a reduce op undefined for the dtype, an all_gather output that is not
@@ -106,10 +105,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
                  layout: HostLayout, global_ranks: list[int] | None = None):
         super().__init__(rank, size)
-        self._rank, self._size = rank, size
-        self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
-        self._group_name = ""
-        self._group_desc = ""
+        self._init_identity(rank, size, global_ranks)
         self.layout = layout
         self.host = layout.host_of(rank)
         self.local_rank = layout.local_rank_of(rank)
@@ -127,43 +123,22 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         self._flat = dist.ProcessGroupGloo(dist.PrefixStore("flat/", store), rank, size,
                                            timeout=timeout)
         H = layout.num_hosts
+        gather_order = scatter_order = None
         if layout.even:
             L = len(members)
             # all_gather: rows arrive as [l][h]; row l*H+h is group rank (h, l)'s
-            self._gather_order = torch.tensor(
+            gather_order = torch.tensor(
                 [layout.local_rank_of(r) * H + layout.host_of(r) for r in range(size)])
             # reduce_scatter: local rank l' receives the rows of ranks (0, l'), ..., (H-1, l')
-            self._scatter_order = torch.tensor(
+            scatter_order = torch.tensor(
                 [layout.rank_at(h, lq) for lq in range(L) for h in range(H)])
+        self._sub = comp.Subgroups(layout, rank, size, self.local_rank, self._intra, self._inter,
+                                   self._flat, gather_order, scatter_order)
         self._runner = OrderedRunner(f"fcoll-hier-r{rank}")
         self._lock = threading.Lock()
         self._coalescing: list[cf.Future] | None = None
 
-    # ---- identity -------------------------------------------------------------------------
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def getBackendName(self) -> str:
-        return "fcoll"
-
-    def name(self) -> str:
-        return "fcoll"
-
-    def setGroupName(self, name: str) -> None:
-        self._group_name = name
-
-    def getGroupName(self) -> str:
-        return self._group_name
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:
-        return self._group_desc
-
+    # ---- identity (GroupIdentity), lifecycle -----------------------------------------------
     def __repr__(self) -> str:
         hosts = "x".join(str(len(rs)) for rs in self.layout.ranks_of)
         return (f"HierarchicalProcessGroup(rank={self._rank}, size={self._size}, "
@@ -212,7 +187,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
             ValueError: some rank's arguments are invalid (that rank's message), or ranks
                 passed different arguments.
         """
-        numbers = [OP_CODES[_KIND[name]], dtype_code(x.dtype) if x is not None else -1,
+        numbers = [kind_code(name), dtype_code(x.dtype) if x is not None else -1,
                    x.numel() if x is not None else -1, code]
         failure: BaseException | None = self._error(name, error) if error else None
         if on_flat or not self.layout.even:
@@ -251,25 +226,135 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         futs, self._coalescing = self._coalescing or [], None
         return HierarchicalWork(futs, self._runner)
 
-    # ---- composed collectives (fcoll.shm.hierarchical_compositions) -----------------------
-    allreduce = hierarchical_compositions.allreduce
-    allreduce_out_of_place = hierarchical_compositions.allreduce_out_of_place
-    reduce = hierarchical_compositions.reduce
-    allreduce_coalesced = hierarchical_compositions.allreduce_coalesced
-    allreduce_coalesced_out_of_place = hierarchical_compositions.allreduce_coalesced_out_of_place
-    all_gather_single = hierarchical_compositions.all_gather_single
+    # ---- composed collectives (algorithms: fcoll.shm.multihost.compositions) -------------
+    def allreduce(self, tensors, opts=None) -> dist.Work:
+        op = reduce_op_name((opts or dist.AllreduceOptions()).reduceOp)
+        err = checks.all_reduce_error(tensors, op, self._size)
+        t = checks.first(tensors)
+        return self._op("all_reduce", t, err, lambda: comp.all_reduce_into(self._sub, t, op),
+                        REDUCE_CODES.get(op, -1), op)
+
+    def allreduce_out_of_place(self, input: torch.Tensor, output: torch.Tensor,  # noqa: A002
+                               op: dist.ReduceOp) -> dist.Work:
+        """All-reduce ``input`` into ``output`` (same shape and dtype), input untouched."""
+        name = reduce_op_name(op)
+        err = checks.coalesced_all_reduce_error([input], [output], name)
+        return self._op("all_reduce", input, err,
+                        lambda: comp.all_reduce_into(self._sub, input, name, output),
+                        REDUCE_CODES.get(name, -1), name)
+
+    def reduce(self, tensors, opts=None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        op, root = reduce_op_name(opts.reduceOp), opts.rootRank
+        err = checks.all_reduce_error(tensors, op, self._size, root)
+        t = checks.first(tensors)
+        code = REDUCE_CODES.get(op, -1) * (1 << 32) + (root if not err else 0)
+        return self._op("reduce", t, err, lambda: comp.reduce_into(self._sub, t, op, root), code,
+                        op)
+
+    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
+        """All-reduce every tensor in place in one op (dtypes may mix: one composed
+        all_reduce per dtype, over the tensors of that dtype concatenated)."""
+        op = reduce_op_name((opts or dist.AllreduceCoalescedOptions()).reduceOp)
+        err = checks.coalesced_all_reduce_error(tensors, None, op)
+        code = 0 if err else comp.coalesced_code(tensors, op)
+        return self._op("all_reduce_coalesced", None, err,
+                        lambda: comp.all_reduce_by_dtype(self._sub, list(tensors), op), code, op)
+
+    def allreduce_coalesced_out_of_place(self, inputs, outputs, op) -> dist.Work:
+        """``outputs[i] = all_reduce(inputs[i])`` for every i, in one op; inputs untouched."""
+        name = reduce_op_name(op)
+        err = checks.coalesced_all_reduce_error(inputs, outputs, name)
+        code = 0 if err else comp.coalesced_code(inputs, name)
+
+        def run():
+            for a, b in zip(inputs, outputs):
+                b.copy_(a)
+            return comp.all_reduce_by_dtype(self._sub, list(outputs), name)
+        return self._op("all_reduce_coalesced", None, err, run, code, name)
+
+    def all_gather_single(self, output, input, opts=None) -> dist.Work:
+        err = check_all_gather(input, output, self._size, self._rank)
+        return self._op("all_gather_into_tensor", input, err,
+                        lambda: comp.all_gather_into(self._sub, output, input))
+
     _allgather_base = all_gather_single
-    allgather = hierarchical_compositions.allgather
-    allgather_coalesced = hierarchical_compositions.allgather_coalesced
-    all_gather_single_coalesced = hierarchical_compositions.all_gather_single_coalesced
+
+    def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """List form: ``output_tensors[0][r]`` receives rank r's ``input_tensors[0]``."""
+        err = checks.all_gather_list_error(output_tensors, input_tensors, self._size, self._rank)
+        inp = checks.first(input_tensors)
+        if err:
+            return self._op("all_gather", inp, err, list)
+        outs = list(output_tensors[0])
+        stacked = inp.new_empty((self._size, *inp.shape))
+
+        def run():
+            comp.all_gather_into(self._sub, stacked, inp)
+            for o, s in zip(outs, stacked.unbind(0)):
+                o.copy_(s)
+            return [outs]
+        return self._op("all_gather", inp, None, run)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
+        err = checks.pairs_error("output_lists", output_lists, "input_list", input_list)
+        if err:
+            return self._op("all_gather", None, err, list)
+        works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
+        return HierarchicalWork([f for w in works for f in w._futures], self._runner)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        err = checks.pairs_error("outputs", outputs, "inputs", inputs)
+        if err:
+            return self._op("all_gather_into_tensor", None, err, list)
+        works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
+        return HierarchicalWork([f for w in works for f in w._futures], self._runner)
+
     allgather_into_tensor_coalesced = all_gather_single_coalesced
-    reduce_scatter_single = hierarchical_compositions.reduce_scatter_single
+
+    def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = reduce_op_name(opts.reduceOp)
+        err = checks.reduce_scatter_tensor_error(output, input, op, self._size)
+        return self._op("reduce_scatter_tensor", input, err,
+                        lambda: comp.reduce_scatter_into(self._sub, output, input, op),
+                        REDUCE_CODES.get(op, -1), op)
+
     _reduce_scatter_base = reduce_scatter_single
-    reduce_scatter = hierarchical_compositions.reduce_scatter
-    reduce_scatter_single_coalesced = hierarchical_compositions.reduce_scatter_single_coalesced
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
+        """List form: ``output_tensors[0]`` = reduction of every rank's ``input_lists[0][me]``."""
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = reduce_op_name(opts.reduceOp)
+        err = checks.reduce_scatter_list_error(output_tensors, input_lists, op, self._size)
+        out = checks.first(output_tensors)
+        if err:
+            return self._op("reduce_scatter", out, err, list)
+        stacked = torch.stack([i.detach().reshape(-1) for i in input_lists[0]]).view(-1)
+        return self._op("reduce_scatter", out, None,
+                        lambda: comp.reduce_scatter_into(self._sub, out, stacked, op),
+                        REDUCE_CODES.get(op, -1), op)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        err = checks.pairs_error("outputs", outputs, "inputs", inputs)
+        if err:
+            return self._op("reduce_scatter_tensor", None, err, list)
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return HierarchicalWork([f for w in works for f in w._futures], self._runner)
+
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-    broadcast = hierarchical_compositions.broadcast
-    barrier = hierarchical_compositions.barrier
+
+    def broadcast(self, tensors, opts=None) -> dist.Work:
+        root = (opts or dist.BroadcastOptions()).rootRank
+        err = checks.broadcast_error(tensors, root, self._size)
+        t = checks.first(tensors)
+        if err:
+            return self._op("broadcast", t, err, list)
+        return self._op("broadcast", t, None, lambda: comp.broadcast_into(self._sub, t, root),
+                        root)
+
+    def barrier(self, opts=None) -> dist.Work:
+        return self._submit(lambda: comp.barrier(self._sub))
 
     # ---- on ``flat``: all_to_all ----------------------------------------------------------
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,

@@ -2,12 +2,13 @@
 
 Each method mirrors what ``torch.distributed.distributed_c10d`` (and C++ callers such as DDP's
 reducer, through the ``PyProcessGroup`` trampoline) call on a process group. A synchronous call
-of a small collective runs first through :mod:`fcoll.shm.fast_paths`. Otherwise the method
+of a small collective runs first through :mod:`fcoll.shm.group.fast_paths`. Otherwise the method
 validates its arguments on the calling thread, stages inputs (CUDA -> host, non-contiguous ->
 contiguous), queues a :class:`~fcoll.shm.engine.Job` whose ``run`` is an algorithm of
-:mod:`fcoll.shm.reductions` or :mod:`fcoll.shm.movement`, and returns a ``Work`` made from the
-job's future. Invalid arguments still queue a header-only job flagged invalid, so every peer
-raises the same message instead of hanging; the calling rank raises ``ValueError`` at once.
+:mod:`fcoll.shm.kernels.reductions` or :mod:`fcoll.shm.kernels.movement`, and returns a ``Work``
+made from the job's future. Invalid arguments still queue a header-only job flagged invalid, so
+every peer raises the same message instead of hanging; the calling rank raises ``ValueError`` at
+once.
 
 Shapes per rank (n = group size): all_reduce ``[*] -> [*]``; all_gather ``[*] -> [n * N, ...]``;
 reduce_scatter ``[n * N, ...] -> [N, ...]``; all_to_all_single ``[sum(in_splits), ...] ->
@@ -15,12 +16,12 @@ reduce_scatter ``[n * N, ...] -> [N, ...]``; all_to_all_single ``[sum(in_splits)
 :mod:`fcoll.ops.reduce`: ``avg`` is valid on every dtype but bool, and truncates toward zero on
 integers.
 
-The class holds the group's identity, lifecycle, submission (``_submit``) and its data-movement
-collectives (all_gather, all_to_all, broadcast, barrier, gather, scatter, point-to-point). The
-collectives that take a reduce op (all_reduce, reduce, their coalesced forms, reduce_scatter)
-are functions of :mod:`fcoll.shm.group_reductions`, bound here as methods; the CUDA submission
-helpers (path setup, staging, the IPC path) are the :class:`~fcoll.shm.group_cuda.CudaSubmission`
-mixin.
+The class holds the group's lifecycle, submission (``_submit``) and its data-movement
+collectives (all_gather, all_to_all, broadcast, barrier, gather, scatter, point-to-point). Its
+mixins: the collectives that take a reduce op (all_reduce, reduce, their coalesced forms,
+reduce_scatter: :class:`~fcoll.shm.group.reducing.ReducingCollectives`), the CUDA submission
+helpers (path setup, staging, the IPC path: :class:`~fcoll.shm.cuda.submission.CudaSubmission`)
+and the c10d identity (:class:`~fcoll.shm.group.identity.GroupIdentity`).
 """
 
 from __future__ import annotations
@@ -33,26 +34,26 @@ import torch
 import torch.distributed as dist
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm import group_reductions, movement
-from fcoll.shm.arg_checks import is_seq as _is_seq
-from fcoll.shm.arg_checks import list_error as _list_error
-from fcoll.shm.arg_checks import pairs_error as _pairs_error
-from fcoll.shm.cuda import CudaGroup, CudaStaging, IpcBuffers, header_dtype
-from fcoll.shm.engine import Engine, FcollWork, Job
-from fcoll.shm.fast_paths import FastPaths
-from fcoll.shm.group_cuda import CudaSubmission
-from fcoll.shm.headers import NO_ROOT, Header, dtype_name
-from fcoll.shm.p2p import P2P
-from fcoll.shm.phases import Call
-from fcoll.shm.segment import default_slot_bytes, open_segment
-from fcoll.shm.sync import Channel
-from fcoll.shm.validate import (Staging, check_all_gather, check_no_overlap, check_tensor,
-                                check_tensors)
+from fcoll.shm.group.identity import GroupIdentity
+from fcoll.shm.group.reducing import ReducingCollectives
+from fcoll.shm.kernels import movement
+from fcoll.shm.group import arg_checks as checks
+from fcoll.shm.cuda.paths import CudaGroup, IpcBuffers
+from fcoll.shm.cuda.staging import CudaStaging
+from fcoll.shm.engine import Engine, FcollWork
+from fcoll.shm.group.fast_paths import FastPaths
+from fcoll.shm.cuda.submission import CudaSubmission
+from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name, header_dtype
+from fcoll.shm.p2p.sendrecv import P2P
+from fcoll.shm.transport.phases import Call
+from fcoll.shm.transport.segment import default_slot_bytes, open_segment
+from fcoll.shm.transport.sync import Channel
+from fcoll.shm.group.validate import Staging, check_all_gather, check_tensor
 
 ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
 
 @run_eagerly_under_dynamo
-class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
+class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist.ProcessGroup):
     """Shared-memory process group of the ranks of one host (CPU tensors; CUDA staged).
 
     Args:
@@ -65,11 +66,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
                  global_ranks: list[int] | None = None, slot_bytes: int | None = None):
         super().__init__(rank, size)
-        self._rank = rank
-        self._size = size
-        self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
-        self._group_name = ""
-        self._group_desc = ""
+        self._init_identity(rank, size, global_ranks)
         self._timeout_s = timeout.total_seconds()
         seg = open_segment(store, rank, size, slot_bytes or default_slot_bytes(), timeout)
         ch = Channel(seg, rank, size, self._timeout_s, self._global_ranks)
@@ -78,31 +75,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         self._coalescing: list[Any] | None = None
         self._cuda = CudaGroup(rank, size)
 
-    # ---- identity -------------------------------------------------------------------------
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def getBackendName(self) -> str:  # noqa: N802  (PyTorch's name)
-        return "fcoll"
-
-    def name(self) -> str:
-        return "fcoll"
-
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
-
-    def getGroupName(self) -> str:  # noqa: N802
-        return self._group_name
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._group_desc
-
+    # ---- identity (GroupIdentity), lifecycle -----------------------------------------------
     def __repr__(self) -> str:
         return f"FcollProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
 
@@ -126,12 +99,23 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
             p2p.close()
 
     @property
+    def engine(self) -> Engine:
+        """The group's executor: the direct path (:mod:`fcoll.shm.group.direct`) issues its
+        collectives into it."""
+        return self._engine
+
+    @property
     def cuda_path(self) -> str | None:
         """``"ipc"`` or ``"staged"``: the path of this group's CUDA collectives (see
-        :mod:`fcoll.shm.cuda`), None before its first CUDA collective."""
+        :mod:`fcoll.shm.cuda.paths`), None before its first CUDA collective."""
         return self._cuda.path
 
     # ---- submission -----------------------------------------------------------------------
+    def _staging(self, t: torch.Tensor) -> Staging:
+        """How ``t``'s data reaches the shared slots: :class:`Staging` for a CPU tensor (no CUDA
+        code on its path), :class:`~fcoll.shm.cuda.staging.CudaStaging` for a CUDA one."""
+        return CudaStaging(self._cuda) if t.is_cuda else Staging()
+
     def _submit(self, name: str, shape_of: torch.Tensor | None, *, reduce_op: str = "",
                 root: int = NO_ROOT, extra: Any = None, error: str | None = None,
                 run: Callable[[Call], None] | None = None, st: Staging | None = None,
@@ -149,17 +133,18 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
                 header-only job that makes every peer raise the same message.
         """
         eng = self._engine
-        seq = eng.seq
-        eng.seq = seq + 1
         if error is not None:
             error = f"fcoll {name}: {eng.ch.describe(self._rank)}: {error}"
             if not isinstance(shape_of, torch.Tensor):
                 shape_of = None  # the header of an invalid call needs no dtype or shape
         dtype = header_dtype(dtype_name(shape_of.dtype), shape_of) if shape_of is not None else ""
         shape = tuple(shape_of.shape) if shape_of is not None else ()
-        payload = Header(seq, name, dtype, shape, reduce_op, root, extra, error).encode()
+
+        def encode(seq: int) -> bytes:
+            return Header(seq, name, dtype, shape, reduce_op, root, extra, error).encode()
+
         if error is not None:
-            eng.submit(Job(name, seq, payload, movement.barrier, None, None))
+            eng.submit(eng.job(name, encode, movement.barrier))
             raise ValueError(error)
         finish = st.finish if st is not None and st.needed() else None
         if post is not None:
@@ -168,8 +153,8 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         # in wait(); waking the worker would only make the two threads fight over the GIL.
         wake = (getattr(opts, "asyncOp", True) if opts is not None else True) or (
             self._coalescing is not None)
-        job = Job(name, seq, payload, run, finish, result)
-        if cuda_run is not None or isinstance(st, CudaStaging):
+        job = eng.job(name, encode, run, finish, result)
+        if cuda_run is not None or (st is not None and st.on_cuda):
             self._cuda_job(job, run, finish, st, cuda_run)
         if not wake and eng.run_inline(job):
             return FcollWork(eng, [job], name)
@@ -177,13 +162,6 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         if self._coalescing is not None:
             self._coalescing.append(job)
         return FcollWork(eng, [job], name)
-
-    # ---- all_reduce / reduce (fcoll.shm.group_reductions) ------------------------------------
-    allreduce = group_reductions.allreduce
-    allreduce_out_of_place = group_reductions.allreduce_out_of_place
-    reduce = group_reductions.reduce
-    allreduce_coalesced = group_reductions.allreduce_coalesced
-    allreduce_coalesced_out_of_place = group_reductions.allreduce_coalesced_out_of_place
 
     # ---- all_gather ---------------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
@@ -224,22 +202,12 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         """:meth:`allgather` under another name (``gather`` goes through it). Every output is
         checked, element by element, before anything is written."""
         n = self._size
-        err = _list_error("input_tensors", input_tensors, 1) or _list_error(
-            "output_tensors", output_tensors, 1)
-        if not err:
-            err = (_list_error("output_tensors", output_tensors[0], n)
-                   or check_tensor(input_tensors[0], "input_tensors[0]"))
+        err = checks.all_gather_list_error(output_tensors, input_tensors, n, self._rank)
         if err:
-            inp = input_tensors[0] if err and _is_seq(input_tensors) and input_tensors else None
-            return self._submit(name, inp, error=err)
+            return self._submit(name, checks.first(input_tensors), error=err)
         inp, outs = input_tensors[0], output_tensors[0]
         for i, o in enumerate(outs):
-            arg = f"output_tensors[{i}]"
-            err = (check_tensor(o, arg, True) or Staging.check_same_dtype(inp, o, arg)
-                   or (None if o.numel() == inp.numel() else
-                       f"{arg} has {o.numel()} elements, input_tensors[0] has {inp.numel()}")
-                   or check_no_overlap(inp, o, o if i == self._rank else None)
-                   or self._device_error([("input_tensors[0]", inp), (arg, o)]))
+            err = self._device_error([("input_tensors[0]", inp), (f"output_tensors[{i}]", o)])
             if err:
                 return self._submit(name, inp, error=err)
         st = Staging()
@@ -254,27 +222,20 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         return self._submit(name, inp, run=run, st=st, result=[list(outs)], opts=opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
-        err = _pairs_error("output_lists", output_lists, "input_list", input_list)
+        err = checks.pairs_error("output_lists", output_lists, "input_list", input_list)
         if err:
             return self._submit("all_gather", None, error=err)
         works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_list)]
         return works[-1] if works else self.barrier()
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
-        err = _pairs_error("outputs", outputs, "inputs", inputs)
+        err = checks.pairs_error("outputs", outputs, "inputs", inputs)
         if err:
             return self._submit("all_gather_into_tensor", None, error=err)
         works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
         return works[-1] if works else self.barrier()
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    # ---- reduce_scatter (fcoll.shm.group_reductions) -----------------------------------------
-    reduce_scatter_single = group_reductions.reduce_scatter_single
-    _reduce_scatter_base = reduce_scatter_single
-    reduce_scatter = group_reductions.reduce_scatter
-    reduce_scatter_single_coalesced = group_reductions.reduce_scatter_single_coalesced
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # ---- all_to_all ---------------------------------------------------------------------------
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
@@ -286,15 +247,13 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
                 return work
         name = "all_to_all_single"
         n = self._size
-        err = check_tensor(input, "input") or check_tensor(output, "output", True)
-        in_s = out_s = []
-        if not err:
-            in_s, out_s, err = Staging.check_splits(
-                input, output, list(input_split_sizes or []), list(output_split_sizes or []), n)
-        err = err or Staging.check_same_dtype(input, output) or check_no_overlap(
-            input, output) or self._device_error([("input", input), ("output", output)])
+        err = checks.all_to_all_single_error(output, input, output_split_sizes,
+                                             input_split_sizes, n) or self._device_error(
+            [("input", input), ("output", output)])
         if err:
             return self._submit(name, input, extra=None, error=err)
+        in_s, out_s, _ = Staging.check_splits(
+            input, output, list(input_split_sizes or []), list(output_split_sizes or []), n)
         row = math.prod(input.shape[1:]) * input.element_size()  # also with 0 rows
         if input.is_cuda and self._cuda_setup(name, input, extra=(in_s, out_s)) == "ipc":
             cg = self._cuda
@@ -326,17 +285,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         checked (one dtype for all) before anything moves."""
         n = self._size
         name = "all_to_all"
-        err = _list_error("input_tensors", input_tensors, n) or _list_error(
-            "output_tensors", output_tensors, n)
-        if not err:
-            named = [(f"input_tensors[{i}]", t, False) for i, t in enumerate(input_tensors)]
-            named += [(f"output_tensors[{i}]", t, True) for i, t in enumerate(output_tensors)]
-            err = check_tensors(named)
-            dt = input_tensors[0].dtype if not err else None
-            for arg, t, _ in named:
-                if not err and t.dtype != dt:
-                    err = (f"{arg} has dtype {str(t.dtype)[6:]} but input_tensors[0] has "
-                           f"{str(dt)[6:]}; one dtype for every tensor")
+        err = checks.all_to_all_error(output_tensors, input_tensors, n)
         if err:
             return self._submit(name, None, error=err)
         dt = input_tensors[0].dtype
@@ -365,13 +314,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
 
     def _broadcast(self, tensors, root: int, name: str = "broadcast", post=None,
                    result=None, opts=None) -> dist.Work:
-        err = None
-        if len(tensors) != 1:
-            err = f"tensors: expects 1 tensor, got {len(tensors)}"
-        elif not 0 <= root < self._size:
-            err = f"root (src) {root} is out of range for a group of size {self._size}"
-        else:
-            err = check_tensor(tensors[0], "tensor", True)
+        err = checks.broadcast_error(tensors, root, self._size)
         t = tensors[0] if len(tensors) == 1 and not err else None
         err = err or (self._device_error([("tensor", t)]) if t is not None else None)
         if err:
@@ -403,7 +346,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         self._engine.kick()
         return FcollWork(self._engine, jobs, "coalesced")
 
-    # ---- point-to-point (fcoll.shm.p2p: one inbox per rank, made at its first send/recv) ---
+    # ---- point-to-point (fcoll.shm.p2p.sendrecv: an inbox per rank, made at its first use) ---
     def send(self, tensors, dstRank, tag=0) -> dist.Work:  # noqa: N803  (c10d's names)
         """Send ``tensors[0]`` to group rank ``dstRank``; the Work completes once the bytes are
         in shared memory and the receiver accepted them (a mismatch raises ValueError on
@@ -433,7 +376,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         n = self._size
         name = "gather"
-        err = _list_error("input_tensors", input_tensors, 1)
+        err = checks.list_error("input_tensors", input_tensors, 1)
         err = err or check_tensor(input_tensors[0], "input_tensors[0]")
         if not err and not 0 <= root < n:
             err = f"root (dst) {root} is out of range for a group of size {n}"
@@ -450,22 +393,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         n = self._size
         name = "scatter"
-        err = _list_error("output_tensors", output_tensors, 1)
-        err = err or check_tensor(output_tensors[0], "output_tensors[0]", True)
-        if not err and not 0 <= root < n:
-            err = f"root (src) {root} is out of range for a group of size {n}"
-        if not err and self._rank == root:
-            out = output_tensors[0]
-            err = _list_error("input_tensors", input_lists, 1) or _list_error(
-                "input_tensors", input_lists[0], n)
-            for i, x in enumerate(input_lists[0] if not err else ()):
-                arg = f"input_tensors[{i}]"
-                err = (check_tensor(x, arg) or Staging.check_same_dtype(x, out)
-                       or (None if x.shape == out.shape else
-                           f"{arg} has shape {list(x.shape)}, output_tensors[0] has "
-                           f"{list(out.shape)}"))
-                if err:
-                    break
+        err = checks.scatter_error(output_tensors, input_lists, root, self._rank, n)
         if err:
             return self._submit(name, None, root=root, error=err)
         out = output_tensors[0]

@@ -2,14 +2,14 @@
 
 Memory. Each rank owns one *inbox* per group, created at its first send or receive: a sealed
 ``memfd`` that peers map through ``/proc/<pid>/fd``, with one ring of ``NCHUNKS`` slots and
-``ACKS`` ack records per source (:mod:`fcoll.shm.inbox`, which holds its layout). Nothing has a
+``ACKS`` ack records per source (:mod:`fcoll.shm.p2p.inbox`, which holds its layout). Nothing has a
 name in /dev/shm, so nothing can leak.
 
 Protocol. A message is one header (sequence number, tag, byte count, dtype, shape) and its
 bytes, cut in chunks that go round robin through the ring's ``NCHUNKS`` slots: the sender
 writes a chunk when ``head - tail < NCHUNKS``, then stores ``head`` (the store comes after the
-data; x86-64 keeps stores in order, as :mod:`fcoll.shm.sync` explains), the receiver copies it
-out and stores ``tail``. The receiver matches the header to its posted receives (MPI's
+data; x86-64 keeps stores in order, as :mod:`fcoll.shm.transport.sync` explains), the receiver
+copies it out and stores ``tail``. The receiver matches the header to its posted receives (MPI's
 non-overtaking rule: messages of one source and tag are received in the order sent, and a
 message goes to the earliest posted receive that accepts it, ``recv_anysource`` included) and
 writes an *ack* with its verdict: a send completes once its bytes are in the ring **and** the
@@ -32,7 +32,7 @@ pending operation with it within about 0.1-0.2 s, naming it; a timeout fails the
 make that peer unusable for later operations (a message may be half transferred).
 
 The operation records and the protocol's progress steps (rings, matching, acks) live in
-:mod:`fcoll.shm.p2p_protocol`, which ``P2P`` takes as a mixin; this module keeps the state,
+:mod:`fcoll.shm.p2p.protocol`, which ``P2P`` takes as a mixin; this module keeps the state,
 issuing, waiting and closing.
 """
 
@@ -50,11 +50,11 @@ import torch
 
 from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.engine import settle_future
-from fcoll.shm.inbox import (MAX_DIMS, PREFIX, W_DOOR, W_SLEEPERS, Inbox, Layout, chunk_bytes,
+from fcoll.shm.p2p.inbox import (MAX_DIMS, PREFIX, W_DOOR, W_SLEEPERS, Inbox, Layout, chunk_bytes,
                              create_inbox, open_inbox, segment_inode, show_message)
-from fcoll.shm.p2p_protocol import RingProtocol, _InMsg, _Op
-from fcoll.shm.segment import U32_BITS, W_PID, W_START_HI, W_START_LO, Segment, proc_alive
-from fcoll.shm.sync import PeerError, futex_wait, futex_wake
+from fcoll.shm.p2p.protocol import RingProtocol, InMessage, PendingOp
+from fcoll.shm.transport.segment import U32_BITS, W_PID, W_START_HI, W_START_LO, Segment, proc_alive
+from fcoll.shm.transport.sync import PeerError, futex_wait, futex_wake
 
 SPIN_S = 20e-6  # poll the doorbell this long before sleeping (as sync.SPIN_US)
 _TICK_S = 0.1  # longest sleep between liveness and timeout checks
@@ -86,14 +86,14 @@ class P2P(RingProtocol):
         self.fd = -1
         self.inboxes: dict[int, Inbox] = {rank: self._create()}
         self.me = self.inboxes[rank]
-        self.sends: dict[int, collections.deque[_Op]] = {}  # dst -> ops not fully written
-        self.unacked: dict[int, dict[int, _Op]] = {}  # dst -> seq -> op
+        self.sends: dict[int, collections.deque[PendingOp]] = {}  # dst -> ops not fully written
+        self.unacked: dict[int, dict[int, PendingOp]] = {}  # dst -> seq -> op
         self.next_seq: dict[int, int] = {}  # dst -> sequence number of its next message
         self.head: dict[int, int] = {}  # dst -> chunks this rank published to it
         self.tail: dict[int, int] = {}  # src -> chunks this rank consumed from it
         self.expect: dict[int, int] = {}  # src -> next message number
-        self.cur: dict[int, _InMsg] = {}  # src -> message being copied
-        self.posted: list[_Op] = []  # receives not matched yet, in post order
+        self.cur: dict[int, InMessage] = {}  # src -> message being copied
+        self.posted: list[PendingOp] = []  # receives not matched yet, in post order
         self.unexpected: list[tuple[int, int, int, tuple, torch.Tensor]] = []
         self.broken: dict[int, BaseException] = {}  # peer -> error that ended its channel
         self.pending = 0  # operations issued and not done
@@ -120,7 +120,7 @@ class P2P(RingProtocol):
 
         Raises:
             PeerError: ``p`` exited. RuntimeError: the file found fails
-                :func:`~fcoll.shm.inbox.check_fd`.
+                :func:`~fcoll.shm.p2p.inbox.check_fd`.
         """
         box = self.inboxes.get(p)
         if box is None:
@@ -174,7 +174,7 @@ class P2P(RingProtocol):
         t = tensors[0]
         if t.layout != torch.strided or t.dim() > MAX_DIMS:
             raise ValueError(f"{what}): needs a dense tensor of at most {MAX_DIMS} dims")
-        op = _Op(kind, peer, int(tag), t)
+        op = PendingOp(kind, peer, int(tag), t)
         if self.closed:
             op.finish(RuntimeError(f"{what}): the process group was destroyed"))
             return P2PWork(self, op)
@@ -197,7 +197,7 @@ class P2P(RingProtocol):
         return P2PWork(self, op)
 
     # ---- waiting ---------------------------------------------------------------------------
-    def wait(self, op: _Op, timeout_s: float | None) -> None:
+    def wait(self, op: PendingOp, timeout_s: float | None) -> None:
         """Drive progress until ``op`` is done; raise its error.
 
         Raises:
@@ -259,7 +259,7 @@ class P2P(RingProtocol):
     def _missing_inbox(self) -> bool:
         return any(d not in self.inboxes for d, q in self.sends.items() if q)
 
-    def _ops_with(self, peers: set[int]) -> list[_Op]:
+    def _ops_with(self, peers: set[int]) -> list[PendingOp]:
         ops = [o for d, q in self.sends.items() if d in peers for o in q]
         ops += [o for d, u in self.unacked.items() if d in peers for o in u.values()]
         ops += [o for o in self.posted if o.peer is None or o.peer in peers]
@@ -291,7 +291,7 @@ class P2P(RingProtocol):
                 f"fcoll p2p: {names} died (pid {', '.join(str(self.ident[p][0]) for p in sorted(dead))}) "
                 f"while {self.describe(self.rank)} had a send or receive pending with it"))
 
-    def _timeout(self, op: _Op, limit: float) -> None:
+    def _timeout(self, op: PendingOp, limit: float) -> None:
         peer = "any rank" if op.peer is None else self.describe(op.peer)
         verb = (f"send to {peer}" if op.kind == "send" else f"recv from {peer}")
         err = PeerError(f"fcoll p2p: {verb} (tag {op.tag}, {show_message(op.desc)}) timed out "
@@ -360,7 +360,7 @@ class P2PWork(torch.distributed.Work):
     """The ``Work`` of one send or receive; ``wait()`` drives the progress (see :class:`P2P`)
     and re-raises its error. ``_source_rank()`` is the group rank a receive came from."""
 
-    def __init__(self, p2p: P2P, op: _Op):
+    def __init__(self, p2p: P2P, op: PendingOp):
         super().__init__()
         self._p2p, self._op = p2p, op
 

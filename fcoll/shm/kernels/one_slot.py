@@ -1,11 +1,11 @@
 """One-phase, one-slot collectives with cached views: the kernels of the fast paths.
 
 A recurring small collective of one (op, dtype, shape) gets a plan once
-(:mod:`fcoll.shm.fast_paths`): its header without the sequence number, the header offsets of
+(:mod:`fcoll.shm.group.fast_paths`): its header without the sequence number, the header offsets of
 every slot, and tensor views of every slot laid out as the general algorithm of the same
-collective lays it out (:mod:`fcoll.shm.reductions`, :mod:`fcoll.shm.movement`). Each call
-then copies in, publishes its header, waits, compares the headers as bytes (decoding them only
-if they differ), and copies or reduces out, making no tensor views and running no Python loop
+collective lays it out (:mod:`fcoll.shm.kernels.reductions`, :mod:`fcoll.shm.kernels.movement`).
+Each call then copies in, publishes its header, waits, compares the headers as bytes (decoding them
+only if they differ), and copies or reduces out, making no tensor views and running no Python loop
 over ranks. Because the slot layout and phases are the general path's, a peer that takes the
 general path for the same collective (a non-contiguous input, say) interoperates.
 
@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from fcoll.ops.reduce import reduce_pair_inplace, reduce_rows
-from fcoll.shm import headers as hdr
-from fcoll.shm.movement import longest_segment_bytes, rounds_for
-from fcoll.shm.segment import NSLOTS
-from fcoll.shm.sync import Channel
+from fcoll.shm.transport import header_checks
+from fcoll.shm.transport import headers as hdr
+from fcoll.shm.kernels.movement import longest_segment_bytes, rounds_for
+from fcoll.shm.transport.segment import NSLOTS
+from fcoll.shm.transport.sync import Channel
 
 
 class OneSlotPlan:
@@ -92,8 +93,8 @@ def exchange(ch: Channel, plan: OneSlotPlan, slot: int, payload: bytes, what: st
     ch.wait_all(what, start)
     for off in plan.peer_hoffs[slot]:
         if not hdr.equals(buf, words, off, payload):
-            hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name, ch.describe,
-                      payload)
+            header_checks.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name,
+                                ch.describe, payload)
             break
 
 
@@ -102,7 +103,7 @@ def all_reduce_small(ch: Channel, plan: AllReducePlan, t: torch.Tensor, payload:
     """All_reduce of ``t`` (contiguous CPU, fits one slot) in place, in one phase: copy in,
     publish header and data together, wait, check headers, reduce straight from the slots into
     ``t`` (avg: truncated toward zero on integers, see :mod:`fcoll.ops.reduce`). Same protocol
-    as the one-chunk case of :func:`fcoll.shm.reductions.all_reduce`."""
+    as the one-chunk case of :func:`fcoll.shm.kernels.reductions.all_reduce`."""
     slot = ch.use % NSLOTS
     ch.use += 1
     mine, peer, rows, row_list = plan.views[slot]
@@ -114,11 +115,25 @@ def all_reduce_small(ch: Channel, plan: AllReducePlan, t: torch.Tensor, payload:
         reduce_rows(rows, plan.op, t, row_list)
 
 
+def all_reduce_small_into(ch: Channel, plan: AllReducePlan, src: torch.Tensor, dst: torch.Tensor,
+                          payload: bytes, what: str, start: float) -> None:
+    """:func:`all_reduce_small` out of place: ``src`` (any strides) reduced into ``dst`` (same
+    shape and dtype), every rank's row in rank order (``reduce_rows``, as the out-of-place
+    one-chunk case of :func:`fcoll.shm.kernels.reductions.all_reduce`), so the result is the
+    general path's, bit for bit. The direct path's synchronous all_reduce."""
+    slot = ch.use % NSLOTS
+    ch.use += 1
+    mine, _, rows, row_list = plan.views[slot]
+    mine.copy_(src)
+    exchange(ch, plan, slot, payload, what, start)
+    reduce_rows(rows, plan.op, dst, row_list)
+
+
 def all_gather_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: torch.Tensor,
                      payload: bytes, what: str, start: float) -> None:
     """One-slot all_gather ``src [*] -> dst [n * N, ...]`` in the packed layout of
-    :func:`fcoll.shm.movement.all_gather`: ``plan.views[slot] = (my part shaped like src, every
-    rank's part together shaped like dst)``; the copy out is one contiguous copy."""
+    :func:`fcoll.shm.kernels.movement.all_gather`: ``plan.views[slot] = (my part shaped like src,
+    every rank's part together shaped like dst)``; the copy out is one contiguous copy."""
     slot = ch.use % NSLOTS
     ch.use += 1
     mine, packed = plan.views[slot]
@@ -156,7 +171,7 @@ def reduce_scatter_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst:
 def broadcast_small(ch: Channel, plan: OneSlotPlan, buf: torch.Tensor, root: int,
                     payload: bytes, what: str, start: float) -> None:
     """One-slot broadcast of ``buf [*]`` from ``root``: ``plan.views[slot]`` is the slot's
-    region shaped like ``buf`` (the bytes :func:`fcoll.shm.movement.broadcast` uses)."""
+    region shaped like ``buf`` (the bytes :func:`fcoll.shm.kernels.movement.broadcast` uses)."""
     slot = ch.use % NSLOTS
     ch.use += 1
     region = plan.views[slot]
@@ -171,8 +186,8 @@ def all_to_all_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: tor
                      payload: bytes, what: str, start: float) -> None:
     """One-slot all_to_all with even splits; ``src``/``dst`` viewed ``[n, m]``;
     ``plan.views[slot] = (my n sub-slots [n, m], sub-slot r of every rank [n, m])``, the layout
-    of :func:`fcoll.shm.movement.all_to_all`. If a peer's header differs (a general-path peer
-    with other splits that still agree with ours), the rounds it needs are run too, with
+    of :func:`fcoll.shm.kernels.movement.all_to_all`. If a peer's header differs (a general-path
+    peer with other splits that still agree with ours), the rounds it needs are run too, with
     nothing to move here. With 2 ranks and large rows (``plan.split``) only the peer's row goes
     through shared memory and this rank's own row is copied straight from ``src`` to ``dst``
     (no rank reads its own sub-slot of a peer, so the layout is unchanged)."""
@@ -192,8 +207,8 @@ def all_to_all_small(ch: Channel, plan: OneSlotPlan, src: torch.Tensor, dst: tor
     rounds = 1
     for off in plan.peer_hoffs[slot]:
         if not hdr.equals(buf, ch.words, off, payload):
-            heads = hdr.check([hdr.read(buf, o) for o in plan.hoffs[slot]], plan.name,
-                              ch.describe, payload)
+            heads = header_checks.check([hdr.read(buf, o) for o in plan.hoffs[slot]],
+                                        plan.name, ch.describe, payload)
             row_bytes, sub = plan.extra
             rounds = rounds_for(longest_segment_bytes(heads, row_bytes), sub)
             break

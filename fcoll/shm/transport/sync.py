@@ -14,14 +14,12 @@ its peer needs:
 
 * **The spin is bounded in time, by about what a sleep costs**, not in iterations.
   ``spin_s`` defaults to :data:`SPIN_US` = 200 us (``FCOLL_SHM_SPIN_US`` overrides it; 0
-  never spins). Measured on the 2-core machine, 2 ranks: an all_reduce of 4 KiB in a loop takes
-  10-15 us per call when the peer is polled in and 75-180 us when every wait sleeps (a sleep is
-  a context switch out and back, about 20 us of CPU per call in a torch process, plus the
-  wake-up latency; the bare futex round trip of two small processes is 5.6 us), and a
-  pipelined 128 MiB one loses its cached 1 MiB slots at every sleep. Spinning longer than the
-  sleep it avoids can only lose (the competitive bound of spin-then-block); a shorter bound
-  sleeps where a spin would have won: in one run, quiet, a 50 us bound gave 86 us at 4 KiB
-  against 23 us with 200 us (the ranks' skew often exceeds 50 us), and the same under load.
+  never spins). A sleep is a context switch out and back plus the wake-up latency, and a
+  pipelined collective loses its cached slots at every sleep, so a small collective whose
+  peer is polled in is several times faster than one whose every wait sleeps. Spinning
+  longer than the sleep it avoids can only lose (the competitive bound of spin-then-block); a
+  shorter bound sleeps where a spin would have won (the ranks' skew is often tens of
+  microseconds; figures in docs/design.md, "Waiting").
 * **Adaptive**: a spin that ran out (the peer was slow, descheduled, or on the same core: after
   a few futex wake-ups the scheduler often puts both ranks on one core, where a spin can never
   succeed) makes the next waits of this channel sleep at once: 1, then 3, 7, ... up to 63 waits
@@ -33,12 +31,10 @@ its peer needs:
   the worker runs a collective the caller's thread is computing and needs the core and the
   GIL), nor when the group has more ranks than this process has cores.
 
-Measured before this design (2 ranks, 2 cores, all_reduce 4 KiB, two busy background
-processes): 2000 polls with a ``sched_yield`` every 8 took 1.4-1.6 ms per call (slower than
-gloo's 0.4-2.5 ms), the same polls without the yields 0.46 ms, no spin at all 0.09 ms: a yield
-hands the rest of the time slice (milliseconds) to a busy process, and a spin while the peer is
-descheduled burns the time the peer needs (when the two share a core, the spinner holds the
-very core its peer waits for).
+A yield hands the rest of the time slice (milliseconds) to a busy process, and a spin while the
+peer is descheduled burns the time the peer needs (when the two share a core, the spinner holds
+the very core its peer waits for): with busy background processes, yielding polls were slower
+than gloo and slower than not spinning at all.
 
 No lost wake-ups. A waiter raises its sleep flag in the counter owner's control record, then
 calls ``FUTEX_WAIT(expected=value it read)``; the owner stores its counter, then a full memory
@@ -48,10 +44,10 @@ pattern: the owner's barrier orders its counter store before its flag load, and 
 ``FUTEX_WAIT`` orders the waiter's flag store before the kernel's re-read of the counter (the
 ``smp_mb()`` "(A)" of ``kernel/futex/waitwake.c``); so either the owner sees the flag and wakes,
 or the kernel sees the new counter and does not sleep. x86-64 does reorder a store with a later
-load of another address: a store-buffering test between two Python processes saw both stale
-reads in 1.6 % of rounds without the barrier, none in 200,000 with it. Python has no fence
-operator; a successful acquire of an uncontended ``threading.Lock`` is an atomic
-read-modify-write (a ``lock``-prefixed instruction on x86-64, a full barrier), about 0.1 us.
+load of another address (a store-buffering litmus test between two processes shows it without
+the barrier). Python has no fence operator; a successful acquire of an uncontended
+``threading.Lock`` is an atomic read-modify-write (a ``lock``-prefixed instruction on x86-64, a
+full barrier).
 
 Fencing: a rank that gives up a collective (timeout, dead peer, error, destroyed group) stores
 the collective's sequence number, op, reason and the rank it blames in its control record
@@ -77,9 +73,10 @@ import os
 import threading
 import time
 
-from fcoll.shm.segment import (MAX_SLEEP_FLAGS, U32_BITS, U32_MASK, W_ARRIVE, W_CPU,
-                                W_GAVE_UP, W_GAVE_UP_WHY, W_PID, W_SLEEP, W_START_HI,
-                                W_START_LO, Segment, proc_alive)
+from fcoll.shm.transport.op_codes import op_code, op_of_code
+from fcoll.shm.transport.segment import (MAX_SLEEP_FLAGS, U32_BITS, U32_MASK, W_ARRIVE, W_CPU,
+                                         W_GAVE_UP, W_GAVE_UP_WHY, W_PID, W_SLEEP, W_START_HI,
+                                         W_START_LO, Segment, proc_alive)
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT = 0
@@ -119,11 +116,6 @@ _WHY = {GAVE_UP_ERROR: "it failed with an unexpected error", GAVE_UP_TIMEOUT: "i
         GAVE_UP_DESTROYED: "its process group was destroyed"}
 _WHY_PEER = {GAVE_UP_TIMEOUT: "it timed out waiting for {}", GAVE_UP_PEER_DIED: "{} died",
              GAVE_UP_PEER_GAVE_UP: "{} gave up first"}
-#: Collectives named in a fence (the second byte of W_GAVE_UP_WHY: index + 1; 0 = not listed).
-FENCE_OPS = ("all_reduce", "reduce", "all_reduce_coalesced", "all_gather_into_tensor",
-             "all_gather", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single",
-             "all_to_all", "broadcast", "scatter", "gather", "barrier")
-_FENCE_OP_CODE = {name: i + 1 for i, name in enumerate(FENCE_OPS)}
 
 
 class PeerError(RuntimeError):
@@ -192,8 +184,7 @@ def spin_bound_s(world: int) -> float:
 
     ``FCOLL_SHM_SPIN_US`` (microseconds) or :data:`SPIN_US`; 0 when the group has more ranks
     than this process may use cores (ranks then share cores, and a spinning rank always takes
-    one from a peer: measured at 4 ranks on 2 cores, 4 KiB all_reduce, 295 us without spinning
-    against 370-435 us polling).
+    one from a peer).
     """
     try:
         cores = len(os.sched_getaffinity(0))
@@ -309,10 +300,10 @@ class Channel:
         ``spin_iters + transfer_s`` seconds in all (none in the ``skip`` waits after a spin ran
         out, none when ``spin_iters`` is 0), then sleep.
 
-        The ``transfer_s`` part: at 1 MiB a rank arrives up to a copy-in and a reduction
-        (about 175 us on the quiet 2-core machine) after its peer, so a fixed 200 us bound ran
-        out now and then, and every run-out put the next 1-63 waits to sleep (each a wake-up
-        of the sleeper and cold caches for its next copy). It applies only while the
+        The ``transfer_s`` part: a rank may arrive a copy-in and a reduction after its peer,
+        which at 1 MiB is close to the plain bound, so the plain bound ran out now and then,
+        and every run-out put the next 1-63 waits to sleep (each a wake-up of the sleeper and
+        cold caches for its next copy). It applies only while the
         channel's spins succeed (``backoff`` 0): after a run-out, as on an oversubscribed
         machine where the peer is often descheduled, the probes spin the plain bound.
 
@@ -373,10 +364,8 @@ class Channel:
         Two ranks on one CPU can never meet by spinning, so every wait of both sleeps and
         every collective pays a wake-up and a context switch per rank; the scheduler keeps
         them there (a woken rank is placed where its waker ran, and with one of them always
-        asleep no CPU looks overloaded to the load balancer). Measured on the 2-core machine,
-        2 ranks, all_reduce 4 KiB in a loop: runs whose ranks were on one CPU for every call
-        took 70-97 us per call with every wait asleep, runs on two CPUs 16-22 us spinning
-        (5 runs each, in one session at load 2.3-2.9). The move sets this thread's affinity
+        asleep no CPU looks overloaded to the load balancer): a small all_reduce then costs
+        several times what it costs on two CPUs. The move sets this thread's affinity
         to the other allowed CPUs (the kernel migrates it at once) and then restores the
         mask it had, so the process's affinity is unchanged and the scheduler stays free to
         place it later.
@@ -386,22 +375,8 @@ class Channel:
         one busy process per CPU a rank that moves shares a CPU with one of them and the two
         ranks meet by spinning whenever both run, but with several per CPU it gets a small
         share of its new CPU, and one CPU's direct hand-off between the sleeping ranks does
-        better. Measured on the 2-core machine, 2 ranks, all_to_all / broadcast / all_reduce
-        at 4-64 KiB, each cell 15 x 20 calls interleaved with gloo's (``fcoll``'s waits
-        alternate with gloo's blocking reads, as in ``benchmarks/collectives.py``), mean per
-        cell over 27 cells (ranges over 2-3 runs):
-
-        ========================  ========  =========  =========
-        busy processes             2         4          8
-        ========================  ========  =========  =========
-        idle CPU only (1/CPU)     23-33 us  33-48 us   46-55 us
-        at most 3 tasks per CPU   17-22 us  29-34 us   51-58 us
-        always                    17-21 us  26-40 us   103-124 us
-        ========================  ========  =========  =========
-
-        (and at load 12-14, both ranks started on one CPU, 4 runs of 4 x 2000 calls: 72-300 us
-        per call staying, 153-350 us moving). Each rank publishes its CPU (``W_CPU``, 1 + cpu)
-        whenever a spin ran out or it goes to sleep; a channel moves at most every
+        better (figures: docs/design.md, "Waiting"). Each rank publishes its CPU (``W_CPU``,
+        1 + cpu) whenever a spin ran out or it goes to sleep; a channel moves at most every
         :data:`SPREAD_INTERVAL_S`.
         """
         words = self.words
@@ -447,7 +422,7 @@ class Channel:
         if words[mine]:
             return
         words[self.seg.layout.word(self.rank, W_GAVE_UP_WHY)] = (
-            (reason & 0xFF) | (_FENCE_OP_CODE.get(op, 0) << 8)
+            (reason & 0xFF) | (op_code(op) << 8)
             | (((peer + 1) & 0xFFFF) << 16))
         words[mine] = ((seq + 1) & U32_MASK) or 1
         lock = self._fence_lock
@@ -464,7 +439,7 @@ class Channel:
             return None
         why = self.words[lay.word(p, W_GAVE_UP_WHY)]
         code = (why >> 8) & 0xFF
-        op = FENCE_OPS[code - 1] if 0 < code <= len(FENCE_OPS) else "a collective"
+        op = op_of_code(code) or "a collective"
         return (mark - 1) & U32_MASK, op, why & 0xFF, (why >> 16) - 1
 
     def _check_fences(self, what: str) -> None:

@@ -1,19 +1,19 @@
-"""``CudaSubmission``: the CUDA half of :class:`~fcoll.shm.process_group.FcollProcessGroup`.
+"""``CudaSubmission``: the CUDA half of :class:`~fcoll.shm.group.process_group.FcollProcessGroup`.
 
 A mixin of the group's private helpers for CUDA tensors: the device check, the choice of the
-group's CUDA path at its first CUDA collective (``_cuda_setup``), staging (``_staging``), the
+group's CUDA path at its first CUDA collective (``_cuda_setup``), the
 CUDA part of ``_submit`` (``_cuda_job``: the event a ``Work`` makes the caller's stream wait
 on), IPC submission on the side stream (``_submit_ipc``, with the allocator-safety rule of
-:mod:`fcoll.shm.cuda`), the contiguous views an IPC kernel reads and writes (``_dense``,
+:mod:`fcoll.shm.cuda.paths`), the contiguous views an IPC kernel reads and writes (``_dense``,
 ``_dense_out``, ``_write_back``) and the IPC bodies of all_reduce / reduce and
 all_reduce_coalesced.
 
 It is separate from ``process_group.py`` so that the CUDA paths (which path, stream order,
-allocator safety) read in one place, next to :mod:`fcoll.shm.cuda`, while the process group
+allocator safety) read in one place, next to :mod:`fcoll.shm.cuda.paths`, while the process group
 keeps each collective's argument checks and CPU submission. Only underscore helpers live here:
 they are called from the group's entry points, which
 :func:`fcoll.compat.run_eagerly_under_dynamo` already runs eagerly. The host class provides
-``_rank``, ``_cuda`` (a :class:`~fcoll.shm.cuda.CudaGroup`) and ``_submit``.
+``_rank``, ``_cuda`` (a :class:`~fcoll.shm.cuda.paths.CudaGroup`) and ``_submit``.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fcoll.shm.cuda import CudaStaging, IpcBuffers, device_error
+from fcoll.shm.cuda.paths import IpcBuffers, device_error
 from fcoll.shm.engine import Job
-from fcoll.shm.headers import NO_ROOT
-from fcoll.shm.phases import Call
-from fcoll.shm.validate import Staging
+from fcoll.shm.transport.headers import NO_ROOT
+from fcoll.shm.transport.phases import Call
+from fcoll.shm.group.validate import Staging
 
 
 class CudaSubmission:
-    """Mixin: :class:`~fcoll.shm.process_group.FcollProcessGroup`'s CUDA submission helpers."""
+    """Mixin: :class:`~fcoll.shm.group.process_group.FcollProcessGroup`'s CUDA submission
+    helpers."""
 
     def _device_error(self, tensors: list[tuple[str, torch.Tensor]]) -> str | None:
         """Mixed CPU/CUDA tensors, or a CUDA tensor off this rank's device (None if fine)."""
@@ -57,16 +58,13 @@ class CudaSubmission:
             self._submit(name, t, run=cg.setup, **header).wait()
         return cg.path
 
-    def _staging(self, t: torch.Tensor) -> Staging:
-        return CudaStaging(self._cuda) if t.is_cuda else Staging()
-
     def _submit_ipc(self, name: str, shape_of: torch.Tensor,
                     body: Callable[[Call, IpcBuffers], None], keep: list[torch.Tensor],
                     result: Any, opts: Any = None, **header: Any) -> dist.Work:
         """Queue an IPC-path collective: ``body`` runs on the side stream after an event
         recorded now on the caller's current stream. ``keep`` (the user's tensors and
         temporaries) are marked used on the side stream; the job holds them until its
-        kernels are enqueued (allocator safety, see :mod:`fcoll.shm.cuda`)."""
+        kernels are enqueued (allocator safety, see :mod:`fcoll.shm.cuda.paths`)."""
         cg = self._cuda
         issued = torch.cuda.Event()
         issued.record(torch.cuda.current_stream(cg.device))
@@ -151,7 +149,7 @@ class CudaSubmission:
                                 reduce_op=op, root=root)
 
     def _ipc_coalesced(self, inputs, outputs, op: str, sig: tuple, opts) -> dist.Work:
-        """``_coalesced`` (:mod:`fcoll.shm.group_reductions`) on the IPC path (validated; see
+        """``_coalesced`` (:mod:`fcoll.shm.group.reducing`) on the IPC path (validated; see
         :meth:`CudaGroup.all_reduce_coalesced`)."""
         cg = self._cuda
         pairs, back, keep = [], [], []

@@ -99,8 +99,11 @@ class Staging:
 
     A tensor that already is contiguous on the CPU is used in place (no copy). Others (CUDA,
     non-contiguous) get a contiguous host copy; ``finish()`` (run by the worker after the data
-    moved) copies the results back into the user's tensors.
+    moved) copies the results back into the user's tensors. ``on_cuda``: a CUDA subclass
+    (its job records an event for the caller's stream).
     """
+
+    on_cuda = False
 
     def __init__(self) -> None:
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -143,21 +146,6 @@ class Staging:
     def finish(self) -> None:
         for t, tmp in self._back:
             t.copy_(tmp)
-
-    @staticmethod
-    def check_output(t: torch.Tensor, arg: str) -> str | None:
-        if not isinstance(t, torch.Tensor):
-            return f"{arg} must be a tensor, got {type(t).__name__}"
-        if t.is_contiguous() and t.layout == torch.strided and not t.is_cuda:
-            return None  # the common case; a contiguous tensor has no internal overlap
-        if t.device.type not in ("cpu", "cuda"):
-            return f"{arg} is on device {t.device}; fcoll supports cpu and cuda tensors"
-        if t.layout != torch.strided:
-            return f"{arg} has layout {t.layout}; only strided (dense) tensors are supported"
-        if torch._debug_has_internal_overlap(t) == 1:
-            return f"{arg} has overlapping memory (an expanded or broadcast view, " \
-                   f"strides {t.stride()}); pass a tensor where every element has its own storage"
-        return None
 
     @staticmethod
     def check_same_dtype(inp: torch.Tensor, out: torch.Tensor, what: str = "output") -> str | None:

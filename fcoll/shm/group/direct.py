@@ -13,15 +13,15 @@ allocates the output, takes a sequence number and either
 - runs at once on the caller's thread through the one-slot kernel
   (:meth:`Engine.run_now`) when the executor says its wait comes right after it
   (``sync=True``: nothing could overlap it), the tensor fits one slot and nothing is queued; or
-- queues a :class:`Job` running :func:`fcoll.shm.reductions.all_reduce` on the group's worker
-  (as the c10d path does for an async call) and keeps it for :meth:`DirectAllReduce.wait`.
+- queues a :class:`Job` running :func:`fcoll.shm.kernels.reductions.all_reduce` on the group's
+  worker (as the c10d path does for an async call) and keeps it for :meth:`DirectAllReduce.wait`.
 
 Both produce the same headers, slot layout and phases as the process group's own paths, so a
 peer on the c10d path interoperates (and compares headers with this one), and the result is the
 same, bit for bit (the same reduction kernels). Failures are the engine's: a cross-rank
-mismatch (:class:`~fcoll.shm.headers.CollectiveMismatchError`) raised on every rank with the
-group still usable, a dead peer or a timeout (:class:`~fcoll.shm.sync.PeerError`) after which
-the group is broken, each raised by the call (sync) or its wait (async).
+mismatch (:class:`~fcoll.shm.transport.headers.CollectiveMismatchError`) raised on every rank with
+the group still usable, a dead peer or a timeout (:class:`~fcoll.shm.transport.sync.PeerError`)
+after which the group is broken, each raised by the call (sync) or its wait (async).
 
 Call-site tag: the header's ``extra`` carries ``tag`` (``"site <digest>#<index>"``: the digest
 of the graph's collective sequence on the group and the call's index in it), so two ranks that
@@ -41,17 +41,10 @@ from typing import Any
 import torch
 import torch.autograd.profiler as _profiler
 
-from fcoll.ops.reduce import (
-    DIST_REDUCE_OPS,
-    check_reduce_op,
-    divide_for_avg,
-    reduce_op_name,
-    reduce_rows,
-)
-from fcoll.shm import movement, one_slot, reductions
+from fcoll.ops.reduce import DIST_REDUCE_OPS, backend_reduce_op, check_reduce_op, divide_for_avg
+from fcoll.shm.kernels import movement, one_slot, reductions
 from fcoll.shm.engine import Job
-from fcoll.shm.headers import NO_ROOT, Header, dtype_name
-from fcoll.shm.segment import NSLOTS
+from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name
 
 __all__ = ["DirectAllReduce", "DirectAllGather", "DirectReduceScatter", "direct_group",
            "wire_reduce_op"]
@@ -60,28 +53,20 @@ __all__ = ["DirectAllReduce", "DirectAllGather", "DirectReduceScatter", "direct_
 def direct_group(pg: Any) -> Any | None:
     """``pg`` if the direct path can use it (fcoll's process group of 2 ranks or more, alive),
     else None (gloo, nccl, fake, a group of one rank: the c10d path serves them)."""
-    from fcoll.shm.process_group import FcollProcessGroup
+    from fcoll.shm.group.process_group import FcollProcessGroup
 
     if not isinstance(pg, FcollProcessGroup) or pg.size() < 2:
         return None
-    return pg if getattr(pg, "_engine", None) is not None else None
+    return pg if pg.engine is not None else None
 
 
 def wire_reduce_op(reduce_op: str, dtype: torch.dtype) -> tuple[str, bool]:
     """The reduce op fcoll's backend runs for the functional op's ``reduce_op`` on ``dtype``,
-    and whether ``avg`` is finished by a division afterwards.
-
-    The same mapping as the c10d path (``fcoll.ops.library``): on bool, sum/max/bor are MAX and
-    product/min/band are MIN; integer ``avg`` is a ``sum`` divided (truncating) afterwards;
-    floating ``avg`` is the backend's own.
+    and whether ``avg`` is finished by a division afterwards: the c10d path's mapping
+    (:func:`fcoll.ops.reduce.backend_reduce_op`; fcoll's backend averages floating dtypes
+    itself, integer ``avg`` is a ``sum`` divided, truncating, afterwards).
     """
-    if reduce_op == "avg" and not dtype.is_floating_point:
-        return "sum", True
-    if dtype == torch.bool and reduce_op in ("sum", "max", "bor"):
-        return "max", False
-    if dtype == torch.bool and reduce_op in ("product", "min", "band"):
-        return "min", False
-    return reduce_op_name(DIST_REDUCE_OPS[reduce_op]), False
+    return backend_reduce_op(reduce_op, dtype, dtype.is_floating_point)
 
 
 class _DirectCall:
@@ -121,7 +106,7 @@ class _DirectCall:
                                  f"{why}")
             self.op, self.avg_div = wire_reduce_op(reduce_op, dtype)
         self.name = op_name
-        self.engine = pg._engine
+        self.engine = pg.engine
         self.dtype, self.shape, self.size = dtype, tuple(shape), pg.size()
         self.tail = Header(0, op_name, dtype_name(dtype), self.shape, self.op, NO_ROOT,
                            tag).tail()
@@ -142,14 +127,12 @@ class _DirectCall:
                              f"{self.shape} {self.dtype} on cpu")
         return input.detach() if input.requires_grad else input
 
-    def _submit(self, run: Any, out: torch.Tensor) -> torch.Tensor:
-        """Queue ``run`` (an algorithm of :mod:`fcoll.shm.reductions` / ``movement`` bound to
-        its tensors) as the next collective of the group; sync: complete it here."""
+    def _issue(self, run: Any, out: torch.Tensor) -> torch.Tensor:
+        """Queue ``run`` (an algorithm of :mod:`fcoll.shm.kernels.reductions` / ``movement`` bound
+        to its tensors) as the group's next collective (:meth:`Engine.job`, the process group's
+        way); sync: complete it here."""
         eng = self.engine
-        seq = eng.seq
-        eng.seq = seq + 1
-        job = Job(self.name, seq, self.tail.encode(seq), run, None, None)
-        eng.submit(job, wake=not self.sync)
+        job = eng.submit(eng.job(self.name, self.tail.encode, run), wake=not self.sync)
         self.job = job
         if self.sync:
             self.wait(out)
@@ -214,7 +197,7 @@ class DirectAllReduce(_DirectCall):
         out = torch.empty(self.shape, dtype=self.dtype)
         plan = self.plan
         if plan is not None:
-            done = self.engine.run_now(plan, _all_reduce_small_into, (input, out))
+            done = self.engine.run_now(plan, one_slot.all_reduce_small_into, (input, out))
             if done is not False:
                 if done is not True:
                     raise done
@@ -224,15 +207,15 @@ class DirectAllReduce(_DirectCall):
         # async, larger than a slot, or the engine is busy: a job behind the earlier ones
         src = input if input.is_contiguous() else input.contiguous()
         flat_in, flat_out, op = src.view(-1), out.view(-1), self.op
-        return self._submit(lambda c: reductions.all_reduce(c, flat_in, flat_out, op), out)
+        return self._issue(lambda c: reductions.all_reduce(c, flat_in, flat_out, op), out)
 
 
 class DirectAllGather(_DirectCall):
     """One compiled call site of ``fcoll.all_gather_into_tensor(input, n, group)``.
 
     Shapes: ``input [N, *] -> output [n * N, *]`` (rank p's input at rows ``p*N..``), any
-    dtype, CPU; the algorithm is :func:`fcoll.shm.movement.all_gather` (the process group's).
-    Arguments and errors: :class:`_DirectCall` (``shape`` has at least one dim).
+    dtype, CPU; the algorithm is :func:`fcoll.shm.kernels.movement.all_gather` (the process
+    group's). Arguments and errors: :class:`_DirectCall` (``shape`` has at least one dim).
     """
 
     __name__ = "fcoll_direct_all_gather_into_tensor"
@@ -252,15 +235,15 @@ class DirectAllGather(_DirectCall):
         out = torch.empty(self.out_shape, dtype=self.dtype)
         src = (input if input.is_contiguous() else input.contiguous()).view(-1).view(torch.uint8)
         dst = out.view(-1).view(torch.uint8).view(self.size, src.numel())
-        return self._submit(lambda c: movement.all_gather(c, src, dst), out)
+        return self._issue(lambda c: movement.all_gather(c, src, dst), out)
 
 
 class DirectReduceScatter(_DirectCall):
     """One compiled call site of ``fcoll.reduce_scatter_tensor(input, reduce_op, n, group)``.
 
     Shapes: ``input [n * N, *] -> output [N, *]`` (rank p gets rows ``p*N..`` reduced), dtype
-    ``dtype``, CPU; the algorithm is :func:`fcoll.shm.reductions.reduce_scatter`. Arguments and
-    errors: :class:`_DirectCall` (``shape[0]`` a multiple of the group size).
+    ``dtype``, CPU; the algorithm is :func:`fcoll.shm.kernels.reductions.reduce_scatter`. Arguments
+    and errors: :class:`_DirectCall` (``shape[0]`` a multiple of the group size).
     """
 
     __name__ = "fcoll_direct_reduce_scatter_tensor"
@@ -282,22 +265,7 @@ class DirectReduceScatter(_DirectCall):
         out = torch.empty(self.out_shape, dtype=self.dtype)
         src = (input if input.is_contiguous() else input.contiguous()).view(self.size, -1)
         dst, op = out.view(-1), self.op
-        return self._submit(lambda c: reductions.reduce_scatter(c, src, dst, op), out)
-
-
-def _all_reduce_small_into(ch: Any, plan: one_slot.AllReducePlan, src: torch.Tensor,
-                           dst: torch.Tensor, payload: bytes, what: str, start: float) -> None:
-    """One-slot all_reduce of ``src`` into ``dst`` (same shape, dtype; ``src`` any strides), a
-    kernel for :meth:`Engine.run_now`: copy in, exchange and check headers, reduce every rank's
-    row into ``dst``. The slot layout and phase of :func:`fcoll.shm.one_slot.all_reduce_small`,
-    and the reduction of :func:`fcoll.shm.reductions.all_reduce`'s out-of-place one-chunk case
-    (``reduce_rows``), so the result is the c10d path's, bit for bit."""
-    slot = ch.use % NSLOTS
-    ch.use += 1
-    mine, _, rows, row_list = plan.views[slot]
-    mine.copy_(src)
-    one_slot.exchange(ch, plan, slot, payload, what, start)
-    reduce_rows(rows, plan.op, dst, row_list)
+        return self._issue(lambda c: reductions.reduce_scatter(c, src, dst, op), out)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -1,5 +1,5 @@
-"""gloo between hosts, for :mod:`fcoll.shm.hierarchical`: byte views, reductions gloo lacks,
-the argument check across the link, and the pieces composed ops are pipelined in.
+"""gloo between hosts, for :mod:`fcoll.shm.multihost.hierarchical`: byte views, reductions gloo
+lacks, the argument check across the link, and the pieces composed ops are pipelined in.
 
 gloo takes only some dtypes (no int16, no complex products, ...) and checks nothing across
 ranks (mismatched shapes abort the process: NOTES, "gloo under faults"). So data crosses hosts
@@ -21,7 +21,6 @@ from fcoll.ops.reduce import DIST_REDUCE_OPS, logical_op, reduce_rows_into
 __all__ = [
     "MAX_CHUNKS",
     "MAX_MESSAGE_BYTES",
-    "OP_CODES",
     "PIPELINE_CHUNK_BYTES",
     "REDUCE_CODES",
     "SIGNATURE",
@@ -59,9 +58,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
-OP_CODES = {name: i + 1 for i, name in enumerate(
-    ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce",
-     "gather", "scatter"))}
 CODED_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
            torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
            torch.complex128]
@@ -185,11 +181,8 @@ def gloo_all_reduce_start(group: dist.ProcessGroup, x: torch.Tensor,
 
 
 #: Composed ops move their data in pieces of about this many bytes, so that one piece's
-#: intra-host step overlaps another's inter-host step (measured at 1 gbit, 16 MiB all_gather:
-#: the unpipelined intra all_gather and reordering copy added 60 % to the link time). 1, 2, 4
-#: and 8 MiB pieces measured alike (2 x 2 ranks, alternating, load 10-12; 1 gbit all_reduce
-#: 16 MiB 157-165 ms against 134 ms link-bound, 64 MiB 586-592 ms against 537 ms; at 10 gbit
-#: the CPU, not the piece size, decides).
+#: intra-host step overlaps another's inter-host step (unpipelined, the intra-host steps add
+#: to the link time); piece sizes of 1 to 8 MiB perform alike.
 PIPELINE_CHUNK_BYTES = 4 << 20
 MAX_CHUNKS = 16
 

@@ -7,20 +7,21 @@ peers (its copy overlaps theirs). That is safe: the slot's previous use is ``u -
 finished reading it before it arrived at a phase of use ``u - 1``, which this rank has waited
 for.
 
-The first phase of every collective also carries the header (:mod:`fcoll.shm.headers`); headers
-are checked on every rank before anything is written to an output, so an invalid or mismatched
-call raises everywhere and moves no data.
+The first phase of every collective also carries the header (:mod:`fcoll.shm.transport.headers`);
+headers are checked on every rank before anything is written to an output, so an invalid or
+mismatched call raises everywhere and moves no data.
 
-The algorithms: :mod:`fcoll.shm.reductions` (all_reduce, coalesced all_reduce, reduce_scatter),
-:mod:`fcoll.shm.movement` (all_gather, broadcast, all_to_all, barrier) and
-:mod:`fcoll.shm.one_slot` (one-phase forms of those, with cached views, for the fast paths).
+The algorithms: :mod:`fcoll.shm.kernels.reductions` (all_reduce, coalesced all_reduce,
+reduce_scatter), :mod:`fcoll.shm.kernels.movement` (all_gather, broadcast, all_to_all, barrier) and
+:mod:`fcoll.shm.kernels.one_slot` (one-phase forms of those, with cached views, for the fast paths).
 """
 
 from __future__ import annotations
 
-from fcoll.shm import headers as hdr
-from fcoll.shm.segment import NSLOTS
-from fcoll.shm.sync import TRANSFER_BYTES_PER_S, Channel
+from fcoll.shm.transport import header_checks
+from fcoll.shm.transport import headers as hdr
+from fcoll.shm.transport.segment import NSLOTS
+from fcoll.shm.transport.sync import TRANSFER_BYTES_PER_S, Channel
 
 SLICE_ALIGN_ELEMS = 16  # 16-element aligned slices keep vector loads aligned
 
@@ -74,7 +75,7 @@ class Call:
         lay = ch.seg.layout
         heads = [hdr.read(ch.seg.buf, lay.header(slot, p)) for p in range(ch.world)]
         try:
-            return hdr.check(heads, self.name, ch.describe, self.payload)
+            return header_checks.check(heads, self.name, ch.describe, self.payload)
         except hdr.CollectiveMismatchError:
             ch.use = self.first_use + 1
             raise

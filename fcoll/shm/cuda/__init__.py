@@ -1,0 +1,1 @@
+"""CUDA tensors on fcoll groups: the staged and IPC paths and their submission."""

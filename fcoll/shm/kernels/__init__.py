@@ -1,0 +1,1 @@
+"""The algorithms over slots: reducing collectives, data movement, one-phase kernels."""

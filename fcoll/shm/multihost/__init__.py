@@ -1,0 +1,1 @@
+"""Groups across hosts: shared memory inside each host, gloo between hosts."""

@@ -1,0 +1,1 @@
+"""Point-to-point: per-rank inboxes and the send/recv protocol."""

@@ -1,0 +1,2 @@
+"""The shared-memory transport every collective runs on: the segment, arrival counters and waits,
+headers, and the slot and phase protocol."""
