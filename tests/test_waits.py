@@ -335,6 +335,41 @@ def test_after_a_spin_runs_out_the_next_waits_sleep_at_once():
     assert stats["spin_failed"] >= 3 and stats["slept"] >= 48, stats
 
 
+def _backed_off_then_fast_peer(seg, rank, world, spin_s, phases):
+    """Rank 0 starts deep in the backoff (its next 31 waits would sleep at once, as after a
+    run of slow phases); rank 1 arrives about 100 us late (busy, not asleep) every phase.
+    Each rank runs on a CPU of its own (rank r on the r-th allowed CPU), so the ranks never
+    take turns on one CPU (where a fast wake-up proves nothing, see
+    :meth:`Channel._woke_fast`) whatever the machine's load makes the scheduler do. Returns
+    rank 0's wait counters."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
+    ch = Channel(seg, rank, world, 30.0, [0, 1], spin_s=spin_s)
+    ch.spin_iters = ch.spin_sync
+    if rank == 0:
+        ch.backoff = ch.skip = 31
+    for _ in range(phases):
+        if rank == 1:
+            end = time.perf_counter() + 100e-6
+            while time.perf_counter() < end:
+                pass
+        ch.arrive()
+        ch.wait_all("x", time.monotonic())
+    return dict(ch.stats)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable CPUs")
+def test_once_the_peer_is_fast_again_one_sleep_ends_the_backoff():
+    """31 waits left to sleep at once, and a peer that is fast again: the first of those
+    sleeps ends within the spin bound and from the next wait on rank 0 spins again: one
+    wake-up, not a chain of 31. (The bound is 5 ms so that a loaded machine's wake-up latency
+    still counts as fast; a rare run-out under load may add a sleep or two.)"""
+    stats = _run_forked(_backed_off_then_fast_peer, 2, timeout_s=90, args=(5e-3, 40))[0]
+    assert stats["woke_fast"] >= 1, stats
+    assert stats["slept"] <= 3 + 2 * stats["spin_failed"], stats
+    assert stats["spun"] >= 30, stats
+
+
 @pytest.mark.timeout(60)
 def test_a_prompt_peer_is_polled_in_without_sleeping():
     stats = _run_forked(_slow_peer, 2, timeout_s=30, args=(0.2, 200, 0.0))[0]

@@ -23,7 +23,10 @@ its peer needs:
 * **Adaptive**: a spin that ran out (the peer was slow, descheduled, or on the same core: after
   a few futex wake-ups the scheduler often puts both ranks on one core, where a spin can never
   succeed) makes the next waits of this channel sleep at once: 1, then 3, 7, ... up to 63 waits
-  after consecutive failures (exponential backoff); each successful spin halves the backoff.
+  after consecutive failures (exponential backoff); each successful spin halves the backoff,
+  and so does a sleep of the backoff that ended within the spin bound while the peer ran on
+  another CPU (:meth:`Channel._woke_fast`), which also ends the sleeping at once: a peer that
+  is fast again costs one wake-up, not a chain of them.
   On an oversubscribed machine waits go to the futex at once (a probe of at most ``spin_s``
   every 64 waits), and the waker's ``FUTEX_WAKE`` lets the scheduler run the woken rank, as it
   does for gloo's blocking socket reads.
@@ -265,8 +268,10 @@ class Channel:
         # waits that did not find the peer there: "spun" (it came while polling), "slept";
         # "spin_failed": spins that ran out; "late": sleeps that ran to their timeout although
         # the peer had arrived (a lost wake-up, or an arrival at that very instant); "moved":
-        # times this rank moved its thread off the CPU a peer waited on (:meth:`_spread`)
-        self.stats = {"spun": 0, "slept": 0, "spin_failed": 0, "late": 0, "moved": 0}
+        # times this rank moved its thread off the CPU a peer waited on (:meth:`_spread`);
+        # "woke_fast": sleeps of the backoff that ended within a spin (:meth:`_woke_fast`)
+        self.stats = {"spun": 0, "slept": 0, "spin_failed": 0, "late": 0, "moved": 0,
+                      "woke_fast": 0}
 
     def describe(self, p: int) -> str:
         g = self.global_ranks[p]
@@ -287,10 +292,17 @@ class Channel:
         lock.release()
         if self._one_flag >= 0:  # 2 ranks: one flag to look at
             if words[self._one_flag]:
-                futex_wake(self._addr[self.rank])
+                self._wake_sleepers()
         elif not self._flags_on or any(words[self._my_flags]):
-            futex_wake(self._addr[self.rank])
+            self._wake_sleepers()
         return k
+
+    def _wake_sleepers(self) -> None:
+        """``FUTEX_WAKE`` on this rank's counter, after publishing the CPU it runs on (the
+        woken rank's :meth:`_woke_fast` reads it; a wake-up is a syscall, the CPU look-up a
+        tenth of one)."""
+        self.words[self._cpu_idx] = _getcpu() + 1
+        futex_wake(self._addr[self.rank])
 
     def _arrived(self, p: int, k: int) -> bool:
         return ((self.words[self._idx[p]] - k) & U32_MASK) < _HALF_RANGE
@@ -346,7 +358,10 @@ class Channel:
                 if self._spread():  # the peer shared this CPU: spinning can work again
                     self.backoff = self.skip = 0
             self.stats["slept"] += 1
+            slept_at = time.perf_counter()
             self._block(p, k, what, start)
+            if self.skip and time.perf_counter() - slept_at < self.spin_iters:
+                self._woke_fast()
         # a peer that arrived may have given up since: never read its data then
         fence = self._fence_one
         if fence >= 0:
@@ -356,6 +371,21 @@ class Channel:
             for i in self._fence_idx:
                 if words[i]:
                     self._check_fences(what)
+
+    def _woke_fast(self) -> None:
+        """A sleep of the backoff ended within the spin bound: the peer came as fast as a spin
+        would have caught it, so this rank's next waits spin again (the backoff halves) rather
+        than sleep at once up to 63 more times. A chain of sleeps feeds itself (each sleeper
+        arrives late by its own wake-up, which makes its peer's next probe fail), so it ends
+        here, after one wake-up. Not when the peer woke this rank from the CPU it now runs on
+        (the waker publishes its CPU, :meth:`_wake_sleepers`): there the two take turns, a spin
+        cannot succeed, and the sleep was short only because the CPU was handed over."""
+        here = _getcpu() + 1
+        if any(self.words[i] == here for i in self._peer_cpu_idx):
+            return
+        self.skip = 0
+        self.backoff >>= 1
+        self.stats["woke_fast"] += 1
 
     def _spread(self) -> bool:
         """After a spin ran out: if a peer last waited on the CPU this thread runs on, move
