@@ -144,6 +144,12 @@ class Job:
             return self._fut
 
 
+def exception_note(e: BaseException) -> str:
+    """``"IndexError: index 9 is out of bounds ..."``: what a fence says of ``e``."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def settle_future(fut: torch.futures.Future, error: BaseException | None, result) -> None:
     """Complete ``fut`` (a completed job's or p2p operation's future) with ``error`` if there
     is one, else with ``result``."""
@@ -381,7 +387,10 @@ class Engine:
         if not isinstance(e, PeerError):
             log.exception("fcoll %s failed", name)
         self.broken = e
-        self.ch.give_up(seq, name, getattr(e, "reason", GAVE_UP_ERROR), getattr(e, "peer", -1))
+        if isinstance(e, PeerError):
+            self.ch.give_up(seq, name, e.reason, e.peer, e.origin, e.culprit, e.note)
+        else:
+            self.ch.give_up(seq, name, GAVE_UP_ERROR, note=exception_note(e))
         return e
 
     def close(self, timeout_s: float = 5.0) -> None:

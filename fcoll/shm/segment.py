@@ -44,6 +44,8 @@ Layout (offsets in bytes, every region 4096-aligned)::
                                     the fence: the collective it gave up (u32) and why (u32),
                                     one sleep flag (u32) per waiting peer, the CPU it
                                     last waited on (u32, last word)
+    notes    [world][128]           per rank: why it gave up, in its own words (UTF-8, NUL
+                                    padded; written before the fence, read only after it)
     headers  [NSLOTS][world][HEADER] collective headers, one per slot
     data     [NSLOTS][world][slot_bytes] per-rank data slots, used round robin (NSLOTS = 3)
 """
@@ -65,6 +67,7 @@ import torch
 SHM_DIR = "/dev/shm"
 PREFIX = "fcoll-"  # of the memfd's name (shown in /proc/<pid>/maps) and of old /dev/shm names
 CONTROL_BYTES = 128  # two cache lines per rank, so counters of different ranks never share a line
+NOTE_BYTES = 128  # per rank: the text of its fence (see fcoll.shm.sync.Channel.give_up)
 HEADER_BYTES = 2048
 NSLOTS = 3  # data slots per rank, used round robin (see phases.py for why 3)
 PAGE = 4096
@@ -147,8 +150,12 @@ class Layout:
         return 0
 
     @property
+    def note_off(self) -> int:
+        return self.world * CONTROL_BYTES
+
+    @property
     def header_off(self) -> int:
-        return _round_up(self.world * CONTROL_BYTES)
+        return _round_up(self.world * (CONTROL_BYTES + NOTE_BYTES))
 
     @property
     def data_off(self) -> int:
@@ -160,6 +167,10 @@ class Layout:
 
     def header(self, slot: int, rank: int) -> int:
         return self.header_off + (slot * self.world + rank) * HEADER_BYTES
+
+    def note(self, rank: int) -> int:
+        """Byte offset of ``rank``'s note (:data:`NOTE_BYTES`)."""
+        return self.note_off + rank * NOTE_BYTES
 
     def word(self, rank: int, index: int) -> int:
         """Index of a u32 control word in the segment viewed as u32."""
