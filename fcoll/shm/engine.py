@@ -48,8 +48,8 @@ from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.phases import Call
 from fcoll.shm.headers import CollectiveMismatchError
 from fcoll.shm.segment import Segment
-from fcoll.shm.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, TRANSFER_BYTES_PER_S, Channel,
-                            PeerError)
+from fcoll.shm.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, GAVE_UP_RAISED,
+                            TRANSFER_BYTES_PER_S, Channel, PeerError)
 
 log = logging.getLogger(__name__)
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -179,6 +179,7 @@ class Engine:
         self._wake = threading.Semaphore(0)
         self._closed = False
         self.seq = 0
+        self.completed = 0  # every collective numbered below this one completed on this rank
         self._fewer_threads = _FewerThreads(collective_threads(ch.world))
         self._thread = threading.Thread(target=self._loop, name=f"fcoll-{label}", daemon=True)
         self._thread.start()
@@ -256,6 +257,7 @@ class Engine:
                 more = bool(self._pending)
             if more:
                 self._wake.release()  # queued meanwhile by another thread: the worker runs it
+        self.completed = seq + 1
         return True
 
     def run_fast(self, plan, fn: Callable[..., None], args: tuple,
@@ -368,6 +370,7 @@ class Engine:
         except BaseException as e:  # noqa: BLE001  carried to wait()
             job.complete(self._failed(job.name, e, job.seq))
             return
+        self.completed = job.seq + 1
         job.complete(None)
 
     def _failed(self, name: str, e: BaseException, seq: int) -> BaseException:
@@ -392,6 +395,29 @@ class Engine:
         else:
             self.ch.give_up(seq, name, GAVE_UP_ERROR, note=exception_note(e))
         return e
+
+    def abandon(self, e: BaseException, where: str) -> bool:
+        """An exception ``e`` left ``where`` (a compiled step) on this rank while it held
+        collectives of this group: break the group and fence the first collective this rank
+        has not completed, so the peers waiting in it, or arriving at it later, raise at once
+        naming this rank and ``e``'s type instead of waiting for the group timeout; returns
+        whether it fenced.
+
+        Not for the errors the group's own collectives raise: a mismatch or an invalid
+        argument (:class:`~fcoll.shm.headers.CollectiveMismatchError`) was raised by every rank
+        at the same phase and leaves the group usable, a :class:`PeerError` has fenced already,
+        and a broken group stays as it is.
+        """
+        if isinstance(e, (CollectiveMismatchError, PeerError)) or self.broken is not None:
+            return False
+        note = exception_note(e)
+        self.broken = RuntimeError(
+            f"rank {self.ch.rank} raised {note} in {where} while it held collectives of this "
+            "group; the group was fenced on every rank: create it again")
+        self.ch.give_up(self.completed, "", GAVE_UP_RAISED, note=note)
+        log.warning("fcoll: %s raised %s on rank %d; its group is fenced", where, note,
+                    self.ch.rank)
+        return True
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the worker after the queued jobs (bounded by ``timeout_s``) and unmap."""

@@ -41,7 +41,7 @@ from fcoll.shm.cuda import CudaGroup, CudaStaging, IpcBuffers, header_dtype
 from fcoll.shm.engine import Engine, FcollWork, Job
 from fcoll.shm.fast_paths import FastPaths
 from fcoll.shm.group_cuda import CudaSubmission
-from fcoll.shm.headers import NO_ROOT, Header, dtype_name
+from fcoll.shm.headers import NO_ROOT, CollectiveMismatchError, Header, dtype_name
 from fcoll.shm.p2p import P2P
 from fcoll.shm.phases import Call
 from fcoll.shm.segment import default_slot_bytes, open_segment
@@ -160,7 +160,7 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         payload = Header(seq, name, dtype, shape, reduce_op, root, extra, error).encode()
         if error is not None:
             eng.submit(Job(name, seq, payload, movement.barrier, None, None))
-            raise ValueError(error)
+            raise CollectiveMismatchError(error)  # a ValueError, raised by every rank
         finish = st.finish if st is not None and st.needed() else None
         if post is not None:
             finish = post if finish is None else (lambda f=finish: (f(), post()))
