@@ -109,3 +109,61 @@ def test_an_exception_inside_a_compiled_step_fences_the_group_so_peers_raise_at_
     for r in range(world):
         assert "fenced" in res[r]["after"] or "no longer usable" in res[r]["after"] \
             or "unusable" in res[r]["after"], res[r]["after"]
+
+
+# ---- a peer's files and words -----------------------------------------------------------------
+_NO_CTTY_CHILD = r"""
+import datetime, errno, os, sys
+import torch.distributed as dist
+from fcoll.shm.segment import Layout, PAGE, open_segment, proc_start_time
+assert os.getsid(0) == os.getpid()  # a new session: no controlling terminal yet
+master, slave = os.openpty()
+me = os.getpid()
+store = dist.HashStore()
+store.set("fcoll/segment", f"memfd {me} {proc_start_time(me)} {slave} {os.fstat(slave).st_ino}")
+store.add("fcoll/attached", 1)
+try:
+    open_segment(store, 1, 2, PAGE, datetime.timedelta(seconds=5))
+    print("attached")
+except RuntimeError as e:
+    print("refused:", e)
+try:
+    os.close(os.open("/dev/tty", os.O_RDWR))
+    print("ctty: yes")
+except OSError as e:
+    print("ctty: no", errno.errorcode.get(e.errno))
+"""
+
+
+def test_a_forged_segment_record_naming_a_terminal_does_not_become_the_controlling_tty():
+    """A session leader without a controlling terminal that opens a tty without O_NOCTTY
+    acquires it; the attach opens the peer's fd link with O_NOCTTY, then refuses the file."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _NO_CTTY_CHILD], capture_output=True, text=True,
+                         timeout=120, start_new_session=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert "refused:" in out.stdout and "not a regular file" in out.stdout or \
+        "refusing" in out.stdout, out.stdout + out.stderr
+    assert "ctty: no" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_peers_error_text_is_quoted_as_the_peers():
+    """Rank 1's invalid-argument message reaches rank 0 as ``rank 1 reported: "..."`` (JSON
+    escapes: a peer's control characters never reach the message); rank 1 raises its own words;
+    a fence's note is quoted the same way."""
+    from fcoll.shm.headers import CollectiveMismatchError, Header, check
+
+    def describe(p):
+        return f"rank {p}"
+
+    mine = Header(3, "all_reduce", "float32", (4,), "sum", -1, None, None).encode()
+    theirs = Header(3, "all_reduce", "float32", (4,), "sum", -1, None,
+                    "fcoll all_reduce: rank 1: bad \x1b[31mred\n\"x\"").encode()
+    with pytest.raises(CollectiveMismatchError) as ei:
+        check([mine, theirs], "all_reduce", describe, mine)
+    assert str(ei.value) == (r'fcoll all_reduce: rank 1 reported: "rank 1: bad \u001b[31mred\n'
+                             r'\"x\""')
+    with pytest.raises(CollectiveMismatchError) as own:
+        check([mine, theirs], "all_reduce", describe, theirs)
+    assert str(own.value) == "fcoll all_reduce: rank 1: bad \x1b[31mred\n\"x\""

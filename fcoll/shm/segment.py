@@ -31,6 +31,9 @@ Why a sealed memfd rather than a /dev/shm name (the design up to issue #15):
 - *No path to redirect.* Attachers never open a path taken from the store: they build
   ``/proc/<pid>/fd/<n>`` from integers, so there is no directory another user can plant a
   symlink in (``O_NOFOLLOW`` does not apply to /proc's fd links; the fd checks above replace it).
+  Every open of a peer's file (its fd link, its /proc files) passes ``O_NOCTTY``
+  (:data:`PEER_OPEN_FLAGS`), so a forged record naming a terminal cannot make it this
+  process's controlling terminal before the checks refuse it.
 
 It needs every rank to see the creator in /proc and be allowed to read its fds (same uid, one
 pid namespace); the liveness checks of :mod:`fcoll.shm.sync` need the same.
@@ -114,11 +117,36 @@ def default_slot_bytes() -> int:
     return SLOT_BYTES
 
 
+#: flags of every open of a file another process controls (a peer's fd link, its /proc files):
+#: never make it this process's controlling terminal (a forged store record could name a tty)
+PEER_OPEN_FLAGS = os.O_CLOEXEC | os.O_NOCTTY
+
+
+def read_proc_file(path: str, limit: int = 1 << 16) -> bytes:
+    """The first ``limit`` bytes of a /proc file of a peer, opened with
+    :data:`PEER_OPEN_FLAGS` and ``O_NOFOLLOW`` (a /proc/<pid>/stat or maps is no link).
+
+    Raises:
+        OSError: it cannot be opened or read (the process exited).
+    """
+    fd = os.open(path, os.O_RDONLY | PEER_OPEN_FLAGS | os.O_NOFOLLOW)
+    try:
+        chunks, n = [], 0
+        while n < limit:
+            b = os.read(fd, limit - n)
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _proc_stat(pid: int) -> list[bytes] | None:
     """Fields of /proc/pid/stat after the command name (field 3, the state, first), or None."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
+        raw = read_proc_file(f"/proc/{pid}/stat", 4096)
     except OSError:
         return None
     return raw[raw.rfind(b")") + 2:].split()
@@ -307,7 +335,7 @@ def _attach(record: bytes, size: int) -> int:
         raise RuntimeError(f"fcoll: the creator of the group's segment (pid {pid}) exited "
                            f"before this rank could attach {path}")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | PEER_OPEN_FLAGS)  # a magic link: no O_NOFOLLOW
     except OSError as e:
         raise RuntimeError(f"fcoll: cannot open the group's segment {path} ({e.strerror}); "
                            "every rank must run as the same user, see the creator in /proc "
@@ -426,10 +454,10 @@ def proc_maps():
         if not pid.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/maps", "rb") as f:
-                yield pid, f.read()
+            maps = read_proc_file(f"/proc/{pid}/maps", 1 << 26)
         except OSError:
             continue
+        yield pid, maps
 
 
 def _mapped_inodes(shm_dir: str) -> set[int]:

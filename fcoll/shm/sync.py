@@ -78,11 +78,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import threading
 import time
 
+from fcoll.shm.headers import quote_peer
 from fcoll.shm.segment import (MAX_SLEEP_FLAGS, NOTE_BYTES, U32_BITS, U32_MASK, W_ARRIVE,
                                 W_CPU, W_GAVE_UP, W_GAVE_UP_WHY, W_PID, W_SLEEP, W_START_HI,
                                 W_START_LO, Segment, proc_alive)
@@ -133,21 +133,11 @@ _ORIGIN = {GAVE_UP_ERROR: "{} failed with an unexpected error",
            GAVE_UP_TIMEOUT: "{} did not arrive in time (a rank timed out waiting for it)",
            GAVE_UP_PEER_DIED: "{} died", GAVE_UP_DESTROYED: "{} destroyed its process group",
            GAVE_UP_RAISED: "{} raised an exception while it held collectives of the group"}
-MAX_NOTE_CHARS = 120  # a peer's note is cut to this many characters in a message
 #: Collectives named in a fence (the second byte of W_GAVE_UP_WHY: index + 1; 0 = not listed).
 FENCE_OPS = ("all_reduce", "reduce", "all_reduce_coalesced", "all_gather_into_tensor",
              "all_gather", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single",
              "all_to_all", "broadcast", "scatter", "gather", "barrier")
 _FENCE_OP_CODE = {name: i + 1 for i, name in enumerate(FENCE_OPS)}
-
-
-def quote_peer(describe_p: str, text: str) -> str:
-    """``rank 1 reported: "..."``: text that came from a peer, clipped to
-    :data:`MAX_NOTE_CHARS` and quoted (JSON string escapes: no control character, no
-    terminal escape, no unbalanced quote of the peer's reaches the message)."""
-    if len(text) > MAX_NOTE_CHARS:
-        text = text[:MAX_NOTE_CHARS - 3] + "..."
-    return f"{describe_p} reported: {json.dumps(text, ensure_ascii=True)}"
 
 
 class PeerError(RuntimeError):
