@@ -167,3 +167,57 @@ def test_a_peers_error_text_is_quoted_as_the_peers():
     with pytest.raises(CollectiveMismatchError) as own:
         check([mine, theirs], "all_reduce", describe, theirs)
     assert str(own.value) == "fcoll all_reduce: rank 1: bad \x1b[31mred\n\"x\""
+
+
+# ---- ranks that run a step differently --------------------------------------------------------
+def _divergent_steps(rank: int, world: int) -> dict:
+    """Two divergences on fresh groups, each once:
+
+    - ``eager``: rank 0 runs the step compiled, rank 1 runs it eagerly;
+    - ``no_collective``: rank 0's compiled step holds an all_reduce, rank 1's compiled step none
+      (a branch on the rank), and rank 1 then calls an eager all_reduce.
+
+    Rank 0 waits in the compile-time rank check for rank 1 to compile the same collectives;
+    rank 1 waits in a collective for rank 0. Each rank reports its error and when it raised."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    out: dict = {}
+    for case in ("eager", "no_collective"):
+        group = dist.new_group(backend="fcoll")
+        name = group.group_name
+
+        def step(x):
+            if case == "eager" or rank == 0:
+                return torch.ops.fcoll.wait_tensor(torch.ops.fcoll.all_reduce(x, "sum", name))
+            return x * 2
+
+        x = torch.ones(8)
+        t0 = time.monotonic()
+        try:
+            if rank == 0 or case == "no_collective":
+                torch.compile(step, backend="fcoll", fullgraph=True)(x)
+            if rank == 1:
+                step(x) if case == "eager" else dist.all_reduce(x, group=group)
+            out[case] = ("no error", "", t0, time.monotonic())
+        except Exception as e:  # noqa: BLE001  reported
+            out[case] = (type(e).__name__, str(e), t0, time.monotonic())
+        dist.destroy_process_group(group)
+    return out
+
+
+def test_ranks_running_a_step_eagerly_or_without_its_collective_raise_on_both_ranks_at_once():
+    """Before issue #31: RankTimeoutError after check_timeout_s (60 s) on rank 0, PeerError at
+    the group timeout on rank 1. Now rank 0's check sees rank 1 waiting in a collective it has
+    not issued, raises and fences the group; rank 1 raises on the fence."""
+    res = run_ranks(_divergent_steps, 2, timeout_s=240, pg_timeout_s=60)
+    for case in ("eager", "no_collective"):
+        n0, m0, _, at0 = res[0][case]
+        n1, m1, _, at1 = res[1][case]
+        # (Dynamo wraps a compile-time error in BackendCompilerFailed)
+        assert "RankMismatchError" in m0 and "wait in a collective of this group" in m0, m0
+        assert n1 == "PeerError" and "rank 0 gave up" in m1 and "RankMismatchError" in m1, m1
+        # both far from the 60 s timeouts; rank 1 raises on rank 0's fence, a wake-up later
+        assert abs(at1 - at0) < 2.0, (case, at1 - at0)

@@ -419,6 +419,18 @@ class Engine:
                     self.ch.rank)
         return True
 
+    def peers_ahead(self) -> list[int]:
+        """Group ranks blocked in a collective this rank has not issued: they arrived at a
+        phase past this rank's while every collective this rank issued has completed
+        (nothing queued or running). A peer cannot pass a phase without this rank, so such
+        a peer waits for this rank until the group timeout unless this rank issues it."""
+        with self._lock:
+            if self._running or self._pending or self.completed != self.seq:
+                return []
+        ch = self.ch
+        nxt = (ch.phase + 1) & 0xFFFFFFFF
+        return [p for p in range(ch.world) if p != ch.rank and ch._arrived(p, nxt)]
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the worker after the queued jobs (bounded by ``timeout_s``) and unmap."""
         if self._closed:

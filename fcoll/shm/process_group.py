@@ -118,6 +118,16 @@ class FcollProcessGroup(CudaSubmission, dist.ProcessGroup):
         self._engine.close(timeout_s=ABORT_TIMEOUT_S)
         self._cuda.close()
 
+    def peers_ahead(self) -> list[int]:
+        """Group ranks waiting in a collective of this group that this rank has not issued
+        (:meth:`Engine.peers_ahead`); the compile-time rank check asks while it waits."""
+        return self._engine.peers_ahead()
+
+    def abandon(self, e: BaseException, where: str) -> bool:
+        """Fence this group because ``e`` leaves ``where`` on this rank
+        (:meth:`Engine.abandon`); returns whether it fenced."""
+        return self._engine.abandon(e, where)
+
     def _close_p2p(self) -> None:
         """Fail pending sends and receives, stop the inbox's thread and unmap the inboxes now,
         not when the group is garbage collected."""
