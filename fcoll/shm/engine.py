@@ -27,7 +27,9 @@ phases: the group is marked broken and every later collective fails at once with
 the collective is fenced in shared memory (:meth:`~fcoll.shm.sync.Channel.give_up`): a peer
 waiting for it, or arriving at it later, raises naming this rank instead of computing a result
 from data this rank abandoned, and is broken in turn. Destroying the group fences the next
-sequence number, so a peer still to call it raises at once instead of at the timeout.
+sequence number, so a peer still to call it raises at once instead of at the timeout. An
+exception that leaves a compiled step holding collectives of the group fences the group too
+(:meth:`Engine.abandon`, called by the executor), naming the exception's type.
 """
 
 from __future__ import annotations
