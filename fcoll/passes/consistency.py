@@ -324,13 +324,6 @@ def compare_across_ranks(fp: Fingerprint, pg: dist.ProcessGroup, timeout_s: floa
     store.set(_waiting_key(rank), me.text())  # after has: a reader sees has, then waiting
     try:
         _wait_for_peers(store, me, fp, rank, ranks, timeout_s, pg)
-    except (RankMismatchError, RankTimeoutError) as e:
-        # this rank will not run the graph: peers that run theirs, or wait in a collective
-        # this rank has not issued, raise at once instead of at the group timeout
-        abandon = getattr(_backend(pg), "abandon", None)
-        if abandon is not None:
-            abandon(e, "check_rank_consistency")
-        raise
     finally:
         store.set(_waiting_key(rank), "")
     return fp.digest
@@ -438,12 +431,18 @@ def _wait_for_peers(store: dist.Store, me: _Wait, fp: Fingerprint, rank: int,
         # published meanwhile (it passed this check and went on): not blocked on this rank
         blocked = [r for r in blocked if not store.check([_has_key(me, r)])]
         if blocked:
-            raise RankMismatchError(
+            err = RankMismatchError(
                 f"check_rank_consistency: rank {rank}, group {me.group!r}: ranks {blocked} wait "
                 f"in a collective of this group that this rank has not issued, while this rank "
                 f"compiles a graph with {len(fp.entries)} collectives on it (sequence "
                 f"{me.digest[:12]}) and waits for them to compile the same: they run this step "
                 "without these collectives (eagerly, or a graph without them)")
+            # they wait in a collective: unlike a mismatch found here, which no rank issued,
+            # only a fence gets them out before the group timeout (the group is unusable then)
+            abandon = getattr(_backend(pg), "abandon", None)
+            if abandon is not None:
+                abandon(err, "check_rank_consistency")
+            raise err
         verdict = _get(store, _verdict_key(rank, me))
         if verdict is not None:
             peer, _, text = verdict.decode().partition("\n")
