@@ -429,9 +429,7 @@ class Engine:
         with self._lock:
             if self._running or self._pending or self.completed != self.seq:
                 return []
-        ch = self.ch
-        nxt = (ch.phase + 1) & 0xFFFFFFFF
-        return [p for p in range(ch.world) if p != ch.rank and ch._arrived(p, nxt)]
+        return self.ch.peers_past()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the worker after the queued jobs (bounded by ``timeout_s``) and unmap."""

@@ -121,7 +121,7 @@ GAVE_UP_TIMEOUT = 2
 GAVE_UP_PEER_DIED = 3
 GAVE_UP_PEER_GAVE_UP = 4  # it saw another rank's fence first
 GAVE_UP_DESTROYED = 5  # its process group was destroyed (or aborted, or the interpreter exited)
-GAVE_UP_RAISED = 6  # an exception left a compiled step, or pending work, on that rank
+GAVE_UP_RAISED = 6  # an exception left a compiled step, or its rank check, on that rank
 _WHY = {GAVE_UP_ERROR: "it failed with an unexpected error", GAVE_UP_TIMEOUT: "it timed out",
         GAVE_UP_PEER_DIED: "it saw a peer die", GAVE_UP_PEER_GAVE_UP: "a peer gave up first",
         GAVE_UP_DESTROYED: "its process group was destroyed",
@@ -324,6 +324,11 @@ class Channel:
         elif not self._flags_on or any(words[self._my_flags]):
             futex_wake(self._addr[self.rank])
         return k
+
+    def peers_past(self) -> list[int]:
+        """Peers that arrived at a phase past the last one this rank completed."""
+        k = (self.phase + 1) & U32_MASK
+        return [p for p in self._peers if self._arrived(p, k)]
 
     def _arrived(self, p: int, k: int) -> bool:
         return ((self.words[self._idx[p]] - k) & U32_MASK) < _HALF_RANGE
