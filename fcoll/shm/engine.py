@@ -405,12 +405,13 @@ class Engine:
         naming this rank and ``e``'s type instead of waiting for the group timeout; returns
         whether it fenced.
 
-        Not for the errors the group's own collectives raise: a mismatch or an invalid
-        argument (:class:`~fcoll.shm.headers.CollectiveMismatchError`) was raised by every rank
-        at the same phase and leaves the group usable, a :class:`PeerError` has fenced already,
-        and a broken group stays as it is.
+        Not for a mismatch or an invalid argument
+        (:class:`~fcoll.shm.headers.CollectiveMismatchError`: raised by every rank at the same
+        phase, the group stays usable); a group broken already (by a :class:`PeerError` of its
+        own, say) stays as it is, while a :class:`PeerError` of another group of the step
+        fences this one too.
         """
-        if isinstance(e, (CollectiveMismatchError, PeerError)) or self.broken is not None:
+        if isinstance(e, CollectiveMismatchError) or self.broken is not None:
             return False
         note = exception_note(e)
         self.broken = RuntimeError(
