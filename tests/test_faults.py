@@ -32,11 +32,14 @@ def _killed_peer(rank, world):
     return elapsed, str(ei.value)
 
 
-def test_killed_rank_makes_every_survivor_raise_within_2s_naming_it():
-    res = run_ranks(_killed_peer, 3, timeout_s=60, pg_timeout_s=30, allow_failures=True)
+def test_killed_rank_makes_every_survivor_raise_naming_it_long_before_the_timeout():
+    """Liveness ticks name a dead peer within about 0.1-0.3 s on a quiet machine; the bound is
+    a third of the 30 s group timeout, which a survivor that missed the death would reach (a
+    loaded machine delays a wake-up, not by 10 s)."""
+    res = run_ranks(_killed_peer, 3, timeout_s=90, pg_timeout_s=30, allow_failures=True)
     assert isinstance(res[2], RankFailure)
     for elapsed, msg in res[:2]:
-        assert elapsed < 2.0, (elapsed, msg)
+        assert elapsed < 10.0, (elapsed, msg)
         assert "rank 2 died" in msg
     assert fcoll_segments() == []
 
@@ -87,10 +90,13 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank_and_async_wait():
     assert r0["reduce_op"] == r1["reduce_op"] and "reduce op max" in r0["reduce_op"]
     assert r0["root"] == r1["root"] and "root 1" in r0["root"]
     assert r0["op"] == r1["op"] and "called broadcast" in r0["op"]
-    # the rank with the bad split list raised locally; its peer raises the same text
-    assert r0["splits"] == r1["splits"] == (
+    # the rank with the bad split list raised locally; its peer quotes it as rank 1's
+    assert r1["splits"] == (
         "fcoll all_to_all_single: rank 1: input_split_sizes [1, 2] sum to 3 but input has 4 "
         "rows in dim 0")
+    assert r0["splits"] == (
+        'fcoll all_to_all_single: rank 1 reported: "rank 1: input_split_sizes [1, 2] sum to 3 '
+        'but input has 4 rows in dim 0"')
     assert r0["splits_across_ranks"] == r1["splits_across_ranks"]
     assert "rank 0 expects 3 rows from rank 0 (output_split_sizes) but rank 0 sends 2" in r0[
         "splits_across_ranks"]
@@ -113,6 +119,8 @@ def _never_joins(rank, world):
 
 
 def test_rank_that_never_joins_times_out_at_the_group_timeout():
-    elapsed, _ = run_ranks(_never_joins, 2, timeout_s=60, pg_timeout_s=2.0)
-    assert 1.9 <= elapsed < 6.0  # generous upper bound: CI machines are shared and noisy
+    elapsed, _ = run_ranks(_never_joins, 2, timeout_s=90, pg_timeout_s=2.0)
+    # at the timeout, not before; the upper bound only says "not a multiple of it": a loaded
+    # machine delays the waiter's last wake-up, by far less than 10 s
+    assert 1.9 <= elapsed < 2.0 + 10.0
     assert fcoll_segments() == []

@@ -150,11 +150,12 @@ def test_crafted_headers_are_rejected_without_allocating_or_taking_time():
 
 def test_random_mutations_decode_or_raise_bounded_errors_in_bounded_time():
     """20 000 mutated headers (byte flips, cuts, splices): each is a Header or a clear error,
-    messages stay short, and the whole run takes well under a second per thousand."""
+    messages stay short, and the whole run takes well under a second of CPU per thousand (CPU
+    time: a loaded machine stretches wall time, not the work done)."""
     rng = random.Random(15)
     seeds = [h.encode() for h in SAMPLES]
     malformed = other = 0
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for i in range(20000):
         b = bytearray(rng.choice(seeds))
         for _ in range(rng.randint(1, 4)):
@@ -171,7 +172,7 @@ def test_random_mutations_decode_or_raise_bounded_errors_in_bounded_time():
         else:
             other += 1  # decoded, and then differs from rank 0's header (or equals it)
         assert err is None or len(str(err)) <= MAX_MESSAGE_CHARS
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert malformed > 5000 and other > 1000, (malformed, other)
     assert elapsed < 20.0, elapsed
 
@@ -185,7 +186,10 @@ def test_messages_built_from_peer_fields_are_bounded():
     long_error = Header(1, "all_reduce", error="x" * 100000)
     with pytest.raises(CollectiveMismatchError) as ei:
         header_checks.check([h0.encode(), long_error.encode()], "all_reduce", _describe)
-    assert len(str(ei.value)) == hdr.MAX_ERROR_CHARS
+    # quoted as rank 1's, its text clipped to MAX_ERROR_CHARS
+    assert str(ei.value).startswith('fcoll all_reduce: rank 1 reported: "xxx')
+    assert len(str(ei.value)) <= (len('fcoll all_reduce: rank 1 reported: ""')
+                                  + hdr.MAX_ERROR_CHARS)
 
 
 def test_all_to_all_splits_of_the_wrong_form_are_malformed_not_a_crash():

@@ -233,10 +233,12 @@ def test_dead_peer_is_named_and_a_timeout_makes_the_channel_unusable():
     res = run_ranks(_faults, 3, pg_timeout_s=1.5, timeout_s=100, allow_failures=True)
     out = res[0]
     msg, took = out["dead"]
-    assert "rank 1 died" in msg and took < 2.0, (msg, took)
+    # "died", not "timed out": the message says the liveness check saw it (the bound is loose:
+    # a loaded machine delays a wake-up)
+    assert "rank 1 died" in msg and took < 10.0, (msg, took)
     msg, took = out["timeout"]
     assert "recv from rank 2 (tag 1, float32[2] (8 bytes)) timed out after 1.5 s on rank 0" in msg
-    assert 1.4 < took < 3.0
+    assert 1.4 < took < 1.5 + 10.0
     assert "unusable after an earlier error" in out["after"]
 
 

@@ -286,6 +286,9 @@ class GraphExecutor:
         # tuples only, and a NamedTuple subclass costs about 10 % more per step.
         self._loop = [tuple(s) for s in self._steps]
         self._forward = self._fast_forward() if recorder is None else None
+        #: the process groups of the graph's collectives: fenced when an exception leaves a run
+        self.groups = tuple(sorted({str(collective_info(n).group_name)
+                                    for n in nodes if is_collective(n)}))
 
     def _items(self) -> list[fx.Node | Step]:
         """What :func:`plan_steps` plans: here every node but placeholders, ``get_attr`` and the
@@ -307,16 +310,34 @@ class GraphExecutor:
         return fx.GraphModule(self.gm, g, self.name).forward
 
     def __call__(self, args: list[Any]) -> Any:
-        if self._forward is not None:
-            inputs = list(args)
-            args.clear()
-            return self._forward(*inputs)
-        run = self.recorder.start_run() if self.recorder is not None else None
         try:
-            return self.run_steps(args, run)
-        finally:
-            if run is not None:
-                run.finish()
+            if self._forward is not None:
+                inputs = list(args)
+                args.clear()
+                return self._forward(*inputs)
+            run = self.recorder.start_run() if self.recorder is not None else None
+            try:
+                return self.run_steps(args, run)
+            finally:
+                if run is not None:
+                    run.finish()
+        except BaseException as e:
+            if self.groups:
+                self._abandon(e)
+            raise
+
+    def _abandon(self, e: BaseException) -> None:
+        """An exception leaves a run of a graph that holds collectives: the peers are in, or
+        will enter, collectives this rank will not issue (the rest of this step), so each
+        fcoll group of the graph is fenced before ``e`` propagates
+        (:func:`fcoll.shm.group.direct.abandon_groups`): the peers raise within a wait's tick,
+        naming this rank and ``e``'s type, instead of at the group timeout; the group is
+        unusable on every rank until created again, as after a timeout. Errors that every
+        rank raised alike (a mismatch, an invalid argument) and a peer's failure fence
+        nothing more."""
+        from fcoll.shm.group.direct import abandon_groups
+
+        abandon_groups(self.groups, e, f"compiled graph {self.name}")
 
     def run_steps(self, args: list[Any], run: RunTrace | None) -> Any:
         """Interpret the plan once: bind inputs, run every step, return the graph's outputs.

@@ -27,7 +27,9 @@ phases: the group is marked broken and every later collective fails at once with
 the collective is fenced in shared memory (:meth:`~fcoll.shm.transport.sync.Channel.give_up`): a
 peer waiting for it, or arriving at it later, raises naming this rank instead of computing a result
 from data this rank abandoned, and is broken in turn. Destroying the group fences the next
-sequence number, so a peer still to call it raises at once instead of at the timeout.
+sequence number, so a peer still to call it raises at once instead of at the timeout. An
+exception that leaves a compiled step holding collectives of the group fences the group too
+(:meth:`Engine.abandon`, called by the executor), naming the exception's type.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.transport.headers import CollectiveMismatchError
 from fcoll.shm.transport.segment import Segment
-from fcoll.shm.transport.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, TRANSFER_BYTES_PER_S,
-                                      Channel, PeerError)
+from fcoll.shm.transport.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, GAVE_UP_RAISED,
+                                      TRANSFER_BYTES_PER_S, Channel, PeerError)
 
 log = logging.getLogger(__name__)
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -142,6 +144,12 @@ class Job:
             return self._fut
 
 
+def exception_note(e: BaseException) -> str:
+    """``"IndexError: index 9 is out of bounds ..."``: what a fence says of ``e``."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def settle_future(fut: torch.futures.Future, error: BaseException | None, result) -> None:
     """Complete ``fut`` (a completed job's or p2p operation's future) with ``error`` if there
     is one, else with ``result``."""
@@ -172,6 +180,7 @@ class Engine:
         self._wake = threading.Semaphore(0)
         self._closed = False
         self.seq = 0
+        self.completed = 0  # every collective numbered below this one completed on this rank
         self._fewer_threads = _FewerThreads(collective_threads(ch.world))
         self._thread = threading.Thread(target=self._loop, name=f"fcoll-{label}", daemon=True)
         self._thread.start()
@@ -259,6 +268,7 @@ class Engine:
                 more = bool(self._pending)
             if more:
                 self._wake.release()  # queued meanwhile by another thread: the worker runs it
+        self.completed = seq + 1
         return True
 
     def run_fast(self, plan, fn: Callable[..., None], args: tuple,
@@ -371,6 +381,7 @@ class Engine:
         except BaseException as e:  # noqa: BLE001  carried to wait()
             job.complete(self._failed(job.name, e, job.seq))
             return
+        self.completed = job.seq + 1
         job.complete(None)
 
     def _failed(self, name: str, e: BaseException, seq: int) -> BaseException:
@@ -390,8 +401,45 @@ class Engine:
         if not isinstance(e, PeerError):
             log.exception("fcoll %s failed", name)
         self.broken = e
-        self.ch.give_up(seq, name, getattr(e, "reason", GAVE_UP_ERROR), getattr(e, "peer", -1))
+        if isinstance(e, PeerError):
+            self.ch.give_up(seq, name, e.reason, e.peer, e.origin, e.culprit, e.note)
+        else:
+            self.ch.give_up(seq, name, GAVE_UP_ERROR, note=exception_note(e))
         return e
+
+    def abandon(self, e: BaseException, where: str) -> bool:
+        """An exception ``e`` left ``where`` (a compiled step) on this rank while it held
+        collectives of this group: break the group and fence the first collective this rank
+        has not completed, so the peers waiting in it, or arriving at it later, raise at once
+        naming this rank and ``e``'s type instead of waiting for the group timeout; returns
+        whether it fenced.
+
+        Not for a mismatch or an invalid argument
+        (:class:`~fcoll.shm.headers.CollectiveMismatchError`: raised by every rank at the same
+        phase, the group stays usable); a group broken already (by a :class:`PeerError` of its
+        own, say) stays as it is, while a :class:`PeerError` of another group of the step
+        fences this one too.
+        """
+        if isinstance(e, CollectiveMismatchError) or self.broken is not None:
+            return False
+        note = exception_note(e)
+        self.broken = RuntimeError(
+            f"rank {self.ch.rank} raised {note} in {where} while it held collectives of this "
+            "group; the group was fenced on every rank: create it again")
+        self.ch.give_up(self.completed, "", GAVE_UP_RAISED, note=note)
+        log.warning("fcoll: %s raised %s on rank %d; its group is fenced", where, note,
+                    self.ch.rank)
+        return True
+
+    def peers_ahead(self) -> list[int]:
+        """Group ranks blocked in a collective this rank has not issued: they arrived at a
+        phase past this rank's while every collective this rank issued has completed
+        (nothing queued or running). A peer cannot pass a phase without this rank, so such
+        a peer waits for this rank until the group timeout unless this rank issues it."""
+        with self._lock:
+            if self._running or self._pending or self.completed != self.seq:
+                return []
+        return self.ch.peers_past()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the worker after the queued jobs (bounded by ``timeout_s``) and unmap."""

@@ -323,10 +323,40 @@ def compare_across_ranks(fp: Fingerprint, pg: dist.ProcessGroup, timeout_s: floa
     store.set(_has_key(me, rank), "1")
     store.set(_waiting_key(rank), me.text())  # after has: a reader sees has, then waiting
     try:
-        _wait_for_peers(store, me, fp, rank, ranks, timeout_s)
+        _wait_for_peers(store, me, fp, rank, ranks, timeout_s, pg)
     finally:
         store.set(_waiting_key(rank), "")
     return fp.digest
+
+
+#: a peer waiting this long in a collective this rank has not issued, while this rank waits in
+#: the check, is a divergence (the peers' counters are read at every poll)
+AHEAD_S = 0.1
+
+
+def _backend(pg: Any) -> Any:
+    """The backend object of ``pg`` that may answer ``peers_ahead`` / ``abandon`` (fcoll's
+    process group is its own backend; a c10d wrapper is asked for its CPU backend)."""
+    if hasattr(pg, "peers_ahead"):
+        return pg
+    try:
+        return pg._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001  no such backend: nothing to ask
+        return None
+
+
+def _blocked_ahead(pg: Any, ranks: list[int], since: dict[int, float], now: float) -> list[int]:
+    """Global ranks of ``pg`` that have waited at least :data:`AHEAD_S` in a collective of
+    ``pg`` this rank has not issued (asked of the backend, where it can tell: fcoll's);
+    ``since`` keeps when each was first seen there."""
+    probe = getattr(_backend(pg), "peers_ahead", None)
+    ahead = {ranks[p] for p in probe()} if probe is not None else set()
+    for r in list(since):
+        if r not in ahead:
+            del since[r]
+    for r in ahead:
+        since.setdefault(r, now)
+    return sorted(r for r, t in since.items() if now - t >= AHEAD_S)
 
 
 class _Wait(NamedTuple):
@@ -382,16 +412,37 @@ def _members(group: str) -> list[int] | None:
 
 
 def _wait_for_peers(store: dist.Store, me: _Wait, fp: Fingerprint, rank: int,
-                    ranks: list[int], timeout_s: float) -> None:
+                    ranks: list[int], timeout_s: float, pg: Any = None) -> None:
     """Poll the store until every rank of ``ranks`` published ``me``; between looks, find a
-    deadlock (see :func:`compare_across_ranks`) or a peer's verdict on this rank."""
+    deadlock (see :func:`compare_across_ranks`), a peer's verdict on this rank, or a missing
+    peer blocked in a collective of ``pg`` that this rank has not issued (it runs this step
+    eagerly, or a graph without these collectives: it waits for this rank, which waits here
+    for it)."""
     deadline = time.monotonic() + timeout_s
     poll_s = _FIRST_POLL_S
     missing = [r for r in ranks if r != rank]
+    ahead_since: dict[int, float] = {}
     while True:
         missing = [r for r in missing if not store.check([_has_key(me, r)])]
         if not missing:
             return
+        blocked = [r for r in (_blocked_ahead(pg, ranks, ahead_since, time.monotonic())
+                               if pg is not None else []) if r in missing]
+        # published meanwhile (it passed this check and went on): not blocked on this rank
+        blocked = [r for r in blocked if not store.check([_has_key(me, r)])]
+        if blocked:
+            err = RankMismatchError(
+                f"check_rank_consistency: rank {rank}, group {me.group!r}: ranks {blocked} wait "
+                f"in a collective of this group that this rank has not issued, while this rank "
+                f"compiles a graph with {len(fp.entries)} collectives on it (sequence "
+                f"{me.digest[:12]}) and waits for them to compile the same: they run this step "
+                "without these collectives (eagerly, or a graph without them)")
+            # they wait in a collective: unlike a mismatch found here, which no rank issued,
+            # only a fence gets them out before the group timeout (the group is unusable then)
+            abandon = getattr(_backend(pg), "abandon", None)
+            if abandon is not None:
+                abandon(err, "check_rank_consistency")
+            raise err
         verdict = _get(store, _verdict_key(rank, me))
         if verdict is not None:
             peer, _, text = verdict.decode().partition("\n")

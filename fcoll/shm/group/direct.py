@@ -60,6 +60,24 @@ def direct_group(pg: Any) -> Any | None:
     return pg if pg.engine is not None else None
 
 
+def abandon_groups(names: Any, e: BaseException, where: str) -> list[str]:
+    """``e`` leaves ``where`` (a compiled step) on this rank: fence each of fcoll's groups
+    named in ``names`` that the step's collectives use (:meth:`Engine.abandon`), so the peers
+    raise at once naming this rank and ``e``'s type; returns the names of the groups fenced.
+    Other backends' groups, and errors that every rank raised alike, are left alone."""
+    from fcoll.ops.groups import group_from_name
+
+    fenced = []
+    for name in names:
+        try:
+            pg = direct_group(group_from_name(name))
+        except ValueError:  # destroyed meanwhile
+            continue
+        if pg is not None and pg.engine.abandon(e, where):
+            fenced.append(name)
+    return fenced
+
+
 def wire_reduce_op(reduce_op: str, dtype: torch.dtype) -> tuple[str, bool]:
     """The reduce op fcoll's backend runs for the functional op's ``reduce_op`` on ``dtype``,
     and whether ``avg`` is finished by a division afterwards: the c10d path's mapping

@@ -27,6 +27,7 @@ and the c10d identity (:class:`~fcoll.shm.group.identity.GroupIdentity`).
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 from typing import Any, Callable
 
@@ -43,7 +44,8 @@ from fcoll.shm.cuda.staging import CudaStaging
 from fcoll.shm.engine import Engine, FcollWork
 from fcoll.shm.group.fast_paths import FastPaths
 from fcoll.shm.cuda.submission import CudaSubmission
-from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name, header_dtype
+from fcoll.shm.transport.headers import (NO_ROOT, CollectiveMismatchError, Header, dtype_name,
+                                         header_dtype)
 from fcoll.shm.p2p.sendrecv import P2P
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.transport.segment import default_slot_bytes, open_segment
@@ -52,7 +54,10 @@ from fcoll.shm.group.validate import Staging, check_all_gather, check_tensor
 
 ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
 
-@run_eagerly_under_dynamo
+
+# size and rank trace; peers_ahead and abandon are fcoll's own hooks (the rank check and the
+# executor call them outside any traced code), not c10d entry points
+@functools.partial(run_eagerly_under_dynamo, keep=("size", "rank", "peers_ahead", "abandon"))
 class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist.ProcessGroup):
     """Shared-memory process group of the ranks of one host (CPU tensors; CUDA staged).
 
@@ -90,6 +95,16 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         self._fast.clear()
         self._engine.close(timeout_s=ABORT_TIMEOUT_S)
         self._cuda.close()
+
+    def peers_ahead(self) -> list[int]:
+        """Group ranks waiting in a collective of this group that this rank has not issued
+        (:meth:`Engine.peers_ahead`); the compile-time rank check asks while it waits."""
+        return self._engine.peers_ahead()
+
+    def abandon(self, e: BaseException, where: str) -> bool:
+        """Fence this group because ``e`` leaves ``where`` on this rank
+        (:meth:`Engine.abandon`); returns whether it fenced."""
+        return self._engine.abandon(e, where)
 
     def _close_p2p(self) -> None:
         """Fail pending sends and receives, stop the inbox's thread and unmap the inboxes now,
@@ -145,7 +160,7 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
 
         if error is not None:
             eng.submit(eng.job(name, encode, movement.barrier))
-            raise ValueError(error)
+            raise CollectiveMismatchError(error)  # a ValueError, raised by every rank
         finish = st.finish if st is not None and st.needed() else None
         if post is not None:
             finish = post if finish is None else (lambda f=finish: (f(), post()))

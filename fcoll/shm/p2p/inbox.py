@@ -181,7 +181,7 @@ def open_inbox(pid: int, start_time: int, name: str, lay: Layout) -> Inbox | Non
     if path is None:
         return None
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | segment.PEER_OPEN_FLAGS)  # a magic link: no O_NOFOLLOW
     except OSError:
         return None
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from fcoll.shm.transport.headers import (ALL_TO_ALL, F_ALL_TO_ALL, F_ERROR, FLAGS_OFF,
                                          MAX_FIELD_CHARS, CollectiveMismatchError, Header,
-                                         MalformedHeaderError)
+                                         MalformedHeaderError, quote_peer)
 
 __all__ = ["check"]
 
@@ -62,15 +62,14 @@ def check(headers: list[bytes], name: str, describe, own: bytes | None = None) -
             return []
         h0 = _decode_from(0, h0b, name, describe)
         if h0.error is not None:
-            raise CollectiveMismatchError(h0.error)
+            _raise_error(headers, [h0] * len(headers), name, describe, own)
         if h0.op != ALL_TO_ALL:
             return [h0] * len(headers)
         dec = [h0] * len(headers)  # equal bytes, equal headers
     else:
         dec = [_decode_from(p, h, name, describe) for p, h in enumerate(headers)]
-        for h in dec:
-            if h.error is not None:
-                raise CollectiveMismatchError(h.error)
+        if any(h.error is not None for h in dec):
+            _raise_error(headers, dec, name, describe, own)
     h0 = dec[0]
     for p, h in enumerate(dec[1:], start=1):
         if (h.seq, h.op) != (h0.seq, h0.op):
@@ -82,6 +81,23 @@ def check(headers: list[bytes], name: str, describe, own: bytes | None = None) -
     if h0.op == ALL_TO_ALL:
         _check_splits(dec, name, describe)
     return dec
+
+
+def _raise_error(headers: list[bytes], dec: list[Header], name: str, describe,
+                 own: bytes | None) -> None:
+    """Raise the error of a rank that flagged its arguments invalid: this rank's own message
+    as it is if it has one, else the first flagging peer's, quoted as that peer's (its bytes
+    are the peer's to choose: ``fcoll all_reduce: rank 1 reported: "rank 1: ..."``)."""
+    for p, h in enumerate(dec):
+        if h.error is not None and own is not None and headers[p] == own:
+            raise CollectiveMismatchError(h.error)
+    for p, h in enumerate(dec):
+        if h.error is not None:
+            text = h.error
+            prefix = f"fcoll {name}: "
+            if text.startswith(prefix):
+                text = text[len(prefix):]
+            raise CollectiveMismatchError(f"fcoll {name}: {quote_peer(describe(p), text)}")
 
 
 def _check_pair(h0: Header, h: Header, p: int, name: str, describe) -> None:

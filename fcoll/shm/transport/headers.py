@@ -38,6 +38,7 @@ Messages built from a peer's fields are bounded: names by ``MAX_NAME_BYTES``, a 
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from typing import Any, NamedTuple
 
@@ -424,3 +425,12 @@ def read(buf: memoryview, offset: int) -> bytes:
     (a longer claim leaves a payload that :meth:`Header.decode` rejects)."""
     (n,) = struct.unpack_from("<I", buf, offset)
     return bytes(buf[offset + LEN_BYTES:offset + LEN_BYTES + min(n, MAX_PAYLOAD_BYTES)])
+
+
+def quote_peer(who: str, text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``rank 1 reported: "..."``: ``text`` that came from peer ``who``, clipped to ``limit``
+    characters and quoted with JSON string escapes (no control character,
+    terminal escape or unbalanced quote of the peer's reaches the message)."""
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return f"{who} reported: {json.dumps(text)}"

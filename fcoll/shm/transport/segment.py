@@ -31,6 +31,9 @@ Why a sealed memfd rather than a /dev/shm name (what earlier versions used):
 - *No path to redirect.* Attachers never open a path taken from the store: they build
   ``/proc/<pid>/fd/<n>`` from integers, so there is no directory another user can plant a
   symlink in (``O_NOFOLLOW`` does not apply to /proc's fd links; the fd checks above replace it).
+  Every open of a peer's file (its fd link, its /proc files) passes ``O_NOCTTY``
+  (:data:`PEER_OPEN_FLAGS`), so a forged record naming a terminal cannot make it this
+  process's controlling terminal before the checks refuse it.
 
 It needs every rank to see the creator in /proc and be allowed to read its fds (same uid, one
 pid namespace); the liveness checks of :mod:`fcoll.shm.transport.sync` need the same.
@@ -44,6 +47,8 @@ Layout (offsets in bytes, every region 4096-aligned)::
                                     the fence: the collective it gave up (u32) and why (u32),
                                     one sleep flag (u32) per waiting peer, the CPU it
                                     last waited on (u32, last word)
+    notes    [world][128]           per rank: why it gave up, in its own words (UTF-8, NUL
+                                    padded; written before the fence, read only after it)
     headers  [NSLOTS][world][HEADER] collective headers, one per slot
     data     [NSLOTS][world][slot_bytes] per-rank data slots, used round robin (NSLOTS = 3)
 """
@@ -65,6 +70,7 @@ import torch
 SHM_DIR = "/dev/shm"
 PREFIX = "fcoll-"  # of the memfd's name (shown in /proc/<pid>/maps) and of old /dev/shm names
 CONTROL_BYTES = 128  # two cache lines per rank, so counters of different ranks never share a line
+NOTE_BYTES = 128  # per rank: the text of its fence (see fcoll.shm.sync.Channel.give_up)
 HEADER_BYTES = 2048
 NSLOTS = 3  # data slots per rank, used round robin (see phases.py for why 3)
 PAGE = 4096
@@ -110,11 +116,36 @@ def default_slot_bytes() -> int:
     return SLOT_BYTES
 
 
+#: flags of every open of a file another process controls (a peer's fd link, its /proc files):
+#: never make it this process's controlling terminal (a forged store record could name a tty)
+PEER_OPEN_FLAGS = os.O_CLOEXEC | os.O_NOCTTY
+
+
+def read_proc_file(path: str, limit: int = 1 << 16) -> bytes:
+    """The first ``limit`` bytes of a /proc file of a peer, opened with
+    :data:`PEER_OPEN_FLAGS` and ``O_NOFOLLOW`` (a /proc/<pid>/stat or maps is no link).
+
+    Raises:
+        OSError: it cannot be opened or read (the process exited).
+    """
+    fd = os.open(path, os.O_RDONLY | PEER_OPEN_FLAGS | os.O_NOFOLLOW)
+    try:
+        chunks, n = [], 0
+        while n < limit:
+            b = os.read(fd, limit - n)
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _proc_stat(pid: int) -> list[bytes] | None:
     """Fields of /proc/pid/stat after the command name (field 3, the state, first), or None."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
+        raw = read_proc_file(f"/proc/{pid}/stat", 4096)
     except OSError:
         return None
     return raw[raw.rfind(b")") + 2:].split()
@@ -142,8 +173,12 @@ class Layout:
     slot_bytes: int
 
     @property
+    def note_off(self) -> int:
+        return self.world * CONTROL_BYTES
+
+    @property
     def header_off(self) -> int:
-        return _round_up(self.world * CONTROL_BYTES)
+        return _round_up(self.world * (CONTROL_BYTES + NOTE_BYTES))
 
     @property
     def data_off(self) -> int:
@@ -155,6 +190,10 @@ class Layout:
 
     def header(self, slot: int, rank: int) -> int:
         return self.header_off + (slot * self.world + rank) * HEADER_BYTES
+
+    def note(self, rank: int) -> int:
+        """Byte offset of ``rank``'s note (:data:`NOTE_BYTES`)."""
+        return self.note_off + rank * NOTE_BYTES
 
     def word(self, rank: int, index: int) -> int:
         """Index of a u32 control word in the segment viewed as u32."""
@@ -291,7 +330,7 @@ def _attach(record: bytes, size: int) -> int:
         raise RuntimeError(f"fcoll: the creator of the group's segment (pid {pid}) exited "
                            f"before this rank could attach {path}")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | PEER_OPEN_FLAGS)  # a magic link: no O_NOFOLLOW
     except OSError as e:
         raise RuntimeError(f"fcoll: cannot open the group's segment {path} ({e.strerror}); "
                            "every rank must run as the same user, see the creator in /proc "
@@ -410,10 +449,10 @@ def proc_maps():
         if not pid.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/maps", "rb") as f:
-                yield pid, f.read()
+            maps = read_proc_file(f"/proc/{pid}/maps", 1 << 26)
         except OSError:
             continue
+        yield pid, maps
 
 
 def _mapped_inodes(shm_dir: str) -> set[int]:
