@@ -135,6 +135,50 @@ def test_partitioner_never_recomputes_collective_in_backward(fake_pg):
     assert [n.target.__name__ for n in collectives(bw)] == ["reduce_scatter_tensor.default"]
 
 
+@pytest.mark.parametrize("compute", ["eager", "inductor"])
+def test_must_recompute_all_gather_is_gathered_again_in_backward(fake_pg, compute):
+    """Reshard after forward (torchtitan's SimpleFSDP): a selective-checkpoint policy tags the
+    all_gather and its wait ``MUST_RECOMPUTE``, so the backward gathers the parameter again
+    instead of saving it, on every ``compute``::
+
+        fw: all_gather(w) -> wait -> mm -> relu
+        bw: all_gather(w) -> wait -> mm ... reduce_scatter      (w's gathered copy not saved)
+    """
+    from functools import partial
+
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    recompute = {torch.ops.fcoll.all_gather_into_tensor.default, torch.ops.fcoll.wait_tensor.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_RECOMPUTE if op in recompute
+                else CheckpointPolicy.PREFER_SAVE)
+
+    def gather(w):
+        return fcoll.all_gather_tensor(w, 0, fake_pg)
+
+    def f(x, w):
+        full = checkpoint(gather, w, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts, policy))
+        return torch.relu(x @ full.t()).sum()
+
+    records: list[CompiledGraph] = []
+    handle = register_compile_listener(records.append)
+    try:
+        x = torch.randn(64, 16, requires_grad=True)   # its gradient reads the gathered w
+        w = torch.randn(8, 16, requires_grad=True)
+        torch.compile(f, backend="fcoll", options={"compute": compute, "check_ranks": False,
+                                                   "bucket": False, "overlap": False})(x, w).backward()
+    finally:
+        handle.remove()
+    kinds = {r.name.rsplit("_", 1)[1]: [n.target.__name__ for n in collectives(r.after)]
+             for r in records}
+    assert kinds == {"forward": ["all_gather_into_tensor.default"],
+                     "backward": ["all_gather_into_tensor.default",
+                                  "reduce_scatter_tensor.default"]}, kinds
+
+
 # -- listeners and pass records ----------------------------------------------------------------
 
 def test_listener_gets_forward_and_backward_before_and_after_passes(fake_pg):
