@@ -64,7 +64,21 @@ def test_unknown_option_raises_naming_it(fake_pg):
 
 
 @pytest.mark.parametrize("options,name", [({"bucket_cap_mb": -1}, "bucket_cap_mb"),
+                                          ({"bucket_cap_mb": float("nan")}, "bucket_cap_mb"),
+                                          ({"bucket_cap_mb": float("inf")}, "bucket_cap_mb"),
+                                          ({"bucket_cap_mb": "25"}, "bucket_cap_mb"),
+                                          ({"max_in_flight_mb": float("nan")},
+                                           "max_in_flight_mb"),
+                                          ({"memory_budget_mb": -float("inf")},
+                                           "memory_budget_mb"),
+                                          ({"check_timeout_s": float("inf")}, "check_timeout_s"),
+                                          ({"check_timeout_s": 0}, "check_timeout_s"),
                                           ({"compute": "gpu"}, "compute"),
+                                          ({"compute": None}, "compute"),
+                                          ({"bucket_mode": 1}, "bucket_mode"),
+                                          ({"passes": "lower_c10d_functional"}, "passes"),
+                                          ({"trace_dir": 3}, "trace_dir"),
+                                          ({"estimator": 1.0}, "estimator"),
                                           ({"overlap": "yes"}, "overlap")])
 def test_bad_option_value_raises_naming_it(fake_pg, options, name):
     with pytest.raises(ValueError, match=name):
