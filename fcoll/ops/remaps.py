@@ -5,8 +5,8 @@ Inside ``torch.compile`` these calls become PyTorch's own functional collectives
 passes included, sees what it would see without fcoll) plus a ``copy_`` into the caller's
 tensor; fcoll's backend lowers them to ``torch.ops.fcoll`` (``fcoll.passes.lower``). Where
 PyTorch's own remap compiles the call (no ``async_op``, PyTorch's shapes), the polyfill calls the
-very wrapper PyTorch's remap calls (``_functional_collectives.all_reduce_inplace`` and its
-siblings), so the graph is PyTorch's node for node: op packets, names, placeholder order. ``import
+very function PyTorch's remap table names (``traceable_collective_remaps``), so the graph and
+the return value are PyTorch's node for node: op packets, names, placeholder order. ``import
 fcoll`` thus changes other backends' graphs only where PyTorch would graph-break (broadcast,
 reduce, barrier, ``async_op=True``, which PyTorch does not remap):
 
@@ -191,6 +191,14 @@ def _complete(result: torch.Tensor, copies: list, async_op: bool) -> TracedWork 
     return None
 
 
+#: torch.distributed name -> what PyTorch's own Dynamo remap calls for it (the 2.13
+#: ``_remapped_*`` wrappers returning None; 2.11's ``*_inplace`` functions returning the
+#: ``copy_``), read once here: a polyfill calling it records PyTorch's graph node for node.
+_TORCH_REMAP = {name: _funcol.traceable_collective_remaps[getattr(dist, name)]
+                for name in ("all_reduce", "all_gather_into_tensor", "all_gather",
+                             "reduce_scatter_tensor", "all_to_all_single")}
+
+
 def _world(group: Any) -> Any:
     return dist.group.WORLD if group is None else group
 
@@ -202,8 +210,7 @@ def all_reduce(tensor, op=_RO.SUM, group=None, async_op=False):
     """``dist.all_reduce``: ``tensor [*]`` is replaced by the reduction over the group."""
     group = _world(group)
     if not async_op:
-        _funcol.all_reduce_inplace(tensor, reduce_op_name(op), group.group_name)
-        return None
+        return _TORCH_REMAP["all_reduce"](tensor, reduce_op_name(op), group.group_name)
     r = _F.all_reduce(tensor, reduce_op_name(op), group.group_name)
     return _complete(r, [(tensor, None, None)], async_op)
 
@@ -213,8 +220,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     group = _world(group)
     name = group.group_name
     if not async_op and output_tensor.dim() == input_tensor.dim():  # not [n, N, *]
-        _funcol.all_gather_tensor_inplace(output_tensor, input_tensor, name)
-        return None
+        return _TORCH_REMAP["all_gather_into_tensor"](output_tensor, input_tensor, name)
     r = _F.all_gather_into_tensor(input_tensor, group_size(name), name)
     return _complete(r, [(output_tensor, None, None)], async_op)
 
@@ -236,8 +242,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     """
     group = _world(group)
     if not async_op:
-        _funcol.all_gather_inplace(tensor_list, tensor, group.group_name)
-        return None
+        return _TORCH_REMAP["all_gather"](tensor_list, tensor, group.group_name)
     n = group_size(group.group_name)
     rows = tensor.shape[0] if tensor.dim() > 0 else 1
     r = _F.all_gather_into_tensor(tensor, n, group.group_name)
@@ -250,8 +255,7 @@ def reduce_scatter_tensor(output, input, op=_RO.SUM, group=None, async_op=False)
     group = _world(group)
     reduce_op = reduce_op_name(op, "reduce_scatter_tensor")
     if not async_op and input.dim() == output.dim():  # not [n, N, *]
-        _funcol.reduce_scatter_tensor_inplace(output, input, reduce_op, group.group_name)
-        return None
+        return _TORCH_REMAP["reduce_scatter_tensor"](output, input, reduce_op, group.group_name)
     n = group_size(group.group_name)
     flat = input.reshape(n * output.shape[0], *output.shape[1:]) if output.dim() > 0 else input
     r = _F.reduce_scatter_tensor(flat, reduce_op, n, group.group_name)
@@ -276,9 +280,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     """
     group = _world(group)
     if not async_op:
-        _funcol.all_to_all_inplace(output, input, output_split_sizes, input_split_sizes,
-                                   group.group_name)
-        return None
+        return _TORCH_REMAP["all_to_all_single"](output, input, output_split_sizes,
+                                                 input_split_sizes, group.group_name)
     n = group_size(group.group_name)
     out_splits = (list(output_split_sizes) if output_split_sizes is not None
                   else [output.shape[0] // n] * n)
