@@ -163,7 +163,8 @@ def test_must_recompute_all_gather_is_gathered_again_in_backward(fake_pg, comput
     from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                         create_selective_checkpoint_contexts)
 
-    recompute = {torch.ops.fcoll.all_gather_into_tensor.default, torch.ops.fcoll.wait_tensor.default}
+    recompute = {torch.ops.fcoll.all_gather_into_tensor.default,
+                 torch.ops.fcoll.wait_tensor.default}
 
     def policy(ctx, op, *args, **kwargs):
         return (CheckpointPolicy.MUST_RECOMPUTE if op in recompute
@@ -182,8 +183,8 @@ def test_must_recompute_all_gather_is_gathered_again_in_backward(fake_pg, comput
     try:
         x = torch.randn(64, 16, requires_grad=True)   # its gradient reads the gathered w
         w = torch.randn(8, 16, requires_grad=True)
-        torch.compile(f, backend="fcoll", options={"compute": compute, "check_ranks": False,
-                                                   "bucket": False, "overlap": False})(x, w).backward()
+        options = {"compute": compute, "check_ranks": False, "bucket": False, "overlap": False}
+        torch.compile(f, backend="fcoll", options=options)(x, w).backward()
     finally:
         handle.remove()
     kinds = {r.name.rsplit("_", 1)[1]: [n.target.__name__ for n in collectives(r.after)]

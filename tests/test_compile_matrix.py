@@ -9,10 +9,11 @@ largest gradient difference of each, so the matrix costs two process starts:
   PyTorch's ``aot_eager`` and ``inductor``.
 
 The same job compiles SimpleFSDP with an uneven shard (a vocabulary of 65 over 2 ranks) with
-the default options, and checks that a collective never reads its input after the op returns (the root
-cause of issue 28's wrong gradient under ``backend="inductor"``): with the collective slowed
-down, each op's input is overwritten right after the call, as a caller or a compiler reusing
-the buffer may, and the result must still be the collective of the original values.
+the default options, and checks that a collective never reads its input after the op returns
+(the defect found for issue 28's wrong gradient under ``backend="inductor"``): with the
+collective slowed down, each op's input is overwritten right after the call, as a caller or a
+compiler reusing the buffer may, and the result must still be the collective of the original
+values.
 """
 
 from __future__ import annotations
