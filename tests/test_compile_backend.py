@@ -64,7 +64,21 @@ def test_unknown_option_raises_naming_it(fake_pg):
 
 
 @pytest.mark.parametrize("options,name", [({"bucket_cap_mb": -1}, "bucket_cap_mb"),
+                                          ({"bucket_cap_mb": float("nan")}, "bucket_cap_mb"),
+                                          ({"bucket_cap_mb": float("inf")}, "bucket_cap_mb"),
+                                          ({"bucket_cap_mb": "25"}, "bucket_cap_mb"),
+                                          ({"max_in_flight_mb": float("nan")},
+                                           "max_in_flight_mb"),
+                                          ({"memory_budget_mb": -float("inf")},
+                                           "memory_budget_mb"),
+                                          ({"check_timeout_s": float("inf")}, "check_timeout_s"),
+                                          ({"check_timeout_s": 0}, "check_timeout_s"),
                                           ({"compute": "gpu"}, "compute"),
+                                          ({"compute": None}, "compute"),
+                                          ({"bucket_mode": 1}, "bucket_mode"),
+                                          ({"passes": "lower_c10d_functional"}, "passes"),
+                                          ({"trace_dir": 3}, "trace_dir"),
+                                          ({"estimator": 1.0}, "estimator"),
                                           ({"overlap": "yes"}, "overlap")])
 def test_bad_option_value_raises_naming_it(fake_pg, options, name):
     with pytest.raises(ValueError, match=name):
@@ -133,6 +147,51 @@ def test_partitioner_never_recomputes_collective_in_backward(fake_pg):
     fw, bw = graphs
     assert [n.target.__name__ for n in collectives(fw)] == ["all_gather_into_tensor.default"]
     assert [n.target.__name__ for n in collectives(bw)] == ["reduce_scatter_tensor.default"]
+
+
+@pytest.mark.parametrize("compute", ["eager", "inductor"])
+def test_must_recompute_all_gather_is_gathered_again_in_backward(fake_pg, compute):
+    """Reshard after forward (torchtitan's SimpleFSDP): a selective-checkpoint policy tags the
+    all_gather and its wait ``MUST_RECOMPUTE``, so the backward gathers the parameter again
+    instead of saving it, on every ``compute``::
+
+        fw: all_gather(w) -> wait -> mm -> relu
+        bw: all_gather(w) -> wait -> mm ... reduce_scatter      (w's gathered copy not saved)
+    """
+    from functools import partial
+
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    recompute = {torch.ops.fcoll.all_gather_into_tensor.default,
+                 torch.ops.fcoll.wait_tensor.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_RECOMPUTE if op in recompute
+                else CheckpointPolicy.PREFER_SAVE)
+
+    def gather(w):
+        return fcoll.all_gather_tensor(w, 0, fake_pg)
+
+    def f(x, w):
+        full = checkpoint(gather, w, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts, policy))
+        return torch.relu(x @ full.t()).sum()
+
+    records: list[CompiledGraph] = []
+    handle = register_compile_listener(records.append)
+    try:
+        x = torch.randn(64, 16, requires_grad=True)   # its gradient reads the gathered w
+        w = torch.randn(8, 16, requires_grad=True)
+        options = {"compute": compute, "check_ranks": False, "bucket": False, "overlap": False}
+        torch.compile(f, backend="fcoll", options=options)(x, w).backward()
+    finally:
+        handle.remove()
+    kinds = {r.name.rsplit("_", 1)[1]: [n.target.__name__ for n in collectives(r.after)]
+             for r in records}
+    assert kinds == {"forward": ["all_gather_into_tensor.default"],
+                     "backward": ["all_gather_into_tensor.default",
+                                  "reduce_scatter_tensor.default"]}, kinds
 
 
 # -- listeners and pass records ----------------------------------------------------------------

@@ -72,6 +72,15 @@ KINDS = {
 }
 
 
+def _overloads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with each op packet (what Dynamo records, PyTorch's remaps and fcoll's alike)
+    replaced by its default overload, as AOTAutograd's graphs that the passes read have them."""
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverloadPacket):
+            node.target = node.target.default
+    return gm
+
+
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_each_call_compiles_to_one_graph_with_c10d_functional_ops(fake_pg, call):
     """Other backends see PyTorch's own ops (``import fcoll`` only removes graph breaks)."""
@@ -83,7 +92,7 @@ def test_each_call_compiles_to_one_graph_with_c10d_functional_ops(fake_pg, call)
                                                        fake_pg)
     assert counter.frame_count == 1
     (gm,) = counter.graphs
-    starts = G.collectives(gm)
+    starts = G.collectives(_overloads(gm))
     assert [G.collective_kind(s) for s in starts] == KINDS.get(call, ["all_reduce"])
     assert all(s.target.namespace == "_c10d_functional" and G.wait_of(s) is not None
                for s in starts)
@@ -159,7 +168,8 @@ def test_group_forms_resolve_to_the_group_name(fake_pg):
     counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
     torch._dynamo.reset()
     torch.compile(f, backend=counter, fullgraph=True)(torch.ones(2))
-    names = [G.collective_info(s).group_name for s in G.collectives(counter.graphs[0])]
+    names = [G.collective_info(s).group_name
+             for s in G.collectives(_overloads(counter.graphs[0]))]
     world = dist.group.WORLD.group_name
     assert names == [world, world, world, fake_pg.group_name, fake_pg.group_name]
     assert world != fake_pg.group_name
@@ -381,3 +391,67 @@ def test_results_match_eager_on_two_ranks(backend):
                 torch.testing.assert_close(compiled[key], res["x"], msg=f"{key} rank {rank}")
                 continue
             torch.testing.assert_close(compiled[key], eager[key], msg=f"{key} rank {rank}")
+
+
+# The calls PyTorch's own remaps compile (the rest graph-break without fcoll).
+_PYTORCH_REMAPPED = '''
+import json, sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+if sys.argv[1] == "fcoll":
+    import fcoll
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+x, i = torch.randn(4, 3), torch.arange(4)
+calls = {
+    "all_reduce": lambda: dist.all_reduce(x),
+    "all_reduce_max": lambda: dist.all_reduce(x, dist.ReduceOp.MAX),
+    "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(x.new_empty(8, 3), x),
+    "_all_gather_base": lambda: dist._all_gather_base(x.new_empty(8, 3), x),
+    "all_gather": lambda: dist.all_gather([x.new_empty(4, 3), x.new_empty(4, 3)], x),
+    "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(x.new_empty(2, 3), x),
+    "_reduce_scatter_base": lambda: dist._reduce_scatter_base(x.new_empty(2, 3), x),
+    "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(x), x),
+    "all_to_all_single_uneven": lambda: dist.all_to_all_single(x.new_empty(5, 3), x, [2, 3],
+                                                               [1, 3]),
+}
+out = {}
+for name, call in calls.items():
+    torch._dynamo.reset()
+    graphs = []
+    torch.compile(lambda: call(), backend=lambda gm, ex: graphs.append(gm) or gm,
+                  fullgraph=True)()
+    out[name] = [gm.code for gm in graphs] + [
+        [getattr(n.target, "__name__", str(n.target)) if callable(n.target) else n.target
+         for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs] + [
+        [type(n.target).__name__ for n in gm.graph.nodes] for gm in graphs]
+print(json.dumps(out))
+'''
+
+
+def test_remapped_calls_record_what_pytorch_records():
+    """``import fcoll`` changes nothing in the graphs of the calls PyTorch remaps itself: the
+    same op packets (not overloads), no extra ``reshape`` or ``contiguous``, the same node
+    names and placeholder order (issue 28.5; PyTorch's Inductor tests compare these)."""
+    import json
+    import subprocess
+    import sys
+
+    graphs = {}
+    for mode in ("torch", "fcoll"):
+        run = subprocess.run([sys.executable, "-c", _PYTORCH_REMAPPED, mode], check=True,
+                             timeout=240, capture_output=True, text=True)
+        graphs[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in graphs["torch"]:
+        assert graphs["fcoll"][name] == graphs["torch"][name], name
+
+
+def test_all_gather_tensor_of_a_contiguous_input_records_no_contiguous(fake_pg):
+    """``fcoll.all_gather_tensor`` records the collective and its wait only, as PyTorch's does
+    (a ``contiguous`` node only for a non-contiguous input)."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    torch._dynamo.reset()
+    torch.compile(lambda x: fcoll.all_gather_tensor(x, 0, fake_pg), backend=counter,
+                  fullgraph=True)(torch.ones(4, 3))
+    (gm,) = counter.graphs
+    targets = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    assert targets == [torch.ops.fcoll.all_gather_into_tensor, torch.ops.fcoll.wait_tensor], \
+        targets

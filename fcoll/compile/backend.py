@@ -120,14 +120,32 @@ def _save_collectives(joint: fx.GraphModule) -> None:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+def _has_recompute_tags(joint: fx.GraphModule) -> bool:
+    """True when some node carries a recompute policy (``torch.utils.checkpoint``, a
+    selective-checkpoint policy, or a pass that tags, such as SimpleFSDP's reshard after
+    forward), read before :func:`_save_collectives` adds its own MUST_SAVE tags."""
+    return any(n.meta.get("recompute") is not None for n in joint.graph.nodes)
+
+
 def _partition_fn(config: FcollConfig) -> Callable[..., Any]:
+    """The partitioner: PyTorch's min-cut one (what ``aot_eager`` and Inductor use) where the
+    user asked for recomputation or ``compute="inductor"``, else PyTorch's default one.
+
+    The default partitioner saves every forward value the backward reads and recomputes
+    nothing, the right trade when nothing fuses recomputed ops (``compute="eager"``); but it
+    ignores recompute tags (``MUST_RECOMPUTE`` all_gathers were saved anyway) and refuses an
+    activation-checkpointed region holding any impure op but PyTorch's own
+    ``_c10d_functional.wait_tensor`` ("Trying to apply AC on a graph with impure op:
+    fcoll.wait_tensor"). A joint graph with tags therefore goes to the min-cut partitioner on
+    every ``compute``, which honours ``MUST_SAVE`` / ``MUST_RECOMPUTE`` / ``PREFER_*``.
+    """
     from torch._functorch import partitioners
 
-    base = (partitioners.min_cut_rematerialization_partition if config.compute == "inductor"
-            else partitioners.default_partition)
-
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        tagged = _has_recompute_tags(joint)
         _save_collectives(joint)
+        base = (partitioners.min_cut_rematerialization_partition
+                if config.compute == "inductor" or tagged else partitioners.default_partition)
         return base(joint, joint_inputs, **kwargs)
     return partition
 

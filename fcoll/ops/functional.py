@@ -133,7 +133,10 @@ def all_gather_single(self: torch.Tensor, gather_dim: int, group: GroupLike,
     """
     name = resolve_group_name(group, tag)
     n = group_size(name)
-    out = _finish(_op("all_gather_into_tensor")(_plain(self).contiguous(), n, name))
+    t = _plain(self)
+    if not t.is_contiguous():  # a node only where needed: PyTorch's graph has none
+        t = t.contiguous()
+    out = _finish(_op("all_gather_into_tensor")(t, n, name))
     return _chunks_to_gather_dim(out, n, gather_dim)
 
 

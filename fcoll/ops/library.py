@@ -87,6 +87,21 @@ def _check_splits(op: str, name: str, splits: Sequence[int], total: int, n: int,
                          f"dim 0 has size {total} {_where(group_name, t)}")
 
 
+def _owned_input(pg: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the backend reads it (:func:`fcoll.ops.wire.wire_input`), in a buffer of the
+    op's own: never ``t`` itself.
+
+    A functional op's caller owns its inputs again once the op returns: it may write them, and
+    a compiler reuses their buffers (Inductor's ``bufN = buf0  # reuse`` after a fallback
+    kernel's last read). The backend reads the input after the op returns (fcoll's engine
+    worker, gloo's thread), so it must read a copy: reading ``t`` itself let a later write
+    change the result (with the collective slowed down, an input overwritten after the call was
+    all-reduced in place of the original on every rank).
+    """
+    w = wire_input(pg, t)
+    return w.clone() if w is t else w
+
+
 # ---------------------------------------------------------------------------------------------
 # Starting a collective on a torch.distributed group (how the group takes the data:
 # fcoll.ops.wire)
@@ -113,16 +128,8 @@ def _impl(name: str):
 
 @_impl("all_reduce")
 def _all_reduce(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    pg = group_from_name(group_name)
-    out_of_place = getattr(pg, "allreduce_out_of_place", None)   # fcoll's backend
-    if out_of_place is not None and pg.size() > 1:
-        # No clone of the input to reduce in place: the backend reads the input and writes a
-        # fresh output (one copy of the data fewer).
-        validate_reduce_op("all_reduce", reduce_op, input.dtype)
-        out = torch.empty_like(input, memory_format=torch.contiguous_format)
-        op, fin = reduce_args(reduce_op, pg, input.dtype, out)
-        pending.register(out, out_of_place(input, out, op), fin)
-        return out
+    # A copy the op owns, reduced in place (as torch's _c10d_functional.all_reduce does): the
+    # caller owns ``input`` again when the op returns (see _owned_input).
     out = input.clone(memory_format=torch.contiguous_format)
     _all_reduce_into(out, reduce_op, group_name)
     return out
@@ -135,15 +142,13 @@ def _all_reduce_(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.
 
 
 def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str,
-                          group_name: str, inputs: list[torch.Tensor] | None = None) -> None:
-    """Reduce every tensor of ``outs`` in place, as few backend calls as the backend allows;
-    with ``inputs`` (a backend with ``allreduce_coalesced_out_of_place``, a group of 2 ranks
-    or more), reduce ``inputs[i]`` into ``outs[i]`` instead, leaving the inputs alone.
+                          group_name: str) -> None:
+    """Reduce every tensor of ``outs`` in place, as few backend calls as the backend allows.
 
     fcoll's backend packs tensors of every dtype into one coalesced collective; gloo coalesces
     tensors of one dtype, so there each dtype is one call, issued back to back.
     """
-    for dt in dict.fromkeys(t.dtype for t in (outs if inputs is None else inputs)):
+    for dt in dict.fromkeys(t.dtype for t in outs):
         validate_reduce_op(op_name, reduce_op, dt)
     pg = group_from_name(group_name)
     if not outs:
@@ -152,12 +157,9 @@ def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str
     # A bucket holds hundreds of tensors: the dist op and call key are worked out once per
     # dtype, and a finisher only for the dtypes that have one (avg emulated as sum).
     per_dtype: dict[torch.dtype, tuple] = {}
-    per_call: dict[object, tuple[dist.ReduceOp, list, list, list, list]] = {}
-    for i, t in enumerate(outs):
-        # out of place, ``outs`` are fresh contiguous tensors, which fcoll's backend (the one
-        # with the out-of-place form) takes as they are, in every dtype
-        buf, copy_back = (wire_output(pg, t, initialised=True) if inputs is None
-                          else (t, None))
+    per_call: dict[object, tuple[dist.ReduceOp, list, list, list]] = {}
+    for t in outs:
+        buf, copy_back = wire_output(pg, t, initialised=True)
         facts = per_dtype.get(t.dtype)
         if facts is None:
             op, fin = reduce_args(reduce_op, pg, t.dtype, buf)
@@ -167,20 +169,15 @@ def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str
         fin = reduce_args(reduce_op, pg, t.dtype, buf)[1] if has_fin else None
         call = per_call.get(key)
         if call is None:
-            call = per_call[key] = (op, [], [], [], [])
+            call = per_call[key] = (op, [], [], [])
         call[1].append(t)
         call[2].append(buf)
         call[3].append(fin if copy_back is None else chain(fin, copy_back))
-        if inputs is not None:
-            call[4].append(inputs[i])
-    for op, targets, bufs, finishers, ins in per_call.values():
-        if inputs is None:
-            opts = dist.AllreduceCoalescedOptions()
-            opts.reduceOp = op
-            opts.asyncOp = True
-            work = pg.allreduce_coalesced(bufs, opts)
-        else:
-            work = pg.allreduce_coalesced_out_of_place(ins, bufs, op)
+    for op, targets, bufs, finishers in per_call.values():
+        opts = dist.AllreduceCoalescedOptions()
+        opts.reduceOp = op
+        opts.asyncOp = True
+        work = pg.allreduce_coalesced(bufs, opts)
         for t, finish in zip(targets, finishers):
             pending.register(t, work, finish)
 
@@ -188,14 +185,7 @@ def _all_reduce_many_into(op_name: str, outs: list[torch.Tensor], reduce_op: str
 @_impl("all_reduce_coalesced")
 def _all_reduce_coalesced(inputs: list[torch.Tensor], reduce_op: str,
                           group_name: str) -> list[torch.Tensor]:
-    pg = group_from_name(group_name)
-    if getattr(pg, "allreduce_coalesced_out_of_place", None) is not None and pg.size() > 1:
-        # fcoll's backend: no clone of the inputs to reduce in place; the backend reads each
-        # input into its shared slots and reduces into a fresh output (one copy fewer).
-        outs = [torch.empty_like(t) if t.is_contiguous()  # (a third faster)
-                else torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
-        _all_reduce_many_into("all_reduce_coalesced", outs, reduce_op, group_name, inputs)
-        return outs
+    # copies the op owns, reduced in place (see _owned_input)
     outs = [t.clone(memory_format=torch.contiguous_format) for t in inputs]
     _all_reduce_many_into("all_reduce_coalesced", outs, reduce_op, group_name)
     return outs
@@ -227,7 +217,7 @@ def _gather_into(op: str, inputs: Sequence[torch.Tensor], outs: Sequence[torch.T
     if not outs:
         return
     wired = [wire_output(pg, out, initialised=False) for out in outs]
-    ins = [wire_input(pg, t) for t in inputs]
+    ins = [_owned_input(pg, t) for t in inputs]
     if gathers_one_by_one(pg):
         works = [pg._allgather_base(buf, x, allgather_options())
                  for (buf, _), x in zip(wired, ins)]
@@ -294,7 +284,7 @@ def _reduce_scatter_into(pg: dist.ProcessGroup, inputs: Sequence[torch.Tensor],
         by_dtype.setdefault(t.dtype, []).append(i)
     for dtype, members in by_dtype.items():
         wired = [wire_output(pg, outs[i], initialised=False) for i in members]
-        ins = [wire_input(pg, inputs[i]) for i in members]
+        ins = [_owned_input(pg, inputs[i]) for i in members]
         if reduces_scatter_by_all_to_all(pg):
             started = [start_reduce_scatter(pg, buf, x, reduce_op, dtype)
                        for (buf, _), x in zip(wired, ins)]
@@ -352,7 +342,7 @@ def _all_to_all_single(input: torch.Tensor, output_split_sizes: list[int],
                          f"{_where(group_name, input)}")
     out = input.new_empty([sum(output_split_sizes), *input.shape[1:]])
     buf, copy_back = wire_output(pg, out, initialised=False)
-    work = dist.all_to_all_single(buf, wire_input(pg, input), list(output_split_sizes),
+    work = dist.all_to_all_single(buf, _owned_input(pg, input), list(output_split_sizes),
                                   list(input_split_sizes), group=pg, async_op=True)
     pending.register(out, work, copy_back)
     return out

@@ -3,7 +3,10 @@
 Inside ``torch.compile`` these calls become PyTorch's own functional collectives
 (``torch.ops._c10d_functional``, the ops PyTorch's remaps emit, so every backend, Inductor's comm
 passes included, sees what it would see without fcoll) plus a ``copy_`` into the caller's
-tensor; fcoll's backend lowers them to ``torch.ops.fcoll`` (``fcoll.passes.rewrites.lower``). ``import
+tensor; fcoll's backend lowers them to ``torch.ops.fcoll`` (``fcoll.passes.rewrites.lower``). Where
+PyTorch's own remap compiles the call (no ``async_op``, PyTorch's shapes), the polyfill calls the
+very function PyTorch's remap table names (``traceable_collective_remaps``), so the graph and
+the return value are PyTorch's node for node: op packets, names, placeholder order. ``import
 fcoll`` thus changes other backends' graphs only where PyTorch would graph-break (broadcast,
 reduce, barrier, ``async_op=True``, which PyTorch does not remap):
 
@@ -68,6 +71,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as _funcol
 
 from fcoll import compat
 from fcoll.ops.groups import group_from_name, group_rank, group_size
@@ -172,7 +176,7 @@ class TracedWork:
 
 
 def _finish(result: torch.Tensor, copies: list) -> None:
-    waited = _F.wait_tensor.default(result)
+    waited = _F.wait_tensor(result)
     for dst, lo, hi in copies:
         src = waited if lo is None else waited[lo:hi]
         if src.shape != dst.shape:  # [n * N, *] results into [n, N, *] outputs, 0-dim chunks
@@ -187,6 +191,14 @@ def _complete(result: torch.Tensor, copies: list, async_op: bool) -> TracedWork 
     return None
 
 
+#: torch.distributed name -> what PyTorch's own Dynamo remap calls for it (the 2.13
+#: ``_remapped_*`` wrappers returning None; 2.11's ``*_inplace`` functions returning the
+#: ``copy_``), read once here: a polyfill calling it records PyTorch's graph node for node.
+_TORCH_REMAP = {name: _funcol.traceable_collective_remaps[getattr(dist, name)]
+                for name in ("all_reduce", "all_gather_into_tensor", "all_gather",
+                             "reduce_scatter_tensor", "all_to_all_single")}
+
+
 def _world(group: Any) -> Any:
     return dist.group.WORLD if group is None else group
 
@@ -197,7 +209,9 @@ def _world(group: Any) -> Any:
 def all_reduce(tensor, op=_RO.SUM, group=None, async_op=False):
     """``dist.all_reduce``: ``tensor [*]`` is replaced by the reduction over the group."""
     group = _world(group)
-    r = _F.all_reduce.default(tensor, reduce_op_name(op), group.group_name)
+    if not async_op:
+        return _TORCH_REMAP["all_reduce"](tensor, reduce_op_name(op), group.group_name)
+    r = _F.all_reduce(tensor, reduce_op_name(op), group.group_name)
     return _complete(r, [(tensor, None, None)], async_op)
 
 
@@ -205,7 +219,9 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     """``dist.all_gather_into_tensor``: ``input [N, *]`` -> ``output [n * N, *]`` or ``[n, N, *]``."""
     group = _world(group)
     name = group.group_name
-    r = _F.all_gather_into_tensor.default(input_tensor, group_size(name), name)
+    if not async_op and output_tensor.dim() == input_tensor.dim():  # not [n, N, *]
+        return _TORCH_REMAP["all_gather_into_tensor"](output_tensor, input_tensor, name)
+    r = _F.all_gather_into_tensor(input_tensor, group_size(name), name)
     return _complete(r, [(output_tensor, None, None)], async_op)
 
 
@@ -225,9 +241,11 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     Every entry of ``tensor_list`` must have ``tensor``'s shape (as gloo and nccl require).
     """
     group = _world(group)
+    if not async_op:
+        return _TORCH_REMAP["all_gather"](tensor_list, tensor, group.group_name)
     n = group_size(group.group_name)
     rows = tensor.shape[0] if tensor.dim() > 0 else 1
-    r = _F.all_gather_into_tensor.default(tensor, n, group.group_name)
+    r = _F.all_gather_into_tensor(tensor, n, group.group_name)
     return _complete(r, [(t, i * rows, (i + 1) * rows) for i, t in enumerate(tensor_list)],
                      async_op)
 
@@ -235,10 +253,12 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 def reduce_scatter_tensor(output, input, op=_RO.SUM, group=None, async_op=False):
     """``dist.reduce_scatter_tensor``: ``input [n * N, *]`` or ``[n, N, *]`` -> ``output [N, *]``."""
     group = _world(group)
+    reduce_op = reduce_op_name(op, "reduce_scatter_tensor")
+    if not async_op and input.dim() == output.dim():  # not [n, N, *]
+        return _TORCH_REMAP["reduce_scatter_tensor"](output, input, reduce_op, group.group_name)
     n = group_size(group.group_name)
     flat = input.reshape(n * output.shape[0], *output.shape[1:]) if output.dim() > 0 else input
-    r = _F.reduce_scatter_tensor.default(flat, reduce_op_name(op, "reduce_scatter_tensor"), n,
-                                         group.group_name)
+    r = _F.reduce_scatter_tensor(flat, reduce_op, n, group.group_name)
     return _complete(r, [(output, None, None)], async_op)
 
 
@@ -259,12 +279,15 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     A None split list splits that tensor's dim 0 evenly over the group, as PyTorch does.
     """
     group = _world(group)
+    if not async_op:
+        return _TORCH_REMAP["all_to_all_single"](output, input, output_split_sizes,
+                                                 input_split_sizes, group.group_name)
     n = group_size(group.group_name)
     out_splits = (list(output_split_sizes) if output_split_sizes is not None
                   else [output.shape[0] // n] * n)
     in_splits = (list(input_split_sizes) if input_split_sizes is not None
                  else [input.shape[0] // n] * n)
-    r = _F.all_to_all_single.default(input, out_splits, in_splits, group.group_name)
+    r = _F.all_to_all_single(input, out_splits, in_splits, group.group_name)
     return _complete(r, [(output, None, None)], async_op)
 
 
@@ -273,7 +296,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     ``group_src`` rank inside ``group``)."""
     group = _world(group)
     root = _root(group, src, group_src, "broadcast", "src")
-    r = _F.broadcast.default(tensor, root, group.group_name)
+    r = _F.broadcast(tensor, root, group.group_name)
     return _complete(r, [(tensor, None, None)], async_op)
 
 
@@ -284,7 +307,7 @@ def reduce(tensor, dst=None, op=_RO.SUM, group=None, async_op=False, group_dst=N
     """
     group = _world(group)
     root = _root(group, dst, group_dst, "reduce", "dst")
-    r = _F.all_reduce.default(tensor, reduce_op_name(op, "reduce"), group.group_name)
+    r = _F.all_reduce(tensor, reduce_op_name(op, "reduce"), group.group_name)
     copies = [(tensor, None, None)] if rank_in(group.group_name) == root else []
     return _complete(r, copies, async_op)
 
@@ -292,8 +315,8 @@ def reduce(tensor, dst=None, op=_RO.SUM, group=None, async_op=False, group_dst=N
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     """``dist.barrier``: a one-element all_reduce and its wait (every rank must arrive)."""
     group = _world(group)
-    r = _F.all_reduce.default(torch.zeros(1, device=_barrier_device(group.group_name)), "sum",
-                              group.group_name)
+    r = _F.all_reduce(torch.zeros(1, device=_barrier_device(group.group_name)), "sum",
+                      group.group_name)
     return _complete(r, [], async_op)
 
 

@@ -7,6 +7,7 @@ the option, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -82,8 +83,10 @@ class FcollConfig:
                                  f"got {getattr(self, name)!r}")
         for name in ("bucket_cap_mb", "max_in_flight_mb", "memory_budget_mb", "check_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"fcoll option {name!r}: expected a positive number, "
+            # nan compares false with everything, so ``value <= 0`` alone let it through
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or value <= 0:
+                raise ValueError(f"fcoll option {name!r}: expected a positive finite number, "
                                  f"got {value!r}")
         if self.passes is not None:
             if isinstance(self.passes, str) or not all(isinstance(p, str) for p in self.passes):

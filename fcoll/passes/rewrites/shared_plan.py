@@ -80,6 +80,7 @@ from fcoll.passes.rewrites.bucket_key import BucketKeys
 from fcoll.passes.rewrites.bucket_plan import Bucket, BucketCosts, lane_timed, plan_buckets
 from fcoll.passes.rewrites.group_plan import BucketPlanError, GroupPlan, group_plans
 from fcoll.passes.config import FcollConfig
+from fcoll.passes.graph import is_collective, is_wait
 
 __all__ = ["agreed_buckets", "PlanOrigin", "BucketPlanTimeoutError", "META_BUCKET_PLAN",
            "plan_key"]
@@ -186,7 +187,14 @@ def agreed_buckets(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
     forced = {g: _receive(s, rank, config.check_timeout_s)
               for g, s in shared.items() if s.planner != rank}
     sources = {g: "received" for g in forced}
-    buckets = plan_buckets(gm, config, costs, include_moves=True, forced=forced)
+    try:
+        buckets = plan_buckets(gm, config, costs, include_moves=True, forced=forced)
+    except BucketPlanError as e:
+        if not forced or not hoist_input_preparation(gm):
+            raise
+        log.debug("bucket_collectives: rank %d: %s; retrying with the collectives' input "
+                  "preparation hoisted", rank, e)
+        buckets = plan_buckets(gm, config, costs, include_moves=True, forced=forced)
     mine = [g for g, s in shared.items() if s.planner == rank]
     if mine:
         plans = group_plans(gm, buckets)
@@ -199,6 +207,51 @@ def agreed_buckets(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
             forced.update(stored)
             buckets = plan_buckets(gm, config, costs, include_moves=True, forced=forced)
     return buckets, _origins(gm, buckets, local, {g: (sources[g], shared[g]) for g in shared})
+
+
+def hoist_input_preparation(gm: fx.GraphModule) -> bool:
+    """Move the compute that prepares a collective's input from graph inputs alone (and
+    nothing else) to right after the last placeholder, in graph order; True if anything moved.
+
+    Ranks' graphs differ in such compute where their collectives agree: an uneven
+    ``Shard(0)`` (a vocabulary of 65 over 2 ranks) is padded before its all_gather on the
+    ranks with the short shard only, so there the input is ready only just before the
+    collective, while on the planner it is a graph input, ready at the start. A plan that
+    merges it with earlier collectives is then valid on the planner and, as placed, not on
+    the padding rank, although the padding could run at the start there too. Hoisting it makes
+    the input as ready as on the planner. The moved nodes are pure (no collective, wait or
+    side effect) and read only placeholders, ``get_attr`` nodes and each other, so values are
+    unchanged; the padded copies are made earlier and live until the collective.
+    """
+    nodes = list(gm.graph.nodes)
+    anchor = max((n for n in nodes if n.op == "placeholder"), key=nodes.index, default=None)
+    if anchor is None:
+        return False
+    early: set[fx.Node] = set()      # nodes computable from graph inputs alone
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr"):
+            early.add(n)
+        elif (n.op == "call_function" and not is_collective(n) and not is_wait(n)
+              and not n.is_impure() and all(i in early for i in n.all_input_nodes)):
+            early.add(n)
+    feeding: set[fx.Node] = set()    # of those, the ones a collective's input is made from
+    stack = [i for c in nodes if is_collective(c) for i in c.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if n in early and n.op == "call_function" and n not in feeding:
+            feeding.add(n)
+            stack.extend(n.all_input_nodes)
+    moved = False
+    for n in nodes:
+        if n in feeding:
+            if anchor.next is not n:
+                anchor.append(n)
+                moved = True
+            anchor = n
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
 
 
 def _local_reason(group: str, nodes: list[fx.Node]) -> str | None:
