@@ -293,12 +293,14 @@ def _validation_errors(rank, world, gl):
         dist.all_gather_into_tensor(torch.empty(5), torch.ones(4))
     with pytest.raises(ValueError, match="overlapping memory"):
         dist.all_reduce(torch.ones(1).expand(10))
-    # only rank 0's splits are wrong: rank 0 raises at once, the others raise the same message
+    # only rank 0's splits are wrong: rank 0 raises at once, the others raise its message,
+    # quoted as rank 0's
     ins = [1] * world if rank else [2] * world
     x, out = torch.ones(world), torch.empty(world)
+    said = ": " if rank == 0 else ' reported: "rank 0: '
     with pytest.raises(ValueError,
-                       match=r"fcoll all_to_all_single: rank 0: input_split_sizes \[2(, 2)*\] "
-                             rf"sum to {2 * world} but input has {world} rows") as ei:
+                       match=rf"fcoll all_to_all_single: rank 0{said}input_split_sizes "
+                             rf"\[2(, 2)*\] sum to {2 * world} but input has {world} rows") as ei:
         dist.all_to_all_single(out, x, [1] * world, ins)
     # mismatched shapes across ranks: same message on every rank, output untouched
     t = torch.full((4, 4 if rank == 0 else 3), 7.0)
