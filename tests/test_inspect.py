@@ -150,12 +150,12 @@ class TestCollectivesTable(TestCase):
         """ar -> wait -> relu -> mm -> add: all 24 µs of ar exposed;
         ar -> mm (hides ar for 10 µs) -> wait -> relu -> add: 14 µs exposed."""
         gm = canonical.mm_overlap(size=8)
-        before = collectives(gm, predict=stand_in_predict)
+        before = collective_table(gm, predict=stand_in_predict)
         self.assertExpectedInline(str(before), """\
 #  node        op          group  ranks  dtype  bytes  issue  wait  est_us  exposed_us  hidden by
 -  ----------  ----------  -----  -----  -----  -----  -----  ----  ------  ----------  ---------
 0  all_reduce  all_reduce  0          2  f32    256 B      0     1    24.0        24.0  -""")
-        after = collectives(overlapped(gm), predict=stand_in_predict)
+        after = collective_table(overlapped(gm), predict=stand_in_predict)
         self.assertExpectedInline(str(after), """\
 #  node        op          group  ranks  dtype  bytes  issue  wait  est_us  exposed_us  hidden by
 -  ----------  ----------  -----  -----  -----  -----  -----  ----  ------  ----------  ---------
@@ -170,7 +170,7 @@ class TestCollectivesTable(TestCase):
 
     def test_rows_follow_graph_order_and_bytes_count_the_larger_buffer(self):
         gm = canonical.fsdp_backward(n_layers=2, batch=4, hidden=8)
-        table = collectives(gm, predict=stand_in_predict)
+        table = collective_table(gm, predict=stand_in_predict)
         self.assertEqual([r.op for r in table], ["all_gather_into_tensor",
                                                  "reduce_scatter_tensor"] * 2)
         self.assertEqual([r.index for r in table], [0, 1, 2, 3])
@@ -186,9 +186,9 @@ class TestCollectivesTable(TestCase):
         gm = canonical.mm_overlap(size=8)
         (ar,) = [n for n in gm.graph.nodes if is_collective(n)]
         ar.meta.update({META_ESTIMATED_US: 12.5, META_EXPOSED_US: 2.5, META_HIDING: ["mm"]})
-        row = collectives(gm, predict=lambda g: None)[0]
+        row = collective_table(gm, predict=lambda g: None)[0]
         self.assertEqual((row.estimated_us, row.exposed_us, row.hiding), (12.5, 2.5, ("mm",)))
-        self.assertIn("12.5", str(collectives(gm, predict=lambda g: None)))
+        self.assertIn("12.5", str(collective_table(gm, predict=lambda g: None)))
 
 
 class TestOverlapReport(TestCase):
@@ -217,7 +217,7 @@ step_us            54.0   44.0     -10.0""")
         self.assertEqual(str(report).splitlines()[0].split(), ["metric", "graph"])
 
 
-from fcoll.inspect import collectives, overlap_report  # noqa: E402
+from fcoll.inspect import collective_table, overlap_report  # noqa: E402
 
 
 class TestTimeline(TestCase):
@@ -439,7 +439,7 @@ class TestWithTheRealPredictor(TestCase):
         after = run_pipeline(copy.deepcopy(before), FcollConfig(check_ranks=False),
                              ["lower_c10d_functional", "bucket_collectives",
                               "reorder_for_overlap"])
-        table = collectives(after)
+        table = collective_table(after)
         report = overlap_report(before, after)
         self.assertEqual(report.after.n_collectives, len(table))
         self.assertAlmostEqual(report.after.comm_us, sum(r.estimated_us for r in table))

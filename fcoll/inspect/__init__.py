@@ -1,7 +1,7 @@
 """Inspection tools for fcoll graphs: stable text, tables, reports, timelines and traces.
 
 - :func:`format_graph`: stable text of a graph for ``assertExpectedInline`` snapshots.
-- :func:`collectives`: one row per collective (op, group, bytes, positions, estimated, hiding,
+- :func:`collective_table`: one row per collective (op, group, bytes, positions, estimated, hiding,
   exposed); ``str()`` is an aligned table.
 - :func:`overlap_report`: communication, hidden and exposed time before and after the passes.
 - :func:`timeline`: SVG/HTML picture of the predicted schedule.
@@ -22,12 +22,12 @@ from fcoll.inspect.overlap_report import (
     OverlapReport, OverlapTotals, overlap_report, overlap_totals,
 )
 from fcoll.inspect.predicted import Event, predicted_events
-from fcoll.inspect.table import CollectiveRow, CollectivesTable, collectives
+from fcoll.inspect.table import CollectiveRow, CollectivesTable, collective_table
 from fcoll.inspect.timeline import timeline, timeline_svg
 from fcoll.inspect.trace_compare import CompareRow, TraceComparison, compare, load_trace
 
 __all__ = [
-    "format_graph", "stable_names", "collectives", "CollectiveRow", "CollectivesTable",
+    "format_graph", "stable_names", "collective_table", "CollectiveRow", "CollectivesTable",
     "overlap_report", "overlap_totals", "OverlapReport", "OverlapTotals", "timeline",
     "timeline_svg", "compare", "CompareRow", "TraceComparison", "load_trace", "Event",
     "predicted_events", "emit_artifacts", "artifacts_enabled", "write_record", "record_files",

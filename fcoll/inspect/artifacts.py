@@ -25,7 +25,7 @@ from fcoll.inspect.format import format_graph
 from fcoll.inspect.overlap_report import overlap_report
 from fcoll.inspect.schedule import step_schedule
 from fcoll.inspect.predicted import PredictFn, predicted_events
-from fcoll.inspect.table import collectives
+from fcoll.inspect.table import collective_table
 from fcoll.inspect.timeline import exposed_of, timeline_svg
 
 __all__ = ["record_files", "write_record", "emit_artifacts", "artifacts_enabled", "RECORD_FILES"]
@@ -63,7 +63,7 @@ def record_files(record: Any, *, predict: PredictFn | None = None) -> dict[str, 
     name = _safe(record.name)
     before, after = getattr(record, "before", None), record.after
     ev_a = _events(after, predict)
-    table_a = collectives(after, events=ev_a, predict=_no_predict)
+    table_a = collective_table(after, events=ev_a, predict=_no_predict)
     files = {}
     if before is not None:
         ev_b = _events(before, predict)
@@ -75,7 +75,7 @@ def record_files(record: Any, *, predict: PredictFn | None = None) -> dict[str, 
         report = overlap_report(after, events_before=ev_a, predict=_no_predict)
     files[f"{name}.after.txt"] = format_graph(after) + "\n"
     if before is not None:
-        table_b = collectives(before, events=ev_b, predict=_no_predict)
+        table_b = collective_table(before, events=ev_b, predict=_no_predict)
         files[f"{name}.collectives_before.txt"] = str(table_b) + "\n"
     files.update({
         f"{name}.collectives.txt": str(table_a) + "\n",

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from fcoll.inspect.predicted import PredictFn, collective_timings, predicted_events
 from fcoll.inspect.text import text_table
-from fcoll.passes.graph import collectives as collective_nodes
+from fcoll.passes.graph import collectives
 
 __all__ = ["OverlapTotals", "OverlapReport", "overlap_totals", "overlap_report"]
 
@@ -57,7 +57,7 @@ def overlap_totals(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
     hidden = max(0.0, comm - exposed)
     step = (max(e.end_us for e in evs) - min(e.start_us for e in evs)) if evs else None
     return OverlapTotals(
-        n_collectives=len(collective_nodes(gm)), comm_us=comm, hidden_comm_us=hidden,
+        n_collectives=len(collectives(gm)), comm_us=comm, hidden_comm_us=hidden,
         exposed_comm_us=exposed, overlap_ratio=hidden / comm if comm > 0 else 0.0, step_us=step,
     )
 

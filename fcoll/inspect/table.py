@@ -1,4 +1,4 @@
-"""``collectives(gm)``: one row per collective of a graph, printable as an aligned table."""
+"""``collective_table(gm)``: one row per collective of a graph, printable as an aligned table."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from fcoll.inspect.predicted import (
     PredictFn, collective_timings, predicted_events, schedule_positions, wait_positions,
 )
 from fcoll.inspect.text import fmt_bytes, fmt_us, text_table
-from fcoll.passes.graph import collective_info, collectives as collective_nodes
+from fcoll.passes.graph import collective_info, collectives
 
-__all__ = ["CollectiveRow", "CollectivesTable", "collectives"]
+__all__ = ["CollectiveRow", "CollectivesTable", "collective_table"]
 
 _MAX_HIDING_SHOWN = 3
 
@@ -88,7 +88,7 @@ class CollectivesTable(list):
         return [r.as_dict() for r in self]
 
 
-def collectives(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
+def collective_table(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
                 predict: PredictFn | None = None) -> CollectivesTable:
     """Describe every collective of ``gm`` in graph order.
 
@@ -110,7 +110,7 @@ def collectives(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
     pos = schedule_positions(gm)
     waits = wait_positions(gm)
     table = CollectivesTable()
-    for i, node in enumerate(collective_nodes(gm)):
+    for i, node in enumerate(collectives(gm)):
         info = collective_info(node)
         t = timings[node]
         dtypes = ",".join(dict.fromkeys(dtype_abbr(d) for d in info.dtypes))

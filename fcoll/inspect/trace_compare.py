@@ -33,7 +33,7 @@ import torch.fx as fx
 from fcoll.inspect.predicted import PredictFn, collective_timings, predicted_events
 from fcoll.inspect.text import fmt_us, text_table
 from fcoll.passes.analysis.cost import collective_size
-from fcoll.passes.graph import collective_info, collectives as collective_nodes
+from fcoll.passes.graph import collective_info, collectives
 
 __all__ = ["CompareRow", "TraceComparison", "compare", "load_trace", "measured_collectives",
            "TOLERANCE"]
@@ -249,7 +249,7 @@ def compare(trace: str | os.PathLike | dict | list, gm: fx.GraphModule, *,
     measured = measured_collectives(trace, graph=graph)
     timings = collective_timings(gm, predicted_events(gm, events=events, predict=predict))
     rows = []
-    for node in collective_nodes(gm):
+    for node in collectives(gm):
         op = collective_info(node).op
         occ = [o for o in measured.get(node.name, []) if o.args.get("op", op) == op]
         if len(occ) < len(measured.get(node.name, [])):
@@ -265,7 +265,7 @@ def compare(trace: str | os.PathLike | dict | list, gm: fx.GraphModule, *,
             measured_exposed_us=_mean([o.exposed_us for o in occ]), busbw_gbps=_mean(bw),
             bytes=max(sizes) if sizes else _graph_bytes(node),
         ))
-    names = {n.name for n in collective_nodes(gm)}
+    names = {n.name for n in collectives(gm)}
     return TraceComparison(
         rows=rows,
         predicted_exposed_us=sum(r.predicted_exposed_us or 0.0 for r in rows),
