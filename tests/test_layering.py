@@ -1,4 +1,5 @@
-"""The package's layers import only downward: ops -> shm -> passes -> compile -> inspect -> sim.
+"""The package's layers import only downward: ops -> parallel -> shm -> passes -> compile -> inspect
+-> sim.
 
 A module may import from its own layer and the layers below it, never from a layer above, at
 module level or inside a function (a function-level import hides a loop; it does not remove it).
@@ -13,7 +14,7 @@ import pathlib
 
 import fcoll
 
-LAYERS = ("ops", "shm", "passes", "compile", "inspect", "sim")
+LAYERS = ("ops", "parallel", "shm", "passes", "compile", "inspect", "sim")
 PACKAGE = pathlib.Path(fcoll.__file__).parent
 
 
