@@ -26,8 +26,8 @@ What differs from ``torch.distributed.fsdp.fully_shard`` (FSDP2):
   and slow: a parameter read twice is gathered twice).
 - ``reshard_after_forward`` is a bool (FSDP2's int, resharding to a smaller mesh, is refused);
   ``mp_policy``, ``offload_policy``, ``shard_placement_fn``, ``ignored_params`` are not offered.
-- The module keeps its class name's methods (its class becomes a subclass named
-  ``SimpleFSDP<Name>``); there is no ``unshard()`` / ``reshard()`` / ``set_requires_gradient_sync``.
+- The module keeps its class's methods (its class becomes a subclass named ``SimpleFSDP<Name>``,
+  and a submodule that owns parameters sharded here ``Sharded<Name>``); there is no ``unshard()`` / ``reshard()`` / ``set_requires_gradient_sync``.
 
 What is the same: nested calls (the innermost module that called ``fully_shard`` owns a
 parameter; a later call on a parent shards only what is left), ``mesh=None`` meaning a 1-D mesh
@@ -51,8 +51,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, \
 
 __all__ = ["fully_shard", "is_fully_sharded", "CLASS_PREFIX"]
 
-#: Prefix of the class a sharded module gets (``SimpleFSDPGPTBlock``).
+#: Prefix of the class the module given to :func:`fully_shard` gets (``SimpleFSDPGPTBlock``);
+#: a submodule that only owns sharded parameters gets ``Sharded<Name>``.
 CLASS_PREFIX = "SimpleFSDP"
+#: Class attribute of every class made here.
+_MADE_HERE = "_fcoll_fully_shard"
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -124,7 +127,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
 
     Args:
         module: the module to shard, modified in place (its class becomes a subclass named
-            ``SimpleFSDP<Name>`` for each module that owns parameters sharded here).
+            ``SimpleFSDP<Name>``; each submodule owning parameters sharded here,
+            ``Sharded<Name>``).
         mesh: a 1-D device mesh; None: all ranks of the default group on the default device.
         reshard_after_forward: True: the gathered parameters are not kept for the backward,
             which gathers them again (FSDP2's default for blocks); False: autograd keeps them
@@ -147,17 +151,18 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     for sub in list(module.modules()):
         names = [n for n, p in sub.named_parameters(recurse=False)
                  if p is not None and not isinstance(p, DTensor)]
-        if not names:
-            continue
         for name in names:
             p = sub._parameters[name]
             sub._parameters[name] = nn.Parameter(
                 distribute_tensor(p.detach(), mesh, [Shard(0)]), requires_grad=p.requires_grad)
-        cls = type(sub)
-        if is_fully_sharded(sub):   # a parent's call: add properties to this module's class
-            for name in names:
-                setattr(cls, name, _property(name, gather))
-            continue
         props = {name: _property(name, gather) for name in names}
-        sub.__class__ = type(f"{CLASS_PREFIX}{cls.__name__}", (cls,), props)
+        if getattr(type(sub), _MADE_HERE, False):   # a class of an earlier call: extend it
+            for name, prop in props.items():
+                setattr(type(sub), name, prop)
+        elif props or sub is module:
+            # the unit (``module``) is named SimpleFSDP<Name>: fcoll's FSDP plan reads units
+            # from the graph's module stacks by that prefix (torchtitan's too)
+            prefix = CLASS_PREFIX if sub is module else "Sharded"
+            sub.__class__ = type(f"{prefix}{type(sub).__name__}", (type(sub),),
+                                 {**props, _MADE_HERE: True})
     return module

@@ -10,7 +10,9 @@ Constraints every reorder keeps (:func:`dependencies`):
   same sequence, because a different order on different ranks hangs (ranks run the same
   graph with the same cost numbers, so the scheduler's choices are the same on every rank);
 - writes stay ordered with the reads of the same storage (:func:`fcoll.passes.memory.mutation_deps`);
-- other side-effectful nodes (not waits, not collectives) are barriers: nothing crosses them.
+- other side-effectful nodes (not waits, not collectives) are barriers: nothing crosses them;
+- a collective with ``meta[META_NOT_BEFORE]`` (FSDP prefetch, :mod:`fcoll.passes.fsdp_plan`)
+  stays after that node, and a wait with ``meta[META_WAIT_BY]`` before that one.
 
 One scheduler (:class:`ListScheduler`) places nodes from a ready set, backwards or forwards, so
 that every order it makes keeps these constraints by construction; a reorder differs only in its
@@ -37,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from fcoll.passes.cost import SizeEstimate, collective_size
+from fcoll.passes.fsdp_plan import META_NOT_BEFORE, META_WAIT_BY
 from fcoll.passes.graph import arg_of
 from fcoll.passes.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
     _written_inputs, mutation_deps, peak_bytes, per_op, storage_model
@@ -101,6 +104,15 @@ def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
         add(a, b)
     for a, b in mutation_deps(order, storage):
         add(a, b)
+    by_name = {n.name: n for n in order}
+    for n in colls:   # FSDP prefetch bounds (fsdp_plan): issued after that node at the earliest
+        anchor = by_name.get(n.meta.get(META_NOT_BEFORE))
+        if anchor is not None and pos[anchor] < pos[n]:
+            add(anchor, n)
+    for n in order:   # FSDP gradient buckets: waited before that node at the latest
+        due = by_name.get(n.meta.get(META_WAIT_BY)) if cls[n] == WAIT else None
+        if due is not None and pos[n] < pos[due]:
+            add(n, due)
     barrier: fx.Node | None = None
     since: list[fx.Node] = []
     for n in order:
