@@ -26,10 +26,10 @@ time and prefetches the next. This module gives the bucket planner the same stru
   scheduler keeps it as an ordering edge, so no later pass issues it earlier: at most two blocks'
   gathered parameters are live at once, whatever the cost model says.
 - **Reduce_scatters** of a graph with parameter gathers (the backward, whose gathers are the
-  recomputed ones of ``reshard_after_forward``): those traced between the first uses of two
-  consecutive gather blocks are one segment (the gradients of the block whose backward runs
-  there), issued when the last of them is ready and waited before the first use of the next
-  gather block (recorded on the wait, :data:`META_WAIT_BY`, and kept by the scheduler): a
+  recomputed ones of ``reshard_after_forward``): those traced between the first gathers of two
+  consecutive blocks (where the partitioner put each block's regather: before its backward)
+  are one segment (the gradients of the block whose backward runs
+  there), issued when the last of them is ready and waited before the block after next starts (recorded on the wait, :data:`META_WAIT_BY`, and kept by the scheduler): a
   block's full-size gradients are freed one block later instead of at the end of the backward.
 
 Why ranks agree: blocks, order and anchors read only the graph's module stacks and order, and
@@ -170,7 +170,11 @@ def plan_fsdp(graph: fx.Graph) -> FsdpPlan | None:
         k = index[blocks[g] or ""]
         plan.segment[g] = _SEGMENT_BASE + k
         plan.not_before[g] = by_pos[max(start, first[order[k - 1]]) if k > 0 else start]
-    starts = sorted(first[b] for b in order)
+    # a block's backward starts where its first gather was traced (just before its use)
+    traced: dict[str, int] = {}
+    for g in gathers:
+        traced[blocks[g] or ""] = min(traced.get(blocks[g] or "", len(pos)), pos[g])
+    starts = sorted(traced.values())
     for n in graph.nodes:
         if is_collective(n) and collective_kind(n) == "reduce_scatter":
             k = sum(1 for s in starts if s <= pos[n])
