@@ -27,7 +27,8 @@ What differs from ``torch.distributed.fsdp.fully_shard`` (FSDP2):
 - ``reshard_after_forward`` is a bool (FSDP2's int, resharding to a smaller mesh, is refused);
   ``mp_policy``, ``offload_policy``, ``shard_placement_fn``, ``ignored_params`` are not offered.
 - The module keeps its class's methods (its class becomes a subclass named ``SimpleFSDP<Name>``,
-  and a submodule that owns parameters sharded here ``Sharded<Name>``); there is no ``unshard()`` / ``reshard()`` / ``set_requires_gradient_sync``.
+  and a submodule that owns parameters sharded here ``Sharded<Name>``); there is no
+  ``unshard()`` / ``reshard()`` / ``set_requires_gradient_sync``.
 
 What is the same: nested calls (the innermost module that called ``fully_shard`` owns a
 parameter; a later call on a parent shards only what is left), ``mesh=None`` meaning a 1-D mesh

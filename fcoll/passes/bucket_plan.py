@@ -100,8 +100,9 @@ log = logging.getLogger(__name__)
 #: Bytes per MiB.
 MIB = 2**20
 #: A lane-planned key whose every member's result only leaves the graph (:func:`_leaves_graph`:
-#: the gradients of a compiled-autograd backward, DDP's python reducer) puts at most 1/OUTPUT_BUCKETS of its
-#: bytes (at least 1 MiB) in one bucket: a cap that does not trust the cost model. Nothing in
+#: the gradients of a compiled-autograd backward, DDP's python reducer) puts at most
+#: 1/OUTPUT_BUCKETS of its bytes (at least 1 MiB) in one bucket: a cap that does not trust the
+#: cost model. Nothing in
 #: the graph waits for those collectives, so the lane plan's lateness is measured against the
 #: end of the graph, and a model that underestimates the link by 2-3x lets one bucket collect
 #: most gradients and go out during the last block's backward (the torch-ddp GPT: 22 of 28

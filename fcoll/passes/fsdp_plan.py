@@ -28,9 +28,10 @@ time and prefetches the next. This module gives the bucket planner the same stru
 - **Reduce_scatters** of a graph with parameter gathers (the backward, whose gathers are the
   recomputed ones of ``reshard_after_forward``): those traced between the first gathers of two
   consecutive blocks (where the partitioner put each block's regather: before its backward)
-  are one segment (the gradients of the block whose backward runs
-  there), issued when the last of them is ready and waited before the block after next starts (recorded on the wait, :data:`META_WAIT_BY`, and kept by the scheduler): a
-  block's full-size gradients are freed one block later instead of at the end of the backward.
+  are one segment (the gradients of the block whose backward runs there), issued when the
+  last of them is ready and waited before the block after next starts (recorded on the wait,
+  :data:`META_WAIT_BY`, and kept by the scheduler): a block's full-size gradients are freed
+  one block later instead of at the end of the backward.
 
 Why ranks agree: blocks, order and anchors read only the graph's module stacks and order, and
 which collectives merge is still rank 0's plan on every rank (:mod:`fcoll.passes.shared_plan`).
