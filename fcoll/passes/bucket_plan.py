@@ -89,7 +89,7 @@ from fcoll.passes.bucket_rules import Member, OpenBucket, add, join_rejection, l
 from fcoll.passes.config import FcollConfig
 from fcoll.passes.fsdp_plan import plan_fsdp
 from fcoll.passes.group_plan import BucketPlanError, ForcedPlans, GroupPlan
-from fcoll.passes.graph import META_HIDING, tensor_bytes, waits_of
+from fcoll.passes.graph import META_HIDING, only_leaves_graph, tensor_bytes, waits_of
 from fcoll.passes.memory import OTHER, op_class
 
 __all__ = ["Bucket", "BucketCosts", "model_costs", "plan_buckets", "BUCKETABLE_OPS", "MIB",
@@ -99,16 +99,18 @@ log = logging.getLogger(__name__)
 
 #: Bytes per MiB.
 MIB = 2**20
-#: A lane-planned key whose every member's result only leaves the graph (:func:`_leaves_graph`:
-#: the gradients of a compiled-autograd backward, DDP's python reducer) puts at most
-#: 1/OUTPUT_BUCKETS of its bytes (at least 1 MiB) in one bucket: a cap that does not trust the
-#: cost model. Nothing in
-#: the graph waits for those collectives, so the lane plan's lateness is measured against the
+#: A lane-planned key whose every member's result only leaves the graph
+#: (:func:`~fcoll.passes.graph.only_leaves_graph`: the gradients of a compiled-autograd
+#: backward, DDP's python reducer) puts at most 1/OUTPUT_BUCKETS of its bytes (at least 1 MiB)
+#: in one bucket, and at most 1 MiB in its first (PyTorch's reducer's first bucket): caps that
+#: do not trust the cost model. Nothing in the graph waits for those collectives, so the lane plan's lateness is measured against the
 #: end of the graph, and a model that underestimates the link by 2-3x lets one bucket collect
 #: most gradients and go out during the last block's backward (the torch-ddp GPT: 22 of 28
-#: gradients, 11.3 MiB, issued after 90 % of the backward's compute). With the cap the first
-#: bucket goes out once a quarter of the bytes is ready, and communication starts in the first
-#: half of the backward whatever the model says; it costs at most OUTPUT_BUCKETS - 1 latencies.
+#: gradients, 11.3 MiB, issued after 90 % of the backward's compute). With the caps the first
+#: bucket goes out with the first MiB of gradients and no bucket waits for more than a quarter
+#: of them (and ``reorder_for_overlap`` issues such collectives as soon as they are ready), so
+#: communication starts early in the backward whatever the model says; it costs at most
+#: OUTPUT_BUCKETS latencies more.
 OUTPUT_BUCKETS = 4
 #: Op names (either namespace) that bucket_collectives merges.
 BUCKETABLE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -224,14 +226,6 @@ def model_costs(gm: fx.GraphModule, config: FcollConfig, estimates: dict | None 
     return BucketCosts(compute_us, comm_time, prepare)
 
 
-def _leaves_graph(wait: fx.Node) -> bool:
-    """Whether ``wait``'s result only leaves the graph: each user is the output, or a node
-    (DDP's ``copy`` into the gradient buffer) read by the output alone."""
-    return bool(wait.users) and all(
-        u.op == "output" or (u.users and all(v.op == "output" for v in u.users))
-        for u in wait.users)
-
-
 class _Planner:
     """The state of one :func:`plan_buckets` walk: one open bucket per key, positions of the
     graph's nodes, and the buckets closed so far."""
@@ -278,11 +272,12 @@ class _Planner:
             if m.comm_us is not None:
                 by_key.setdefault(key, []).append(m)
         for members in by_key.values():
-            cap = self.cap
-            if all(_leaves_graph(m.wait) for m in members):   # gradients leaving the graph
+            cap, first = self.cap, None
+            if all(only_leaves_graph(m.wait) for m in members):   # gradients leaving the graph
                 total = sum(m.in_bytes for m in members)
                 cap = min(cap, max(MIB, -(-total // OUTPUT_BUCKETS)))
-            lane_segments(members, cap)
+                first = min(cap, MIB)
+            lane_segments(members, cap, first)
             self.lanes.update((m.node, m) for m in members)
 
     def visit(self, node: fx.Node, spec: OpArgs) -> None:
