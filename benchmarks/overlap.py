@@ -29,7 +29,8 @@ compiled module (``backend="inductor"`` with :func:`pytorch_best`, ``pytorch``),
 hand-written step of the same kind when it ran in the same invocation; ``pytorch/fcoll`` is the
 speed-up (target >= 1.3). FSDP rows also give each variant's peak memory: the largest rise of
 the process's resident set over its value before the variant's first step, sampled every
-millisecond during its steps (large tensors are mmapped, so freeing one lowers the RSS).
+millisecond during its steps (the ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: tensors of
+128 KiB or more are mmapped, so freeing one lowers the RSS).
 
 ``torch-ddp`` is timed in ``--rounds`` rounds (the variants' order reversed every other round,
 each variant compiled afresh: compiled autograd's cache is process-wide), against every way
@@ -610,8 +611,10 @@ def main(argv=None) -> int:
     from fcoll.testing import run_ranks
 
     t0, load_before = time.time(), os.getloadavg()
+    # a fixed mmap threshold: glibc otherwise raises it as mmapped chunks are freed, keeps
+    # later tensors in its heap, and the RSS stops showing what a step frees (peak columns)
     r0 = run_ranks(_rank, 2, backend="gloo", args=(vars(a),), timeout_s=a.timeout_s,
-                   pg_timeout_s=a.timeout_s)[0]
+                   pg_timeout_s=a.timeout_s, env={"MALLOC_MMAP_THRESHOLD_": "131072"})[0]
     text, summary = _table(r0, network)
     load_after = os.getloadavg()
     print(text)
