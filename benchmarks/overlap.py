@@ -14,20 +14,29 @@ Measures, in one run, per parallel mode (median step time over ``--steps`` steps
   ``forward`` is the compiled loss alone (gradients, and so their collectives, exist only after
   it), nor, for FSDP, ``max(forward, all_gathers) + max(compute - forward, reduce_scatters)``
   (each kind timed alone, like ``comm``); ``on/floor`` says how close the schedule comes;
-- ``inductor``: PyTorch's best available setting on the same step (``backend="inductor"``,
-  ``torch._inductor.config.reorder_for_compute_comm_overlap=True``, PyTorch's funcol).
+- ``inductor``: PyTorch's best available setting on the same step (``backend="inductor"`` with
+  Inductor's FX bucketing, ``bucket_all_reduces_fx`` / ``bucket_all_gathers_fx`` /
+  ``bucket_reduce_scatters_fx = "all"``, PyTorch's funcol): :func:`pytorch_best`. (2.13's
+  ``reorder_for_compute_comm_overlap`` has an empty pass list, and its overlap scheduler,
+  ``aten_distributed_optimizations.enable_overlap_scheduling``, fails on CPU: NOTES.md.)
 
-``--parallel torch-ddp torch-fsdp2``: the same GPT as ``nn.Module``s in PyTorch's own
-``DistributedDataParallel`` / ``fully_shard`` (``examples/train_gpt.py``'s
-:class:`TorchModuleStep`: DDP with the python reducer and compiled autograd; FSDP2 per block),
-timed with ``backend="fcoll"`` (``fcoll``) and with PyTorch's own compiled module
-(``backend="inductor"``, ``pytorch``), beside the hand-written step of the same kind when it ran
-in the same invocation; ``pytorch/fcoll`` is the speed-up (target >= 1.3).
+``--parallel torch-ddp torch-fsdp2 simple-fsdp tp``: the same GPT as ``nn.Module``s in
+PyTorch's own ``DistributedDataParallel`` / ``fully_shard``, in ``fcoll.parallel.fully_shard``
+(SimpleFSDP on DTensor) or tensor parallel (``parallelize_module``) (``examples/train_gpt.py``'s
+:class:`TorchModuleStep`: DDP with the python reducer and compiled autograd; FSDP2 and
+SimpleFSDP per block), timed with ``backend="fcoll"`` (``fcoll``) and with PyTorch's own
+compiled module (``backend="inductor"`` with :func:`pytorch_best`, ``pytorch``), beside the
+hand-written step of the same kind when it ran in the same invocation; ``pytorch/fcoll`` is the
+speed-up (target >= 1.3). FSDP rows also give each variant's peak memory: the largest rise of
+the process's resident set over its value before the variant's first step, sampled every
+millisecond during its steps (the ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: tensors of
+128 KiB or more are mmapped, so freeing one lowers the RSS).
 
 ``torch-ddp`` is timed in ``--rounds`` rounds (the variants' order reversed every other round,
 each variant compiled afresh: compiled autograd's cache is process-wide), against every way
 PyTorch compiles DDP: ``ca-inductor`` / ``ca-aot_eager`` (python reducer + compiled autograd,
-the all_reduces in the backward graph, Inductor's passes or none) and ``ddpopt-inductor`` /
+the all_reduces in the backward graph, Inductor with :func:`pytorch_best` or no compiler
+passes) and ``ddpopt-inductor`` /
 ``ddpopt-aot_eager`` (the default ``optimize_ddp``: graphs split at DDP's buckets, the C++
 reducer's 25 MiB buckets, its first one 1 MiB, all_reduced by autograd hooks as gradients are
 ready). Beside them: ``compute`` (the module without DDP, compiled the same way: no
@@ -56,6 +65,8 @@ import subprocess
 import sys
 import time
 
+#: modes timed as nn.Modules (``_torch_module_variants``; torch-ddp has its own table)
+MODULE_MODES = ("torch-fsdp2", "simple-fsdp", "tp")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NETNS_ENV = "FCOLL_BENCH_NETWORK"
 TBF = ["tbf", "rate", "1gbit", "burst", "256kb", "latency", "100ms"]
@@ -63,8 +74,8 @@ TBF = ["tbf", "rate", "1gbit", "burst", "256kb", "latency", "100ms"]
 
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parallel", nargs="+", default=["ddp", "fsdp", "torch-ddp", "torch-fsdp2"],
-                   choices=["ddp", "fsdp", "torch-ddp", "torch-fsdp2"])
+    modes = ["ddp", "fsdp", "torch-ddp", "torch-fsdp2", "simple-fsdp", "tp"]
+    p.add_argument("--parallel", nargs="+", default=modes, choices=modes)
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
@@ -115,6 +126,49 @@ def _run_in_netns(argv: list[str]) -> int | None:
 
 # ---------------------------------------------------------------------------------------------
 # Ranks
+
+def pytorch_best():
+    """Inductor's config patch for PyTorch's best collective optimization on CPU (2.13): FX
+    bucketing of every all_reduce, all_gather and reduce_scatter."""
+    import torch._inductor.config as icfg
+
+    return icfg.patch(bucket_all_reduces_fx="all", bucket_all_gathers_fx="all",
+                      bucket_reduce_scatters_fx="all")
+
+
+class PeakRSS:
+    """Peak rise of this process's resident set (bytes) while the context is open, sampled
+    every millisecond from ``/proc/self/statm`` by a thread."""
+
+    def __enter__(self) -> "PeakRSS":
+        import gc
+        import threading
+
+        gc.collect()
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def rise_mb(self) -> float:
+        return (self.peak - self.start) / 2 ** 20
+
 
 class LocalComm:
     """Collectives replaced by local copies of the same output size (compute-only time)."""
@@ -191,9 +245,7 @@ def _time_variant(T, cfg, comm, backend: str, options, parallel: str, shapes, ba
     step = T.make_train_step(cfg, comm, parallel, shapes=shapes)
     try:
         if backend == "inductor":
-            import torch._inductor.config as icfg
-
-            with icfg.patch(reorder_for_compute_comm_overlap=True):
+            with pytorch_best():
                 run = T.compile_step(step, "inductor")
                 times = _time_steps(run, batch, a["warmup"], a["steps"], barrier)
         else:
@@ -206,12 +258,18 @@ def _time_variant(T, cfg, comm, backend: str, options, parallel: str, shapes, ba
 
 def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int, barrier,
                            a: dict) -> dict:
-    """Median step time of PyTorch's DDP / FSDP2 module compiled with fcoll and with Inductor."""
+    """Median step time of the GPT module (PyTorch's FSDP2, fcoll's SimpleFSDP, tensor
+    parallel) compiled with fcoll and with Inductor (:func:`pytorch_best`); FSDP modes also the
+    peak memory rise of each (MiB, ``<name>_peak_mb``)."""
+    import contextlib
+
     import torch
+
+    data_rank, data_world = (0, 1) if parallel == "tp" else (rank, world)
 
     def batch(i):
         return T.get_batch(corpus.train, a["batch_size"], a["seq_len"], seed=0, step=i,
-                           rank=rank, world_size=world)
+                           rank=data_rank, world_size=data_world)
 
     res: dict = {}
     backends = {"fcoll": ("fcoll", {"compute": "inductor"})}
@@ -221,10 +279,16 @@ def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int,
         torch._dynamo.reset()
         counts, stop = T.count_compiled_collectives()
         try:
-            step = T.TorchModuleStep(cfg, T.init_params(cfg, 0), parallel, T.AdamW(),
-                                     torch.device("cpu"), backend, options)
-            res[name] = statistics.median(_time_steps(step, batch, a["warmup"], a["steps"],
-                                                      barrier))
+            best = pytorch_best() if backend == "inductor" else contextlib.nullcontext()
+            with best:
+                step = T.TorchModuleStep(cfg, T.init_params(cfg, 0), parallel, T.AdamW(),
+                                         torch.device("cpu"), backend, options)
+                step(*batch(0))   # compiles outside the memory window
+                with PeakRSS() as mem:
+                    times = _time_steps(step, batch, a["warmup"], a["steps"], barrier)
+            res[name] = statistics.median(times)
+            if "fsdp" in parallel:
+                res[f"{name}_peak_mb"] = mem.rise_mb
         except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
             res[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         stop()
@@ -310,6 +374,7 @@ def _torch_ddp_variants(T, cfg, corpus, rank: int, world: int, barrier, group, a
             makers[f"ca-{b}"] = (lambda b=b: T.TorchModuleStep(
                 cfg, T.init_params(cfg, 0), "torch-ddp", T.AdamW(), cpu, b, None))
             makers[f"ddpopt-{b}"] = lambda b=b: _DDPOptimizerStep(T, cfg, b)
+    import contextlib
     times: dict = {name: [] for name in makers}
     rounds: list[dict] = []
     params = T.init_params(cfg, 0)
@@ -319,8 +384,10 @@ def _torch_ddp_variants(T, cfg, corpus, rank: int, world: int, barrier, group, a
         for name in names:
             torch._dynamo.reset()
             counts, stop = T.count_compiled_collectives()
+            best = pytorch_best() if name.endswith("inductor") else contextlib.nullcontext()
             try:
-                t = _time_steps(makers[name](), batch, a["warmup"], a["steps"], barrier)
+                with best:   # Inductor compiles at the first steps, inside the patch
+                    t = _time_steps(makers[name](), batch, a["warmup"], a["steps"], barrier)
             except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
                 times[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 continue
@@ -357,7 +424,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
             results[parallel] = _torch_ddp_variants(T, cfg, corpus, rank, world, barrier, group,
                                                     a)
             continue
-        if parallel.startswith("torch-"):
+        if parallel in MODULE_MODES:
             results[parallel] = _torch_module_variants(T, cfg, corpus, parallel, rank, world,
                                                        barrier, a)
             continue
@@ -416,8 +483,10 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
         if mode == "torch-ddp":
             ddp_lines = _torch_ddp_rows(r, summary)
             continue
-        if mode.startswith("torch-"):
-            module_lines.append(_module_row(mode, r, results.get(mode[len("torch-"):]), summary))
+        if mode in MODULE_MODES:
+            hand = {"torch-fsdp2": "fsdp", "simple-fsdp": "fsdp"}.get(mode)
+            module_lines.append(_module_row(mode, r, results.get(hand) if hand else None,
+                                            summary))
             continue
         ms = {k: (v * 1e3 if isinstance(v, float) else None) for k, v in r.items()}
         comp, comm, off, on = ms["compute"], ms["comm"], ms["off"], ms["on"]
@@ -456,11 +525,19 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
             lines.append(f"{mode:6} failed: {r}")
         summary[mode] = s
     if module_lines:
-        lines += ["", "PyTorch's own modules, median step ms: fcoll = backend='fcoll' (compute='inductor'), pytorch = "
-                  "backend='inductor' (PyTorch's compiled module), hand = the hand-written step "
-                  "with fcoll",
+        lines += ["", "GPT modules, median step ms: fcoll = backend='fcoll' (compute='inductor'), "
+                  "pytorch = backend='inductor' with FX bucketing (PyTorch's best on CPU), hand = "
+                  "the hand-written step with fcoll; peak = peak RSS rise during the steps, MiB",
                   f"{'mode':12} {'fcoll':>9} {'pytorch':>9} {'hand':>9} {'pytorch/fcoll':>13} "
-                  f"{'collectives in graphs':>22}  target pytorch/fcoll >= 1.3"] + module_lines
+                  f"{'collectives in graphs':>22} {'peak fcoll':>10} {'peak pytorch':>12}  "
+                  "target pytorch/fcoll >= 1.3"] + module_lines
+        fs, f2 = summary.get("simple-fsdp", {}), summary.get("torch-fsdp2", {})
+        if fs.get("fcoll_peak_mb") is not None and f2.get("pytorch_peak_mb"):
+            ratio = fs["fcoll_peak_mb"] / f2["pytorch_peak_mb"]
+            fs["peak_over_fsdp2"] = ratio
+            lines.append(f"SimpleFSDP under fcoll peak {fs['fcoll_peak_mb']:.1f} MiB / FSDP2 "
+                         f"(Inductor) {f2['pytorch_peak_mb']:.1f} MiB = {ratio:.2f} "
+                         f"(target <= 1.1: {ratio <= 1.1})")
     return "\n".join(lines + ddp_lines), summary
 
 
@@ -505,14 +582,18 @@ def _module_row(mode: str, r: dict, hand: dict | None, summary: dict) -> str:
     hand_ms = hand["on"] * 1e3 if hand and isinstance(hand.get("on"), float) else None
     fc, pt = ms.get("fcoll"), ms.get("pytorch")
     ratio = pt / fc if fc and pt else None
+    peaks = {k: r.get(f"{k}_peak_mb") for k in ("fcoll", "pytorch")}
     summary[mode] = {"fcoll_ms": fc, "pytorch_ms": pt, "hand_ms": hand_ms,
+                     "fcoll_peak_mb": peaks["fcoll"], "pytorch_peak_mb": peaks["pytorch"],
                      "pytorch_over_fcoll": ratio, "fcoll_collectives": r.get("fcoll_collectives"),
                      "errors": {k: v for k, v in r.items() if isinstance(v, str)},
                      "target_met": ratio is not None and ratio >= 1.3}
     cell = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9}"  # noqa: E731
     return (f"{mode:12} {cell(fc)} {cell(pt)} {cell(hand_ms)} "
             f"{(f'{ratio:13.2f}' if ratio else f'{chr(45):>13}')} "
-            f"{str(r.get('fcoll_collectives', '-')):>22}  {summary[mode]['target_met']}"
+            f"{str(r.get('fcoll_collectives', '-')):>22} "
+            + "".join(f"{v:10.1f} " if v is not None else f"{'-':>10} " for v in peaks.values())
+            + f"  {summary[mode]['target_met']}"
             + "".join(f"; {k} {v}" for k, v in summary[mode]["errors"].items()))
 
 
@@ -530,8 +611,10 @@ def main(argv=None) -> int:
     from fcoll.testing import run_ranks
 
     t0, load_before = time.time(), os.getloadavg()
+    # a fixed mmap threshold: glibc otherwise raises it as mmapped chunks are freed, keeps
+    # later tensors in its heap, and the RSS stops showing what a step frees (peak columns)
     r0 = run_ranks(_rank, 2, backend="gloo", args=(vars(a),), timeout_s=a.timeout_s,
-                   pg_timeout_s=a.timeout_s)[0]
+                   pg_timeout_s=a.timeout_s, env={"MALLOC_MMAP_THRESHOLD_": "131072"})[0]
     text, summary = _table(r0, network)
     load_after = os.getloadavg()
     print(text)

@@ -4,6 +4,8 @@ Run on 2 local ranks (``torchrun`` works the same way)::
 
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --steps 60
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel fsdp
+    python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel simple-fsdp
+    python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel tp
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --backend-baseline
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --device cuda --compute inductor
 
@@ -19,6 +21,11 @@ optimizer is a functional AdamW (new tensors out, no in-place state).
   of n). The forward all-gathers each layer's parameters just before the layer; autograd turns
   each all_gather into a reduce_scatter of the gradient (fcoll's op autograd), so every rank gets
   the gradient of its own shard, and updates only that shard.
+- ``--parallel simple-fsdp``: :class:`GPTModule` with ``fcoll.parallel.fully_shard`` on every
+  block and on the root (SimpleFSDP on DTensor), the module compiled; see :class:`TorchModuleStep`.
+- ``--parallel tp``: :class:`TPGPTModule` with PyTorch's ``parallelize_module``
+  (``ColwiseParallel`` q/k/v and fc, ``RowwiseParallel`` proj and fc2); every rank trains on the
+  same batches (one tensor-parallel group).
 
 ``--device cuda``: parameters, optimizer state and batches live on ``cuda:{LOCAL_RANK %
 device_count}``. On fcoll's group (and on gloo) several ranks may share one GPU; ``--dist-backend
@@ -51,7 +58,7 @@ import torch.nn.functional as F
 import fcoll  # registers torch.ops.fcoll and the "fcoll" process-group backend
 
 __all__ = ["GPTConfig", "load_text", "init_params", "gpt_loss", "GPTModule", "GPTBlock",
-           "torch_adamw", "TorchModuleStep", "FcollComm", "TorchComm",
+           "TPGPTModule", "torch_adamw", "TorchModuleStep", "FcollComm", "TorchComm",
            "shard_params", "unshard_params", "init_adamw", "make_train_step", "get_batch",
            "compile_step", "count_compiled_collectives", "main"]
 
@@ -230,13 +237,67 @@ class GPTModule(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+class TPGPTBlock(nn.Module):
+    """:func:`_block` with ``nn.Linear`` layers, so ``parallelize_module`` can shard them: the
+    fused ``qkv`` is split into ``q``, ``k``, ``v`` (each column-parallel shards whole heads),
+    and the heads are counted from the local width (``n_head / tp`` per rank)."""
+
+    def __init__(self, cfg: GPTConfig, i: int, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        d, p = cfg.d_model, lambda k: params[f"h{i}.{k}"].clone()  # noqa: E731
+        self.head_dim = d // cfg.n_head
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        for ln, k in ((self.ln1, "ln1"), (self.ln2, "ln2")):
+            ln.weight.data, ln.bias.data = p(f"{k}_w"), p(f"{k}_b")
+        for j, name in enumerate("qkv"):
+            setattr(self, name, nn.Linear(d, d))
+            getattr(self, name).weight.data = p("qkv_w")[j * d:(j + 1) * d].clone()
+            getattr(self, name).bias.data = p("qkv_b")[j * d:(j + 1) * d].clone()
+        self.proj, self.fc, self.fc2 = nn.Linear(d, d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        for lin, k in ((self.proj, "proj"), (self.fc, "fc"), (self.fc2, "fc2")):
+            lin.weight.data, lin.bias.data = p(f"{k}_w"), p(f"{k}_b")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        h = self.ln1(x)
+        heads = lambda t: t.view(B, T, -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        a = F.scaled_dot_product_attention(heads(self.q(h)), heads(self.k(h)), heads(self.v(h)),
+                                           is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, -1))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class TPGPTModule(GPTModule):
+    """:class:`GPTModule` with :class:`TPGPTBlock` blocks; :meth:`parallelize` shards them."""
+
+    def __init__(self, cfg: GPTConfig, params: dict[str, torch.Tensor]) -> None:
+        super().__init__(cfg, params)
+        self.blocks = nn.ModuleList(TPGPTBlock(cfg, i, params) for i in range(cfg.n_layer))
+
+    def parallelize(self, mesh) -> "TPGPTModule":
+        """Megatron-style tensor parallelism over ``mesh`` (1-D): attention by heads, the MLP
+        by its hidden width; embeddings, layer norms and the head stay replicated."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, \
+            parallelize_module
+
+        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                "proj": RowwiseParallel(), "fc": ColwiseParallel(), "fc2": RowwiseParallel()}
+        for block in self.blocks:
+            parallelize_module(block, mesh, plan)
+        return self
+
+
 def torch_adamw(module: nn.Module, opt: AdamW) -> torch.optim.Optimizer:
     """``torch.optim.AdamW`` with :func:`_adamw`'s rule for weight decay (matrices only)."""
     decay = [p for p in module.parameters() if p.dim() == 2]
     rest = [p for p in module.parameters() if p.dim() != 2]
+    from torch.distributed.tensor import DTensor
+
+    mixed = len({isinstance(p, DTensor) for p in module.parameters()}) > 1
     return torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
                               {"params": rest, "weight_decay": 0.0}],
-                             lr=opt.lr, betas=opt.betas, eps=opt.eps)
+                             lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                             foreach=False if mixed else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,6 +470,10 @@ def compile_step(step, backend: str = "fcoll", options: dict[str, Any] | None = 
     return run
 
 
+#: ``--parallel`` modes that train :class:`GPTModule` (or :class:`TPGPTModule`) as nn.Modules.
+MODULE_MODES = ("torch-ddp", "torch-fsdp2", "simple-fsdp", "tp")
+
+
 class TorchModuleStep:
     """A training step of :class:`GPTModule` wrapped in PyTorch's own data-parallel module.
 
@@ -425,6 +490,12 @@ class TorchModuleStep:
       hooks are always ``torch._dynamo.disable``-d, and compiled autograd with FSDP2 gives wrong
       gradients even with ``aot_eager``): there FSDP2 communicates eagerly in its hooks and the
       compiled graphs hold only compute. :attr:`traced_comms` says which.
+    - ``"simple-fsdp"``: ``fcoll.parallel.fully_shard`` (SimpleFSDP on DTensor) on every block
+      and on the root, the module compiled: the all_gathers are in the forward graph (and,
+      resharded after the forward, again in the backward), the reduce_scatters in AOTAutograd's
+      backward graph; no compiled autograd.
+    - ``"tp"``: :class:`TPGPTModule` parallelized over every rank, compiled the same way (its
+      all_reduces in both graphs); every rank must be given the same batch.
 
     ``step(x, y)`` runs forward, backward and ``torch.optim.AdamW`` (decay as :func:`_adamw`)
     and returns the loss (a detached float32 scalar); ``eval_loss(x, y)`` runs the model eagerly.
@@ -435,12 +506,27 @@ class TorchModuleStep:
                  options: dict[str, Any] | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        if parallel not in ("torch-ddp", "torch-fsdp2"):
-            raise ValueError(f"parallel: expected 'torch-ddp' or 'torch-fsdp2', got {parallel!r}")
+        if parallel not in MODULE_MODES:
+            raise ValueError(f"parallel: expected one of {MODULE_MODES}, got {parallel!r}")
         self.parallel = parallel
-        module = GPTModule(cfg, params).to(device)
+        module = (TPGPTModule if parallel == "tp" else GPTModule)(cfg, params).to(device)
         self._patches: dict[str, Any] = {}
-        if parallel == "torch-ddp":
+        #: the backward runs under compiled autograd (DDP's python reducer, traced FSDP2)
+        self.compiled_autograd = parallel.startswith("torch-")
+        if parallel in ("simple-fsdp", "tp"):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            if parallel == "tp":
+                wrapped = module.parallelize(mesh)
+            else:
+                from fcoll.parallel import fully_shard
+
+                for block in module.blocks:
+                    fully_shard(block, mesh=mesh)
+                wrapped = fully_shard(module, mesh=mesh)
+            self.traced_comms = True
+        elif parallel == "torch-ddp":
             torch._dynamo.config.optimize_ddp = "python_reducer"  # read by DDP's constructor
             wrapped = DDP(module, device_ids=[device] if device.type == "cuda" else None)
             self.traced_comms = True
@@ -485,7 +571,7 @@ class TorchModuleStep:
                     loss.backward()
             else:
                 loss = self.forward(x, y)
-                if self.traced_comms:
+                if self.traced_comms and self.compiled_autograd:
                     with compiled_autograd._enable(self.backward_compiler):
                         loss.backward()
                 else:
@@ -529,9 +615,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--parallel", choices=("ddp", "fsdp", "torch-ddp", "torch-fsdp2"),
+    p.add_argument("--parallel", choices=("ddp", "fsdp") + MODULE_MODES,
                    default="ddp", help="ddp/fsdp: the functional step; torch-ddp/torch-fsdp2: "
-                   "the GPT as nn.Modules in PyTorch's DistributedDataParallel / fully_shard")
+                   "the GPT as nn.Modules in PyTorch's DistributedDataParallel / fully_shard; "
+                   "simple-fsdp: fcoll.parallel.fully_shard; tp: parallelize_module")
     p.add_argument("--compute", choices=("eager", "inductor"), default="eager")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
@@ -704,7 +791,10 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
     counts, stop_counting = count_compiled_collectives()
     step = TorchModuleStep(cfg, params, args.parallel, AdamW(lr=args.lr), device, backend, options)
     say = print if rank == 0 else (lambda *a, **k: None)
-    name = f"PyTorch {args.parallel[len('torch-'):].upper()}, backend={backend}" + (
+    title = {"simple-fsdp": "fcoll.parallel.fully_shard (SimpleFSDP)",
+             "tp": "PyTorch tensor parallel"}.get(args.parallel)
+    title = title or f"PyTorch {args.parallel[len('torch-'):].upper()}"
+    name = f"{title}, backend={backend}" + (
         f" (compute={args.compute})" if options else "") + f" on {args.dist_backend}"
 
     def evaluate() -> float:
@@ -714,7 +804,9 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
     say(f"{args.parallel} on {world} rank(s), {_describe_device(device)}, {name}; "
         f"{sum(v.numel() for v in params.values())} parameters; vocab {cfg.vocab_size}; "
         f"communication {'in the compiled graphs' if step.traced_comms else 'in eager hooks'}")
-    summary = _train_loop(args, corpus, device, rank, world, step, evaluate, say)
+    # tensor parallel: one group, so every rank trains on rank 0's batches
+    data_rank, data_world = (0, 1) if args.parallel == "tp" else (rank, world)
+    summary = _train_loop(args, corpus, device, data_rank, data_world, step, evaluate, say)
     stop_counting()
     collectives = sum(counts.values())
     summary.update(compiled_collectives=collectives, graphs=dict(counts))
@@ -738,7 +830,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     corpus = Corpus(load_text())
     cfg = GPTConfig(vocab_size=corpus.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
                     n_head=args.n_head, d_model=args.d_model)
-    if args.parallel.startswith("torch-"):
+    if args.parallel in MODULE_MODES:
         return _main_torch_module(args, cfg, corpus, device, rank, world)
     comm = (TorchComm if args.backend_baseline else FcollComm)(dist.group.WORLD)
     params = {k: v.to(device) for k, v in init_params(cfg, args.seed).items()}

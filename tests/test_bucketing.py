@@ -219,18 +219,25 @@ class TestTiming(unittest.TestCase):
     def test_gradients_merge_while_the_bucket_still_ends_before_it_is_needed(self):
         # 1 MiB gradients, two 512^3 mms (5.4 ms each at the default 50 GFLOP/s) between
         # consecutive ones, about 1 ms of communication each (default 1 GB/s), and 5.4 ms of
-        # compute (grad_in's mm) after the last: one bucket issued with the last gradient
-        # still ends before the output needs it, so nothing is gained by splitting.
-        gm = canonical.ddp_backward(n_layers=4, batch=512, hidden=512)
+        # compute (grad_in's mm) after the last: in the model one bucket issued with the last
+        # gradient still ends before the output needs it, so the lane plan would merge all 8.
+        # The gradients only leave the graph, so the first bucket holds at most 1 MiB and no
+        # bucket more than a quarter of their 8 MiB (bucket_plan.OUTPUT_BUCKETS: the plan does
+        # not trust the model there): the first alone, pairs, the last alone.
+        gm = canonical.ddp_backward(n_layers=8, batch=512, hidden=512)
         plan = plan_buckets(gm, FcollConfig())
-        self.assertEqual([len(b.members) for b in plan], [4])
+        self.assertEqual([len(b.members) for b in plan], [2, 2, 2])
+        # with 4 gradients the cap is 1 MiB, one gradient: nothing merges
+        gm = canonical.ddp_backward(n_layers=4, batch=512, hidden=512)
+        self.assertEqual(plan_buckets(gm, FcollConfig()), [])
 
     def test_same_gradients_merge_when_compute_is_cheap(self):
-        # The same graph with compute estimated at 1 us a node: members ready 2-3 us apart.
-        gm = canonical.ddp_backward(n_layers=4, batch=512, hidden=512)
+        # The same graph with compute estimated at 1 us a node: members ready 2-3 us apart;
+        # they merge up to the caps (the first alone: 1 MiB).
+        gm = canonical.ddp_backward(n_layers=8, batch=512, hidden=512)
         cheap = FcollConfig(estimator=lambda n: 1.0 if not is_collective(n) else None)
         plan = plan_buckets(gm, cheap)
-        self.assertEqual([len(b.members) for b in plan], [4])
+        self.assertEqual([len(b.members) for b in plan][:3], [2, 2, 2])
 
     def test_gradients_traced_in_parameter_order_are_issued_in_order_of_readiness(self):
         """DDP traces one all_reduce per parameter, in parameter order, after the backward; the

@@ -189,7 +189,7 @@ def test_collective_never_reads_its_input_after_the_op_returns(matrix):
 
 def test_uneven_shards_compile_with_default_options(matrix):
     """Ranks whose graphs differ by an uneven shard's padding apply one bucket plan: the padding
-    rank hoists its input preparation (``fcoll.passes.shared_plan``) instead of raising
+    rank hoists its input preparation (``fcoll.passes.rewrites.shared_plan``) instead of raising
     ``BucketPlanError``; gradients equal eager."""
     for res in matrix:
         bad = {k: v for k, v in res["uneven_fsdp"].items() if not v <= 1e-5}

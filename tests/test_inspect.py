@@ -209,7 +209,8 @@ comm_us            24.0   24.0      +0.0
 hidden_comm_us      0.0   10.0     +10.0
 exposed_comm_us    24.0   14.0     -10.0
 overlap_ratio      0.0%  41.7%  +41.7 pt
-step_us            54.0   44.0     -10.0""")
+step_us            54.0   44.0     -10.0
+peak_bytes          512    768      +256""")
 
     def test_one_graph_report_has_one_column(self):
         report = overlap_report(canonical.mm_overlap(size=8), predict=stand_in_predict)

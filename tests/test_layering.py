@@ -1,9 +1,9 @@
 """The package's import graph: layers import only downward, no module imports itself back, and no
 module imports another's private names.
 
-Layers: ops -> shm -> passes -> compile -> inspect -> sim. A module may import from its own layer
-and the layers below it, never from a layer above, at module level or inside a function (a
-function-level import hides a loop; it does not remove it). ``fcoll/__init__.py``,
+Layers: ops -> parallel -> shm -> passes -> compile -> inspect -> sim. A module may import from
+its own layer and the layers below it, never from a layer above, at module level or inside a
+function (a function-level import hides a loop; it does not remove it). ``fcoll/__init__.py``,
 ``fcoll/launch.py``, ``fcoll/mps.py``, ``fcoll/calibrate.py`` and the ``fcoll/testing`` package
 sit on top and may import anything. Inside and across layers the modules form no cycle
 (module-level, function-level and ``TYPE_CHECKING`` imports all count: each is a dependency a
@@ -19,7 +19,7 @@ import sys
 
 import fcoll
 
-LAYERS = ("ops", "shm", "passes", "compile", "inspect", "sim")
+LAYERS = ("ops", "parallel", "shm", "passes", "compile", "inspect", "sim")
 PACKAGE = pathlib.Path(fcoll.__file__).parent
 
 

@@ -56,8 +56,9 @@ class TestSnapshots(TestCase):
         before: mm0 -> ar0 -> wait0 -> mm1 -> ... -> mm2 -> ar1 -> wait1 -> mm3
         sink_waits: mm0 -> ar0 -> mm1 (hides ar0) -> ... -> ar1 -> mm3 (hides ar1) -> wait0 -> wait1
         raise_collectives: no change (each ar already follows its mm)
-        reorder (issued just early enough): mm0 -> mm1 -> ... -> ar0 -> mm2 (hides ar0) -> ar1
-        -> mm3 (hides ar1) -> wait0 -> wait1
+        reorder: the gradients only leave the graph, so each all_reduce is issued as soon as
+        its input is ready (not "just early enough": an underestimate would expose it at the
+        end): mm0 -> ar0 -> mm1 -> ... -> mm2 -> ar1 -> mm3 (hides ar1) -> wait0 -> wait1
         """
         gm = canonical.ddp_backward(n_layers=2)
         self.assertExpectedInline(format_graph(gm), """\
@@ -108,10 +109,10 @@ graph(%arg0: f32[256, 1024], %arg1: f32[256, 1024], %arg2: f32[1024, 1024], %arg
 graph(%arg0: f32[256, 1024], %arg1: f32[256, 1024], %arg2: f32[1024, 1024], %arg3: f32[256, 1024], %arg4: f32[1024, 1024]):
   %t0: f32[1024, 256] = aten.t(%arg0)
   %mm0: f32[1024, 1024] = aten.mm(%t0, %arg3)
+  %ar0: f32[1024, 1024] = fcoll.all_reduce(%mm0, 'avg', '0')  # all_reduce group=0 ranks=2 op=avg
   %mm1: f32[256, 1024] = aten.mm(%arg0, %arg4)
   %threshold_backward0: f32[256, 1024] = aten.threshold_backward(%mm1, %arg3, 0.0)
   %t1: f32[1024, 256] = aten.t(%threshold_backward0)
-  %ar0: f32[1024, 1024] = fcoll.all_reduce(%mm0, 'avg', '0')  # all_reduce group=0 ranks=2 op=avg
   %mm2: f32[1024, 1024] = aten.mm(%t1, %arg1)
   %ar1: f32[1024, 1024] = fcoll.all_reduce(%mm2, 'avg', '0')  # all_reduce group=0 ranks=2 op=avg
   %mm3: f32[256, 1024] = aten.mm(%threshold_backward0, %arg2)

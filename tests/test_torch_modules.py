@@ -156,6 +156,7 @@ def _ddp_buckets_overlap_backward(rank: int, world: int) -> dict:
     from fcoll.compile.backend import register_compile_listener
     from fcoll.passes.rewrites.bucketing import META_BUCKET
     from fcoll.passes.graph import is_collective
+    from fcoll.passes.analysis.memory import OTHER, op_class
 
     corpus = tg.Corpus(tg.load_text())
     # Large enough that a block's backward (tens of ms of estimated compute) outweighs a
@@ -196,7 +197,10 @@ def _ddp_buckets_overlap_backward(rank: int, world: int) -> dict:
     return {"eager": eager, "compiled": compiled,
             "members": [len(c.meta.get(META_BUCKET, [c.name])) for c in colls],
             "first_issue": min(pos[c] for c in colls),
-            "last_gradient": max(pos[g] for g in grads)}
+            "last_gradient": max(pos[g] for g in grads),
+            # the backward's compute nodes, in order: its midpoint is the middle one
+            "compute": [pos[n] for n in nodes if n.op == "call_function" and
+                        op_class(n) == OTHER]}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -212,4 +216,8 @@ def test_ddp_gradients_go_out_in_buckets_during_the_backward(backend):
         assert len(r["members"]) > 1, r
         assert sum(r["members"]) == 2 * 12 + 4, r               # every parameter's gradient
         assert r["first_issue"] < r["last_gradient"], r
+        # the bucket plan's cap on the early buckets (bucket_rules.early_cap): the first bucket
+        # goes out before half of the backward's compute has run, however exact the cost model
+        midpoint = r["compute"][len(r["compute"]) // 2]
+        assert r["first_issue"] < midpoint, (r["first_issue"], midpoint, r["members"])
     assert fcoll_segments() == []

@@ -176,14 +176,15 @@ def test_train_gpt_on_cuda_learns(parallel, dist_backend, compute):
 
 
 def _torch_modules(rank: int, n: int) -> dict:
-    """``--parallel torch-ddp`` / ``torch-fsdp2``: 3 steps compiled with backend="fcoll" against
-    the same wrapped module run eagerly; the collectives that reach fcoll's graphs."""
+    """``--parallel torch-ddp`` / ``torch-fsdp2`` / ``simple-fsdp``: 3 steps compiled with
+    backend="fcoll" against the same wrapped module run eagerly; the collectives that reach
+    fcoll's graphs."""
     corpus = tg.Corpus(tg.load_text())
     cfg = _cfg(corpus.vocab_size)
     batches = [tg.get_batch(corpus.train, B, T, seed=1, step=i, rank=rank, world_size=n)
                for i in range(STEPS)]
     out: dict = {}
-    for parallel in ("torch-ddp", "torch-fsdp2"):
+    for parallel in ("torch-ddp", "torch-fsdp2", "simple-fsdp"):
         torch._dynamo.reset()
         counts, stop = tg.count_compiled_collectives()
         step = tg.TorchModuleStep(cfg, tg.init_params(cfg, 0), parallel, tg.AdamW(),
@@ -202,10 +203,10 @@ def _torch_modules(rank: int, n: int) -> dict:
 
 
 @pytest.mark.parametrize("backend", ["fcoll", "gloo"])
-def test_pytorch_ddp_and_fsdp2_modules_compile_with_fcoll(backend):
+def test_pytorch_ddp_fsdp2_and_simple_fsdp_modules_compile_with_fcoll(backend):
     for res in run_ranks(_torch_modules, 2, backend=backend, timeout_s=400):
         for parallel, r in res.items():
             assert r["compiled"] == pytest.approx(r["eager"], rel=1e-4, abs=1e-5), parallel
             if r["traced"]:  # DDP always; FSDP2 where torch can trace its hooks (CUDA, < 2.13)
                 assert r["collectives"] > 0, parallel
-        assert res["torch-ddp"]["traced"]
+        assert res["torch-ddp"]["traced"] and res["simple-fsdp"]["traced"]

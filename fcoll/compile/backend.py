@@ -13,7 +13,11 @@ The executor is :class:`fcoll.compile.executor.GraphExecutor` (``compute="eager"
 
 Partitioning: collectives are never recomputed in backward. PyTorch's partitioners mark every
 ``_c10d_functional`` node ``CheckpointPolicy.MUST_SAVE`` (``force_save_collectives``); fcoll
-marks its own ops the same way before calling them (:func:`_save_collectives`).
+marks its own ops the same way before calling them (:func:`_save_collectives`). What a
+selective checkpoint tags ``MUST_RECOMPUTE`` (``fcoll.parallel.fully_shard``'s gathers) is
+recomputed together with its views (:func:`_recompute_views_of_recomputed`): otherwise the
+partitioner saves ``t(weight)`` of ``F.linear``, a full-size alias of the gathered parameter, and
+resharding after the forward frees nothing.
 """
 
 from __future__ import annotations
@@ -127,6 +131,22 @@ def _has_recompute_tags(joint: fx.GraphModule) -> bool:
     return any(n.meta.get("recompute") is not None for n in joint.graph.nodes)
 
 
+def _recompute_views_of_recomputed(joint: fx.GraphModule) -> None:
+    """Tag ``MUST_RECOMPUTE`` (same checkpoint region) every view op whose input is tagged so,
+    transitively, in graph order: a view costs nothing to recompute, and saving it keeps the
+    whole base alive."""
+    must = CheckpointPolicy.MUST_RECOMPUTE
+    for node in joint.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or node.meta.get("recompute") is not None or \
+                not getattr(target, "is_view", False) or not node.args:
+            continue
+        base = node.args[0]
+        if isinstance(base, fx.Node) and base.meta.get("recompute") == must:
+            node.meta["recompute"] = must
+            node.meta["ac_graph_id"] = base.meta.get("ac_graph_id")
+
+
 def _partition_fn(config: FcollConfig) -> Callable[..., Any]:
     """The partitioner: PyTorch's min-cut one (what ``aot_eager`` and Inductor use) where the
     user asked for recomputation or ``compute="inductor"``, else PyTorch's default one.
@@ -146,6 +166,7 @@ def _partition_fn(config: FcollConfig) -> Callable[..., Any]:
         _save_collectives(joint)
         base = (partitioners.min_cut_rematerialization_partition
                 if config.compute == "inductor" or tagged else partitioners.default_partition)
+        _recompute_views_of_recomputed(joint)
         return base(joint, joint_inputs, **kwargs)
     return partition
 

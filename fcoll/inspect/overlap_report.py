@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from fcoll.inspect.predicted import PredictFn, collective_timings, predicted_events
 from fcoll.inspect.text import text_table
+from fcoll.passes.analysis.memory import peak_bytes
 from fcoll.passes.graph import collectives
 
 __all__ = ["OverlapTotals", "OverlapReport", "overlap_totals", "overlap_report"]
@@ -31,6 +32,7 @@ class OverlapTotals:
         overlap_ratio: ``hidden_comm_us / comm_us``; 0.0 when there is no communication.
         step_us: predicted time from the first node's start to the last node's end (None
             without a predicted schedule).
+        peak_bytes: peak live bytes of the graph in its order (fcoll's storage model).
     """
 
     n_collectives: int
@@ -39,6 +41,7 @@ class OverlapTotals:
     exposed_comm_us: float
     overlap_ratio: float
     step_us: float | None
+    peak_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +62,7 @@ def overlap_totals(gm: fx.GraphModule, *, events: Iterable[Any] | None = None,
     return OverlapTotals(
         n_collectives=len(collectives(gm)), comm_us=comm, hidden_comm_us=hidden,
         exposed_comm_us=exposed, overlap_ratio=hidden / comm if comm > 0 else 0.0, step_us=step,
+        peak_bytes=peak_bytes(gm.graph.nodes),
     )
 
 
@@ -81,7 +85,8 @@ class OverlapReport:
         fields = [("collectives", "n_collectives", "{:d}"), ("comm_us", "comm_us", "{:.1f}"),
                   ("hidden_comm_us", "hidden_comm_us", "{:.1f}"),
                   ("exposed_comm_us", "exposed_comm_us", "{:.1f}"),
-                  ("overlap_ratio", "overlap_ratio", "{:.1%}"), ("step_us", "step_us", "{:.1f}")]
+                  ("overlap_ratio", "overlap_ratio", "{:.1%}"), ("step_us", "step_us", "{:.1f}"),
+                  ("peak_bytes", "peak_bytes", "{:d}")]
         cols = [self.before] if self.after is None else [self.before, self.after]
         headers = ["metric", "graph"] if self.after is None else ["metric", "before", "after",
                                                                   "change"]

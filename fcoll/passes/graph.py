@@ -27,7 +27,7 @@ __all__ = [
     "CollectiveInfo", "is_collective", "is_wait", "is_fcoll_op", "collective_kind",
     "op_kind", "collective_info", "waits_of", "wait_of", "start_of", "size_hint",
     "tensor_bytes", "node_bytes", "input_bytes", "collective_bytes", "collectives",
-    "args_by_name", "arg_of", "check_topological", "per_op",
+    "args_by_name", "arg_of", "check_topological", "per_op", "only_leaves_graph",
 ]
 
 NAMESPACES = ("fcoll", "_c10d_functional")
@@ -380,3 +380,30 @@ def collectives(graph: fx.Graph | fx.GraphModule) -> list[fx.Node]:
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
     return [n for n in g.nodes if is_collective(n)]
 
+
+
+_MOVES_DATA = frozenset({torch.ops.aten.copy.default, torch.ops.aten.copy_.default,
+                         torch.ops.aten.clone.default, torch.ops.aten.reshape.default,
+                         torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor,
+                         operator.getitem})
+
+
+def only_leaves_graph(wait: fx.Node) -> bool:
+    """Whether ``wait``'s result only leaves the graph: every path from it reaches the output
+    through data movement alone (views, ``getitem``, splits, copies: compiled autograd's DDP
+    backward copies each gradient into its buffer, ``wait -> copy -> output``, and a bucket
+    splits and views its result first). Nothing in the graph waits for such a collective."""
+    stack, seen = list(wait.users), set()
+    if not stack:
+        return False
+    while stack:
+        u = stack.pop()
+        if u in seen or u.op == "output":
+            continue
+        seen.add(u)
+        moves = u.op == "call_function" and (u.target in _MOVES_DATA
+                                             or getattr(u.target, "is_view", False))
+        if not moves or not u.users:
+            return False
+        stack.extend(u.users)
+    return True

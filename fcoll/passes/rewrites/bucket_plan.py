@@ -90,9 +90,10 @@ from fcoll.passes.rewrites.bucket_rules import (
     Member, OpenBucket, add, join_rejection, lane_segments, rejection, wait_index,
 )
 from fcoll.passes.config import FcollConfig
-from fcoll.passes.rewrites.group_plan import BucketPlanError, ForcedPlans, GroupPlan
-from fcoll.passes.graph import META_HIDING, tensor_bytes, waits_of
 from fcoll.passes.analysis.memory import OTHER, op_class
+from fcoll.passes.graph import META_HIDING, only_leaves_graph, tensor_bytes, waits_of
+from fcoll.passes.rewrites.fsdp_plan import plan_fsdp
+from fcoll.passes.rewrites.group_plan import BucketPlanError, ForcedPlans, GroupPlan
 
 __all__ = ["Bucket", "BucketCosts", "model_costs", "plan_buckets", "BUCKETABLE_OPS", "MIB",
            "GroupPlan", "BucketPlanError", "lane_timed"]
@@ -101,6 +102,19 @@ log = logging.getLogger(__name__)
 
 #: Bytes per MiB.
 MIB = 2**20
+#: A lane-planned key whose every member's result only leaves the graph
+#: (:func:`~fcoll.passes.graph.only_leaves_graph`: the gradients of a compiled-autograd
+#: backward, DDP's python reducer) puts at most 1/OUTPUT_BUCKETS of its bytes (at least 1 MiB)
+#: in one bucket, and at most 1 MiB in its first (PyTorch's reducer's first bucket): caps that
+#: do not trust the cost model. Nothing in the graph waits for those collectives, so the lane plan's lateness is measured against the
+#: end of the graph, and a model that underestimates the link by 2-3x lets one bucket collect
+#: most gradients and go out during the last block's backward (the torch-ddp GPT: 22 of 28
+#: gradients, 11.3 MiB, issued after 90 % of the backward's compute). With the caps the first
+#: bucket goes out with the first MiB of gradients and no bucket waits for more than a quarter
+#: of them (and ``reorder_for_overlap`` issues such collectives as soon as they are ready), so
+#: communication starts early in the backward whatever the model says; it costs at most
+#: OUTPUT_BUCKETS latencies more.
+OUTPUT_BUCKETS = 4
 #: Op names (either namespace) that bucket_collectives merges.
 BUCKETABLE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                   "all_to_all_single")
@@ -127,6 +141,9 @@ class Bucket:
         issue_key: sort key of the merged collective (see module docstring).
         wait_key: sort key of the merged wait and the views that replace member waits.
         seq: the bucket's number in the plan.
+        not_before: FSDP prefetch (:mod:`fcoll.passes.rewrites.fsdp_plan`): the node the merged
+            collective is not issued before, by any pass; None: no such bound.
+        wait_by: FSDP gradient buckets: the node the merged wait stays before, by any pass.
     """
 
     kind: str
@@ -138,6 +155,8 @@ class Bucket:
     issue_key: tuple
     wait_key: tuple
     seq: int
+    not_before: str | None = None
+    wait_by: str | None = None
 
     @property
     def held_bytes(self) -> int:
@@ -234,6 +253,9 @@ class _Planner:
         self._names: dict[str, int] = {}
         self._elapsed: dict[str, list[float]] = {}     # group name -> elapsed compute
         self.lanes: dict[fx.Node, Member] = {}        # timed collective -> its lane-plan record
+        # FSDP blocks (fsdp_plan): their segments replace the lane plan's, and prefetch bounds
+        # each block's gathers from below
+        self.fsdp = plan_fsdp(gm.graph)
 
     def plan_lanes(self) -> None:
         """Segment the timed members of every key (:func:`lane_segments`) before the walk;
@@ -247,13 +269,18 @@ class _Planner:
             if rejection(node, spec, waits) is not None:
                 continue
             key = self.keys.merge_key(node)
-            if key[1] in self.forced:
-                continue   # its group's plan is given: nothing of it is timed here
+            if key[1] in self.forced or (self.fsdp and node in self.fsdp.segment):
+                continue   # its group's plan is given, or its block: not timed here
             m = self.member(node, waits[0], key, timed=True)
             if m.comm_us is not None:
                 by_key.setdefault(key, []).append(m)
         for members in by_key.values():
-            lane_segments(members, self.cap)
+            cap, first = self.cap, None
+            if all(only_leaves_graph(m.wait) for m in members):   # gradients leaving the graph
+                total = sum(m.in_bytes for m in members)
+                cap = min(cap, max(MIB, -(-total // OUTPUT_BUCKETS)))
+                first = min(cap, MIB)
+            lane_segments(members, cap, first)
             self.lanes.update((m.node, m) for m in members)
 
     def visit(self, node: fx.Node, spec: OpArgs) -> None:
@@ -278,6 +305,8 @@ class _Planner:
         planned = self.lanes.get(node)
         if planned is not None:
             m.segment, m.cut = planned.segment, planned.cut
+        if self.fsdp and node in self.fsdp.segment:
+            m.segment, m.cut = self.fsdp.segment[node], "FSDP block"
         if forced:
             self.forced.arrive(node, key)
         b = self.open_by_key.get(key)
@@ -299,11 +328,17 @@ class _Planner:
         to its kind."""
         val, idx = node.args[0].meta["val"], self.idx
         ready = max((self.ready_of(u) for u in node.all_input_nodes), default=(-1,))
+        anchor = self.fsdp.not_before.get(node) if self.fsdp else None
+        if anchor is not None:   # prefetch one block ahead, not earlier
+            ready = max(ready, (2 * idx[anchor],))
+        due = self.fsdp.wait_by.get(node) if self.fsdp else None
         users = [idx[u] for u in wait.users]
         first_use = min(users) if users else len(self.nodes) - 1
         hiding = node.meta.get(META_HIDING)
         hides = [self.by_name()[h] for h in hiding if h in self.by_name()] if hiding else ()
-        m = Member(node=node, wait=wait, ready=ready, wait_idx=idx[wait], first_use=first_use,
+        m = Member(node=node, wait=wait, ready=ready,
+                   wait_idx=min(idx[wait], idx[due]) if due is not None else idx[wait],
+                   first_use=first_use,
                    last_hide=max(hides, default=-1), in_bytes=tensor_bytes(val),
                    out_bytes=tensor_bytes(node.meta["val"]), dtype=val.dtype)
         comm_time = self.costs.comm_time(node) if timed else None
@@ -354,11 +389,15 @@ class _Planner:
             return   # a move only ever goes earlier (placeholders count as ready at the last one)
         seq = len(self.buckets)
         w = wait_index(b.ready, b.wait_idx, b.last_hide)
+        anchors = [self.fsdp.not_before[m.node] for m in b.members
+                   if self.fsdp and m.node in self.fsdp.not_before]
         bucket = Bucket(
             kind=b.key[0], key=b.key, members=tuple(m.node.name for m in b.members),
             dtypes=tuple(m.dtype for m in b.members), in_bytes=b.in_bytes,
             out_bytes=b.out_bytes, issue_key=b.ready + (1, seq), wait_key=(2 * w - 1, 0, seq),
-            seq=seq)
+            seq=seq, not_before=max(anchors, key=self.idx.__getitem__).name if anchors else None,
+            wait_by=self.nodes[w].name if any(self.fsdp and m.node in self.fsdp.wait_by
+                                              for m in b.members) else None)
         self.buckets.append(bucket)
         if len(b.members) == 1:   # a move: its wait stays where it is
             return

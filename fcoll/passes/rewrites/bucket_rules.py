@@ -160,7 +160,7 @@ def add(b: OpenBucket, m: Member) -> None:
     b.out_bytes += m.out_bytes
 
 
-def lane_segments(members: Sequence[Member], cap: int) -> None:
+def lane_segments(members: Sequence[Member], cap: int, first_cap: int | None = None) -> None:
     """Plan which timed members of one bucket key share a bucket: sets each member's
     ``segment`` (and ``cut``, why a new one starts at it). Pure; O(n log n) for n members.
 
@@ -197,7 +197,8 @@ def lane_segments(members: Sequence[Member], cap: int) -> None:
     before their first use and before the rest need the lane: a backward with plenty of
     compute gets a few large buckets, issued as their last gradient is ready, and a small last
     one (nothing runs after it to hide it). Every input is the graph's and the cost model's, so
-    every rank plans the same segments.
+    every rank plans the same segments. ``first_cap``: the first segment's cap instead of
+    ``cap`` (PyTorch's reducer's ``first_bucket_bytes``).
     """
     order = sorted(range(len(members)), key=lambda i: (members[i].ready_us, i))
     ms = [members[i] for i in order]
@@ -217,8 +218,9 @@ def lane_segments(members: Sequence[Member], cap: int) -> None:
             end = max(m.ready_us, lane_free) + comm(nbytes + m.comm_bytes)
             merged = max(end - min(use, due), 0.0)
             saved = comm(nbytes) + m.comm_us - comm(nbytes + m.comm_bytes)
-            if in_bytes + m.in_bytes > cap:
-                m.cut = f"cap: {in_bytes + m.in_bytes} input bytes > {cap}"
+            limit = first_cap if segment == 0 and first_cap is not None else cap
+            if in_bytes + m.in_bytes > limit:
+                m.cut = f"cap: {in_bytes + m.in_bytes} input bytes > {limit}"
             elif merged > apart + saved:
                 m.cut = (f"{m.node.name} would keep its bucket waiting: merged, the lane plan's "
                          f"communication ends {merged:.0f} us after it is needed, apart "

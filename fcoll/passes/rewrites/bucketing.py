@@ -70,6 +70,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fcoll.ops.facts import OPS
 from fcoll.passes.rewrites.bucket_plan import Bucket, model_costs, plan_buckets
+from fcoll.passes.rewrites.fsdp_plan import (META_NOT_BEFORE, META_WAIT_BY,
+                                              hoist_parameter_prep, plan_fsdp)
+from fcoll.passes.rewrites.output_chains import output_only_chains
 from fcoll.passes.rewrites.shared_plan import META_BUCKET_PLAN, agreed_buckets
 from fcoll.passes.graph import META_HIDING, args_by_name, check_topological, waits_of
 from fcoll.passes.registry import FcollPass, get_pass, register_pass
@@ -285,6 +288,8 @@ class _Rewrite:
 
     def _tag(self, coll: fx.Node) -> None:
         coll.meta[META_BUCKET] = list(self.bucket.members)
+        if self.bucket.not_before is not None:
+            coll.meta[META_NOT_BEFORE] = self.bucket.not_before
         hides = [h for m in self.members for h in m.meta.get(META_HIDING) or ()]
         if hides:
             coll.meta[META_HIDING] = list(dict.fromkeys(hides))
@@ -344,18 +349,24 @@ class _Rewrite:
     # -- wait ----------------------------------------------------------------------------------
     def wait(self, emit: _Emit) -> None:
         """Emit the wait(s) and one replacement per member (``self.replacements``)."""
-        wait = _ns(self.members[0]).wait_tensor.default
+        op = _ns(self.members[0]).wait_tensor.default
+
+        def wait(coll: fx.Node) -> fx.Node:
+            w = emit(op, coll)
+            if self.bucket.wait_by is not None:
+                w.meta[META_WAIT_BY] = self.bucket.wait_by
+            return w
         out: list[fx.Node | None] = [None] * len(self.members)
         for item in self.pending:
             if isinstance(item, _Coalesced):
                 for i, g in enumerate(item.items):
-                    out[i] = emit(wait, g)
+                    out[i] = wait(g)
             elif isinstance(item, _Reduction):
-                self._wait_reduction(emit, emit(wait, item.coll), item, out)
+                self._wait_reduction(emit, wait(item.coll), item, out)
             elif isinstance(item, _Gathered):
-                self._wait_all_gather(emit, emit(wait, item.coll), item, out)
+                self._wait_all_gather(emit, wait(item.coll), item, out)
             else:
-                self._wait_all_to_all(emit, emit(wait, item.coll), item, out)
+                self._wait_all_to_all(emit, wait(item.coll), item, out)
         self.replacements = out
 
     def _wait_reduction(self, emit: _Emit, w: fx.Node, item: _Reduction, out: list) -> None:
@@ -421,6 +432,9 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
     vals = [by_name[b.members[0]].args[0].meta["val"] for b in buckets]
     fake_vals = _Vals(detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True))
     moves = {b.seq: by_name[b.members[0]] for b in buckets if len(b.members) == 1}
+    for b in buckets:
+        if b.seq in moves and b.not_before is not None:
+            moves[b.seq].meta[META_NOT_BEFORE] = b.not_before
     rewrites = {b.seq: _Rewrite(b, [by_name[m] for m in b.members], config.bucket_mode)
                 for b in buckets if b.seq not in moves}
     _insert_groups(g, nodes, buckets, moves, rewrites, fake_vals)
@@ -476,6 +490,22 @@ def _insert_groups(g: fx.Graph, nodes: list[fx.Node], buckets: list[Bucket],
         cursor = nxt.prev
 
 
+def _prepare_fsdp(gm: fx.GraphModule) -> None:
+    """Make an FSDP graph's rank-dependent compute (DTensor pads an uneven shard before its
+    all_gather and narrows its reduce_scatter's result, on the ranks with fewer rows) leave the
+    collectives' issue and wait points where rank 0's are: each gather's input is computed at
+    the start (:func:`~fcoll.passes.rewrites.fsdp_plan.hoist_parameter_prep`), and every wait
+    that only feeds the output moves to the end with its chain (as ``sink_output_waits``). No value
+    changes; the group's plan (rank 0's) then applies on every rank."""
+    graph = gm.graph
+    hoist_parameter_prep(graph)
+    output = next(iter(graph.find_nodes(op="output")))
+    for node in output_only_chains(graph):
+        output.prepend(node)
+    graph.lint()
+    gm.recompile()
+
+
 @register_pass
 class BucketCollectives(FcollPass):
     """Merge collectives into buckets of at most ``config.bucket_cap_mb`` MiB of input.
@@ -513,6 +543,8 @@ class BucketCollectives(FcollPass):
                 checked.append(True)
                 get_pass("check_rank_consistency", self.config)(graph_module)
 
+        if plan_fsdp(graph_module.graph) is not None:
+            _prepare_fsdp(graph_module)
         costs = model_costs(graph_module, self.config, self.estimates, check_ranks)
         buckets, origins = agreed_buckets(graph_module, self.config, costs, check_ranks)
         graph_module.meta[META_BUCKET_PLAN] = origins

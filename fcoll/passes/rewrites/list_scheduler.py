@@ -11,7 +11,9 @@ Constraints every reorder keeps (:func:`dependencies`):
   graph with the same cost numbers, so the scheduler's choices are the same on every rank);
 - writes stay ordered with the reads of the same storage
   (:func:`fcoll.passes.analysis.memory.mutation_deps`);
-- other side-effectful nodes (not waits, not collectives) are barriers: nothing crosses them.
+- other side-effectful nodes (not waits, not collectives) are barriers: nothing crosses them;
+- a collective with ``meta[META_NOT_BEFORE]`` (FSDP prefetch,
+  :mod:`fcoll.passes.rewrites.fsdp_plan`) stays after that node, and a wait with ``meta[META_WAIT_BY]`` before that one.
 
 One scheduler (:class:`ListScheduler`) places nodes from a ready set, backwards or forwards, so
 that every order it makes keeps these constraints by construction; a reorder differs only in its
@@ -38,7 +40,8 @@ import torch
 import torch.fx as fx
 
 from fcoll.passes.analysis.cost import SizeEstimate, collective_size
-from fcoll.passes.graph import arg_of
+from fcoll.passes.graph import arg_of, only_leaves_graph
+from fcoll.passes.rewrites.fsdp_plan import META_NOT_BEFORE, META_WAIT_BY
 from fcoll.passes.analysis.memory import COLLECTIVE, OTHER, WAIT, LiveBytes, OpClass, Storage, \
     written_inputs, mutation_deps, peak_bytes, per_op, storage_model
 from fcoll.passes.analysis.lanes import (
@@ -104,6 +107,15 @@ def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
         add(a, b)
     for a, b in mutation_deps(order, storage):
         add(a, b)
+    by_name = {n.name: n for n in order}
+    for n in colls:   # FSDP prefetch bounds (fsdp_plan): issued after that node at the earliest
+        anchor = by_name.get(n.meta.get(META_NOT_BEFORE))
+        if anchor is not None and pos[anchor] < pos[n]:
+            add(anchor, n)
+    for n in order:   # FSDP gradient buckets: waited before that node at the latest
+        due = by_name.get(n.meta.get(META_WAIT_BY)) if cls[n] == WAIT else None
+        if due is not None and pos[n] < pos[due]:
+            add(n, due)
     barrier: fx.Node | None = None
     since: list[fx.Node] = []
     for n in order:
@@ -348,6 +360,11 @@ class OverlapScheduler(ListScheduler):
         self.flight = 0                            # bytes of the collectives in flight
         self._due_of: fx.Node | None = None        # the collective `_due` was computed for
         self._due = 0.0
+        # collectives whose results only leave the graph: issued as soon as they are ready
+        waits: dict[fx.Node, list[fx.Node]] = {}
+        for w, c in facts.start.items():
+            waits.setdefault(c, []).append(w)
+        self.asap = {c for c, ws in waits.items() if all(only_leaves_graph(w) for w in ws)}
 
     def select(self) -> fx.Node:
         """The scheduler's one priority rule (backwards: the node chosen runs before every node
@@ -384,13 +401,18 @@ class OverlapScheduler(ListScheduler):
         """Whether collective ``c`` is issued now: once the compute placed after its first wait
         covers its estimated time, counted from that wait or the issue of the next collective
         on its lane, whichever is later (that one assumed a free lane); earlier when no compute
-        is ready; later than planned when the memory limit or the in-flight cap presses."""
+        is ready; later than planned when the memory limit or the in-flight cap presses. A
+        collective whose result only leaves the graph (DDP's gradients) is issued as early as
+        its input allows: nothing in the graph waits for it, so an estimate that is too low
+        cannot expose it at the end."""
         if c is not self._due_of:
             # Fixed while c is the next collective: its waits are placed, and lane_next
             # changes only when a collective is placed.
             self._due_of = c
             self._due = max(self.wait_at[c], self.lane_next.get(self.f.group[c], 0.0)) \
                 + self.f.est[c] if c in self.wait_at else -math.inf   # nothing waits: now
+            if c in self.asap:   # only the output reads it: as early as its input allows
+                self._due = math.inf
         over = self.memory.live > self.limit_bytes
         if self.now >= self._due or self.deferred or over or not self.compute:
             if self.now < self._due:

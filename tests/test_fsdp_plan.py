@@ -1,0 +1,144 @@
+"""FSDP-aware bucket plans (``fcoll.passes.rewrites.fsdp_plan``): single-process graph tests on PyTorch's
+fake process group (rank 0 of 2), graphs made with ``make_fx`` as SimpleFSDP's are: every
+parameter gathered where its block reads it, the gathers tagged with the block's module stack
+(``SimpleFSDP<Name>``, as Dynamo records it for ``fcoll.parallel.fully_shard``'s units)."""
+
+from __future__ import annotations
+
+import unittest
+
+import torch
+import torch.fx as fx
+
+import canonical
+import fcoll
+from fcoll.passes.rewrites.bucketing import META_BUCKET, BucketCollectives
+from fcoll.passes.config import FcollConfig
+from fcoll.passes.rewrites.fsdp_plan import META_NOT_BEFORE, META_WAIT_BY, block_of, plan_fsdp
+from fcoll.passes.graph import collective_kind, collectives, waits_of
+from fcoll.passes.analysis.memory import peak_bytes
+from fcoll.passes.registry import run_pipeline
+
+BLOCKS, HIDDEN, BATCH = 4, 256, 64
+
+
+def setUpModule() -> None:
+    canonical.ensure_fake_pg()
+
+
+def _tag_blocks(gm: fx.GraphModule, per_block: int) -> fx.GraphModule:
+    """Give the ``i``-th all_gather the module stack of block ``i // per_block`` (in graph
+    order, forward or backward)."""
+    gathers = [n for n in collectives(gm) if collective_kind(n) == "all_gather"]
+    for i, g in enumerate(gathers):
+        b = i // per_block
+        g.meta["nn_module_stack"] = {f"blocks.{b}": (f"blocks.{b}", "SimpleFSDPBlock")}
+    return gm
+
+
+def _forward(blocks: int = BLOCKS) -> fx.GraphModule:
+    """``blocks`` blocks of two linear layers, each weight gathered at its use:
+    ``ag(w1) -> wait -> mm -> relu -> ag(w2) -> wait -> mm`` per block."""
+    name = "0"
+
+    def step(x, *shards):
+        for i in range(0, len(shards), 2):
+            w1 = fcoll.all_gather_tensor(shards[i], 0, name)
+            x = torch.relu(torch.mm(x, w1.t()))
+            w2 = fcoll.all_gather_tensor(shards[i + 1], 0, name)
+            x = torch.mm(x, w2.t())
+        return x
+
+    shard = (HIDDEN // 2, HIDDEN)
+    return _tag_blocks(canonical.trace(step, [(BATCH, HIDDEN)] + [shard] * (2 * blocks)), 2)
+
+
+def _backward(blocks: int = BLOCKS) -> fx.GraphModule:
+    """The backward of :func:`_forward` with resharding: per block (last first) both weights
+    gathered again, the input gradient computed, each weight gradient reduce_scattered."""
+    name = "0"
+
+    def step(grad, *saved):
+        outs = []
+        for i in range(len(saved) - 4, -1, -4):
+            x1, x2, s1, s2 = saved[i:i + 4]
+            w2 = fcoll.all_gather_tensor(s2, 0, name)
+            outs.append(fcoll.reduce_scatter_tensor(torch.mm(grad.t(), x2), "sum", 0, name))
+            grad = torch.relu(torch.mm(grad, w2))
+            w1 = fcoll.all_gather_tensor(s1, 0, name)
+            outs.append(fcoll.reduce_scatter_tensor(torch.mm(grad.t(), x1), "sum", 0, name))
+            grad = torch.mm(grad, w1)
+        return [fcoll.wait_tensor(o) for o in outs] + [grad]
+
+    shard = (HIDDEN // 2, HIDDEN)
+    act = (BATCH, HIDDEN)
+    return _tag_blocks(canonical.trace(step, [act] + [act, act, shard, shard] * blocks), 2)
+
+
+def _lowered(gm: fx.GraphModule) -> fx.GraphModule:
+    return run_pipeline(gm, FcollConfig(), ("lower_c10d_functional",))
+
+
+def _block_of_bucket(node: fx.Node, by_name: dict[str, fx.Node]) -> set[str | None]:
+    return {block_of(by_name[m]) for m in node.meta.get(META_BUCKET, [node.name])}
+
+
+class TestFsdpPlan(unittest.TestCase):
+    def test_blocks_read_from_module_stacks_in_order_of_first_use(self):
+        plan = plan_fsdp(_lowered(_forward()).graph)
+        self.assertEqual(plan.blocks, [f"blocks.{i}" for i in range(BLOCKS)])
+
+    def test_no_plan_without_fully_shard_units(self):
+        """A hand-written FSDP step (no module stack): the lane plan, as before."""
+        self.assertIsNone(plan_fsdp(canonical.fsdp_forward().graph))
+
+    def test_all_gathers_per_block_issued_one_block_ahead_and_peak_below_all_at_once(self):
+        """``ag(w1) ag(w2)`` of block k become one bucket, issued after block k-1's first
+        use (never all blocks at the start), waited before block k's first use; after the whole
+        pipeline (the scheduler keeps the prefetch bound). Peak memory: the unbucketed graph's
+        plus at most three blocks' gathered weights (the block in use, its copy-out buffer, the
+        next block in flight), and below the plan without blocks (every weight at the start)."""
+        before = _lowered(_forward())
+        unbucketed_peak = peak_bytes(before.graph.nodes)
+        originals = {n.name: n for n in before.graph.nodes}
+        blocks = {n.name: block_of(n) for n in originals.values() if block_of(n) is not None}
+        gm = run_pipeline(_forward(), FcollConfig(),
+                          ("lower_c10d_functional", "bucket_collectives", "reorder_for_overlap"))
+        nodes = list(gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        gathers = [n for n in collectives(gm) if collective_kind(n) == "all_gather"]
+        self.assertEqual(len(gathers), BLOCKS)
+        first_use = [min(pos[u] for w in waits_of(g) for u in w.users) for g in gathers]
+        for k, g in enumerate(gathers):
+            self.assertEqual({blocks[m] for m in g.meta[META_BUCKET]}, {f"blocks.{k}"})
+            self.assertLess(pos[g], first_use[k], f"{g.name} issued after its first use")
+            if k > 0:
+                anchor = {n.name: n for n in nodes}[g.meta[META_NOT_BEFORE]]
+                self.assertGreater(pos[g], pos[anchor])
+                self.assertGreater(pos[g], first_use[k - 2] if k > 1 else -1,
+                                   f"{g.name} issued more than one block ahead")
+        block_bytes = 2 * HIDDEN * HIDDEN * 4
+        peak = peak_bytes(gm.graph.nodes)
+        self.assertLessEqual(peak, unbucketed_peak + 3 * block_bytes)
+        untagged = _forward()
+        for n in untagged.graph.nodes:
+            n.meta.pop("nn_module_stack", None)
+        all_at_once = run_pipeline(untagged, FcollConfig(),
+                                   ("lower_c10d_functional", "bucket_collectives"))
+        self.assertLess(peak, peak_bytes(all_at_once.graph.nodes))
+
+    def test_reduce_scatters_per_block_waited_before_the_next_block(self):
+        """Backward: each block's two gradient reduce_scatters are one bucket, issued once both
+        are ready, waited (META_WAIT_BY) before the block after next starts; the regathers are
+        per block like the forward's."""
+        gm = BucketCollectives(FcollConfig())(_lowered(_backward())).graph_module
+        kinds = [(collective_kind(n), len(n.meta.get(META_BUCKET, [1]))) for n in collectives(gm)]
+        self.assertEqual(kinds.count(("all_gather", 2)), BLOCKS)
+        self.assertEqual(kinds.count(("reduce_scatter", 2)), BLOCKS)
+        waited_by = [n for n in gm.graph.nodes if META_WAIT_BY in n.meta]
+        # waited before the block after next starts; the last two blocks': at the end
+        self.assertEqual(len(waited_by), BLOCKS - 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
