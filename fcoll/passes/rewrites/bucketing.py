@@ -70,10 +70,10 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fcoll.ops.facts import OPS
 from fcoll.passes.rewrites.bucket_plan import Bucket, model_costs, plan_buckets
-from fcoll.passes.rewrites.fsdp_plan import (META_NOT_BEFORE, META_WAIT_BY,
-                                              hoist_parameter_prep, plan_fsdp)
+from fcoll.passes.rewrites.fsdp_plan import META_NOT_BEFORE, META_WAIT_BY, plan_fsdp
 from fcoll.passes.rewrites.output_chains import output_only_chains
-from fcoll.passes.rewrites.shared_plan import META_BUCKET_PLAN, agreed_buckets
+from fcoll.passes.rewrites.shared_plan import (META_BUCKET_PLAN, agreed_buckets,
+                                               hoist_input_preparation)
 from fcoll.passes.graph import META_HIDING, args_by_name, check_topological, waits_of
 from fcoll.passes.registry import FcollPass, get_pass, register_pass
 from fcoll.passes.config import FcollConfig
@@ -494,11 +494,12 @@ def _prepare_fsdp(gm: fx.GraphModule) -> None:
     """Make an FSDP graph's rank-dependent compute (DTensor pads an uneven shard before its
     all_gather and narrows its reduce_scatter's result, on the ranks with fewer rows) leave the
     collectives' issue and wait points where rank 0's are: each gather's input is computed at
-    the start (:func:`~fcoll.passes.rewrites.fsdp_plan.hoist_parameter_prep`), and every wait
-    that only feeds the output moves to the end with its chain (as ``sink_output_waits``). No value
-    changes; the group's plan (rank 0's) then applies on every rank."""
+    the start (:func:`~fcoll.passes.rewrites.shared_plan.hoist_input_preparation`, which a rank
+    that cannot apply a received plan also uses), and every wait that only feeds the output
+    moves to the end with its chain (as ``sink_output_waits``). No value changes; the group's
+    plan (rank 0's) then applies on every rank."""
     graph = gm.graph
-    hoist_parameter_prep(graph)
+    hoist_input_preparation(gm)
     output = next(iter(graph.find_nodes(op="output")))
     for node in output_only_chains(graph):
         output.prepend(node)

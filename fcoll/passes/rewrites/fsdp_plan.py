@@ -35,9 +35,9 @@ time and prefetches the next. This module gives the bucket planner the same stru
 
 Why ranks agree: blocks, order and anchors read only the graph's module stacks and order, and
 which collectives merge is still rank 0's plan on every rank (:mod:`fcoll.passes.rewrites.shared_plan`).
-:func:`hoist_parameter_prep` first moves each gather's input computation (the padding) right
-after the graph inputs, on every rank, so that a rank whose shard is padded can issue a block's
-gathers where rank 0 does.
+Bucketing first moves each gather's input computation (the padding) right after the graph
+inputs, on every rank (:func:`fcoll.passes.rewrites.shared_plan.hoist_input_preparation`), so
+that a rank whose shard is padded can issue a block's gathers where rank 0 does.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from fcoll.passes.graph import collective_kind, is_collective, is_wait, waits_of
 from fcoll.passes.analysis.memory import OTHER, op_class
 
 __all__ = ["META_NOT_BEFORE", "META_WAIT_BY", "FsdpPlan", "parameter_gathers", "block_of",
-           "hoist_parameter_prep", "plan_fsdp", "FSDP_CLASS_PREFIX"]
+           "plan_fsdp", "FSDP_CLASS_PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -121,25 +121,6 @@ def block_of(node: fx.Node) -> str | None:
         if name.rsplit(".", 1)[-1].startswith(FSDP_CLASS_PREFIX):
             block = path
     return block
-
-
-def hoist_parameter_prep(graph: fx.Graph) -> bool:
-    """Move the input computation of every parameter gather right after the graph inputs, in
-    graph order (``Node.append``: meta kept). Returns whether anything moved."""
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    last = max((n for n in nodes if n.op in ("placeholder", "get_attr")), key=pos.__getitem__,
-               default=None)
-    if last is None:
-        return False
-    prep = {n for g in parameter_gathers(graph) for n in _input_chain(g) or ()}
-    cursor, moved = last, False
-    for n in sorted(prep, key=pos.__getitem__):
-        if cursor.next is not n:
-            cursor.append(n)
-            moved = True
-        cursor = n
-    return moved
 
 
 def _first_use(node: fx.Node, pos: dict[fx.Node, int]) -> int:
