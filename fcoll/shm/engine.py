@@ -24,7 +24,7 @@ compute they overlap.
 Failure model: a header mismatch or invalid input raises on every rank at the same phase, so the
 group stays usable. A dead peer, a timeout or an unexpected error leaves the ranks at different
 phases: the group is marked broken and every later collective fails at once with that error, and
-the collective is fenced in shared memory (:meth:`~fcoll.shm.transport.sync.Channel.give_up`): a
+the collective is fenced in shared memory (:meth:`~fcoll.shm.transport.fences.Fences.give_up`): a
 peer waiting for it, or arriving at it later, raises naming this rank instead of computing a result
 from data this rank abandoned, and is broken in turn. Destroying the group fences the next
 sequence number, so a peer still to call it raises at once instead of at the timeout. An
@@ -50,8 +50,9 @@ from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.transport.headers import CollectiveMismatchError
 from fcoll.shm.transport.segment import Segment
-from fcoll.shm.transport.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, GAVE_UP_RAISED,
-                                      TRANSFER_BYTES_PER_S, Channel, PeerError)
+from fcoll.shm.transport.fences import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, GAVE_UP_RAISED,
+                                        PeerError)
+from fcoll.shm.transport.sync import TRANSFER_BYTES_PER_S, Channel
 
 log = logging.getLogger(__name__)
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -392,7 +393,7 @@ class Engine:
         every rank at the same phase, so the group stays usable. Anything else (a dead peer, a
         timeout, a peer that gave up, an unexpected error) leaves the ranks at different
         phases: the group is marked broken, and collective ``seq`` is fenced in shared memory
-        (:meth:`Channel.give_up`), so a peer waiting for it, or arriving at it later, raises
+        (:meth:`~fcoll.shm.transport.fences.Fences.give_up`), so a peer waiting for it, or arriving at it later, raises
         naming this rank instead of computing a result from data this rank abandoned.
         Unexpected errors are logged with their traceback.
         """
@@ -402,9 +403,9 @@ class Engine:
             log.exception("fcoll %s failed", name)
         self.broken = e
         if isinstance(e, PeerError):
-            self.ch.give_up(seq, name, e.reason, e.peer, e.origin, e.culprit, e.note)
+            self.ch.fences.give_up(seq, name, e.reason, e.peer, e.origin, e.culprit, e.note)
         else:
-            self.ch.give_up(seq, name, GAVE_UP_ERROR, note=exception_note(e))
+            self.ch.fences.give_up(seq, name, GAVE_UP_ERROR, note=exception_note(e))
         return e
 
     def abandon(self, e: BaseException, where: str) -> bool:
@@ -426,7 +427,7 @@ class Engine:
         self.broken = RuntimeError(
             f"rank {self.ch.rank} raised {note} in {where} while it held collectives of this "
             "group; the group was fenced on every rank: create it again")
-        self.ch.give_up(self.completed, "", GAVE_UP_RAISED, note=note)
+        self.ch.fences.give_up(self.completed, "", GAVE_UP_RAISED, note=note)
         log.warning("fcoll: %s raised %s on rank %d; its group is fenced", where, note,
                     self.ch.rank)
         return True
@@ -453,7 +454,7 @@ class Engine:
         if not self._thread.is_alive():
             # a peer still to call collective ``self.seq`` (which this rank never will) raises
             # at once, naming this rank, instead of waiting for the timeout
-            self.ch.give_up(self.seq, "", GAVE_UP_DESTROYED)
+            self.ch.fences.give_up(self.seq, "", GAVE_UP_DESTROYED)
             self.seg.close()
 
 
