@@ -14,6 +14,8 @@ Folder map, bottom layer first (each sub-package is one concept; nothing imports
 - ``engine``: the per-group executor and worker thread, and the one way to issue a collective
   (:meth:`~fcoll.shm.engine.Engine.job` takes the sequence number;
   :meth:`~fcoll.shm.engine.Engine.run_now` runs one on the caller's thread).
+- ``work``: a collective after it is issued: the queued ``Job``, its future, and the c10d
+  ``Work`` objects the group returns (``FcollWork``, ``DoneWork``).
 - ``cuda/``: CUDA tensors. ``paths`` (the path choice, the IPC path, the device check; all
   stream-ordered), ``staging`` (the staged path), ``submission`` (the process group's CUDA
   helpers, a mixin).

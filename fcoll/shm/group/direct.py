@@ -43,7 +43,7 @@ import torch.autograd.profiler as _profiler
 
 from fcoll.ops.reduce import DIST_REDUCE_OPS, backend_reduce_op, check_reduce_op, divide_for_avg
 from fcoll.shm.kernels import movement, one_slot, reductions
-from fcoll.shm.engine import Job
+from fcoll.shm.work import Job
 from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name
 
 __all__ = ["DirectAllReduce", "DirectAllGather", "DirectReduceScatter", "direct_group",

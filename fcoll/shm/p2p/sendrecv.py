@@ -49,7 +49,7 @@ import weakref
 import torch
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm.engine import settle_future
+from fcoll.shm.work import settle_future
 from fcoll.shm.p2p.inbox import (MAX_DIMS, PREFIX, W_DOOR, W_SLEEPERS, Inbox, Layout, chunk_bytes,
                              create_inbox, open_inbox, segment_inode, show_message)
 from fcoll.shm.p2p.protocol import RingProtocol, InMessage, PendingOp
