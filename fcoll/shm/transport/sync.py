@@ -58,7 +58,6 @@ the peers arrived and a sleeper on every wake-up, and a fence on the current col
 (``Channel.seq``) or an earlier one raises :class:`~fcoll.shm.transport.fences.PeerError`
 before any data of that phase is read.
 
-
 Liveness: a sleeping waiter wakes at least every ``_TICK_S`` (100 ms) to check that every peer
 process is still alive (``/proc/<pid>/stat``: state and start time; a zombie is dead), whether
 the group is closing, and the group timeout, so a dead peer is reported within about 0.1-0.2 s
