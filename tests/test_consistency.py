@@ -22,8 +22,9 @@ import torch.fx as fx
 import canonical  # noqa: E402
 from graphs_bucketing import Builder  # noqa: E402
 from fcoll.passes.rewrites import consistency  # noqa: E402
+from fcoll.passes.analysis.fingerprints import Fingerprint, fingerprint  # noqa: E402
 from fcoll.passes.rewrites.consistency import (  # noqa: E402
-    CheckRankConsistency, Fingerprint, RankMismatchError, RankTimeoutError, fingerprint,
+    CheckRankConsistency, RankMismatchError, RankTimeoutError,
 )
 from fcoll.passes.config import FcollConfig  # noqa: E402
 from fcoll.testing import run_ranks  # noqa: E402

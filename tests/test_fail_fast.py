@@ -60,7 +60,7 @@ def _raise_in_compiled_step(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fcoll.shm.transport.sync import PeerError
+    from fcoll.shm.transport.fences import PeerError
 
     group = dist.new_group(backend="fcoll")
     name = group.group_name

@@ -42,7 +42,7 @@ def _fcoll_pg(group):
 
 def _late_peer(rank: int, store, key: str, t: torch.Tensor, call) -> dict:
     """Rank 1 times out in ``call(t)``; rank 0 calls it once rank 1 has given up."""
-    from fcoll.shm.transport.sync import PeerError
+    from fcoll.shm.transport.fences import PeerError
 
     group = dist.new_group(backend="fcoll", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     pg = _fcoll_pg(group)
@@ -76,7 +76,7 @@ def _async_all_reduce(t, group):
 
 
 def _destroyed_while_waiting(rank: int, store) -> str | None:
-    from fcoll.shm.transport.sync import PeerError
+    from fcoll.shm.transport.fences import PeerError
 
     group = dist.new_group(backend="fcoll", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     dist.all_reduce(torch.ones(4), group=group)
@@ -92,7 +92,7 @@ def _destroyed_while_waiting(rank: int, store) -> str | None:
 
 
 def _compiled_step(rank: int, store) -> str:
-    from fcoll.shm.transport.sync import PeerError
+    from fcoll.shm.transport.fences import PeerError
 
     group = dist.new_group(backend="fcoll", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
 

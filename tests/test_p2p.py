@@ -207,7 +207,7 @@ def _faults(rank, world):
 
     import torch.distributed as dist
 
-    from fcoll.shm.transport.sync import PeerError
+    from fcoll.shm.transport.fences import PeerError
 
     if rank == 1:
         os._exit(3)

@@ -32,7 +32,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import canonical
 from fcoll.passes.analysis import cost
 from fcoll.passes.config import FcollConfig
-from fcoll.passes.rewrites.consistency import RankCheck, fingerprint
+from fcoll.passes.analysis.fingerprints import fingerprint
+from fcoll.passes.rewrites.consistency import RankCheck
 from fcoll.passes.graph import collectives
 from fcoll.testing import run_ranks
 

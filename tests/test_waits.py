@@ -27,7 +27,8 @@ import pytest
 from fcoll.shm.transport import sync
 from fcoll.shm.transport.segment import (W_PID, W_START_HI, W_START_LO, Layout, Segment,
                                          proc_start_time)
-from fcoll.shm.transport.sync import Channel, PeerError, futex_wait, futex_wake
+from fcoll.shm.transport.fences import PeerError
+from fcoll.shm.transport.sync import Channel, futex_wait, futex_wake
 
 SLOT = 4096
 TICK_S = 0.1  # sync._TICK_S: a lost wake-up costs a whole tick

@@ -22,8 +22,8 @@ for would (``fcoll::all_reduce``, ``fcoll::wait_tensor``), so a profile of a com
 where it waits whichever path ran (:func:`_in_profile`). A call whose first wait is the very
 next step of the executor's plan runs synchronously (nothing could overlap it). Each call
 carries a call-site tag in its header: the first 12 hex digits of the group's
-collective-sequence digest (:func:`fcoll.passes.rewrites.consistency.fingerprint`, the rank check's)
-and the call's index in that sequence, so ranks running different call sites at one sequence number
+collective-sequence digest (:func:`fcoll.passes.analysis.fingerprints.fingerprint`, the rank
+check's) and the call's index in that sequence, so ranks running different call sites at one sequence number
 raise a mismatch.
 """
 
@@ -37,7 +37,8 @@ import torch.autograd.profiler as _profiler
 import torch.fx as fx
 
 from fcoll.ops.groups import group_from_name
-from fcoll.passes.rewrites.consistency import META_RANK_CHECK, collectives_by_group, fingerprint
+from fcoll.passes.analysis.fingerprints import collectives_by_group, fingerprint
+from fcoll.passes.rewrites.consistency import META_RANK_CHECK
 from fcoll.passes.graph import is_wait
 
 __all__ = ["direct_impls", "tag_for", "DIRECT_OPS"]

@@ -6,8 +6,8 @@ Each pass is a ``torch.fx.passes.infra.pass_base.PassBase`` registered by name; 
 Layout: :mod:`~fcoll.passes.config` (``FcollConfig``, the pass order),
 :mod:`~fcoll.passes.graph` (every graph query) and :mod:`~fcoll.passes.registry` (registry,
 pipeline) at the top; :mod:`fcoll.passes.analysis`, what the passes read and never rewrite (cost
-model, storage model, lane simulator, calibration); :mod:`fcoll.passes.rewrites`, the passes
-below. ``analysis`` imports nothing from ``rewrites``.
+model, storage model, lane simulator, calibration, collective-sequence fingerprints);
+:mod:`fcoll.passes.rewrites`, the passes below. ``analysis`` imports nothing from ``rewrites``.
 
 =========================  ===================================================================
 pass                       what it does
@@ -26,8 +26,9 @@ from fcoll.passes.rewrites.bucket_plan import Bucket, plan_buckets
 from fcoll.passes.rewrites.bucketing import BucketCollectives, apply_buckets
 from fcoll.passes.rewrites.group_plan import BucketPlanError
 from fcoll.passes.rewrites.shared_plan import BucketPlanTimeoutError
+from fcoll.passes.analysis.fingerprints import fingerprint
 from fcoll.passes.rewrites.consistency import (
-    CheckRankConsistency, RankMismatchError, RankTimeoutError, fingerprint,
+    CheckRankConsistency, RankMismatchError, RankTimeoutError,
 )
 from fcoll.passes.rewrites.lower import LowerC10dFunctional
 from fcoll.passes.rewrites.output_chains import SinkOutputWaits

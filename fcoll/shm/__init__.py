@@ -3,8 +3,9 @@
 Folder map, bottom layer first (each sub-package is one concept; nothing imports upward in it):
 
 - ``transport/``: what every collective runs on. ``segment`` (the sealed memfd segment and its
-  layout), ``sync`` (arrival counters, futex waits, liveness, timeouts, fences), ``op_codes``
-  (the one table of collective names and their codes), ``headers`` (the per-collective header
+  layout), ``sync`` (arrival counters, futex waits, liveness, timeouts), ``fences`` (how a rank
+  gives up a collective, how its peers read and word that; ``PeerError``), ``op_codes`` (the
+  one table of collective names and their codes), ``headers`` (the per-collective header
   and its wire format), ``header_checks`` (the cross-rank check of headers), ``phases`` (the
   slot and phase protocol every algorithm runs on).
 - ``kernels/``: the algorithms over slots. ``reductions`` (all_reduce, coalesced all_reduce,
@@ -13,6 +14,8 @@ Folder map, bottom layer first (each sub-package is one concept; nothing imports
 - ``engine``: the per-group executor and worker thread, and the one way to issue a collective
   (:meth:`~fcoll.shm.engine.Engine.job` takes the sequence number;
   :meth:`~fcoll.shm.engine.Engine.run_now` runs one on the caller's thread).
+- ``work``: a collective after it is issued: the queued ``Job``, its future, and the c10d
+  ``Work`` objects the group returns (``FcollWork``, ``DoneWork``).
 - ``cuda/``: CUDA tensors. ``paths`` (the path choice, the IPC path, the device check; all
   stream-ordered), ``staging`` (the staged path), ``submission`` (the process group's CUDA
   helpers, a mixin).

@@ -11,7 +11,8 @@ machine). Order is kept because only one thread executes jobs at a time (``_runn
 always the oldest job first. A ``wait()`` on a job already running blocks on the job's lock,
 which costs no CPU. A synchronous call runs on the caller's thread at once when the executor is
 idle: a queued ``Job`` through :meth:`Engine.run_inline`, a fast path's one-slot kernel through
-:meth:`Engine.run_fast` (no ``Job`` at all).
+:meth:`Engine.run_fast` (no ``Job`` at all). Jobs and the ``Work`` objects callers get back
+live in :mod:`fcoll.shm.work`.
 
 Threads: a collective executed on the caller's thread runs its torch kernels with at most
 :func:`collective_threads` intra-op threads (the CPUs divided among the ranks), whatever
@@ -24,7 +25,7 @@ compute they overlap.
 Failure model: a header mismatch or invalid input raises on every rank at the same phase, so the
 group stays usable. A dead peer, a timeout or an unexpected error leaves the ranks at different
 phases: the group is marked broken and every later collective fails at once with that error, and
-the collective is fenced in shared memory (:meth:`~fcoll.shm.transport.sync.Channel.give_up`): a
+the collective is fenced in shared memory (:meth:`~fcoll.shm.transport.fences.Fences.give_up`): a
 peer waiting for it, or arriving at it later, raises naming this rank instead of computing a result
 from data this rank abandoned, and is broken in turn. Destroying the group fences the next
 sequence number, so a peer still to call it raises at once instead of at the timeout. An
@@ -46,12 +47,13 @@ from typing import Any, Callable
 
 import torch
 
-from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.transport.headers import CollectiveMismatchError
 from fcoll.shm.transport.segment import Segment
-from fcoll.shm.transport.sync import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, GAVE_UP_RAISED,
-                                      TRANSFER_BYTES_PER_S, Channel, PeerError)
+from fcoll.shm.transport.fences import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, GAVE_UP_RAISED,
+                                        PeerError)
+from fcoll.shm.transport.sync import TRANSFER_BYTES_PER_S, Channel
+from fcoll.shm.work import DoneWork, Job
 
 log = logging.getLogger(__name__)
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -104,59 +106,10 @@ class _FewerThreads:
             torch.set_num_threads(self.saved)
 
 
-class Job:
-    """A queued collective: ``run(call)`` moves the data, then ``finish()`` writes back staged
-    outputs. Its result is ``result`` (the output tensors, as PyTorch backends return them) or
-    ``error``; ``done_lock`` is held until it completes. The torch future is made on demand.
-    A CUDA collective sets ``cuda_event`` (recorded on the group's side stream after its
-    kernels or copies): its results are ready for a stream that waited on it."""
-
-    __slots__ = ("name", "seq", "payload", "run", "finish", "result", "error", "done",
-                 "done_lock", "_fut", "_fut_lock", "cuda_event")
-
-    def __init__(self, name: str, seq: int, payload: bytes, run: Callable[[Call], None],
-                 finish: Callable[[], None] | None, result: Any):
-        self.name, self.seq, self.payload = name, seq, payload
-        self.run, self.finish, self.result = run, finish, result
-        self.error: BaseException | None = None
-        self.done = False
-        self.cuda_event = None
-        self.done_lock = threading.Lock()
-        self.done_lock.acquire()
-        self._fut: torch.futures.Future | None = None
-        self._fut_lock = threading.Lock()
-
-    def complete(self, error: BaseException | None) -> None:
-        with self._fut_lock:
-            self.error = error
-            self.done = True
-            fut = self._fut
-        self.done_lock.release()
-        if fut is not None:
-            settle_future(fut, self.error, self.result)
-
-    def future(self) -> torch.futures.Future:
-        with self._fut_lock:
-            if self._fut is None:
-                self._fut = torch.futures.Future()
-                if self.done:
-                    settle_future(self._fut, self.error, self.result)
-            return self._fut
-
-
 def exception_note(e: BaseException) -> str:
     """``"IndexError: index 9 is out of bounds ..."``: what a fence says of ``e``."""
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def settle_future(fut: torch.futures.Future, error: BaseException | None, result) -> None:
-    """Complete ``fut`` (a completed job's or p2p operation's future) with ``error`` if there
-    is one, else with ``result``."""
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
 
 
 class Engine:
@@ -392,8 +345,9 @@ class Engine:
         every rank at the same phase, so the group stays usable. Anything else (a dead peer, a
         timeout, a peer that gave up, an unexpected error) leaves the ranks at different
         phases: the group is marked broken, and collective ``seq`` is fenced in shared memory
-        (:meth:`Channel.give_up`), so a peer waiting for it, or arriving at it later, raises
-        naming this rank instead of computing a result from data this rank abandoned.
+        (:meth:`~fcoll.shm.transport.fences.Fences.give_up`), so a peer waiting for it, or
+        arriving at it later, raises naming this rank instead of computing a result from data
+        this rank abandoned.
         Unexpected errors are logged with their traceback.
         """
         if isinstance(e, CollectiveMismatchError):
@@ -402,9 +356,9 @@ class Engine:
             log.exception("fcoll %s failed", name)
         self.broken = e
         if isinstance(e, PeerError):
-            self.ch.give_up(seq, name, e.reason, e.peer, e.origin, e.culprit, e.note)
+            self.ch.fences.give_up(seq, name, e.reason, e.peer, e.origin, e.culprit, e.note)
         else:
-            self.ch.give_up(seq, name, GAVE_UP_ERROR, note=exception_note(e))
+            self.ch.fences.give_up(seq, name, GAVE_UP_ERROR, note=exception_note(e))
         return e
 
     def abandon(self, e: BaseException, where: str) -> bool:
@@ -426,7 +380,7 @@ class Engine:
         self.broken = RuntimeError(
             f"rank {self.ch.rank} raised {note} in {where} while it held collectives of this "
             "group; the group was fenced on every rank: create it again")
-        self.ch.give_up(self.completed, "", GAVE_UP_RAISED, note=note)
+        self.ch.fences.give_up(self.completed, "", GAVE_UP_RAISED, note=note)
         log.warning("fcoll: %s raised %s on rank %d; its group is fenced", where, note,
                     self.ch.rank)
         return True
@@ -453,7 +407,7 @@ class Engine:
         if not self._thread.is_alive():
             # a peer still to call collective ``self.seq`` (which this rank never will) raises
             # at once, naming this rank, instead of waiting for the timeout
-            self.ch.give_up(self.seq, "", GAVE_UP_DESTROYED)
+            self.ch.fences.give_up(self.seq, "", GAVE_UP_DESTROYED)
             self.seg.close()
 
 
@@ -462,102 +416,3 @@ def _close_all() -> None:
     for eng in list(_engines):
         eng.broken = eng.broken or RuntimeError("interpreter exiting")
         eng.close(timeout_s=1.0)
-
-
-@run_eagerly_under_dynamo
-class FcollWork(torch.distributed.Work):
-    """The ``Work`` of queued collectives (one, or several for coalescing).
-
-    ``wait()`` re-raises the collective's error (``_create_work_from_future``'s ``wait`` drops
-    it), honours a ``timeout``, and never spins. For CUDA collectives it returns once the
-    host part is done and the caller's current stream waits on the collective's event: the
-    host does not wait for the GPU (as ``ProcessGroupNCCL``'s ``Work.wait``).
-    """
-
-    def __init__(self, engine: Engine, jobs: list[Job], name: str):
-        super().__init__()
-        self._engine = engine
-        self._jobs = jobs
-        self._name = name
-        self._fut: torch.futures.Future | None = None
-
-    def wait(self, timeout=None) -> bool:
-        secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-        for job in self._jobs:
-            self._engine.wait(job, secs or None)
-            if job.cuda_event is not None:
-                job.cuda_event.wait()  # the caller's current stream waits; the host does not
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        if self._fut is None:
-            if len(self._jobs) == 1:
-                self._fut = self._jobs[0].future()
-            else:
-                futs = [j.future() for j in self._jobs]
-                self._fut = torch.futures.collect_all(futs).then(
-                    lambda f: [x.value() for x in f.value()])
-        return self._fut
-
-    def is_completed(self) -> bool:
-        return all(j.done and (j.cuda_event is None or j.cuda_event.query())
-                   for j in self._jobs)
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self.exception() is None
-
-    def exception(self):
-        return next((j.error for j in self._jobs if j.error is not None), None)
-
-    def result(self):
-        self.wait()
-        return self._jobs[-1].result
-
-    def synchronize(self) -> None:
-        self.wait()
-
-
-@run_eagerly_under_dynamo
-class DoneWork(torch.distributed.Work):
-    """The ``Work`` of a collective already executed on the caller's thread."""
-
-    def __init__(self, result, error: BaseException | None):
-        super().__init__()
-        self._result = result
-        self._error = error
-        self._fut: torch.futures.Future | None = None
-
-    def reset(self, result) -> None:
-        """Make this (successful, no longer referenced) Work stand for a new collective."""
-        self._result = result
-        self._fut = None
-
-    def wait(self, timeout=None) -> bool:
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        if self._fut is None:
-            self._fut = torch.futures.Future()
-            if self._error is not None:
-                self._fut.set_exception(self._error)
-            else:
-                self._fut.set_result(self._result)
-        return self._fut
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return self._error is None
-
-    def exception(self):
-        return self._error
-
-    def result(self):
-        self.wait()
-        return self._result
-
-    def synchronize(self) -> None:
-        self.wait()

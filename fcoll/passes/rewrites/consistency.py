@@ -40,20 +40,11 @@ the same collective sequence share a digest: they are interchangeable to this ch
 compares what the ranks will issue, not where. Keys are never deleted (about 200 bytes per
 distinct sequence per rank, for the store's lifetime).
 
-The fingerprint entry of a collective is ``op(dtype[shape], ..., reduce_op=, src=, group=)``.
-all_to_all inputs keep only their trailing dims: the first dim follows each rank's splits and
-legitimately differs (MoE routing).
-
-Data-dependent sizes (unbacked ``SymInt``: split sizes from ``counts.tolist()``, a dim that
-follows them) have no value at compile time, so the check cannot compare them and never guards
-on them (``int()`` of one raises ``GuardOnDataDependentSymNode``). In the entry such a dim is
-``?``: ranks must agree that it is data-dependent, not on its value. Each collective with
-data-dependent sizes gets a note in :attr:`Fingerprint.data_dependent` naming them (``output
-[u2 + u3, 4], output_split_sizes [u2, u3]``); the pass logs the notes at DEBUG and keeps the
-report of every group in ``gm.meta[META_RANK_CHECK]`` (:class:`RankCheck`, its ``format()`` is
-the table). Those sizes are compared at run time by fcoll's backend: the first phase of every
-collective exchanges each rank's header (shape, split sizes) and raises the same error on every
-rank if they disagree (``fcoll/shm/transport/headers.py``); other backends (gloo) do not compare them.
+What is compared is each group's :class:`~fcoll.passes.analysis.fingerprints.Fingerprint`
+(:mod:`fcoll.passes.analysis.fingerprints`: the entries, their digest, and how data-dependent
+sizes are written and left to run time). The pass logs the data-dependent notes at DEBUG and
+keeps the report of every group in ``gm.meta[META_RANK_CHECK]`` (:class:`RankCheck`, its
+``format()`` is the table).
 
 No-op (logged at DEBUG) without an initialised process group, on PyTorch's fake process group, on
 groups of one rank, and on graphs without collectives. Cost when the ranks agree: four ``set``,
@@ -63,7 +54,6 @@ one ``delete_key`` and a ``check`` per other rank and poll, per group
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -75,15 +65,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fcoll.passes.graph import arg_of, is_collective, op_kind, size_hint
+from fcoll.passes.analysis.fingerprints import Fingerprint, collectives_by_group, group_fingerprint
 from fcoll.passes.registry import FcollPass, register_pass
 
-__all__ = ["CheckRankConsistency", "Fingerprint", "fingerprint", "collectives_by_group",
-           "RankMismatchError", "RankTimeoutError", "compare_across_ranks", "RankCheck",
-           "META_RANK_CHECK", "skip_reason", "sequence_digest", "waiting_for"]
+__all__ = ["CheckRankConsistency", "RankMismatchError", "RankTimeoutError",
+           "compare_across_ranks", "RankCheck", "META_RANK_CHECK", "skip_reason",
+           "waiting_for"]
 
 #: graph_module.meta key: group name -> :class:`RankCheck`, written by the pass.
 META_RANK_CHECK = "fcoll_rank_check"
@@ -104,31 +93,12 @@ class RankTimeoutError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Fingerprint:
-    """The ordered collectives of one group in one graph.
-
-    Attributes:
-        group_name: the process group's name.
-        entries: one readable string per collective, in graph order (data-dependent dims
-            are ``?``).
-        digest: sha256 hex digest of the entries.
-        data_dependent: ``(index, note)`` per collective with data-dependent sizes, the note
-            naming them (``output [u2 + u3, 4], output_split_sizes [u2, u3]``); not part of the
-            digest: their values are unknown until run time.
-    """
-
-    group_name: str
-    entries: tuple[str, ...]
-    digest: str
-    data_dependent: tuple[tuple[int, str], ...] = ()
-
-
-@dataclass(frozen=True)
 class RankCheck:
     """What the check did for one group of one graph (``gm.meta[META_RANK_CHECK][group]``).
 
     Attributes:
-        fingerprint: the group's :class:`Fingerprint` on this rank.
+        fingerprint: the group's
+            :class:`~fcoll.passes.analysis.fingerprints.Fingerprint` on this rank.
         outcome: "agreed on N ranks", or "skipped: <reason>" (fake process group, ...).
     """
 
@@ -146,110 +116,6 @@ class RankCheck:
                 row += (f"  [data-dependent, not compared at compile time: {notes[i]}]")
             lines.append(row)
         return "\n".join(lines)
-
-
-def _dim(s: Any, unbacked: list[str]) -> str:
-    """One size as the entry shows it: an int, or ``?`` for a data-dependent size (whose
-    expression is appended to ``unbacked``); a backed symbolic size is evaluated with its hint
-    (ranks that traced different sizes differ)."""
-    if isinstance(s, int):
-        return str(s)
-    if isinstance(s, torch.SymInt) and free_unbacked_symbols(s):
-        unbacked.append(str(s))
-        return "?"
-    return str(size_hint(s))
-
-
-def _sizes_text(sizes: Any) -> tuple[str, bool]:
-    """``[a, b]`` of a shape or split list (symbols as their expressions) and whether any
-    element is data-dependent."""
-    vals = [v.meta.get("val") if isinstance(v, fx.Node) else v for v in sizes]
-    dd = any(isinstance(v, torch.SymInt) and free_unbacked_symbols(v) for v in vals)
-    return f"[{', '.join(map(str, vals))}]", dd
-
-
-def _inputs(node: fx.Node) -> list[Any]:
-    first = arg_of(node, "input", None)
-    if first is None:
-        first = arg_of(node, "inputs", None)
-    items = first if isinstance(first, (list, tuple)) else [first]
-    return [i.meta.get("val") if isinstance(i, fx.Node) else i for i in items]
-
-
-def _entry(node: fx.Node) -> tuple[str, str | None]:
-    """The fingerprint entry of collective ``node`` and its data-dependent note (or None).
-
-    Sizes are read from ``meta["val"]`` without evaluating a data-dependent one.
-    """
-    kind = op_kind(node.target)
-    op = node.target._schema.name.split("::", 1)[-1]
-    tensors, notes = [], []
-    for t in (v for v in _inputs(node) if isinstance(v, torch.Tensor)):
-        unbacked: list[str] = []
-        dims = [_dim(s, unbacked) for s in t.shape]
-        if kind == "all_to_all" and dims:
-            dims[0] = "*"
-        tensors.append(f"{str(t.dtype).removeprefix('torch.')}[{','.join(dims)}]")
-        if unbacked:
-            notes.append(f"input {_sizes_text(t.shape)[0]}")
-    out = node.meta.get("val")
-    for t in out if isinstance(out, (list, tuple)) else [out]:
-        if isinstance(t, torch.Tensor):
-            text, dd = _sizes_text(t.shape)
-            if dd:
-                notes.append(f"output {text}")
-    for name in ("output_split_sizes", "input_split_sizes"):
-        splits = arg_of(node, name, None)
-        if isinstance(splits, (list, tuple)):
-            text, dd = _sizes_text(splits)
-            if dd:
-                notes.append(f"{name} {text}")
-    reduce_op, src = arg_of(node, "reduce_op", None), arg_of(node, "src", None)
-    extra = [f"reduce_op={reduce_op}"] if reduce_op is not None else []
-    extra += [f"src={src}"] if src is not None else []
-    return f"{op}({', '.join(tensors + extra)})", ", ".join(notes) or None
-
-
-def fingerprint(gm: fx.GraphModule) -> dict[str, Fingerprint]:
-    """Fingerprint of the collectives of ``gm``, per group name (graph order within a group)."""
-    return {g: _fingerprint(g, nodes) for g, nodes in collectives_by_group(gm).items()}
-
-
-def _fingerprint(group_name: str, nodes: list[fx.Node]) -> Fingerprint:
-    made = [_entry(n) for n in nodes]
-    entries = tuple(e for e, _ in made)
-    notes = tuple((i, note) for i, (_, note) in enumerate(made) if note is not None)
-    return Fingerprint(group_name, entries,
-                       hashlib.sha256("\n".join(entries).encode()).hexdigest(), notes)
-
-
-def collectives_by_group(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
-    """Collective nodes per group name, groups sorted by name, nodes in graph order.
-
-    One walk; whether an op is a collective, and where its ``group_name`` argument is, is read
-    once per op (a node that is not a collective costs one dict lookup).
-    """
-    group_arg: dict[Any, int | None] = {}    # op -> position of group_name; absent: not collective
-    groups: dict[str, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        t = node.target
-        if t not in group_arg:
-            if not is_collective(node):
-                group_arg[t] = -1
-                continue
-            names = [a.name for a in t._schema.arguments]
-            group_arg[t] = names.index("group_name") if "group_name" in names else None
-        i = group_arg[t]
-        if i == -1:
-            continue
-        if i is not None and not node.kwargs and i < len(node.args):
-            g = str(node.args[i])
-        else:
-            g = str(arg_of(node, "group_name"))
-        groups.setdefault(g, []).append(node)
-    return dict(sorted(groups.items()))
 
 
 def _skip_reason(group_name: str) -> tuple[str | None, dist.ProcessGroup | None]:
@@ -274,12 +140,6 @@ def skip_reason(group_name: str) -> str | None:
     Read from the process group only, so the same on every rank of the group."""
     return _skip_reason(group_name)[0]
 
-
-def sequence_digest(group_name: str, nodes: list[fx.Node]) -> str:
-    """SHA-256 (hex) of the collective sequence ``nodes`` of group ``group_name``: op, dtype,
-    shape and reduce op of each, in order (the digest ranks meet on in
-    :func:`check_rank_consistency`)."""
-    return _fingerprint(group_name, nodes).digest
 
 
 def waiting_for(store: dist.Store, rank: int) -> tuple[str, str] | None:
@@ -548,7 +408,7 @@ class CheckRankConsistency(FcollPass):
             if reason is not None:
                 log.debug("check_rank_consistency: skipped for group %r: %s", g, reason)
                 continue
-            fp = _fingerprint(g, nodes)
+            fp = group_fingerprint(g, nodes)
             for i, note in fp.data_dependent:
                 log.debug("check_rank_consistency: group %r collective #%d %s: data-dependent "
                           "sizes, not compared at compile time: %s", g, i, nodes[i].name, note)

@@ -1,7 +1,7 @@
 """A group's bucket plan in a form every rank of the group can apply, and the rules applying it.
 
 A :class:`GroupPlan` names each merged bucket by the indices of its members in the group's
-collective sequence (:func:`~fcoll.passes.rewrites.consistency.collectives_by_group` order: the
+collective sequence (:func:`~fcoll.passes.analysis.fingerprints.collectives_by_group` order: the
 sequence ``check_rank_consistency`` fingerprints, the same on every rank). Node names, positions and
 timings differ between ranks; those indices do not. :mod:`fcoll.passes.rewrites.shared_plan` passes
 one rank's plan to the others; :func:`~fcoll.passes.rewrites.bucket_plan.plan_buckets` (``forced``)
@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import torch.fx as fx
 
 from fcoll.passes.rewrites.bucket_rules import Member, OpenBucket, dependency_rejection
-from fcoll.passes.rewrites.consistency import collectives_by_group
+from fcoll.passes.analysis.fingerprints import collectives_by_group
 
 __all__ = ["BucketPlanError", "GroupPlan", "group_plans", "ForcedPlans"]
 

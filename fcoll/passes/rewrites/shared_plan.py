@@ -14,7 +14,7 @@ Protocol, per shared group ``g`` (below), in the default group's store
 
 1. The key is ``fcoll/bucket_plan/v1/<g>/<digest>/<options>``: ``digest`` is the sha256 of the
    group's collective sequence *before* bucketing
-   (:func:`~fcoll.passes.rewrites.consistency.fingerprint`, so every rank that compiled the same
+   (:func:`~fcoll.passes.analysis.fingerprints.fingerprint`, so every rank that compiled the same
    collectives computes the same key), ``options`` the ones planning reads (``bucket_cap_mb``,
    ``bucket_mode``, ``memory_budget_mb``).
 2. The planner is the group's lowest global rank (its group rank 0: c10d sorts a group's
@@ -75,6 +75,7 @@ from typing import Any, Callable, NamedTuple
 import torch.distributed as dist
 import torch.fx as fx
 
+from fcoll.passes.analysis import fingerprints
 from fcoll.passes.rewrites import consistency
 from fcoll.passes.rewrites.bucket_key import BucketKeys
 from fcoll.passes.rewrites.bucket_plan import Bucket, BucketCosts, lane_timed, plan_buckets
@@ -169,7 +170,7 @@ def agreed_buckets(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
     """
     shared: dict[str, _Shared] = {}
     local: dict[str, str] = {}
-    for g, nodes in consistency.collectives_by_group(gm).items():
+    for g, nodes in fingerprints.collectives_by_group(gm).items():
         reason = _local_reason(g, nodes)
         if reason is None:
             s, reason = _shared(g, nodes, config)
@@ -281,7 +282,7 @@ def _shared(group: str, nodes: list[fx.Node], config: FcollConfig
         store = c10d._get_default_store()
     except Exception as e:  # noqa: BLE001  no store: nothing to meet in
         return None, f"no default store ({type(e).__name__}: {e})"
-    digest = consistency.sequence_digest(group, nodes)
+    digest = fingerprints.sequence_digest(group, nodes)
     ranks = dist.get_process_group_ranks(c10d._resolve_process_group(group))
     return _Shared(group, min(ranks), plan_key(group, digest, config), digest, len(nodes),
                    store), None

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fcoll.shm.cuda.paths import IpcBuffers, device_error
-from fcoll.shm.engine import Job
+from fcoll.shm.work import Job
 from fcoll.shm.transport.headers import NO_ROOT
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.group.validate import Staging

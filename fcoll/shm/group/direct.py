@@ -20,7 +20,7 @@ Both produce the same headers, slot layout and phases as the process group's own
 peer on the c10d path interoperates (and compares headers with this one), and the result is the
 same, bit for bit (the same reduction kernels). Failures are the engine's: a cross-rank
 mismatch (:class:`~fcoll.shm.transport.headers.CollectiveMismatchError`) raised on every rank with
-the group still usable, a dead peer or a timeout (:class:`~fcoll.shm.transport.sync.PeerError`)
+the group still usable, a dead peer or a timeout (:class:`~fcoll.shm.transport.fences.PeerError`)
 after which the group is broken, each raised by the call (sync) or its wait (async).
 
 Call-site tag: the header's ``extra`` carries ``tag`` (``"site <digest>#<index>"``: the digest
@@ -43,7 +43,7 @@ import torch.autograd.profiler as _profiler
 
 from fcoll.ops.reduce import DIST_REDUCE_OPS, backend_reduce_op, check_reduce_op, divide_for_avg
 from fcoll.shm.kernels import movement, one_slot, reductions
-from fcoll.shm.engine import Job
+from fcoll.shm.work import Job
 from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name
 
 __all__ = ["DirectAllReduce", "DirectAllGather", "DirectReduceScatter", "direct_group",

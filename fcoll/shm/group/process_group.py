@@ -4,7 +4,7 @@ Each method mirrors what ``torch.distributed.distributed_c10d`` (and C++ callers
 reducer, through the ``PyProcessGroup`` trampoline) call on a process group. A synchronous call
 of a small collective runs first through :mod:`fcoll.shm.group.fast_paths`. Otherwise the method
 validates its arguments on the calling thread, stages inputs (CUDA -> host, non-contiguous ->
-contiguous), queues a :class:`~fcoll.shm.engine.Job` whose ``run`` is an algorithm of
+contiguous), queues a :class:`~fcoll.shm.work.Job` whose ``run`` is an algorithm of
 :mod:`fcoll.shm.kernels.reductions` or :mod:`fcoll.shm.kernels.movement`, and returns a ``Work``
 made from the job's future. Invalid arguments still queue a header-only job flagged invalid, so
 every peer raises the same message instead of hanging; the calling rank raises ``ValueError`` at
@@ -41,7 +41,8 @@ from fcoll.shm.kernels import movement
 from fcoll.shm.group import arg_checks as checks
 from fcoll.shm.cuda.paths import CudaGroup, IpcBuffers
 from fcoll.shm.cuda.staging import CudaStaging
-from fcoll.shm.engine import Engine, FcollWork
+from fcoll.shm.engine import Engine
+from fcoll.shm.work import FcollWork
 from fcoll.shm.group.fast_paths import FastPaths
 from fcoll.shm.cuda.submission import CudaSubmission
 from fcoll.shm.transport.headers import (NO_ROOT, CollectiveMismatchError, Header, dtype_name,

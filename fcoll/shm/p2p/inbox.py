@@ -30,7 +30,7 @@ import torch
 
 from fcoll.shm.transport import segment
 from fcoll.shm.transport.segment import Segment, proc_start_time
-from fcoll.shm.transport.sync import PeerError
+from fcoll.shm.transport.fences import PeerError
 
 PREFIX = "fcoll-p2p-"
 PAGE = 4096

@@ -24,11 +24,11 @@ import threading
 
 import torch
 
-from fcoll.shm.engine import settle_future
+from fcoll.shm.work import settle_future
 from fcoll.shm.p2p.inbox import (ACK_MISMATCH, ACK_OK, ACKS, NCHUNKS, R_HEAD, R_TAIL, RECORD_BYTES,
                              ack_marker, decode_record, encode_record, show_message)
 from fcoll.shm.transport.segment import U32_MASK
-from fcoll.shm.transport.sync import PeerError
+from fcoll.shm.transport.fences import PeerError
 
 
 class PendingOp:

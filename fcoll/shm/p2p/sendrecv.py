@@ -49,12 +49,13 @@ import weakref
 import torch
 
 from fcoll.compat import run_eagerly_under_dynamo
-from fcoll.shm.engine import settle_future
+from fcoll.shm.work import settle_future
 from fcoll.shm.p2p.inbox import (MAX_DIMS, PREFIX, W_DOOR, W_SLEEPERS, Inbox, Layout, chunk_bytes,
                              create_inbox, open_inbox, segment_inode, show_message)
 from fcoll.shm.p2p.protocol import RingProtocol, InMessage, PendingOp
 from fcoll.shm.transport.segment import U32_BITS, W_PID, W_START_HI, W_START_LO, Segment, proc_alive
-from fcoll.shm.transport.sync import PeerError, futex_wait, futex_wake
+from fcoll.shm.transport.fences import PeerError
+from fcoll.shm.transport.sync import futex_wait, futex_wake
 
 SPIN_S = 20e-6  # poll the doorbell this long before sleeping (as sync.SPIN_US)
 _TICK_S = 0.1  # longest sleep between liveness and timeout checks

@@ -3,7 +3,7 @@
 Every collective a process group issues has a header name (``Header.op``: ``"all_reduce"``,
 ``"all_gather_into_tensor"``, ...). Where a name travels as a number, it is its code here:
 a fence (the op byte of :data:`~fcoll.shm.transport.segment.W_GAVE_UP_WHY`, read back by
-:meth:`~fcoll.shm.transport.sync.Channel.gave_up`) and the cross-host pre-flight of
+:meth:`~fcoll.shm.transport.fences.Fences.gave_up`) and the cross-host pre-flight of
 :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup`, which compares the *kind*
 of each op (a coalesced all_reduce and an all_reduce are one kind: their ranks agree to run
 the same composition). Codes are ``index + 1`` in :data:`OPS`; 0 means "not listed".

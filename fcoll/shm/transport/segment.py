@@ -70,7 +70,7 @@ import torch
 SHM_DIR = "/dev/shm"
 PREFIX = "fcoll-"  # of the memfd's name (shown in /proc/<pid>/maps) and of old /dev/shm names
 CONTROL_BYTES = 128  # two cache lines per rank, so counters of different ranks never share a line
-NOTE_BYTES = 128  # per rank: the text of its fence (see fcoll.shm.sync.Channel.give_up)
+NOTE_BYTES = 128  # per rank: the text of its fence (see fcoll.shm.transport.fences.Fences.give_up)
 HEADER_BYTES = 2048
 NSLOTS = 3  # data slots per rank, used round robin (see phases.py for why 3)
 PAGE = 4096
@@ -88,7 +88,7 @@ W_PID = 1
 W_START_LO = 2
 W_START_HI = 3
 W_GAVE_UP = 4  # 1 + the sequence number (mod 2**32) of the collective this rank gave up, or 0
-W_GAVE_UP_WHY = 5  # why it gave up and on which op (see fcoll.shm.transport.sync.Channel.give_up)
+W_GAVE_UP_WHY = 5  # why it gave up and on which op (see fcoll.shm.transport.fences.Fences.give_up)
 W_SLEEP = 6  # W_SLEEP + q: rank q is (about to be) blocked in FUTEX_WAIT on this counter
 WORD_BYTES = 4  # control words are u32
 W_CPU = CONTROL_BYTES // WORD_BYTES - 1  # 1 + the CPU this rank last waited on, or 0

@@ -1,0 +1,177 @@
+"""A collective's life after it is issued: the queued :class:`Job`, its torch future, and the
+c10d ``Work`` objects a caller of :class:`~fcoll.shm.group.process_group.FcollProcessGroup`
+gets back (:class:`FcollWork` for queued collectives, :class:`DoneWork` for one already run on
+the caller's thread).
+
+The executor that runs the jobs is :class:`fcoll.shm.engine.Engine`; a ``Work`` reaches it only
+through its ``wait`` (:class:`Executor`), so this module does not import it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Protocol
+
+import torch
+
+from fcoll.compat import run_eagerly_under_dynamo
+from fcoll.shm.transport.phases import Call
+
+__all__ = ["DoneWork", "Executor", "FcollWork", "Job", "settle_future"]
+
+
+class Job:
+    """A queued collective: ``run(call)`` moves the data, then ``finish()`` writes back staged
+    outputs. Its result is ``result`` (the output tensors, as PyTorch backends return them) or
+    ``error``; ``done_lock`` is held until it completes. The torch future is made on demand.
+    A CUDA collective sets ``cuda_event`` (recorded on the group's side stream after its
+    kernels or copies): its results are ready for a stream that waited on it."""
+
+    __slots__ = ("name", "seq", "payload", "run", "finish", "result", "error", "done",
+                 "done_lock", "_fut", "_fut_lock", "cuda_event")
+
+    def __init__(self, name: str, seq: int, payload: bytes, run: Callable[[Call], None],
+                 finish: Callable[[], None] | None, result: Any):
+        self.name, self.seq, self.payload = name, seq, payload
+        self.run, self.finish, self.result = run, finish, result
+        self.error: BaseException | None = None
+        self.done = False
+        self.cuda_event = None
+        self.done_lock = threading.Lock()
+        self.done_lock.acquire()
+        self._fut: torch.futures.Future | None = None
+        self._fut_lock = threading.Lock()
+
+    def complete(self, error: BaseException | None) -> None:
+        with self._fut_lock:
+            self.error = error
+            self.done = True
+            fut = self._fut
+        self.done_lock.release()
+        if fut is not None:
+            settle_future(fut, self.error, self.result)
+
+    def future(self) -> torch.futures.Future:
+        with self._fut_lock:
+            if self._fut is None:
+                self._fut = torch.futures.Future()
+                if self.done:
+                    settle_future(self._fut, self.error, self.result)
+            return self._fut
+
+
+def settle_future(fut: torch.futures.Future, error: BaseException | None, result) -> None:
+    """Complete ``fut`` (a completed job's or p2p operation's future) with ``error`` if there
+    is one, else with ``result``."""
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+class Executor(Protocol):
+    """What a :class:`FcollWork` needs of the executor that runs its jobs
+    (:class:`fcoll.shm.engine.Engine`)."""
+
+    def wait(self, job: Job, timeout_s: float | None = None) -> None:
+        """Block until ``job`` completed (running it on this thread if nobody started it);
+        raise its error."""
+
+
+@run_eagerly_under_dynamo
+class FcollWork(torch.distributed.Work):
+    """The ``Work`` of queued collectives (one, or several for coalescing).
+
+    ``wait()`` re-raises the collective's error (``_create_work_from_future``'s ``wait`` drops
+    it), honours a ``timeout``, and never spins. For CUDA collectives it returns once the
+    host part is done and the caller's current stream waits on the collective's event: the
+    host does not wait for the GPU (as ``ProcessGroupNCCL``'s ``Work.wait``).
+    """
+
+    def __init__(self, engine: Executor, jobs: list[Job], name: str):
+        super().__init__()
+        self._engine = engine
+        self._jobs = jobs
+        self._name = name
+        self._fut: torch.futures.Future | None = None
+
+    def wait(self, timeout=None) -> bool:
+        secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        for job in self._jobs:
+            self._engine.wait(job, secs or None)
+            if job.cuda_event is not None:
+                job.cuda_event.wait()  # the caller's current stream waits; the host does not
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            if len(self._jobs) == 1:
+                self._fut = self._jobs[0].future()
+            else:
+                futs = [j.future() for j in self._jobs]
+                self._fut = torch.futures.collect_all(futs).then(
+                    lambda f: [x.value() for x in f.value()])
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return all(j.done and (j.cuda_event is None or j.cuda_event.query())
+                   for j in self._jobs)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self.exception() is None
+
+    def exception(self):
+        return next((j.error for j in self._jobs if j.error is not None), None)
+
+    def result(self):
+        self.wait()
+        return self._jobs[-1].result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+@run_eagerly_under_dynamo
+class DoneWork(torch.distributed.Work):
+    """The ``Work`` of a collective already executed on the caller's thread."""
+
+    def __init__(self, result, error: BaseException | None):
+        super().__init__()
+        self._result = result
+        self._error = error
+        self._fut: torch.futures.Future | None = None
+
+    def reset(self, result) -> None:
+        """Make this (successful, no longer referenced) Work stand for a new collective."""
+        self._result = result
+        self._fut = None
+
+    def wait(self, timeout=None) -> bool:
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            self._fut = torch.futures.Future()
+            if self._error is not None:
+                self._fut.set_exception(self._error)
+            else:
+                self._fut.set_result(self._result)
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
