@@ -437,7 +437,7 @@ class Channel:
                 now = clock()
                 if now - checked >= _TICK_S:
                     checked = now
-                    self.check_peers(what)
+                    self.check_peers(what, k)
                     if self.closing:
                         raise PeerError(f"fcoll {what}: the process group was destroyed while "
                                         f"rank {self.rank} waited for {self.describe(p)}",
@@ -452,9 +452,19 @@ class Channel:
         finally:
             words[flag] = 0
 
-    def check_peers(self, what: str) -> None:
-        """Raise :class:`PeerError` naming every peer process that is no longer running."""
+    def check_peers(self, what: str, k: int | None = None) -> None:
+        """Raise :class:`PeerError` naming every peer process that is no longer running; with
+        ``k``, only those that have not arrived at phase ``k``.
+
+        A peer that arrived at the phase this rank waits for is not what it waits for, dead or
+        alive: it may have completed the collective and exited meanwhile (this rank's thread
+        read the counter, then was descheduled or stopped past the peer's exit), and if a later
+        phase needs it, the wait there finds it missing. Raising for it would fail a collective
+        whose data is complete.
+        """
         dead = [p for p in self._peers if not proc_alive(*self._ident[p])]
+        if k is not None:
+            dead = [p for p in dead if not self._arrived(p, k)]
         if dead:
             names = ", ".join(self.describe(p) for p in dead)
             pids = ", ".join(str(self._ident[p][0]) for p in dead)
