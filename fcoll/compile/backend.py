@@ -142,9 +142,12 @@ def _recompute_views_of_recomputed(joint: fx.GraphModule) -> None:
                 not getattr(target, "is_view", False) or not node.args:
             continue
         base = node.args[0]
-        if isinstance(base, fx.Node) and base.meta.get("recompute") == must:
+        if (isinstance(base, fx.Node) and base.meta.get("recompute") == must
+                and base.meta.get("ac_graph_id") is not None):
+            # the region's id too: the min-cut partitioner orders tagged nodes by it (torch
+            # 2.11 compares it, and a None fails there)
             node.meta["recompute"] = must
-            node.meta["ac_graph_id"] = base.meta.get("ac_graph_id")
+            node.meta["ac_graph_id"] = base.meta["ac_graph_id"]
 
 
 def _partition_fn(config: FcollConfig) -> Callable[..., Any]:
