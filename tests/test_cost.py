@@ -204,6 +204,9 @@ def test_arg_of_reads_positional_and_keyword_arguments_by_schema_name():
         arg_of(pos, "reduce_op")
 
 
+HIDDEN = 256   # 4 gradients of 256 KiB: together within the DDP backward's 1 MiB first bucket
+
+
 def _compute_core_groups(rank, world_size):
     import torch.distributed as dist
 
@@ -214,15 +217,16 @@ def _compute_core_groups(rank, world_size):
     gloo = dist.new_group(backend="gloo")
     out = {}
     for label, pg in (("fcoll", dist.group.WORLD), ("gloo", gloo)):
-        gm = c.ddp_backward(n_layers=4, batch=512, hidden=512, group=pg.group_name)
+        gm = c.ddp_backward(n_layers=4, batch=512, hidden=HIDDEN, group=pg.group_name)
         out[label] = (dist.get_backend(pg), [len(b.members) for b in plan_buckets(gm, FcollConfig())])
     return out
 
 
 def test_lane_plan_is_the_same_on_network_and_shared_memory_backends():
-    """The bucket planner's lane plan (fcoll.passes.rewrites.bucket_rules.lane_segments) applies to every
-    backend: 4 gradients whose one bucket still ends within the 5.4 ms of compute after the
-    last merge on fcoll's backend and on gloo alike (uncalibrated: the default costs)."""
+    """The bucket planner's lane plan (``fcoll.passes.rewrites.bucket_rules.lane_segments``)
+    applies to every backend: 4 gradients of 256 KiB (together within the DDP backward's 1 MiB
+    first-bucket cap) merge into one bucket on fcoll's backend and on gloo alike (uncalibrated:
+    the default costs)."""
     r0, r1 = run_ranks(_compute_core_groups, 2, backend="fcoll", timeout_s=100)
     assert r0 == r1
     assert r0["fcoll"] == ("fcoll", [4])
