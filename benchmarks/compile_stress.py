@@ -37,23 +37,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from fcoll.testing import run_ranks  # noqa: E402
+from fcoll.testing import run_ranks, slow_collectives  # noqa: E402
 
 TOLERANCE = 1e-5
-
-
-def _slow_collectives(delay_s: float) -> None:
-    import threading
-
-    from fcoll.shm import engine
-
-    execute = engine.Engine._execute
-
-    def slow(self, job):
-        if threading.current_thread() is self._thread:
-            time.sleep(delay_s)
-        return execute(self, job)
-    engine.Engine._execute = slow
 
 
 def _ckpt_step(x, w1, w2, w3, group):
@@ -133,7 +119,7 @@ def _ddp(rank: int, steps: int) -> float:
 
 def _job(rank: int, world: int, case: str, steps: int, delay_s: float) -> float:
     if delay_s > 0:
-        _slow_collectives(delay_s)
+        slow_collectives(delay_s)
     if case == "ddp-fcoll":
         return _ddp(rank, steps)
     return _ckpt(rank, "inductor" if case == "ckpt-inductor" else "fcoll", steps)

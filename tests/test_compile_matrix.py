@@ -24,27 +24,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fcoll.testing import run_ranks
+from fcoll.testing import run_ranks, slow_collectives
 
 PLACEMENTS = ("inside", "between", "nested", "none")
 COMPILERS = (("fcoll", "eager"), ("fcoll", "inductor"), ("aot_eager", None), ("inductor", None))
 DELAY_S = 0.05
-
-
-def _slow_collectives(delay_s: float) -> None:
-    """Make fcoll's engine worker sleep before every collective it runs (this process only)."""
-    import threading
-    import time
-
-    from fcoll.shm import engine
-
-    execute = engine.Engine._execute
-
-    def slow(self, job):
-        if threading.current_thread() is self._thread:
-            time.sleep(delay_s)
-        return execute(self, job)
-    engine.Engine._execute = slow
 
 
 def _loss(placement: str, x, w1, w2, w3, group):
@@ -149,7 +133,7 @@ def _uneven_fsdp(rank: int, world: int) -> dict[str, float]:
 
 
 def _matrix(rank: int, world: int) -> dict:
-    _slow_collectives(DELAY_S)
+    slow_collectives(DELAY_S)
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(16, 16, generator=gen) * 0.3 for _ in range(3)]

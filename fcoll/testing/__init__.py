@@ -23,8 +23,8 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["RankFailure", "run_ranks", "fcoll_segments", "one_rank_group", "SHM_DIR",
-           "SEGMENT_PREFIX"]
+__all__ = ["RankFailure", "run_ranks", "fcoll_segments", "one_rank_group", "slow_collectives",
+           "SHM_DIR", "SEGMENT_PREFIX"]
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "fcoll-"
@@ -226,3 +226,23 @@ def run_ranks(
         raise RankFailure(failures)
     return [_loads(got[r][1]) if got[r][0] else RankFailure({r: got[r][1]})
             for r in range(world_size)]
+
+
+def slow_collectives(delay_s: float) -> None:
+    """Make fcoll's engine worker sleep ``delay_s`` seconds before every collective it runs, in
+    this process only (call it in a rank): a collective then completes long after its op
+    returned, which is how tests and ``benchmarks/compile_stress.py`` make a read of a
+    collective's input or output that races its completion show up on demand. Collectives run
+    on the caller's thread are not delayed."""
+    import threading
+    import time
+
+    from fcoll.shm import engine
+
+    execute = engine.Engine._execute
+
+    def slow(self, job):
+        if threading.current_thread() is self._thread:
+            time.sleep(delay_s)
+        return execute(self, job)
+    engine.Engine._execute = slow

@@ -58,18 +58,17 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.node import map_arg
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fcoll.ops.facts import OPS
 from fcoll.passes.rewrites.bucket_plan import Bucket, model_costs, plan_buckets
+from fcoll.passes.rewrites.node_emitter import NodeEmitter, ShapeValues, flat_view, view_as
 from fcoll.passes.rewrites.fsdp_plan import META_NOT_BEFORE, META_WAIT_BY, plan_fsdp
 from fcoll.passes.rewrites.output_chains import output_only_chains
 from fcoll.passes.rewrites.shared_plan import (META_BUCKET_PLAN, agreed_buckets,
@@ -87,134 +86,9 @@ log = logging.getLogger(__name__)
 META_BUCKET = "fcoll_bucket_members"
 
 aten = torch.ops.aten
-_WAITS = (torch.ops.fcoll.wait_tensor.default, torch.ops._c10d_functional.wait_tensor.default)
-#: fcoll collective -> first output dim from (input rows, args): the op-facts table's
-#: ``output_rows`` (contiguous, the input's dtype); the rewrite emits these on 1-D buffers.
-_OUTPUT_ROWS: dict[Any, Callable[[int, tuple], int]] = {
-    getattr(torch.ops.fcoll, f.name).default: f.output_rows
-    for f in OPS.values() if f.output_rows is not None}
 #: kind -> its functional coalesced op (the op-facts table's coalesced twins).
 _COALESCED = {f.kind: f.name for f in OPS.values()
               if f.coalesced and not f.mutates and f.functional == f.name}
-
-
-def _infer(shape: list[int], numel: int) -> list[int]:
-    shape = list(shape)
-    if -1 in shape:
-        known = math.prod(d for d in shape if d != -1)
-        shape[shape.index(-1)] = numel // known if known else 0
-    return shape
-
-
-def _contiguous_strides(shape: list[int]) -> list[int]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return strides[::-1]
-
-
-class _Vals:
-    """Fake values of the few ops the rewrite emits, computed from shapes alone.
-
-    A table of (op -> output shape rule), like a rewrite table: the rules are the ops' own
-    (aten's view, reshape, cat, split semantics; collectives through the op-facts table's
-    ``output_rows``, the shapes of fcoll's fake kernels), evaluated without dispatching, since
-    the rewrite emits several nodes per member and a FakeTensorMode dispatch per node would
-    dominate the pass. ``tests/test_bucketing.py`` checks the merged collectives' values against
-    the fake kernels. Any other op falls back to running it under the graph's fake mode.
-    """
-
-    def __init__(self, fake_mode: FakeTensorMode):
-        self.fake_mode = fake_mode
-        # Values are only read (shape, dtype, strides), so nodes of equal metadata share one.
-        self._cache: dict[tuple, torch.Tensor] = {}
-
-    def like(self, ref: torch.Tensor, shape: list[int], dtype: torch.dtype | None = None,
-             strides: list[int] | None = None) -> torch.Tensor:
-        shape = list(shape)
-        strides = strides or _contiguous_strides(shape)
-        dtype = dtype or ref.dtype
-        key = (tuple(shape), tuple(strides), dtype, ref.device)
-        val = self._cache.get(key)
-        if val is None:
-            meta = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
-            val = self._cache[key] = FakeTensor(self.fake_mode, meta, ref.device)
-        return val
-
-    def __call__(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if target is operator.getitem:
-            return args[0][args[1]]
-        if target in (aten.reshape.default, aten.view.default):
-            return self.like(args[0], _infer(args[1], args[0].numel()))
-        if target is aten.view.dtype:
-            x, dtype = args
-            last = x.shape[-1] * x.element_size() // dtype.itemsize
-            return self.like(x, [*x.shape[:-1], last], dtype)
-        if target is aten.clone.default or target in _WAITS:
-            return self.like(args[0], list(args[0].shape))
-        if target is aten.cat.default:
-            xs, dim = args[0], (args[1] if len(args) > 1 else 0)
-            shape = list(xs[0].shape)
-            shape[dim] = sum(x.shape[dim] for x in xs)
-            return self.like(xs[0], shape)
-        if target is aten.split_with_sizes.default:
-            x, sizes, dim = args[0], args[1], (args[2] if len(args) > 2 else 0)
-            return [self.like(x, [*x.shape[:dim], s, *x.shape[dim + 1:]], strides=list(x.stride()))
-                    for s in sizes]
-        if target in _OUTPUT_ROWS and args[0].dim():   # as fcoll's own fake kernels
-            x = args[0]
-            return self.like(x, [_OUTPUT_ROWS[target](x.shape[0], args), *x.shape[1:]])
-        with self.fake_mode:
-            return target(*args, **kwargs)
-
-
-def _val_of(a: Any) -> Any:
-    """``a`` with every node replaced by its ``meta["val"]`` (args are nodes, lists, scalars)."""
-    return map_arg(a, _node_val)
-
-
-def _node_val(node: fx.Node) -> Any:
-    return node.meta["val"]
-
-
-def _flat(emit: "_Emit", x: fx.Node, dense: bool = False) -> fx.Node:
-    """``x`` as 1-D (no node when it already is); ``dense``: also with stride 1, as
-    ``view.dtype`` needs (a copy only for a non-contiguous ``x``)."""
-    val = x.meta["val"]
-    if dense and not val.is_contiguous():
-        x = emit(aten.clone.default, x, memory_format=torch.contiguous_format)
-    return x if val.dim() == 1 else emit(aten.reshape.default, x, [-1])
-
-
-def _view_as(emit: "_Emit", x: fx.Node, shape: Any) -> fx.Node:
-    """``x`` (contiguous) viewed as ``shape`` (no node when the shape already matches)."""
-    shape = list(shape)
-    return x if list(x.meta["val"].shape) == shape else emit(aten.view.default, x, shape)
-
-
-class _Emit:
-    """Creates call_function nodes at the graph's insert point, each with ``meta["val"]``."""
-
-    def __init__(self, graph: fx.Graph, vals: _Vals, meta: dict[str, Any]):
-        self.graph = graph
-        self.vals = vals
-        self.meta = meta
-
-    def __call__(self, target: Callable, *args: Any, **kwargs: Any) -> fx.Node:
-        val = self.vals(target, _val_of(args), _val_of(kwargs) if kwargs else kwargs)
-        node = self.graph.create_node("call_function", target)
-        # Arguments are attached after creation: create_node walks them with pytree looking for
-        # raw SymInts (half its cost on a 200-member cat), and these are ints and nodes only.
-        node.args = args
-        if kwargs:
-            node.kwargs = kwargs
-        node.meta["val"] = val
-        node.meta.update(self.meta)
-        return node
-
-    def getitems(self, node: fx.Node, count: int) -> list[fx.Node]:
-        return [self(operator.getitem, node, i) for i in range(count)]
 
 
 def _ns(node: fx.Node):
@@ -269,7 +143,7 @@ class _Rewrite:
         self.replacements: list[fx.Node] = []      # one per member, in member order
 
     # -- issue ---------------------------------------------------------------------------------
-    def issue(self, emit: _Emit, inputs: list[fx.Node]) -> None:
+    def issue(self, emit: NodeEmitter, inputs: list[fx.Node]) -> None:
         first, ns = self.members[0], _ns(self.members[0])
         extra = first.args[1:]
         if self.mode == "coalesced":
@@ -298,7 +172,7 @@ class _Rewrite:
         n = self.bucket.key[2] if self.bucket.kind == "reduce_scatter" else 1
         op = self.members[sel[0]].target
         if self.bucket.kind == "all_reduce":
-            flats = [_flat(emit, inputs[i]) for i in sel]
+            flats = [flat_view(emit, inputs[i]) for i in sel]
             buf = flats[0] if len(flats) == 1 else emit(aten.cat.default, flats)
             if len(flats) > 1:
                 # The concat buffer is the bucket's own, read by nothing else: reduce it in
@@ -315,10 +189,10 @@ class _Rewrite:
 
     def _issue_all_gather(self, emit, ns, extra, inputs) -> None:
         if self.as_bytes:
-            flats = [emit(aten.view.dtype, _flat(emit, x, dense=True), torch.uint8)
+            flats = [emit(aten.view.dtype, flat_view(emit, x, dense=True), torch.uint8)
                      for x in inputs]
         else:
-            flats = [_flat(emit, x) for x in inputs]
+            flats = [flat_view(emit, x) for x in inputs]
         buf = emit(aten.cat.default, flats)
         coll = emit(self.members[0].target, buf, *extra)
         self._tag(coll)
@@ -332,7 +206,7 @@ class _Rewrite:
                      for x in inputs]
         chunks = []
         for x, a, rb in zip(inputs, args, row_bytes):
-            flat = emit(aten.view.dtype, _flat(emit, x, dense=True), torch.uint8)
+            flat = emit(aten.view.dtype, flat_view(emit, x, dense=True), torch.uint8)
             sizes = [s * rb for s in a["input_split_sizes"]]
             chunks.append(emit.getitems(emit(aten.split_with_sizes.default, flat, sizes), n))
         buf = emit(aten.cat.default, [chunks[i][r] for r in range(n) for i in range(len(inputs))])
@@ -347,7 +221,7 @@ class _Rewrite:
         self.pending.append(_Exchanged(coll, pieces))
 
     # -- wait ----------------------------------------------------------------------------------
-    def wait(self, emit: _Emit) -> None:
+    def wait(self, emit: NodeEmitter) -> None:
         """Emit the wait(s) and one replacement per member (``self.replacements``)."""
         op = _ns(self.members[0]).wait_tensor.default
 
@@ -369,12 +243,12 @@ class _Rewrite:
                 self._wait_all_to_all(emit, wait(item.coll), item, out)
         self.replacements = out
 
-    def _wait_reduction(self, emit: _Emit, w: fx.Node, item: _Reduction, out: list) -> None:
+    def _wait_reduction(self, emit: NodeEmitter, w: fx.Node, item: _Reduction, out: list) -> None:
         sizes = [self.members[i].meta["val"].numel() for i in item.sel]
         for i, p in zip(item.sel, self._split(emit, w, sizes, 0)):
-            out[i] = _view_as(emit, p, self.members[i].meta["val"].shape)
+            out[i] = view_as(emit, p, self.members[i].meta["val"].shape)
 
-    def _wait_all_gather(self, emit: _Emit, w: fx.Node, item: _Gathered, out: list) -> None:
+    def _wait_all_gather(self, emit: NodeEmitter, w: fx.Node, item: _Gathered, out: list) -> None:
         sizes, n = item.sizes, self.bucket.key[2]
         grid = emit(aten.view.default, w, [n, sum(sizes)])
         for i, p in enumerate(self._split(emit, grid, sizes, 1)):
@@ -384,7 +258,7 @@ class _Rewrite:
             out[i] = self._as_member(emit, emit(aten.clone.default, p,
                                                 memory_format=torch.contiguous_format), i)
 
-    def _wait_all_to_all(self, emit: _Emit, w: fx.Node, item: _Exchanged, out: list) -> None:
+    def _wait_all_to_all(self, emit: NodeEmitter, w: fx.Node, item: _Exchanged, out: list) -> None:
         parts = self._split(emit, w, [s for row in item.pieces for s in row], 0)
         m = len(self.members)
         for i in range(m):
@@ -393,15 +267,15 @@ class _Rewrite:
             out[i] = self._as_member(emit, cat, i)
 
     @staticmethod
-    def _split(emit: _Emit, node: fx.Node, sizes: list[int], dim: int) -> list[fx.Node]:
+    def _split(emit: NodeEmitter, node: fx.Node, sizes: list[int], dim: int) -> list[fx.Node]:
         if len(sizes) == 1:
             return [node]
         return emit.getitems(emit(aten.split_with_sizes.default, node, sizes, dim), len(sizes))
 
-    def _as_member(self, emit: _Emit, byte_node: fx.Node, i: int) -> fx.Node:
+    def _as_member(self, emit: NodeEmitter, byte_node: fx.Node, i: int) -> fx.Node:
         val = self.members[i].meta["val"]
         typed = emit(aten.view.dtype, byte_node, val.dtype)
-        return _view_as(emit, typed, val.shape)
+        return view_as(emit, typed, val.shape)
 
 
 def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
@@ -430,7 +304,7 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
     nodes = list(g.nodes)
     by_name = {n.name: n for n in nodes}
     vals = [by_name[b.members[0]].args[0].meta["val"] for b in buckets]
-    fake_vals = _Vals(detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True))
+    fake_vals = ShapeValues(detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True))
     moves = {b.seq: by_name[b.members[0]] for b in buckets if len(b.members) == 1}
     for b in buckets:
         if b.seq in moves and b.not_before is not None:
@@ -453,7 +327,7 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
 
 def _insert_groups(g: fx.Graph, nodes: list[fx.Node], buckets: list[Bucket],
                    moves: dict[int, fx.Node], rewrites: dict[int, _Rewrite],
-                   fake_vals: _Vals) -> None:
+                   fake_vals: ShapeValues) -> None:
     """Insert every bucket's issue and wait group (and move one-member buckets) in sort-key
     order; groups at one anchor follow each other in that order."""
     replaced: dict[fx.Node, fx.Node] = {}
@@ -481,7 +355,7 @@ def _insert_groups(g: fx.Graph, nodes: list[fx.Node], buckets: list[Bucket],
         rw = rewrites[seq]
         meta = {k: rw.members[0].meta[k] for k in ("stack_trace",) if k in rw.members[0].meta}
         with g.inserting_before(nxt):
-            emit = _Emit(g, fake_vals, meta)
+            emit = NodeEmitter(g, fake_vals, meta)
             if what == "issue":
                 rw.issue(emit, [replaced.get(m.args[0], m.args[0]) for m in rw.members])
             else:
