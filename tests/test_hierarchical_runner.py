@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from fcoll.shm.multihost.work import HierarchicalWork, OrderedRunner
+from fcoll.shm.multihost.ordered_queue import HierarchicalWork, OrderedRunner
 
 
 def test_jobs_run_in_submission_order_and_one_at_a_time_whoever_waits():

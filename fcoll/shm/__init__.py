@@ -30,7 +30,7 @@ Folder map, bottom layer first (each sub-package is one concept; nothing imports
   into the engine).
 - ``multihost/``: groups across hosts. ``host_layout`` (host identity, which ranks share a
   host), ``gloo_link`` (gloo between hosts: byte views, reductions gloo lacks, the agreement
-  across the link, pipeline pieces), ``work`` (the ordered queue and its ``Work``s),
+  across the link, pipeline pieces), ``ordered_queue`` (the ordered queue and its ``Work``s),
   ``compositions`` (the composed collectives as algorithms over the sub-groups),
   ``hierarchical`` (``HierarchicalProcessGroup``).
 """

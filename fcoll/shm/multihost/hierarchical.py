@@ -40,7 +40,7 @@ gather, scatter and point-to-point. Inter-host all_reduce of a dtype/op gloo can
 (complex product, ...) runs as an inter all_gather and a local reduction.
 
 Ops run in issue order, one at a time, on the group's worker thread or on the thread that
-waits for one (:class:`~fcoll.shm.multihost.work.OrderedRunner`: every rank issues the
+waits for one (:class:`~fcoll.shm.multihost.ordered_queue.OrderedRunner`: every rank issues the
 inner groups' collectives in the same order); a ``Work`` completes when its op ran. CPU
 tensors are tested; CUDA tensors go through the inner groups' own CUDA support, untested here.
 
@@ -76,7 +76,7 @@ from fcoll.shm.group.validate import check_all_gather
 from fcoll.shm.multihost import compositions as comp
 from fcoll.shm.kernels import movement
 from fcoll.shm.transport.op_codes import kind_code
-from fcoll.shm.multihost.work import ChainedWork, HierarchicalWork, OrderedRunner
+from fcoll.shm.multihost.ordered_queue import ChainedWork, HierarchicalWork, OrderedRunner
 from fcoll.shm.multihost.host_layout import HostLayout
 from fcoll.shm.multihost.gloo_link import REDUCE_CODES, SIGNATURE, agree, as_bytes, dtype_code
 from fcoll.shm.group.process_group import FcollProcessGroup
