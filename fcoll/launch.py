@@ -178,25 +178,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = sys.stderr.buffer
     try:
         mps_plan = mps.plan(ns.mps, nproc, mps.visible_gpu_count())
-    except mps.MpsError as e:
+        if mps_plan.message:
+            err.write(f"[fcoll.launch] {mps_plan.message}\n".encode())
+            err.flush()
+        with mps.MpsDaemon() if mps_plan.start else contextlib.nullcontext() as daemon:
+            mps_env = daemon.env if daemon is not None else {}
+            if mps_env:
+                err.write(f"[fcoll.launch] {nproc} ranks share a GPU: started an MPS daemon "
+                          f"for this job ({mps_env['CUDA_MPS_PIPE_DIRECTORY']}); it stops at "
+                          "exit\n".encode())
+                err.flush()
+            return _run_ranks(ns, cmd, port, run_id, mps_env, out, err)
+    except mps.MpsError as e:   # --mps on without the binary, or a daemon that did not start
         err.write(f"[fcoll.launch] {e}\n".encode())
         return 2
-    if mps_plan.message:
-        err.write(f"[fcoll.launch] {mps_plan.message}\n".encode())
-        err.flush()
-    with contextlib.ExitStack() as job:
-        mps_env: dict[str, str] = {}
-        if mps_plan.start:
-            try:
-                mps_env = job.enter_context(mps.MpsDaemon()).env
-            except mps.MpsError as e:
-                err.write(f"[fcoll.launch] {e}\n".encode())
-                return 2
-            err.write(f"[fcoll.launch] {nproc} ranks share a GPU: started an MPS daemon for "
-                      f"this job ({mps_env['CUDA_MPS_PIPE_DIRECTORY']}); it stops at exit\n"
-                      .encode())
-            err.flush()
-        return _run_ranks(ns, cmd, port, run_id, mps_env, out, err)
 
 
 def _run_ranks(ns: argparse.Namespace, cmd: list[str], port: int, run_id: str,

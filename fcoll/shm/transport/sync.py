@@ -106,8 +106,6 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-
-
 def futex_wait(addr: int, expected: int, timeout_s: float) -> int:
     """Sleep while the u32 at ``addr`` equals ``expected``, at most ``timeout_s`` seconds.
 
@@ -384,7 +382,8 @@ class Channel:
         ranks meet by spinning whenever both run, but with several per CPU it gets a small
         share of its new CPU, and one CPU's direct hand-off between the sleeping ranks does
         better (figures: docs/design.md, "Waiting"). Each rank publishes its CPU (``W_CPU``,
-        1 + cpu) whenever a spin ran out or it goes to sleep; a channel moves at most every
+        1 + cpu) whenever a spin ran out, it goes to sleep or it wakes a sleeper; a channel
+        moves at most every
         :data:`SPREAD_INTERVAL_S`.
         """
         words = self.words
