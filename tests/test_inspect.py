@@ -392,8 +392,7 @@ class TestArtifacts(TestCase):
         self.assertEqual(names, ["fcoll_graph_0_forward_graph_before",
                                  "fcoll_graph_0_forward_graph_after",
                                  "fcoll_graph_0_forward_collectives",
-                                 "fcoll_graph_0_forward_overlap_report",
-                                 "fcoll_graph_0_forward_saved"])
+                                 "fcoll_graph_0_forward_overlap_report"])
         self.assertTrue(all(m["artifact"]["encoding"] == "string" for m, _ in captured))
         self.assertEqual(captured[1][1], format_graph(self.record().after) + "\n")
         self.assertIn("exposed_comm_us", captured[3][1])

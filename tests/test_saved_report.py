@@ -151,6 +151,36 @@ class TestRecord(unittest.TestCase):
         self.assertEqual(saved_report(copy.deepcopy(f)).record, f.meta[META_SAVED])
         self.assertIsNone(saved_report(canonical.mm_overlap(size=8)))
 
+    def test_tlparse_gets_the_saved_artifact_for_a_partitioned_graph_only(self):
+        import logging
+        from types import SimpleNamespace
+
+        from torch._logging._internal import trace_log
+
+        from fcoll.inspect import emit_artifacts
+
+        f, b = self._cut()
+        record_partition(f, b, 1)
+        captured = []
+
+        class Capture(logging.Handler):
+            def emit(self, rec):
+                captured.append((rec.metadata["artifact"]["name"], rec.payload))
+
+        old_handlers, old_level = list(trace_log.handlers), trace_log.level
+        trace_log.handlers[:] = [Capture(level=logging.DEBUG)]
+        trace_log.setLevel(logging.DEBUG)
+        try:
+            for name, gm in (("fw", f), ("plain", canonical.mm_overlap(size=8))):
+                emit_artifacts(SimpleNamespace(name=name, before=None, after=gm),
+                               predict=lambda gm: None)
+        finally:
+            trace_log.handlers[:] = old_handlers
+            trace_log.setLevel(old_level)
+        saved = [(n, p) for n, p in captured if n.endswith("_saved")]
+        self.assertEqual([n for n, _ in saved], ["fcoll_fw_saved"])
+        self.assertIn("1 re-issued from the forward", saved[0][1])
+
     def test_more_user_outputs_than_outputs_raises(self):
         f, b = self._cut()
         with self.assertRaisesRegex(ValueError, "num_fwd_outputs=4 but the forward graph has "

@@ -141,9 +141,9 @@ def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
 
     Artifacts (``encoding: "string"``): ``fcoll_<name>_graph_before``, ``fcoll_<name>_graph_after``
     (format_graph text), ``fcoll_<name>_collectives`` (table after the passes),
-    ``fcoll_<name>_saved`` (what the forward saves for the backward) and
-    ``fcoll_<name>_overlap_report`` (``graph_before`` only when ``record.before`` is not None;
-    the report then has one column). Payloads are computed only when structured tracing is on
+    ``fcoll_<name>_overlap_report`` and, for a forward or backward graph, ``fcoll_<name>_saved``
+    (what the forward saves for the backward); ``graph_before`` only when ``record.before`` is
+    not None (the report then has one column). Payloads are computed only when structured tracing is on
     (``TORCH_TRACE=dir``), so the call is free otherwise; a failure to build them becomes the
     payload text (and a warning) instead of an exception.
     """
@@ -161,7 +161,9 @@ def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
         files = defaultdict(lambda: failed)
     parts = [("graph_before", f"{name}.before.txt")] if record.before is not None else []
     parts += [("graph_after", f"{name}.after.txt"), ("collectives", f"{name}.collectives.txt"),
-              ("overlap_report", f"{name}.overlap.txt"), ("saved", f"{name}.saved.txt")]
+              ("overlap_report", f"{name}.overlap.txt")]
+    if saved_report(record.after) is not None:   # one half of a forward/backward partition
+        parts.append(("saved", f"{name}.saved.txt"))
     for suffix, fname in parts:
         trace_structured(
             "artifact",
