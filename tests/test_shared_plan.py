@@ -8,6 +8,7 @@ cover a plan that cannot be applied, the store protocol's pieces, and the fake p
 
 from __future__ import annotations
 
+import json
 import time
 import unittest
 from unittest import mock
@@ -283,6 +284,40 @@ class TestFallbackPieces(unittest.TestCase):
         self.assertEqual(list(followed.dropped[self.g]), [1])
         self.assertRegex(why, r"^all_reduce_1 cannot join \['all_reduce'\]: dependency")
         self.assertTrue(all(len(b.members) == 1 for b in followed.buckets))
+
+    def _settle_as_rank_1(self, stored: dict[str, str]):
+        """:func:`shared_plan._settle` of ``TestApply._pairs(1)`` under rank 0's plan
+        ``[0 1]``, as rank 1 of ranks (0, 1), on a HashStore holding ``stored`` (report key
+        suffix ``round/rank`` -> report)."""
+        import torch.distributed as dist
+
+        from fcoll.passes.rewrites.bucket_plan import model_costs
+
+        s = shared_plan._Shared(self.g, 0, "k", "d" * 64, 2, dist.HashStore(), (0, 1))
+        for suffix, report in stored.items():
+            s.store.set(f"k/alone/{suffix}", report)
+        gm = TestApply._pairs(self, 1)
+        plan = GroupPlan(self.g, ((0, 1),), "the plan of rank 0")
+        config = FcollConfig(check_timeout_s=5.0)
+        return shared_plan._settle(gm, config, model_costs(gm, config), {self.g: s},
+                                   {self.g: plan}, 1), s.store
+
+    def test_settle_reports_what_this_rank_leaves_out_until_no_rank_leaves_anything(self):
+        """Round 0: rank 1 reports #1 (rank 0 nothing); round 1, with #1 alone: nobody."""
+        (buckets, alone), store = self._settle_as_rank_1({"0/0": "{}", "1/0": "{}"})
+        self.assertEqual(list(alone[self.g]), [1])
+        self.assertRegex(alone[self.g][1], r"^rank 1: all_reduce_1 cannot join")
+        self.assertEqual(json.loads(store.get("k/alone/0/1")), {"1": alone[self.g][1]})
+        self.assertEqual(json.loads(store.get("k/alone/1/1")), {})
+        self.assertTrue(all(len(b.members) == 1 for b in buckets))
+
+    def test_settle_raises_when_an_earlier_compiles_report_of_this_rank_applies(self):
+        """Rank 1's first compile of these collectives reported nothing; this graph must
+        leave #1 out, which the other ranks would not know: raise, do not diverge."""
+        with self.assertRaisesRegex(BucketPlanError, r"rank 1: cannot apply the agreed bucket "
+                                    r"plans: group '0', collective #1: all_reduce_1 cannot "
+                                    r"join .*report stored by an earlier compile"):
+            self._settle_as_rank_1({"0/0": "{}", "0/1": "{}"})
 
     def _four(self) -> fx.GraphModule:
         """Four all_reduces of ``tanh`` s; ``b``'s is computed just before it, the others' at

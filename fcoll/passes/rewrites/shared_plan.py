@@ -88,7 +88,6 @@ The pass records where each group's plan came from in ``gm.meta[META_BUCKET_PLAN
 from __future__ import annotations
 
 import datetime
-import itertools
 import json
 import logging
 from dataclasses import dataclass
@@ -246,8 +245,8 @@ def _settle(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
             an earlier compile of the same collectives differs from its own now).
     """
     alone: dict[str, dict[int, str]] = {g: {} for g in shared}
-    settling = set(shared)
-    for round_ in itertools.count():
+    settling, round_ = set(shared), 0
+    while True:
         current = {g: without(p, alone[g]) for g, p in plans.items()}
         followed = follow_plans(gm, config, costs, current)
         if round_ == 0 and followed.dropped and hoist_input_preparation(gm):
@@ -256,18 +255,19 @@ def _settle(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
             followed = follow_plans(gm, config, costs, current)
         late = {g: why for g, why in followed.dropped.items() if g not in settling}
         if late:
-            raise BucketPlanError(
-                f"bucket_collectives: rank {rank}: cannot apply the agreed bucket plans: "
-                f"{_first(late)}; the group's ranks had agreed on its plan (another group's "
-                f"fallback changed this graph's placement, or a report stored by an earlier "
-                f"compile of the same collectives applies). Options: bucket=False, or the "
-                f"same code between these collectives on every rank.")
-        changed = False
+            raise _unagreed(rank, late, "the group's ranks had agreed on its plan, and another "
+                                        "group's fallback changed this graph's placement")
         for g in sorted(settling):   # every report first, then the waits
             _report(shared[g], round_, rank, {
                 i: f"rank {rank}: {why}" for i, why in followed.dropped.get(g, {}).items()})
+        changed = False
         for g in sorted(settling):
             new = _reports(shared[g], round_, rank, config.check_timeout_s)
+            mine = followed.dropped.get(g, {})
+            if not mine.keys() <= new.keys():
+                raise _unagreed(rank, {g: {i: w for i, w in mine.items() if i not in new}},
+                                "this rank's report stored by an earlier compile of the same "
+                                "collectives on this group (another graph) applies")
             if new:
                 alone[g].update(new)
                 changed = True
@@ -275,7 +275,15 @@ def _settle(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
                 settling.discard(g)
         if not changed:   # no rank of any group left anything out: this walk is the plan
             return followed.buckets, alone
-    raise AssertionError("unreachable")  # pragma: no cover
+        round_ += 1
+
+
+def _unagreed(rank: int, dropped: dict[str, dict[int, str]], why: str) -> BucketPlanError:
+    """The error of a rank that cannot apply what its groups agreed on."""
+    return BucketPlanError(
+        f"bucket_collectives: rank {rank}: cannot apply the agreed bucket plans: "
+        f"{_first(dropped)}; {why}. Options: bucket=False, options that change the plan's "
+        f"store key, or the same code between these collectives on every rank.")
 
 
 def _first(dropped: dict[str, dict[int, str]]) -> str:
