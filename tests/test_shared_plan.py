@@ -1,9 +1,11 @@
 """Tests of the shared bucket plan (fcoll/passes/rewrites/shared_plan.py, group_plan.py).
 
 Each group's merges are planned by its lowest rank and applied by every rank, so ranks whose
-graphs differ in compute still bucket alike. Two ``run_ranks`` calls (gloo and fcoll's
-shared-memory backend) compile a step whose rank 0 does extra compute; single-process tests
-cover a plan that cannot be applied, the store protocol's pieces, and the fake process group.
+graphs differ in compute still bucket alike. ``run_ranks`` calls (gloo and fcoll's
+shared-memory backend) compile a step whose rank 0 does extra compute, and one where rank 1
+cannot put one collective in its planned bucket (the fallback per collective); single-process
+tests cover a plan that cannot be applied, the fallback's pieces, the store protocol's pieces,
+and the fake process group.
 """
 
 from __future__ import annotations
@@ -187,12 +189,8 @@ def _fallback_on_ranks(rank: int, world_size: int) -> dict:
 
 
 class TestFallbackPerCollective(unittest.TestCase):
-    def test_a_collective_one_rank_cannot_bucket_is_issued_alone_and_other_buckets_stay(self):
-        """Before: rank 1 raised ``BucketPlanError`` (``all_reduce_2 cannot join
-        [all_reduce, all_reduce_1]: dependency``) and rank 0 waited in the rank check. Now
-        both ranks agree to issue that one collective alone, the other buckets stay, every
-        rank logs it with rank 1's reason, and values equal eager."""
-        r0, r1 = run_ranks(_fallback_on_ranks, 2, backend="fcoll", timeout_s=240)
+    def _run(self, backend: str) -> None:
+        r0, r1 = run_ranks(_fallback_on_ranks, 2, backend=backend, timeout_s=240)
         self.assertEqual(r0["own"], ((0, 1, 2), (3, 4)))          # what rank 0 planned
         for r in (r0, r1):
             self.assertTrue(r["ok"])
@@ -206,6 +204,16 @@ class TestFallbackPerCollective(unittest.TestCase):
         self.assertEqual(r0["collectives"], r1["collectives"])
         self.assertEqual([k for k, _ in r0["collectives"]],
                          ["all_reduce", "all_reduce", "all_gather"])
+
+    def test_a_collective_one_rank_cannot_bucket_is_issued_alone_and_other_buckets_stay(self):
+        """Before: rank 1 raised ``BucketPlanError`` (``all_reduce_2 cannot join
+        [all_reduce, all_reduce_1]: dependency``) and rank 0 waited in the rank check. Now
+        both ranks agree to issue that one collective alone, the other buckets stay, every
+        rank logs it with rank 1's reason, and values equal eager."""
+        self._run("fcoll")
+
+    def test_a_collective_one_rank_cannot_bucket_is_issued_alone_gloo(self):
+        self._run("gloo")
 
 
 class TestApply(unittest.TestCase):
