@@ -17,7 +17,8 @@ marks its own ops the same way before calling them (:func:`_save_collectives`). 
 selective checkpoint tags ``MUST_RECOMPUTE`` (``fcoll.parallel.fully_shard``'s gathers) is
 recomputed together with its views (:func:`_recompute_views_of_recomputed`): otherwise the
 partitioner saves ``t(weight)`` of ``F.linear``, a full-size alias of the gathered parameter, and
-resharding after the forward frees nothing.
+resharding after the forward frees nothing. What the cut saves and recomputes is recorded in both
+graphs' ``meta`` (:mod:`fcoll.compile.saved`), for ``fcoll.inspect``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fcoll.compile.executor import GraphExecutor
 from fcoll.compile.inductor_compute import InductorExecutor
+from fcoll.compile.saved import record_partition
 from fcoll.compile.trace import recorder_for, trace_dir_from
 from fcoll.passes.config import FcollConfig
 from fcoll.passes.graph import is_fcoll_op
@@ -170,7 +172,9 @@ def _partition_fn(config: FcollConfig) -> Callable[..., Any]:
         base = (partitioners.min_cut_rematerialization_partition
                 if config.compute == "inductor" or tagged else partitioners.default_partition)
         _recompute_views_of_recomputed(joint)
-        return base(joint, joint_inputs, **kwargs)
+        fw, bw = base(joint, joint_inputs, **kwargs)
+        record_partition(fw, bw, kwargs.get("num_fwd_outputs"))   # for fcoll.inspect
+        return fw, bw
     return partition
 
 

@@ -25,6 +25,7 @@ from fcoll.inspect.format import format_graph
 from fcoll.inspect.overlap_report import overlap_report
 from fcoll.inspect.schedule import step_schedule
 from fcoll.inspect.predicted import PredictFn, predicted_events
+from fcoll.inspect.saved import saved_report
 from fcoll.inspect.table import collective_table
 from fcoll.inspect.timeline import exposed_of, timeline_svg
 
@@ -37,8 +38,12 @@ RECORD_FILES = (
     "{name}.before.txt", "{name}.after.txt", "{name}.collectives_before.txt",
     "{name}.collectives.txt", "{name}.collectives.json", "{name}.overlap.txt",
     "{name}.overlap.json", "{name}.timeline_before.svg", "{name}.timeline.svg",
-    "{name}.schedule.json",
+    "{name}.schedule.json", "{name}.saved.txt", "{name}.saved.json",
 )
+#: The text of ``{name}.saved.txt`` for a graph that no forward/backward partition made.
+NO_PARTITION = ("saved for backward: none recorded (this graph is not one half of a "
+                "forward/backward partition: an inference graph, compiled autograd's backward, "
+                "or a graph made by hand)")
 
 
 def _safe(name: str) -> str:
@@ -86,6 +91,11 @@ def record_files(record: Any, *, predict: PredictFn | None = None) -> dict[str, 
         f"{name}.schedule.json": json.dumps(step_schedule(after, record.name, events=ev_a))
         + "\n",
     })
+    saved = saved_report(after, record.name)   # the partition's cut (fcoll.compile.saved)
+    files[f"{name}.saved.txt"] = (str(saved) if saved is not None else NO_PARTITION) + "\n"
+    files[f"{name}.saved.json"] = json.dumps(
+        saved.as_dict() if saved is not None else {"graph": record.name, "saved": None},
+        indent=1) + "\n"
     if ev_b is not None:
         files[f"{name}.timeline_before.svg"] = timeline_svg(
             ev_b, f"{record.name} before passes", exposed_of(before, ev_b))
@@ -130,16 +140,17 @@ def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
     """Emit tlparse artifacts for one compiled graph through ``torch._logging.trace_structured``.
 
     Artifacts (``encoding: "string"``): ``fcoll_<name>_graph_before``, ``fcoll_<name>_graph_after``
-    (format_graph text), ``fcoll_<name>_collectives`` (table after the passes) and
-    ``fcoll_<name>_overlap_report`` (``graph_before`` only when ``record.before`` is not None;
-    the report then has one column). Payloads are computed only when structured tracing is on
+    (format_graph text), ``fcoll_<name>_collectives`` (table after the passes),
+    ``fcoll_<name>_overlap_report`` and, for a forward or backward graph, ``fcoll_<name>_saved``
+    (what the forward saves for the backward); ``graph_before`` only when ``record.before`` is
+    not None (the report then has one column). Payloads are computed only when structured tracing is on
     (``TORCH_TRACE=dir``), so the call is free otherwise; a failure to build them becomes the
     payload text (and a warning) instead of an exception.
     """
     if not artifacts_enabled():  # the check trace_structured makes: tracing is off
         return
     name = _safe(record.name)
-    # Built once, up front, for all four artifacts (trace_structured evaluates payloads lazily,
+    # Built once, up front, for all the artifacts (trace_structured evaluates payloads lazily,
     # but only after the handler check above, which we have already made).
     try:
         files = record_files(record, predict=predict)
@@ -151,6 +162,8 @@ def emit_artifacts(record: Any, *, predict: PredictFn | None = None) -> None:
     parts = [("graph_before", f"{name}.before.txt")] if record.before is not None else []
     parts += [("graph_after", f"{name}.after.txt"), ("collectives", f"{name}.collectives.txt"),
               ("overlap_report", f"{name}.overlap.txt")]
+    if saved_report(record.after) is not None:   # one half of a forward/backward partition
+        parts.append(("saved", f"{name}.saved.txt"))
     for suffix, fname in parts:
         trace_structured(
             "artifact",

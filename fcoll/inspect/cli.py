@@ -11,6 +11,9 @@ wrapper :mod:`fcoll.inspect.rank_main`, which captures every graph ``backend="fc
 - ``rank{R}/{graph}.overlap.txt`` / ``.json``: the overlap report, before against after;
 - ``rank{R}/{graph}.timeline_before.svg`` / ``.timeline.svg``: predicted schedules;
 - ``traces/rank{R}.json``: the runtime's Chrome/Perfetto trace (open in ui.perfetto.dev);
+- ``rank{R}/{graph}.saved.txt`` / ``.json``: what the forward saves for the backward (each
+  value's op, shape, dtype, bytes, whether it is a collective's result such as a gathered
+  parameter) and the collectives the backward re-issues (:mod:`fcoll.inspect.saved`);
 - ``rank{R}/{graph}.compare.txt``: measured (trace) against predicted exposed time;
 - ``rank{R}/summary.json`` and ``summary.txt``: the summary printed at the end.
 """
@@ -27,7 +30,7 @@ import sys
 from typing import Any, Sequence
 
 from fcoll.inspect import rank_main
-from fcoll.inspect.text import fmt_us, text_table
+from fcoll.inspect.text import fmt_bytes, fmt_us, text_table
 
 __all__ = ["main", "launch_command", "summary_text"]
 
@@ -75,9 +78,11 @@ def summary_text(out: str) -> str:
             b, a = g["before"], g["after"] or g["before"]
             rows.append((s["rank"], g["name"], f"{b['n_collectives']} -> {a['n_collectives']}",
                          f"{fmt_us(b['exposed_comm_us'])} -> {fmt_us(a['exposed_comm_us'])}",
-                         f"{a['overlap_ratio']:.0%}", fmt_us(g["measured_exposed_us"])))
+                         f"{a['overlap_ratio']:.0%}", fmt_us(g["measured_exposed_us"]),
+                         fmt_bytes(g.get("saved_bytes"))))
     lines = [text_table(("rank", "graph", "collectives", "pred exposed_us", "overlap",
-                         "measured exposed_us"), rows, (True, False, True, True, True, True))]
+                         "measured exposed_us", "saved for bw"), rows,
+                        (True, False, True, True, True, True, True))]
     n_files = sum(len(files) for _, _, files in os.walk(out))
     errors = [e for s in summaries for e in s["errors"]]
     lines.append(f"{len(rows)} graph(s) on {len(summaries)} rank(s); {n_files} files in {out}")

@@ -27,6 +27,7 @@ from typing import Any  # noqa: E402
 from fcoll.compile.backend import register_compile_listener  # noqa: E402
 from fcoll.inspect.artifacts import write_record  # noqa: E402
 from fcoll.inspect.overlap_report import overlap_report  # noqa: E402
+from fcoll.inspect.saved import saved_report  # noqa: E402
 from fcoll.inspect.trace_compare import compare  # noqa: E402
 
 log = logging.getLogger("fcoll.inspect.rank_main")
@@ -58,8 +59,11 @@ def _summarize(cap: _Capture, trace_path: str) -> list[dict[str, Any]]:
     have_trace = os.path.exists(trace_path)
     for rec in cap.records:
         report = overlap_report(rec.before, rec.after).as_dict()
-        entry: dict[str, Any] = {"name": rec.name, **report, "measured_exposed_us": None,
-                                 "trace_collectives": None}
+        saved = saved_report(rec.after, rec.name)
+        entry: dict[str, Any] = {
+            "name": rec.name, **report, "measured_exposed_us": None, "trace_collectives": None,
+            "saved_bytes": saved.record.saved_bytes if saved else None,
+            "recomputed_collectives": len(saved.recomputed_collectives) if saved else None}
         if have_trace:
             cmp = compare(trace_path, rec.after, graph=rec.name)
             with open(os.path.join(cap.out_dir, f"{rec.name}.compare.txt"), "w") as f:

@@ -65,8 +65,12 @@ group's lowest rank plans and every rank applies that plan
 (:class:`~fcoll.passes.rewrites.group_plan.GroupPlan`: buckets as indices into the group's
 collective sequence). A forced group is not timed; its members join exactly their planned buckets,
 each join still checked against this graph's dependencies, and a plan this graph cannot follow
-raises :class:`~fcoll.passes.rewrites.group_plan.BucketPlanError`. Issue and wait points (and moves)
-are always this graph's own; they never change what is issued.
+raises :class:`~fcoll.passes.rewrites.group_plan.BucketPlanError` (:func:`follow_plans` instead
+leaves such a member out, for the shared plan's agreed fallback per collective). Issue and wait
+points (and moves) are always this graph's own; they never change what is issued. A plan's
+collectives issued alone (``GroupPlan.alone``) stay at their traced place, and the group's later
+collectives are issued after them (a *barrier*), since they are ready at different points on
+different ranks.
 
 Complexity: one pass over the nodes plus one over the collectives, O(N + E); there is no
 reachability query, because graph order already answers "does c2 depend on c1?" for the only
@@ -80,7 +84,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -95,8 +99,8 @@ from fcoll.passes.graph import META_HIDING, only_leaves_graph, tensor_bytes, wai
 from fcoll.passes.rewrites.fsdp_plan import plan_fsdp
 from fcoll.passes.rewrites.group_plan import BucketPlanError, ForcedPlans, GroupPlan
 
-__all__ = ["Bucket", "BucketCosts", "model_costs", "plan_buckets", "BUCKETABLE_OPS", "MIB",
-           "GroupPlan", "BucketPlanError", "lane_timed"]
+__all__ = ["Bucket", "BucketCosts", "model_costs", "plan_buckets", "follow_plans", "Followed",
+           "BUCKETABLE_OPS", "MIB", "GroupPlan", "BucketPlanError", "lane_timed"]
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +257,9 @@ class _Planner:
         self._names: dict[str, int] = {}
         self._elapsed: dict[str, list[float]] = {}     # group name -> elapsed compute
         self.lanes: dict[fx.Node, Member] = {}        # timed collective -> its lane-plan record
+        # group -> sort key of its latest collective issued alone by a forced plan's
+        # ``alone``: later collectives of the group are issued after it
+        self.barrier: dict[str, tuple] = {}
         # FSDP blocks (fsdp_plan): their segments replace the lane plan's, and prefetch bounds
         # each block's gathers from below
         self.fsdp = plan_fsdp(gm.graph)
@@ -289,6 +296,9 @@ class _Planner:
         for u in node.all_input_nodes:   # a reader of an open bucket's wait fixes that bucket
             if u in self.open_of_wait:
                 self.close(self.open_of_wait[u], f"{node.name} reads {u.name}")
+        if node in self.forced.pinned:   # issued alone where it is; later ones after it
+            self.barrier[self.forced.pinned[node]] = (2 * self.idx[node],)
+            return
         if spec.op not in BUCKETABLE_OPS:
             log.debug("not bucketing %s: op %s is not bucketed", node.name, spec.op)
             self.forced.not_bucketed(node, f"{spec.op} is never bucketed")
@@ -307,17 +317,26 @@ class _Planner:
             m.segment, m.cut = planned.segment, planned.cut
         if self.fsdp and node in self.fsdp.segment:
             m.segment, m.cut = self.fsdp.segment[node], "FSDP block"
+        b = self.open_by_key.get(key)
         if forced:
             self.forced.arrive(node, key)
-        b = self.open_by_key.get(key)
-        if b is not None:
-            why = (self.forced.rejection(b, m) if forced
-                   else join_rejection(b, m, self.cap, self.budget, self.concat))
-            if why is not None:
-                log.debug("closing bucket of %s before %s: %s",
-                          [x.node.name for x in b.members], node.name, why)
-                self.close(b, why)
-                b = None
+            why = (self.forced.rejection(b, m)
+                   if b is not None and self.forced.bucket_of(node) is not None else None)
+            if self.forced.bucket_of(node) is None:
+                # planned alone (or dropped, leniently): a bucket of its own, and the key's
+                # open bucket stays open for the rest of its planned members
+                alone = OpenBucket(key=key)
+                add(alone, m)
+                self.close(alone, "issued alone")
+                return
+        else:
+            why = (join_rejection(b, m, self.cap, self.budget, self.concat)
+                   if b is not None else None)
+        if why is not None:
+            log.debug("closing bucket of %s before %s: %s",
+                      [x.node.name for x in b.members], node.name, why)
+            self.close(b, why)
+            b = None
         if b is None:
             b = self.open_by_key[key] = OpenBucket(key=key)
         add(b, m)
@@ -328,6 +347,7 @@ class _Planner:
         to its kind."""
         val, idx = node.args[0].meta["val"], self.idx
         ready = max((self.ready_of(u) for u in node.all_input_nodes), default=(-1,))
+        ready = max(ready, self.barrier.get(key[1], (-1,)))
         anchor = self.fsdp.not_before.get(node) if self.fsdp else None
         if anchor is not None:   # prefetch one block ahead, not earlier
             ready = max(ready, (2 * idx[anchor],))
@@ -451,7 +471,41 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
     """
     config = config if config is not None else FcollConfig()
     costs = costs if costs is not None else model_costs(gm, config)
-    planner = _Planner(gm, config, costs, include_moves, ForcedPlans(gm, forced or {}))
+    return _walk(gm, config, costs, include_moves, ForcedPlans(gm, forced or {})).buckets
+
+
+class Followed(NamedTuple):
+    """What :func:`follow_plans` made: the buckets, and per group the collectives (indices
+    into its sequence) left out of their planned buckets here, with why."""
+
+    buckets: list[Bucket]
+    dropped: dict[str, dict[int, str]]
+
+
+def follow_plans(gm: fx.GraphModule, config: FcollConfig | None, costs: BucketCosts | None,
+                 forced: Mapping[str, GroupPlan]) -> Followed:
+    """:func:`plan_buckets` with moves, where a forced plan's member that this graph cannot
+    put in its planned bucket (its dependencies forbid it, its bucket was issued before it
+    came, it cannot be bucketed here) is issued alone instead of raising; the rest of its
+    bucket stays merged. Which members leave is decided in graph order (a member leaves,
+    the bucket it could not join stays), so it is the same for every rank with this graph.
+
+    Returns:
+        :class:`Followed`; ``dropped`` is empty when every plan applies as given.
+
+    Raises:
+        BucketPlanError: a forced plan is malformed (names a collective its group lacks).
+    """
+    config = config if config is not None else FcollConfig()
+    costs = costs if costs is not None else model_costs(gm, config)
+    planner = _walk(gm, config, costs, True, ForcedPlans(gm, forced, lenient=True))
+    return Followed(planner.buckets, planner.forced.dropped_indices())
+
+
+def _walk(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts, include_moves: bool,
+          forced: ForcedPlans) -> "_Planner":
+    """One planning walk over ``gm`` (see :func:`plan_buckets`); returns the finished walk."""
+    planner = _Planner(gm, config, costs, include_moves, forced)
     planner.plan_lanes()
     keys = planner.keys
     for node in planner.nodes:
@@ -461,4 +515,4 @@ def plan_buckets(gm: fx.GraphModule, config: FcollConfig | None = None,
     for b in sorted(planner.open_by_key.values(), key=lambda o: planner.idx[o.members[0].node]):
         planner.close(b)
     planner.forced.check_complete(planner.buckets)
-    return planner.buckets
+    return planner

@@ -50,7 +50,9 @@ Rank agreement: which collectives merge is decided once per group, by the group'
 and applied by every rank of the group (:mod:`fcoll.passes.rewrites.shared_plan`): ranks whose
 graphs differ in compute would otherwise time their lanes differently. Where the merged collectives
 go reads only the rank's graph, so every rank issues the same buckets in the same order
-(:mod:`fcoll.passes.rewrites.bucket_plan` states why orders never differ).
+(:mod:`fcoll.passes.rewrites.bucket_plan` states why orders never differ). A member some rank
+cannot put in its planned bucket is issued alone on every rank of the group (agreed through the
+store, logged with the reason), never the whole graph left unbucketed.
 ``gm.meta[META_BUCKET_PLAN]`` says where each group's plan came from.
 """
 

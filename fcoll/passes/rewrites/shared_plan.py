@@ -31,10 +31,26 @@ Protocol, per shared group ``g`` (below), in the default group's store
    compile every rank applies the one plan stored under the key.
 4. A plan is rank-independent: each bucket is a list of indices into the group's sequence
    (:class:`~fcoll.passes.rewrites.group_plan.GroupPlan`). Every rank applies it with
-   :func:`~fcoll.passes.rewrites.bucket_plan.plan_buckets` (``forced``): exactly those merges,
-   nothing timed; where the merged collectives are issued and waited is each rank's own graph's
-   business. A plan this rank's graph cannot follow (its dependencies forbid a merge) raises
-   :class:`~fcoll.passes.rewrites.group_plan.BucketPlanError` naming rank, group and collectives.
+   :func:`~fcoll.passes.rewrites.bucket_plan.follow_plans`: exactly those merges, nothing
+   timed; where the merged collectives are issued and waited is each rank's own graph's
+   business.
+5. Fallback per collective, agreed. A rank whose graph cannot put a member in its planned
+   bucket (rank-dependent compute that reads a collective's result, so it cannot be hoisted,
+   makes the member's input ready only after the first use of another member's result there)
+   first hoists the pure compute that prepares collectives' inputs
+   (:func:`hoist_input_preparation`) and tries again; what still does not fit it leaves out
+   of its bucket, in graph order, with the reason. Every rank then stores its report under
+   ``<key>/alone/<round>/<rank>`` (``compare_set``: a recompile reads the first compile's) and
+   reads every rank's of the group; the union is issued alone on every rank
+   (:func:`~fcoll.passes.rewrites.group_plan.without`: such a collective stays at its traced
+   place, no bucket spans it, and every later collective of the group is issued after it, so
+   the group's order is the same on every rank although that collective is ready at another
+   point on each). The rest of the plan stays. Leaving collectives out only makes buckets
+   easier to place, but it changes where the ones after them go, so the ranks report again
+   until a round in which no rank of the group leaves anything out (at most one round per
+   collective; one round when the plan applies everywhere). Each collective issued alone is
+   logged at INFO on every rank with the reporting rank's reason, and listed in
+   :attr:`PlanOrigin.alone`. The whole graph is never left unbucketed for it.
 
 Before the exchange, when ``config.check_ranks``, the pass runs ``check_rank_consistency`` on
 the unbucketed graph (once; at a group's first compile it does so anyway, before calibrating).
@@ -50,15 +66,20 @@ groups are shared like any other: their lane plan is timed too.
 
 Cost per shared group and compile: the planner one ``compare_set``, every other rank one
 ``wait`` and one ``get``, both a few hundred bytes (about 10 bytes per merged collective); the
-other ranks also wait for the planner to plan. Plus the unbucketed rank check where it did
-not already run. Keys stay for the store's lifetime, one per distinct sequence and options.
+other ranks also wait for the planner to plan. Then per round (one, unless some rank leaves a
+collective out) every rank one ``compare_set``, one ``wait`` and one ``get`` per rank of the
+group: the planner now also waits until every rank has applied its plan. Plus the
+unbucketed rank check where it did not already run. Keys stay for the store's lifetime, one
+per distinct sequence and options (and round and rank).
 
 Limits. The plan under a key is the planner's plan of the first graph compiled with those
 collectives on that group: a later graph with the same collectives gets it too (the same on
-every rank, not necessarily the best for that graph); if that graph's dependencies forbid one
-of its merges, the compile raises ``BucketPlanError`` on every rank that cannot apply it
-(options that change the key, or ``bucket=False``, avoid it). A planner that raises before
-publishing leaves the others to their timeout.
+every rank, not necessarily the best for that graph), and so do the reports: a later graph
+that must leave out other collectives than the first one's raises ``BucketPlanError``
+(options that change the key, or ``bucket=False``, avoid it); so does a group whose ranks
+agreed on a round with nothing left out while another group's fallback, later, changes this
+graph's placement. A planner that raises before publishing leaves the others to their
+timeout; a rank that raises before reporting, the others likewise.
 
 The pass records where each group's plan came from in ``gm.meta[META_BUCKET_PLAN]``
 (:class:`PlanOrigin` per group; ``format()`` prints it) and logs it at DEBUG.
@@ -78,8 +99,9 @@ import torch.fx as fx
 from fcoll.passes.analysis import fingerprints
 from fcoll.passes.rewrites import consistency
 from fcoll.passes.rewrites.bucket_key import BucketKeys
-from fcoll.passes.rewrites.bucket_plan import Bucket, BucketCosts, lane_timed, plan_buckets
-from fcoll.passes.rewrites.group_plan import BucketPlanError, GroupPlan, group_plans
+from fcoll.passes.rewrites.bucket_plan import (Bucket, BucketCosts, follow_plans, lane_timed,
+                                               plan_buckets)
+from fcoll.passes.rewrites.group_plan import BucketPlanError, GroupPlan, group_plans, without
 from fcoll.passes.config import FcollConfig
 from fcoll.passes.graph import is_collective, is_wait
 
@@ -111,7 +133,10 @@ class PlanOrigin:
             (read from ``planner`` under ``detail``, the key).
         detail: see ``source``.
         planner: the global rank whose plan this is (None: local).
-        buckets: the merges, each as indices into the group's collective sequence.
+        buckets: the merges applied, each as indices into the group's collective sequence.
+        alone: (index, why) of each collective the plan merges that every rank of the group
+            issues alone, because some rank could not put it in its planned bucket (``why``
+            names that rank and its reason; module docstring, step 5).
     """
 
     group: str
@@ -119,12 +144,14 @@ class PlanOrigin:
     detail: str
     planner: int | None
     buckets: tuple[tuple[int, ...], ...]
+    alone: tuple[tuple[int, str], ...] = ()
 
     def format(self) -> str:
         """One line: group, source, planner and buckets."""
         who = f" from rank {self.planner}" if self.planner is not None else ""
+        left = (f"; issued alone: {[i for i, _ in self.alone]}" if self.alone else "")
         return (f"group {self.group!r}: {self.source}{who} ({self.detail}): "
-                f"{len(self.buckets)} buckets {[list(b) for b in self.buckets]}")
+                f"{len(self.buckets)} buckets {[list(b) for b in self.buckets]}{left}")
 
 
 class _Shared(NamedTuple):
@@ -136,6 +163,7 @@ class _Shared(NamedTuple):
     digest: str
     size: int
     store: Any
+    ranks: tuple[int, ...] = ()
 
 
 def plan_key(group: str, digest: str, config: FcollConfig) -> str:
@@ -163,10 +191,10 @@ def agreed_buckets(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
         :class:`PlanOrigin`.
 
     Raises:
-        BucketPlanTimeoutError: a group's planner did not publish within
-            ``config.check_timeout_s``.
-        BucketPlanError: a received or stored plan cannot be applied to ``gm``, or is
-            malformed.
+        BucketPlanTimeoutError: a group's planner did not publish, or a rank did not report
+            what it leaves out (step 5), within ``config.check_timeout_s``.
+        BucketPlanError: a plan or report is malformed, or the agreed plan still cannot be
+            applied here (module docstring, Limits).
     """
     shared: dict[str, _Shared] = {}
     local: dict[str, str] = {}
@@ -188,26 +216,130 @@ def agreed_buckets(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
     forced = {g: _receive(s, rank, config.check_timeout_s)
               for g, s in shared.items() if s.planner != rank}
     sources = {g: "received" for g in forced}
-    try:
-        buckets = plan_buckets(gm, config, costs, include_moves=True, forced=forced)
-    except BucketPlanError as e:
-        if not forced or not hoist_input_preparation(gm):
-            raise
-        log.debug("bucket_collectives: rank %d: %s; retrying with the collectives' input "
-                  "preparation hoisted", rank, e)
-        buckets = plan_buckets(gm, config, costs, include_moves=True, forced=forced)
     mine = [g for g, s in shared.items() if s.planner == rank]
     if mine:
-        plans = group_plans(gm, buckets)
+        plans = group_plans(gm, follow_plans(gm, config, costs, forced).buckets)
         stored = {g: _publish(shared[g], plans[g]) for g in mine}
         sources.update((g, "published" if stored[g].buckets == plans[g].buckets else "stored")
                        for g in mine)
-        if any(sources[g] == "stored" for g in mine):
-            # Every shared group forced, not only the stored one: a new walk could change
-            # another group's plan, already published (a member may read a bucket's wait).
-            forced.update(stored)
-            buckets = plan_buckets(gm, config, costs, include_moves=True, forced=forced)
-    return buckets, _origins(gm, buckets, local, {g: (sources[g], shared[g]) for g in shared})
+        forced.update(stored)
+    buckets, alone = _settle(gm, config, costs, shared, forced, rank)
+    return buckets, _origins(gm, buckets, local, {g: (sources[g], shared[g]) for g in shared},
+                             alone)
+
+
+def _settle(gm: fx.GraphModule, config: FcollConfig, costs: BucketCosts,
+            shared: dict[str, _Shared], plans: dict[str, GroupPlan], rank: int
+            ) -> tuple[list[Bucket], dict[str, dict[int, str]]]:
+    """Apply every shared group's plan, agreeing with the group's ranks on the collectives
+    that some rank cannot put in their planned bucket (module docstring, step 5).
+
+    Returns:
+        The buckets, and per group the collectives (indices) issued alone on every rank
+        although the plan merges them, with the reason of the rank that could not.
+
+    Raises:
+        BucketPlanTimeoutError: a rank of a group did not report within ``check_timeout_s``.
+        BucketPlanError: this graph cannot apply the agreed plan (a group that settled
+            earlier is affected by another group's fallback, or this rank's report stored by
+            an earlier compile of the same collectives differs from its own now).
+    """
+    alone: dict[str, dict[int, str]] = {g: {} for g in shared}
+    settling, round_ = set(shared), 0
+    while True:
+        current = {g: without(p, alone[g]) for g, p in plans.items()}
+        followed = follow_plans(gm, config, costs, current)
+        if round_ == 0 and followed.dropped and hoist_input_preparation(gm):
+            log.debug("bucket_collectives: rank %d: %s; retrying with the collectives' input "
+                      "preparation hoisted", rank, _first(followed.dropped))
+            followed = follow_plans(gm, config, costs, current)
+        late = {g: why for g, why in followed.dropped.items() if g not in settling}
+        if late:
+            raise _unagreed(rank, late, "the group's ranks had agreed on its plan, and another "
+                                        "group's fallback changed this graph's placement")
+        for g in sorted(settling):   # every report first, then the waits
+            _report(shared[g], round_, rank, {
+                i: f"rank {rank}: {why}" for i, why in followed.dropped.get(g, {}).items()})
+        changed = False
+        for g in sorted(settling):
+            new = _reports(shared[g], round_, rank, config.check_timeout_s)
+            mine = followed.dropped.get(g, {})
+            if not mine.keys() <= new.keys():
+                raise _unagreed(rank, {g: {i: w for i, w in mine.items() if i not in new}},
+                                "this rank's report stored by an earlier compile of the same "
+                                "collectives on this group (another graph) applies")
+            if new:
+                alone[g].update(new)
+                changed = True
+            else:
+                settling.discard(g)
+        if not changed:   # no rank of any group left anything out: this walk is the plan
+            return followed.buckets, alone
+        round_ += 1
+
+
+def _unagreed(rank: int, dropped: dict[str, dict[int, str]], why: str) -> BucketPlanError:
+    """The error of a rank that cannot apply what its groups agreed on."""
+    return BucketPlanError(
+        f"bucket_collectives: rank {rank}: cannot apply the agreed bucket plans: "
+        f"{_first(dropped)}; {why}. Options: bucket=False, options that change the plan's "
+        f"store key, or the same code between these collectives on every rank.")
+
+
+def _first(dropped: dict[str, dict[int, str]]) -> str:
+    """The first dropped collective of ``dropped``, for a message."""
+    g = min(dropped)
+    i = min(dropped[g])
+    return f"group {g!r}, collective #{i}: {dropped[g][i]}"
+
+
+def _report_key(s: _Shared, round_: int, rank: int) -> str:
+    """The store key of ``rank``'s report of round ``round_`` for group ``s.group``."""
+    return f"{s.key}/alone/{round_}/{rank}"
+
+
+def _report(s: _Shared, round_: int, rank: int, mine: dict[int, str]) -> None:
+    """Store this rank's report of round ``round_``: the collectives of ``s.group`` (indices)
+    it cannot put in their planned bucket, with why. The first report under the key stays
+    (a recompile reads the report of the first compile of these collectives)."""
+    text = json.dumps({str(i): why for i, why in sorted(mine.items())})
+    s.store.compare_set(_report_key(s, round_, rank), "", text)
+
+
+def _reports(s: _Shared, round_: int, rank: int, timeout_s: float) -> dict[int, str]:
+    """Every rank's report of round ``round_`` for group ``s.group``, together: index ->
+    the reason of the lowest rank that reported it.
+
+    Raises:
+        BucketPlanTimeoutError: a rank did not report within ``timeout_s``.
+        BucketPlanError: a stored report is malformed.
+    """
+    keys = {r: _report_key(s, round_, r) for r in s.ranks}
+    try:
+        s.store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001  the store's timeout error differs per store
+        missing = [r for r, k in keys.items() if not s.store.check([k])]
+        raise BucketPlanTimeoutError(
+            f"bucket_collectives: rank {rank}, group {s.group!r}: ranks {missing} did not "
+            f"report within {timeout_s:g} s (check_timeout_s) which collectives of the bucket "
+            f"plan they must issue alone (round {round_}, sequence {s.digest[:12]}); they "
+            f"died, are slow, or compiled other collectives ({type(e).__name__}: {e})") from e
+    out: dict[int, str] = {}
+    for r in sorted(keys):
+        raw = s.store.get(keys[r])
+        try:
+            report = json.loads(raw)
+            got = {int(i): str(why) for i, why in report.items()}
+        except (ValueError, AttributeError) as e:
+            raise BucketPlanError(f"bucket_collectives: group {s.group!r}: malformed report of "
+                                  f"rank {r} under store key {keys[r]!r}: {e}: "
+                                  f"{raw[:200]!r}") from e
+        for i, why in got.items():
+            if not 0 <= i < s.size:
+                raise BucketPlanError(f"bucket_collectives: group {s.group!r}: rank {r} "
+                                      f"reports collective #{i} of {s.size}")
+            out.setdefault(i, why)
+    return out
 
 
 def hoist_input_preparation(gm: fx.GraphModule) -> bool:
@@ -285,7 +417,7 @@ def _shared(group: str, nodes: list[fx.Node], config: FcollConfig
     digest = fingerprints.sequence_digest(group, nodes)
     ranks = dist.get_process_group_ranks(c10d._resolve_process_group(group))
     return _Shared(group, min(ranks), plan_key(group, digest, config), digest, len(nodes),
-                   store), None
+                   store, tuple(sorted(ranks))), None
 
 
 def _receive(s: _Shared, rank: int, timeout_s: float) -> GroupPlan:
@@ -349,14 +481,23 @@ def _decode(s: _Shared, raw: bytes, source: str) -> GroupPlan:
 
 
 def _origins(gm: fx.GraphModule, buckets: list[Bucket], local: dict[str, str],
-             shared: dict[str, tuple[str, _Shared]]) -> dict[str, PlanOrigin]:
-    """Each group's :class:`PlanOrigin` (logged at DEBUG)."""
+             shared: dict[str, tuple[str, _Shared]],
+             alone: dict[str, dict[int, str]] | None = None) -> dict[str, PlanOrigin]:
+    """Each group's :class:`PlanOrigin` (logged at DEBUG), and one INFO line per collective
+    that every rank issues alone although the plan merges it."""
     plans = group_plans(gm, buckets)
+    seqs = fingerprints.collectives_by_group(gm) if alone else {}
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     out = {}
     for g, plan in plans.items():
         if g in shared:
             source, s = shared[g]
-            out[g] = PlanOrigin(g, source, s.key, s.planner, plan.buckets)
+            left = tuple(sorted((alone or {}).get(g, {}).items()))
+            out[g] = PlanOrigin(g, source, s.key, s.planner, plan.buckets, left)
+            for i, why in left:
+                log.info("bucket_collectives: rank %d, group %r: collective #%d (%s here) is "
+                         "issued alone on every rank of the group, out of its planned bucket: "
+                         "%s", rank, g, i, seqs[g][i].name, why)
         else:
             out[g] = PlanOrigin(g, "local", local.get(g, ""), None, plan.buckets)
         log.debug("bucket_collectives: %s", out[g].format())
