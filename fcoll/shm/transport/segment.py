@@ -246,20 +246,27 @@ class Segment:
         return self.base + self.layout.word(rank, index) * WORD_BYTES
 
     def close(self) -> None:
-        """Drop every view and unmap; a view still held elsewhere leaves the mapping to the GC."""
+        """Drop this segment's views and its reference to the mapping; never unmap under a view.
+
+        ``torch.frombuffer`` keeps a reference to the ``mmap`` object but no buffer export, so
+        ``mmap.close()`` succeeds while a tensor view of the mapping lives, and that view then
+        points at unmapped memory (a read or write is a SIGSEGV, or silently hits whatever is
+        mapped there next). So close never calls ``mmap.close()``: it releases the memoryviews
+        and the ctypes anchor (whose holders then get ``ValueError``, not a crash) and drops
+        its own reference. The mapping is unmapped by the ``mmap`` object's finalizer the moment
+        the last reference goes, right here when no tensor view is held elsewhere (the usual
+        case: the group's caches are cleared first), or when the last such view is freed.
+        """
         self.data = None
         self._rows = {}
         self._prefix = {}
-        try:
-            self.words.release()
-            self.buf.release()
-        except (BufferError, ValueError, AttributeError):
-            pass
+        for mv in (self.words, self.buf):
+            try:
+                mv.release()
+            except (BufferError, ValueError, AttributeError):
+                pass  # a slice of it is exported elsewhere: it keeps the mapping alive
         self._anchor = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # a torch view is still alive somewhere; unmapped when it dies
+        self._mm = None  # the last reference unmaps (mmap's finalizer), never before
 
 
 def create_sealed_memfd(name: str, size: int, what: str = "shared-memory segment") -> int:
