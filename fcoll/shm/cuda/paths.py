@@ -34,6 +34,11 @@ collective ``k`` on rank ``r`` (all on the side stream):
    rank arrives at ``k + 1``; wait on the peers' ``ready``, then run device kernels that read
    the peers' buffers straight into the output; record ``done``.
 
+A collective that moves 0 bytes (on every rank: the header check makes sizes agree) is its
+header phase only, as on the CPU path: no buffer growth, no copy, no event recorded or waited
+on (:func:`buffer_capacity`). Skipping its ``done`` record keeps step 1 right: the latest
+``done`` record of a peer is then that of the last collective that read this rank's buffer.
+
 A host-side phase only says that a peer's event has been *recorded*; the stream waits are what
 order the GPU work, so the host never waits for the GPU. all_reduce is one-shot (every rank
 reduces all n buffers in rank order) or, for 3 ranks or more and large messages, a
@@ -168,6 +173,36 @@ def _mappable(device: int) -> list[bytes]:
     return out[:MAX_MAPPABLE]
 
 
+def buffer_capacity(needed: int, capacity: int) -> int | None:
+    """The IPC buffers' capacity for a collective whose largest per-rank buffer use is
+    ``needed`` bytes, when every rank's buffer now holds ``capacity`` bytes (0 before the
+    group's first IPC collective).
+
+    Returns:
+        None when ``needed`` is 0: the collective moves no bytes, so it is complete after its
+        header phase and touches no buffer and no event (as on the CPU path, where a 0-byte
+        collective is its header phase; before this rule a 0-byte collective as the group's
+        first IPC one indexed the still empty buffer list and broke the group on every rank).
+        Else ``capacity`` when it suffices, else the power of two at least ``needed`` and
+        at least ``MIN_IPC_BYTES`` that every rank grows to.
+
+    Every rank computes it from the same ``needed`` (equal by the header check, or taken
+    from every rank's header for all_to_all) and the same ``capacity``, so all ranks agree
+    on whether the collective grows and on whether it runs any further phase.
+
+    Raises:
+        ValueError: ``needed`` or ``capacity`` is negative.
+    """
+    if needed < 0 or capacity < 0:
+        raise ValueError(f"fcoll cuda: negative byte count (needed {needed}, "
+                         f"capacity {capacity})")
+    if needed == 0:
+        return None
+    if needed <= capacity:
+        return capacity
+    return max(MIN_IPC_BYTES, 1 << (needed - 1).bit_length())
+
+
 # ---- the IPC path -----------------------------------------------------------------------------
 class IpcBuffers:
     """This rank's shared device buffer and interprocess events, and the peers' mappings.
@@ -204,16 +239,15 @@ class IpcBuffers:
     def event_fields(self) -> list[bytes]:
         return list(self._event_handles)
 
-    def grow(self, c: Call, needed: int) -> None:
-        """Make every rank's buffer at least ``needed`` bytes (a power of two, at least
-        ``MIN_IPC_BYTES``): allocate, exchange the handles (one phase), map the peers'.
+    def grow(self, c: Call, cap: int) -> None:
+        """Make every rank's buffer ``cap`` bytes (from :func:`buffer_capacity`): allocate,
+        exchange the handles (one phase), map the peers'.
 
-        Every rank calls it with the same ``needed`` at the same point of the same collective.
+        Every rank calls it with the same ``cap`` at the same point of the same collective.
         The old buffers are released after the side stream waited on the peers' ``done``
         events, so no peer still reads them when the allocator reuses them.
         """
         g = self._g
-        cap = max(MIN_IPC_BYTES, 1 << (max(needed, 1) - 1).bit_length())
         g.wait_peers(self.done)
         with torch.cuda.stream(g.stream):
             own = torch.empty(cap, dtype=torch.uint8, device=g.device)
@@ -318,12 +352,17 @@ class CudaGroup:
                 row_bytes: int = 0) -> list:
         """Header phase; grow every buffer to ``needed`` bytes (None: the largest input of
         an all_to_all of ``row_bytes`` rows, from the headers' split sizes); wait for the
-        peers' ``done``. Returns the headers (decoded for all_to_all, else maybe ``[]``)."""
+        peers' ``done``. Returns the headers (decoded for all_to_all, else maybe ``[]``), or
+        None when the collective moves no bytes: it is then complete, and the caller returns
+        without touching a buffer or an event (:func:`buffer_capacity`)."""
         heads = c.first_sync(c.slot())
         if needed is None:
             needed = max(sum(h.extra[0]) for h in heads) * row_bytes
-        if needed > ipc.capacity:
-            ipc.grow(c, needed)
+        cap = buffer_capacity(needed, ipc.capacity)
+        if cap is None:
+            return None
+        if cap != ipc.capacity:
+            ipc.grow(c, cap)
         self.wait_peers(ipc.done)
         return heads
 
@@ -340,7 +379,8 @@ class CudaGroup:
                    op: str) -> None:
         """``out = op over ranks of inp``; both contiguous, same dtype and numel (may alias)."""
         nbytes = inp.numel() * inp.element_size()
-        self._phase1(c, ipc, nbytes)
+        if self._phase1(c, ipc, nbytes) is None:
+            return
         n, r = self.size, self.rank
         dt, N = inp.dtype, inp.numel()
         ipc.bufs[r][:nbytes].view(dt).copy_(inp.view(-1))
@@ -373,7 +413,8 @@ class CudaGroup:
             off = -(-off // 256) * 256
             layout.append(off)
             off += x.numel() * x.element_size()
-        self._phase1(c, ipc, off)
+        if self._phase1(c, ipc, off) is None:
+            return
         own = ipc.bufs[self.rank]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (x, _) in enumerate(pairs):
@@ -392,7 +433,8 @@ class CudaGroup:
                    dst: torch.Tensor) -> None:
         """Bytes: ``src [B]`` uint8 -> ``dst [n * B]`` uint8 (contiguous), rank order."""
         B = src.numel()
-        self._phase1(c, ipc, B)
+        if self._phase1(c, ipc, B) is None:
+            return
         ipc.bufs[self.rank][:B].copy_(src)
         self._phase2(c, ipc)
         torch.cat([b[:B] for b in ipc.bufs], out=dst)
@@ -402,7 +444,8 @@ class CudaGroup:
                        op: str) -> None:
         """``inp [n * M]`` -> ``out [M]`` (flat, contiguous): chunk ``rank`` reduced."""
         nbytes = inp.numel() * inp.element_size()
-        self._phase1(c, ipc, nbytes)
+        if self._phase1(c, ipc, nbytes) is None:
+            return
         dt, M, r = inp.dtype, out.numel(), self.rank
         ipc.bufs[r][:nbytes].view(dt).copy_(inp)
         self._phase2(c, ipc)
@@ -412,7 +455,8 @@ class CudaGroup:
     def broadcast(self, c: Call, ipc: IpcBuffers, buf: torch.Tensor, root: int) -> None:
         """Bytes: the root's ``buf [B]`` (uint8, contiguous) into every rank's."""
         B = buf.numel()
-        self._phase1(c, ipc, B)
+        if self._phase1(c, ipc, B) is None:
+            return
         if self.rank == root:
             ipc.bufs[root][:B].copy_(buf)
         self._phase2(c, ipc)
@@ -425,6 +469,8 @@ class CudaGroup:
         """Bytes: rank p's rows for this rank land in ``dst`` in rank order; the split sizes
         come from every rank's header (``extra = (input_split_sizes, output_split_sizes)``)."""
         heads = self._phase1(c, ipc, None, row_bytes)
+        if heads is None:
+            return
         ipc.bufs[self.rank][:src.numel()].copy_(src)
         self._phase2(c, ipc)
         r, parts = self.rank, []
