@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fcoll.ops.reduce import check_reduce_op, reduce_rows_into
+from fcoll.shm.cuda.lifetime import Retired
 from fcoll.shm.cuda.paths import MIN_IPC_BYTES, CudaGroup, IpcBuffers, buffer_capacity
 
 OPS = ["sum", "avg", "product", "min", "max", "band", "bor", "bxor"]
@@ -87,6 +88,7 @@ class _Ipc(IpcBuffers):
 
     def __init__(self, g: CudaGroup, w: _World):  # noqa: super().__init__ makes CUDA events
         self._g, self._w, self.capacity, self.bufs = g, w, 0, []
+        self.retired = Retired()
         self.ready, self.done, self.mid = ([w.events[p][i] for p in range(w.n)] for i in range(3))
 
     def grow(self, c, cap: int) -> None:

@@ -48,30 +48,30 @@ the reducers of :mod:`fcoll.ops.reduce`, so every rank computes the same bits.
 
 Allocator safety: every user tensor used on the side stream is ``record_stream``-ed at issue,
 and the job holds a reference to it until its kernels are enqueued, so freeing it right after
-the call never lets the caching allocator hand its memory out too early.
+the call never lets the caching allocator hand its memory out too early. When the IPC path lets
+go of memory and events peers use (shares, growth, teardown): :mod:`fcoll.shm.cuda.lifetime`.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from typing import Any, Callable
 
 import torch
 
 from fcoll.ops.reduce import reduce_views_into
-from fcoll.shm.kernels import movement
+from fcoll.shm.cuda.lifetime import (Retired, pack_shares, park, share_for, share_record_bytes,
+                                     wait_peers_past)
+from fcoll.shm.cuda.records import exchange
 from fcoll.shm.transport.phases import Call, slice_of
 
 PATH_ENV = "FCOLL_CUDA_PATH"  #: ``auto`` | ``ipc`` | ``staged``
 TWO_SHOT_ENV = "FCOLL_CUDA_TWO_SHOT_BYTES"  #: all_reduce size from which 3+ ranks go two-shot
 TWO_SHOT_BYTES = 1 << 20
 MIN_IPC_BYTES = 1 << 20  # the smallest IPC buffer; it grows to powers of two
-RECORD_BYTES = 2048  # one rank's record in the setup and growth exchanges
 UUID_BYTES = 40  # a GPU UUID as text ("GPU-..." or "xxxxxxxx-xxxx-..."), NUL-padded
 MAX_MAPPABLE = 16  # GPUs a rank lists as mappable
 PATHS = ("auto", "ipc", "staged")
-_MAGIC = b"FCUD"
 
 
 # ---- device checks ----------------------------------------------------------------------------
@@ -100,63 +100,6 @@ def device_error(tensors: list[tuple[str, torch.Tensor]], device: int | None) ->
                     "device at the group's first CUDA collective; call torch.cuda.set_device "
                     "before it)")
     return None
-
-
-# ---- bounded records for the exchanges (no pickle, no marshal) --------------------------------
-def _encode(fields: list[Any]) -> bytes:
-    """ints, bools, bytes and None as tagged fields: ``i`` + i64, ``b`` + u16 length + bytes,
-    ``n``. Raises ValueError when the record would not fit ``RECORD_BYTES``."""
-    out = [_MAGIC, struct.pack("<H", len(fields))]
-    for f in fields:
-        if f is None:
-            out.append(b"n")
-        elif isinstance(f, (bool, int)):
-            out.append(b"i" + struct.pack("<q", int(f)))
-        else:
-            f = bytes(f)
-            out.append(b"b" + struct.pack("<H", len(f)) + f)
-    rec = b"".join(out)
-    if len(rec) > RECORD_BYTES:
-        raise ValueError(f"fcoll cuda: a setup record of {len(rec)} bytes exceeds "
-                         f"{RECORD_BYTES}")
-    return rec
-
-
-def _decode(rec: bytes) -> list[Any]:
-    """The fields of a record made by :func:`_encode`. Raises ValueError on a malformed one."""
-    if rec[:4] != _MAGIC:
-        raise ValueError("fcoll cuda: malformed setup record (bad magic)")
-    (count,) = struct.unpack_from("<H", rec, 4)
-    pos, fields = 6, []
-    for _ in range(count):
-        tag = rec[pos:pos + 1]
-        pos += 1
-        if tag == b"n":
-            fields.append(None)
-        elif tag == b"i":
-            fields.append(struct.unpack_from("<q", rec, pos)[0])
-            pos += 8
-        elif tag == b"b":
-            (ln,) = struct.unpack_from("<H", rec, pos)
-            pos += 2
-            if pos + ln > len(rec):
-                raise ValueError("fcoll cuda: malformed setup record (truncated field)")
-            fields.append(bytes(rec[pos:pos + ln]))
-            pos += ln
-        else:
-            raise ValueError(f"fcoll cuda: malformed setup record (tag {tag!r})")
-    return fields
-
-
-def _exchange(c: Call, fields: list[Any], n: int) -> list[list[Any]]:
-    """All-gather one record per rank through the shared-memory slots (one phase, which
-    also checks the collective's header)."""
-    rec = _encode(fields)
-    src = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
-    src[:len(rec)] = torch.frombuffer(bytearray(rec), dtype=torch.uint8)
-    dst = torch.empty((n, RECORD_BYTES), dtype=torch.uint8)
-    movement.all_gather(c, src, dst)
-    return [_decode(dst[p].numpy().tobytes()) for p in range(n)]
 
 
 def _uuid(device: int) -> bytes:
@@ -219,6 +162,8 @@ class IpcBuffers:
         self.capacity = 0
         self.bufs: list[torch.Tensor] = []
         n = group.size
+        idle = torch.cuda.Stream(group.device)  # never given work: see lifetime, rule 2
+        self.retired = Retired(lambda: torch.cuda.stream(idle))
         mine = [torch.cuda.Event(interprocess=True) for _ in range(3)]
         self._event_handles = [e.ipc_handle() for e in mine]
         # own events at every index until open_events() puts the peers' in their places
@@ -244,32 +189,49 @@ class IpcBuffers:
         exchange the handles (one phase), map the peers'.
 
         Every rank calls it with the same ``cap`` at the same point of the same collective.
-        The old buffers are released after the side stream waited on the peers' ``done``
-        events, so no peer still reads them when the allocator reuses them.
+        This rank's old buffer is freed after the side stream waited on the peers' ``done``
+        events: the allocator hands its block out again only to later work of the side stream
+        (it was allocated there), which runs after every peer's reads of it. Each peer gets a
+        share of its own (:mod:`fcoll.shm.cuda.lifetime`, rule 1). The old mappings of the
+        peers' buffers are retired behind an event recorded on the side stream now, after every
+        kernel that may read them was enqueued, and released once it completed (rule 2).
         """
         g = self._g
         g.wait_peers(self.done)
         with torch.cuda.stream(g.stream):
             own = torch.empty(cap, dtype=torch.uint8, device=g.device)
-        share = own.untyped_storage()._share_cuda_()
-        recs = _exchange(c, list(share), g.size)
+        storage = own.untyped_storage()
+        shares = [None if p == g.rank else storage._share_cuda_() for p in range(g.size)]
+        recs = exchange(c, pack_shares(shares, g.rank), g.size, share_record_bytes(g.size))
         bufs = []
         for p, rec in enumerate(recs):
             if p == g.rank:
                 bufs.append(own)
                 continue
-            dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = rec
-            storage = torch.UntypedStorage._new_shared_cuda(
+            dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = share_for(
+                rec, p, g.rank)
+            peer_storage = torch.UntypedStorage._new_shared_cuda(
                 g.device, handle, size, offset, rc_handle, rc_offset, ev_handle, bool(ev_sync))
             peer = torch.empty(0, dtype=torch.uint8, device=g.device)
-            peer.set_(storage, 0, (size,), (1,))
+            peer.set_(peer_storage, 0, (size,), (1,))
             bufs.append(peer[:cap])
+        old = [b for p, b in enumerate(self.bufs) if p != g.rank]
+        if old:
+            retire = torch.cuda.Event()
+            retire.record(g.stream)
+            self.retired.add(retire, old)
+            del old
         self.bufs = bufs
         self.capacity = cap
+        self.retired.collect()
 
     def close(self) -> None:
-        self.bufs = []
-        self.ready = self.done = self.mid = []
+        """Release everything; the caller synchronized the side stream and made sure no peer
+        will enqueue another wait on this rank's events (lifetime, rule 3)."""
+        self.retired.collect(everything=True)
+        with self.retired.release_context():
+            self.bufs = []
+            self.ready = self.done = self.mid = []
 
 
 class CudaGroup:
@@ -286,6 +248,8 @@ class CudaGroup:
         self.stream: torch.cuda.Stream | None = None
         self.path: str | None = None  # "ipc" | "staged" once the first CUDA collective ran
         self.ipc: IpcBuffers | None = None
+        self._control: torch.Tensor | None = None  # the group's control words (teardown)
+        self._last_phase: int | None = None  # phase count after the last IPC collective
         self.two_shot_bytes = int(os.environ.get(TWO_SHOT_ENV, str(TWO_SHOT_BYTES)))
 
     def wait_peers(self, events: list[torch.cuda.Event]) -> None:
@@ -318,7 +282,7 @@ class CudaGroup:
             raise ValueError(f"fcoll: {PATH_ENV}={path!r}: expected one of {', '.join(PATHS)}")
         with torch.cuda.device(self.device):
             mine = [_uuid(self.device), os.getpid(), *_mappable(self.device)]
-            recs = _exchange(c, mine, self.size)
+            recs = exchange(c, mine, self.size)
             uuids = [r[0] for r in recs]
             can_map = all(u in set(r[2:]) for r in recs for u in uuids)
             if path == "auto":
@@ -330,9 +294,11 @@ class CudaGroup:
                     f"{PATH_ENV}=staged or auto")
             if path == "ipc":
                 ipc = IpcBuffers(self)
-                recs = _exchange(c, ipc.event_fields(), self.size)
+                recs = exchange(c, ipc.event_fields(), self.size)
                 ipc.open_events(recs)
                 self.ipc = ipc
+                self._control = c.ch.seg.control
+                self._last_phase = c.ch.phase  # peers open our events after this phase
             self.path = path
 
     # -- the IPC path's collectives (run by the engine, on any thread) -----------------------
@@ -343,7 +309,10 @@ class CudaGroup:
         s = self.stream
         with torch.cuda.device(self.device), torch.cuda.stream(s):
             s.wait_event(issued)
-            body(c, self.ipc)
+            try:
+                body(c, self.ipc)
+            finally:  # also when a phase raised: peers may have seen this rank's records
+                self._last_phase = c.ch.phase
             ev = torch.cuda.Event()
             ev.record(s)
         return ev
@@ -361,6 +330,8 @@ class CudaGroup:
         cap = buffer_capacity(needed, ipc.capacity)
         if cap is None:
             return None
+        if ipc.retired:
+            ipc.retired.collect()
         if cap != ipc.capacity:
             ipc.grow(c, cap)
         self.wait_peers(ipc.done)
@@ -482,12 +453,24 @@ class CudaGroup:
         self._done(ipc)
 
     def close(self) -> None:
-        """Drop the peers' mappings and this rank's buffer (after the side stream drained)."""
+        """Drop the peers' mappings, this rank's buffer and events: after the side stream
+        drained (no kernel of this rank reads a mapping any more) and after every peer is past
+        the last IPC collective (none will enqueue a wait on this rank's events again,
+        :mod:`fcoll.shm.cuda.lifetime` rule 3); a peer that shows neither within
+        ``TEARDOWN_WAIT_S`` leaves them parked until the process exits."""
         if self.stream is not None:
             try:
                 self.stream.synchronize()
             except Exception:  # noqa: BLE001  the context may be gone at interpreter exit
                 pass
-        if self.ipc is not None:
-            self.ipc.close()
-            self.ipc = None
+        ipc, self.ipc = self.ipc, None
+        control, self._control = self._control, None
+        if ipc is None:
+            return
+        left = [] if self._last_phase is None else wait_peers_past(
+            control, self.rank, self._last_phase)
+        if left:
+            park(ipc, f"group ranks {left} did not leave the last IPC collective, give up or "
+                      "exit in time, and may still enqueue waits on its events")
+        else:
+            ipc.close()

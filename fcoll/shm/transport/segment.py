@@ -208,6 +208,9 @@ class Segment:
             written through it (aligned 4-byte loads and stores).
         buf: ``memoryview`` (bytes) over the whole mapping, for headers.
         data: uint8 tensor ``[NSLOTS, world, slot_bytes]`` over the data slots.
+        control: int32 tensor ``[world, CONTROL_BYTES / 4]`` over the control records (u32
+            words read as int32), for readers that may outlive :meth:`close` (a view keeps the
+            mapping alive, see there).
         base: address of the mapping (for futex calls).
     """
 
@@ -220,6 +223,8 @@ class Segment:
         self.words = self.buf.cast("I")
         whole = torch.frombuffer(mm, dtype=torch.uint8)
         self.data = whole[layout.data_off:layout.total].view(NSLOTS, layout.world, layout.slot_bytes)
+        self.control = whole[:layout.world * CONTROL_BYTES].view(torch.int32).view(
+            layout.world, CONTROL_BYTES // WORD_BYTES)
         self._rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._prefix: dict = {}
 
@@ -257,7 +262,7 @@ class Segment:
         the last reference goes, right here when no tensor view is held elsewhere (the usual
         case: the group's caches are cleared first), or when the last such view is freed.
         """
-        self.data = None
+        self.data = self.control = None
         self._rows = {}
         self._prefix = {}
         for mv in (self.words, self.buf):
