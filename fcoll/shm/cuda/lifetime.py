@@ -47,7 +47,9 @@ from fcoll.shm.transport.segment import (U32_BITS, U32_MASK, W_ARRIVE, W_GAVE_UP
 log = logging.getLogger(__name__)
 
 SHARE_FIELDS = 8  # fields of one ``UntypedStorage._share_cuda_()`` tuple
-SHARE_RECORD_BYTES = 256  # room for one share tuple in an exchange record (about 220 used)
+# room for one share tuple in an exchange record: about 220 bytes with a plain cudaMalloc block;
+# the allocator's shareable handle can be longer (expandable segments), as before this rule
+SHARE_RECORD_BYTES = 2048
 TEARDOWN_WAIT_S = 5.0  # how long close waits for the peers to leave the last IPC collective
 _POLL_S = 0.001
 
