@@ -21,6 +21,8 @@ Probes (:data:`PROBES`, with the timeout gpu_check gives each, seconds):
 * ``teardown``: :mod:`cuda_stress`'s teardown job (peers destroy the group while rank 1 waits).
 * ``three_ranks``: 3 ranks, all_reduce 4 KiB..64 MiB (one-shot, two-shot, growth) and an
   all_gather of 8 MiB per rank on the IPC path, exact.
+* ``triton_fold``: :mod:`fcoll.shm.cuda.fold`'s kernel on CUDA tensors against the torch fold
+  (every dtype and op, 2, 3 and 8 operands), and both timed on 3 x 64 MiB.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [p for p in (ROOT, HERE, os.path.join(ROOT, "tests")) if p not in sys.path]
 
 PROBES = {"zero_byte": 60.0, "growth": 90.0, "bf16_fp16": 60.0, "world1": 120.0,
-          "peer_death": 60.0, "teardown": 45.0, "three_ranks": 60.0}
+          "peer_death": 60.0, "teardown": 45.0, "three_ranks": 60.0, "triton_fold": 60.0}
 MiB = 1 << 20
 
 
@@ -194,10 +196,70 @@ def probe_three_ranks() -> dict[str, Any]:
     return {"ok": not fails, "detail": "3 ranks exact" if not fails else str(fails)}
 
 
+def probe_triton_fold() -> dict[str, Any]:
+    """The one-kernel fold on CUDA tensors against the torch fold (every dtype it takes, every
+    op, 2, 3 and 8 operands), and both timed on 3 operands of 64 MiB float32."""
+    import torch
+
+    from fcoll.ops.reduce import REDUCE_OPS, check_reduce_op, reduce_views_into
+    from fcoll.shm.cuda import fold
+
+    os.environ[fold.ENV] = "1"
+    dev = _device(0)
+    bad, runs = [], 0
+    for n in (2, 3, 8):
+        for dt in fold.DTYPES:
+            for op in REDUCE_OPS:
+                if check_reduce_op(op, dt) is not None:
+                    continue
+                g = torch.Generator().manual_seed(n)
+                if dt == torch.bool:
+                    vs = [torch.randint(0, 2, (1 << 16,), generator=g).bool() for _ in range(n)]
+                elif dt.is_floating_point:
+                    vs = [(torch.randn(1 << 16, generator=g) * 10).to(dt) for _ in range(n)]
+                else:
+                    info = torch.iinfo(dt)
+                    vs = [torch.randint(info.min, info.max, (1 << 16,), generator=g,
+                                        dtype=torch.int64).to(dt) for _ in range(n)]
+                vs = [v.to(dev) for v in vs]
+                want, got = torch.empty_like(vs[0]), torch.empty_like(vs[0])
+                reduce_views_into(vs, op, want)
+                why = fold.fold_supported(vs, op, got)
+                if why is not None:
+                    bad.append(f"{n} {dt} {op}: not used: {why}")
+                    continue
+                fold.fold_views_into(vs, op, got)
+                runs += 1
+                same = torch.equal(got, want) if not dt.is_floating_point else bool(
+                    ((got == want) | (got.isnan() & want.isnan())).all())
+                if not same:
+                    bad.append(f"{n} {dt} {op}: {int((got != want).sum())} differ")
+
+    def timed(f) -> float:
+        for _ in range(3):
+            f()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(20):
+            f()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / 20 * 1e3
+
+    vs = [torch.randn(16 * MiB, device=dev) for _ in range(3)]
+    out = torch.empty_like(vs[0])
+    t_torch = timed(lambda: reduce_views_into(vs, "sum", out))
+    t_fold = timed(lambda: fold.fold_views_into(vs, "sum", out))
+    ok = not bad
+    return {"ok": ok, "detail": f"{runs} cases {'match' if ok else 'differ: ' + str(bad[:5])}; "
+            f"3 x 64 MiB f32 sum: torch fold {t_torch:.0f} us, one kernel {t_fold:.0f} us",
+            "bad": bad, "torch_us": t_torch, "fold_us": t_fold}
+
+
 RUNNERS: dict[str, Callable[[], dict[str, Any]]] = {
     "zero_byte": probe_zero_byte, "growth": probe_growth, "bf16_fp16": probe_bf16_fp16,
     "world1": probe_world1, "peer_death": probe_peer_death, "teardown": probe_teardown,
-    "three_ranks": probe_three_ranks}
+    "three_ranks": probe_three_ranks, "triton_fold": probe_triton_fold}
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,8 @@ process group when it runs over; a stage that cannot start within what is left o
 1. ``tests``: ``pytest tests/test_cuda.py`` (every CUDA test).
 2. ``probe:<name>``: the probes of :mod:`cuda_probes` (0-byte first collective, buffer growth
    with kernels queued, bf16/fp16 at 64 MiB, world size 1 on NCCL and on fcoll under
-   ``compute="inductor"``, peer death with work queued, teardown while a peer waits, 3 ranks).
+   ``compute="inductor"``, peer death with work queued, teardown while a peer waits, 3 ranks,
+   the Triton fold against the torch fold).
 3. ``sweep``: all_reduce 4 KiB..128 MiB on the IPC path and gloo, 2 ranks on one GPU
    (``benchmarks/collectives.py --device cuda``), with the device-to-device copy ceiling of the
    same run and ``%ceil`` (``2 n S / t`` over the ceiling: 4S/t at 2 ranks).
@@ -22,7 +23,9 @@ process group when it runs over; a stage that cannot start within what is left o
    ``backend="fcoll"`` (``compute="inductor"``), ``"inductor"`` (PyTorch's funcol on the same
    fcoll group), ``"aot_eager"``, and ``"inductor"`` on a gloo group, under
    ``python -m fcoll.launch --mps off|on`` (``--step-worker`` below is what the ranks run).
-6. ``sweep:mps``: the sweep again with an MPS daemon of this script's own (when time is left).
+6. ``sweep:mps``: the sweep again with an MPS daemon of this script's own (when time is left);
+   ``sweep:triton``: the sweep with ``FCOLL_CUDA_TRITON=1`` (the one-kernel fold of
+   :mod:`fcoll.shm.cuda.fold`), to compare with ``sweep``.
 
 A stage left SKIP by the budget runs in a second call: ``--only step sweep:mps`` (prefixes of
 stage names). Output: ``PASS`` / ``FAIL`` / ``SKIP`` lines as stages end, a final table, and under ``--out``:
@@ -127,9 +130,9 @@ def stage_probe(name: str) -> Callable[[float, str], tuple[Stage, str]]:
     return run
 
 
-def stage_sweep(mps: bool) -> Callable[[float, str], tuple[Stage, str]]:
+def stage_sweep(mps: bool, triton: bool = False) -> Callable[[float, str], tuple[Stage, str]]:
     def run(timeout_s: float, out_dir: str) -> tuple[Stage, str]:
-        name = "sweep:mps" if mps else "sweep"
+        name = "sweep:mps" if mps else "sweep:triton" if triton else "sweep"
         path = os.path.join(tempfile.mkdtemp(prefix="gpu_check-"), "sweep.json")
         cmd = [sys.executable, os.path.join(BENCH, "collectives.py"), "--device", "cuda",
                "--nproc", "2", "--ops", "all_reduce", "--configs", "ipc", "gloo", "--quick",
@@ -142,7 +145,8 @@ def stage_sweep(mps: bool) -> Callable[[float, str], tuple[Stage, str]]:
             with fmps.MpsDaemon() as daemon:
                 rc, log = run_cmd(cmd, timeout_s, dict(_env(), **daemon.env))
         else:
-            rc, log = run_cmd(cmd, timeout_s)
+            rc, log = run_cmd(cmd, timeout_s, dict(_env(), FCOLL_CUDA_TRITON="1") if triton
+                              else None)
         data = {}
         if os.path.exists(path):
             with open(path) as f:
@@ -206,7 +210,8 @@ def plan() -> list[tuple[str, Callable[[float, str], tuple[Stage, str]], float]]
     stages += [("sweep", stage_sweep(False), 60.0), ("stress", stage_stress, 90.0),
                ("step:mps-off", stage_step("off", STEP_VARIANTS), 150.0),
                ("step:mps-on", stage_step("on", ("fcoll", "inductor")), 100.0),
-               ("sweep:mps", stage_sweep(True), 60.0)]
+               ("sweep:mps", stage_sweep(True), 60.0),
+               ("sweep:triton", stage_sweep(False, triton=True), 60.0)]
     return stages
 
 

@@ -44,7 +44,9 @@ order the GPU work, so the host never waits for the GPU. all_reduce is one-shot 
 reduces all n buffers in rank order) or, for 3 ranks or more and large messages, a
 reduce-scatter (rank p reduces chunk p into its own buffer) then, after a third phase on
 ``mid``, an all-gather of the reduced chunks. Reductions fold the operands in rank order with
-the reducers of :mod:`fcoll.ops.reduce`, so every rank computes the same bits.
+the reducers of :mod:`fcoll.ops.reduce`, so every rank computes the same bits; with
+``FCOLL_CUDA_TRITON=1`` the fold is one Triton kernel that reads every buffer once and writes
+the output once, where it applies (:mod:`fcoll.shm.cuda.fold`).
 
 Allocator safety: every user tensor used on the side stream is ``record_stream``-ed at issue,
 and the job holds a reference to it until its kernels are enqueued, so freeing it right after
@@ -59,7 +61,7 @@ from typing import Any, Callable
 
 import torch
 
-from fcoll.ops.reduce import reduce_views_into
+from fcoll.shm.cuda.fold import fold_views_into
 from fcoll.shm.cuda.lifetime import (Retired, pack_shares, park, share_for, share_record_bytes,
                                      wait_peers_past)
 from fcoll.shm.cuda.records import exchange
@@ -359,12 +361,12 @@ class CudaGroup:
         views = [b[:nbytes].view(dt) for b in ipc.bufs]
         flat = out.view(-1)
         if n < 3 or nbytes < self.two_shot_bytes:
-            reduce_views_into(views, op, flat)
+            fold_views_into(views, op, flat)
             self._done(ipc)
             return
         # reduce-scatter: chunk r of every buffer, reduced into out, then into own buffer
         a, b = slice_of(N, n, r)
-        reduce_views_into([v[a:b] for v in views], op, flat[a:b])
+        fold_views_into([v[a:b] for v in views], op, flat[a:b])
         views[r][a:b].copy_(flat[a:b])
         ipc.mid[r].record(self.stream)
         c.sync()
@@ -397,7 +399,7 @@ class CudaGroup:
             for i in idx:
                 x, y = pairs[i]
                 o, ln = layout[i], x.numel() * x.element_size()
-                reduce_views_into([b[o:o + ln].view(dt) for b in ipc.bufs], op, y)
+                fold_views_into([b[o:o + ln].view(dt) for b in ipc.bufs], op, y)
         self._done(ipc)
 
     def all_gather(self, c: Call, ipc: IpcBuffers, src: torch.Tensor,
@@ -420,7 +422,7 @@ class CudaGroup:
         dt, M, r = inp.dtype, out.numel(), self.rank
         ipc.bufs[r][:nbytes].view(dt).copy_(inp)
         self._phase2(c, ipc)
-        reduce_views_into([b[:nbytes].view(dt)[r * M:(r + 1) * M] for b in ipc.bufs], op, out)
+        fold_views_into([b[:nbytes].view(dt)[r * M:(r + 1) * M] for b in ipc.bufs], op, out)
         self._done(ipc)
 
     def broadcast(self, c: Call, ipc: IpcBuffers, buf: torch.Tensor, root: int) -> None:
