@@ -210,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         t0 = time.monotonic()
         for kind, n, sc in jobs:
-            if time.monotonic() - t0 > ns.budget_s:
+            left = ns.budget_s - (time.monotonic() - t0)
+            if left <= 0:
                 break
             t = time.monotonic()
-            ranks = run_job(sc, n, ns.job_timeout_s)
+            ranks = run_job(sc, n, min(ns.job_timeout_s, left + 10))
             verdict = judge(kind, sc, ranks)
             verdict.update(world=n, seconds=round(time.monotonic() - t, 1),
                            errors=[(x["result"] or {}).get("error") for x in ranks],
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{verdict['seconds']} s: signals {verdict['signals']}, bad {verdict['bad']}, "
                   f"unnamed {verdict['unnamed']}, failed {verdict['failed']}, "
                   f"timeouts {verdict['timeouts']}", flush=True)
+            _write(ns.json, out)  # after every job: a run cut short keeps what it had
         ran = out["jobs"]
         out["ok"] = bool(ran) and all(j["ok"] for j in ran)
         out["summary"] = (
@@ -231,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{sum(len(j['unnamed']) for j in ran)}, failed ranks "
             f"{sum(len(j['failed']) + len(j['timeouts']) for j in ran)}")
         print(out["summary"])
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(out, f, indent=1)
+    _write(ns.json, out)
     return 0 if out["ok"] is not False else 1
+
+
+def _write(path: str | None, out: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
