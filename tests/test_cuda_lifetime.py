@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from fcoll.shm.cuda.lifetime import (SHARE_FIELDS, Retired, pack_shares, peers_not_past,
-                                     share_for, share_record_bytes, wait_peers_past)
+                                     share_for, share_record_bytes, wait_drained,
+                                     wait_peers_past)
 from fcoll.shm.cuda.records import decode, encode
 from fcoll.shm.transport.segment import (PAGE, U32_MASK, W_ARRIVE, W_GAVE_UP, W_PID,
                                          W_START_HI, W_START_LO, Layout, Segment)
@@ -145,3 +146,19 @@ def test_teardown_wait_is_bounded_and_reads_a_closed_segments_view():
     alive = lambda pid, start: True  # noqa: E731
     assert wait_peers_past(control, 0, 3, timeout_s=0.05, alive=alive) == [1]
     assert wait_peers_past(control, 0, 2, timeout_s=5.0, alive=alive) == []
+
+
+class _Stream:
+    def __init__(self, busy_polls: int):
+        self.left = busy_polls
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def test_teardown_stream_wait_is_bounded():
+    """A side stream that never drains (it waits on a dead peer's event) does not hang close:
+    the wait gives up after its bound; one that drains is seen as drained."""
+    assert wait_drained(_Stream(3), timeout_s=5.0) is True
+    assert wait_drained(_Stream(10 ** 9), timeout_s=0.05) is False

@@ -29,7 +29,8 @@ exporter destroyed), and torch's IPC bookkeeping adds its own rules. Three rules
    destroyed it). So close waits, bounded, until every peer arrived at a later phase (it left
    that collective), gave up (it will not enqueue again: its group is fenced), or died; when
    the bound passes first, the objects are parked for the rest of the process instead of
-   being destroyed.
+   being destroyed. The same holds when this rank's own side stream does not drain in time
+   (:func:`wait_drained`: it may wait on an event of a peer that died with work queued).
 """
 
 from __future__ import annotations
@@ -191,6 +192,19 @@ def wait_peers_past(control: torch.Tensor, rank: int, last_phase: int,
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(_POLL_S)
+
+
+def wait_drained(stream: Any, timeout_s: float = TEARDOWN_WAIT_S) -> bool:
+    """Poll ``stream.query()`` until the stream has no pending work or ``timeout_s`` passed
+    (seconds); returns whether it drained. Bounded, unlike ``synchronize()``: a side stream
+    that waits on an event of a peer that died with work queued may never drain, and a
+    group's teardown must not hang on it."""
+    deadline = time.monotonic() + timeout_s
+    while not stream.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
 
 
 def park(objects: Any, why: str) -> None:

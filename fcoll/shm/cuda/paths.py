@@ -63,7 +63,7 @@ import torch
 
 from fcoll.shm.cuda.fold import fold_views_into
 from fcoll.shm.cuda.lifetime import (Retired, pack_shares, park, share_for, share_record_bytes,
-                                     wait_peers_past)
+                                     wait_drained, wait_peers_past)
 from fcoll.shm.cuda.records import exchange
 from fcoll.shm.transport.phases import Call, slice_of
 
@@ -458,11 +458,13 @@ class CudaGroup:
         """Drop the peers' mappings, this rank's buffer and events: after the side stream
         drained (no kernel of this rank reads a mapping any more) and after every peer is past
         the last IPC collective (none will enqueue a wait on this rank's events again,
-        :mod:`fcoll.shm.cuda.lifetime` rule 3); a peer that shows neither within
-        ``TEARDOWN_WAIT_S`` leaves them parked until the process exits."""
+        :mod:`fcoll.shm.cuda.lifetime` rule 3). A stream that does not drain, or a peer that
+        shows none of that, within ``TEARDOWN_WAIT_S`` leaves them parked until the process
+        exits (a teardown never hangs on the GPU)."""
+        drained = True
         if self.stream is not None:
             try:
-                self.stream.synchronize()
+                drained = wait_drained(self.stream)
             except Exception:  # noqa: BLE001  the context may be gone at interpreter exit
                 pass
         ipc, self.ipc = self.ipc, None
@@ -471,7 +473,10 @@ class CudaGroup:
             return
         left = [] if self._last_phase is None else wait_peers_past(
             control, self.rank, self._last_phase)
-        if left:
+        if not drained:
+            park(ipc, "its side stream did not drain in time (a wait on an event of a peer "
+                      "that died with work queued?)")
+        elif left:
             park(ipc, f"group ranks {left} did not leave the last IPC collective, give up or "
                       "exit in time, and may still enqueue waits on its events")
         else:
