@@ -205,7 +205,7 @@ def plan() -> list[tuple[str, Callable[[float, str], tuple[Stage, str]], float]]
     """``(name, run(timeout_s, out_dir), timeout_s)`` of every stage, in run order."""
     from cuda_probes import PROBES
 
-    stages = [("tests", stage_tests, 150.0)]
+    stages = [("tests", stage_tests, 200.0)]
     stages += [(f"probe:{p}", stage_probe(p), t) for p, t in PROBES.items()]
     stages += [("sweep", stage_sweep(False), 60.0), ("stress", stage_stress, 90.0),
                ("step:mps-off", stage_step("off", STEP_VARIANTS), 150.0),
