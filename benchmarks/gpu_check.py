@@ -52,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 BUDGET_S = 450.0  # the whole run; leaves room in 8 minutes for start-up and the last stage's end
 LOG_TAIL_BYTES = 200_000
+KILL_GRACE_S = 8.0  # between SIGTERM and SIGKILL of a stage that ran over
 SWEEP_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M", "128M"]
 STEP_VARIANTS = ("fcoll", "inductor", "aot_eager", "inductor_gloo")
 STATUSES = ("PASS", "FAIL", "SKIP")
@@ -76,15 +77,20 @@ def _env() -> dict[str, str]:
 
 def run_cmd(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int | None, str]:
     """Run ``cmd`` in its own process group; returns ``(exit code or None on timeout, output)``.
-    On timeout the whole group is killed (ranks included), so nothing is left running."""
+    On timeout the whole group gets SIGTERM (``fcoll.launch`` then stops its ranks and its MPS
+    daemon), and SIGKILL :data:`KILL_GRACE_S` later, so nothing is left running."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=max(1.0, timeout_s))
         return proc.returncode, out.decode(errors="replace")
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         return None, out.decode(errors="replace") + f"\n[gpu_check] timed out after {timeout_s:.0f} s"
 
 
@@ -338,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             t0 = time.monotonic()
             try:
-                st, log = run(min(limit, left - 5), ns.out)
+                st, log = run(min(limit, left - KILL_GRACE_S - 2), ns.out)
             except Exception as e:  # noqa: BLE001  one stage's bug must not lose the others
                 st, log = Stage(name, "FAIL", detail=f"gpu_check: {type(e).__name__}: {e}"), ""
             st.seconds = time.monotonic() - t0

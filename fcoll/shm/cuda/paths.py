@@ -228,7 +228,7 @@ class IpcBuffers:
         self.retired.collect()
 
     def close(self) -> None:
-        """Release everything; the caller synchronized the side stream and made sure no peer
+        """Release everything; the caller saw the side stream drain and made sure no peer
         will enqueue another wait on this rank's events (lifetime, rule 3)."""
         self.retired.collect(everything=True)
         with self.retired.release_context():
