@@ -180,7 +180,9 @@ def probe_world1() -> dict[str, Any]:
     from fcoll.testing import run_ranks
 
     got = {}
-    for backend in ("nccl", "fcoll"):
+    # fcoll's cost model calibrates a group with CPU collectives, which nccl cannot run: the
+    # nccl group has gloo for CPU tensors (as train_gpt.py --dist-backend nccl makes it)
+    for backend in ("cpu:gloo,cuda:nccl", "fcoll"):
         res = run_ranks(_world1, 1, backend=backend, timeout_s=55, allow_failures=True)[0]
         got[backend] = res if isinstance(res, dict) else str(res)[:600]
     ok = all(isinstance(v, dict) and v["equal"] and v["device"] == "cuda" for v in got.values())
