@@ -166,6 +166,33 @@ def test_auto_takes_ipc_when_ranks_share_a_gpu():
     assert res == [(want, [2.0] * 4)] * 2
 
 
+def _zero_bytes_first(rank, world):
+    """Every collective with 0 bytes as the group's first CUDA ones, then a real all_reduce."""
+    dev = _device(rank)
+    e = lambda *shape: torch.empty(*shape, device=dev)  # noqa: E731
+    dist.all_reduce(e(0))
+    dist.all_reduce(e(0), async_op=True).wait()
+    dist.all_gather_into_tensor(e(0), e(0))
+    dist.reduce_scatter_tensor(e(0), e(0))
+    dist.broadcast(e(0), src=world - 1)
+    dist.all_to_all_single(e(0, 3), e(0, 3), [0] * world, [0] * world)
+    pg = dist.distributed_c10d._get_default_group()
+    pg.allreduce_coalesced_out_of_place([e(0), e(0)], [e(0), e(0)], dist.ReduceOp.SUM).wait()
+    x = torch.full((5,), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    dist.all_reduce(e(0))  # and after the buffers exist
+    torch.cuda.synchronize()
+    return pg.cuda_path, x.cpu().tolist()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("path", ["ipc", "staged"])
+def test_zero_byte_collectives_as_a_groups_first_complete(path, world):
+    want = [float(world * (world + 1) // 2)] * 5
+    res = run_ranks(_zero_bytes_first, world, timeout_s=180, env={"FCOLL_CUDA_PATH": path})
+    assert res == [(path, want)] * world
+
+
 def _streams(rank, world):
     """The result is right on the caller's stream without a host synchronize, and neither
     the issuing call nor (IPC) ``wait()`` waits for the GPU."""

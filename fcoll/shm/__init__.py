@@ -17,8 +17,10 @@ Folder map, bottom layer first (each sub-package is one concept; nothing imports
 - ``work``: a collective after it is issued: the queued ``Job``, its future, and the c10d
   ``Work`` objects the group returns (``FcollWork``, ``DoneWork``).
 - ``cuda/``: CUDA tensors. ``paths`` (the path choice, the IPC path, the device check; all
-  stream-ordered), ``staging`` (the staged path), ``submission`` (the process group's CUDA
-  helpers, a mixin).
+  stream-ordered), ``lifetime`` (when the IPC path may let go of memory and events peers use),
+  ``records`` (the bounded records of the setup exchanges), ``fold`` and ``fold_kernel`` (the
+  IPC reductions as one Triton kernel, opt-in), ``staging`` (the staged path), ``submission``
+  (the process group's CUDA helpers, a mixin).
 - ``p2p/``: point-to-point. ``inbox`` (per-rank sealed memfd inboxes), ``protocol`` (operation
   records, the ring and matching steps), ``sendrecv`` (the send/recv engine of a group).
 - ``group/``: the c10d surface. ``process_group`` (``FcollProcessGroup``, the

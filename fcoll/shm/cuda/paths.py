@@ -34,39 +34,46 @@ collective ``k`` on rank ``r`` (all on the side stream):
    rank arrives at ``k + 1``; wait on the peers' ``ready``, then run device kernels that read
    the peers' buffers straight into the output; record ``done``.
 
+A collective that moves 0 bytes (on every rank: the header check makes sizes agree) is its
+header phase only, as on the CPU path: no buffer growth, no copy, no event recorded or waited
+on (:func:`buffer_capacity`). Skipping its ``done`` record keeps step 1 right: the latest
+``done`` record of a peer is then that of the last collective that read this rank's buffer.
+
 A host-side phase only says that a peer's event has been *recorded*; the stream waits are what
 order the GPU work, so the host never waits for the GPU. all_reduce is one-shot (every rank
 reduces all n buffers in rank order) or, for 3 ranks or more and large messages, a
 reduce-scatter (rank p reduces chunk p into its own buffer) then, after a third phase on
 ``mid``, an all-gather of the reduced chunks. Reductions fold the operands in rank order with
-the reducers of :mod:`fcoll.ops.reduce`, so every rank computes the same bits.
+the reducers of :mod:`fcoll.ops.reduce`, so every rank computes the same bits; with
+``FCOLL_CUDA_TRITON=1`` the fold is one Triton kernel that reads every buffer once and writes
+the output once, where it applies (:mod:`fcoll.shm.cuda.fold`).
 
 Allocator safety: every user tensor used on the side stream is ``record_stream``-ed at issue,
 and the job holds a reference to it until its kernels are enqueued, so freeing it right after
-the call never lets the caching allocator hand its memory out too early.
+the call never lets the caching allocator hand its memory out too early. When the IPC path lets
+go of memory and events peers use (shares, growth, teardown): :mod:`fcoll.shm.cuda.lifetime`.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from typing import Any, Callable
 
 import torch
 
-from fcoll.ops.reduce import reduce_views_into
-from fcoll.shm.kernels import movement
+from fcoll.shm.cuda.fold import fold_views_into
+from fcoll.shm.cuda.lifetime import (Retired, pack_shares, park, share_for, share_record_bytes,
+                                     wait_drained, wait_peers_past)
+from fcoll.shm.cuda.records import exchange
 from fcoll.shm.transport.phases import Call, slice_of
 
 PATH_ENV = "FCOLL_CUDA_PATH"  #: ``auto`` | ``ipc`` | ``staged``
 TWO_SHOT_ENV = "FCOLL_CUDA_TWO_SHOT_BYTES"  #: all_reduce size from which 3+ ranks go two-shot
 TWO_SHOT_BYTES = 1 << 20
 MIN_IPC_BYTES = 1 << 20  # the smallest IPC buffer; it grows to powers of two
-RECORD_BYTES = 2048  # one rank's record in the setup and growth exchanges
 UUID_BYTES = 40  # a GPU UUID as text ("GPU-..." or "xxxxxxxx-xxxx-..."), NUL-padded
 MAX_MAPPABLE = 16  # GPUs a rank lists as mappable
 PATHS = ("auto", "ipc", "staged")
-_MAGIC = b"FCUD"
 
 
 # ---- device checks ----------------------------------------------------------------------------
@@ -97,63 +104,6 @@ def device_error(tensors: list[tuple[str, torch.Tensor]], device: int | None) ->
     return None
 
 
-# ---- bounded records for the exchanges (no pickle, no marshal) --------------------------------
-def _encode(fields: list[Any]) -> bytes:
-    """ints, bools, bytes and None as tagged fields: ``i`` + i64, ``b`` + u16 length + bytes,
-    ``n``. Raises ValueError when the record would not fit ``RECORD_BYTES``."""
-    out = [_MAGIC, struct.pack("<H", len(fields))]
-    for f in fields:
-        if f is None:
-            out.append(b"n")
-        elif isinstance(f, (bool, int)):
-            out.append(b"i" + struct.pack("<q", int(f)))
-        else:
-            f = bytes(f)
-            out.append(b"b" + struct.pack("<H", len(f)) + f)
-    rec = b"".join(out)
-    if len(rec) > RECORD_BYTES:
-        raise ValueError(f"fcoll cuda: a setup record of {len(rec)} bytes exceeds "
-                         f"{RECORD_BYTES}")
-    return rec
-
-
-def _decode(rec: bytes) -> list[Any]:
-    """The fields of a record made by :func:`_encode`. Raises ValueError on a malformed one."""
-    if rec[:4] != _MAGIC:
-        raise ValueError("fcoll cuda: malformed setup record (bad magic)")
-    (count,) = struct.unpack_from("<H", rec, 4)
-    pos, fields = 6, []
-    for _ in range(count):
-        tag = rec[pos:pos + 1]
-        pos += 1
-        if tag == b"n":
-            fields.append(None)
-        elif tag == b"i":
-            fields.append(struct.unpack_from("<q", rec, pos)[0])
-            pos += 8
-        elif tag == b"b":
-            (ln,) = struct.unpack_from("<H", rec, pos)
-            pos += 2
-            if pos + ln > len(rec):
-                raise ValueError("fcoll cuda: malformed setup record (truncated field)")
-            fields.append(bytes(rec[pos:pos + ln]))
-            pos += ln
-        else:
-            raise ValueError(f"fcoll cuda: malformed setup record (tag {tag!r})")
-    return fields
-
-
-def _exchange(c: Call, fields: list[Any], n: int) -> list[list[Any]]:
-    """All-gather one record per rank through the shared-memory slots (one phase, which
-    also checks the collective's header)."""
-    rec = _encode(fields)
-    src = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
-    src[:len(rec)] = torch.frombuffer(bytearray(rec), dtype=torch.uint8)
-    dst = torch.empty((n, RECORD_BYTES), dtype=torch.uint8)
-    movement.all_gather(c, src, dst)
-    return [_decode(dst[p].numpy().tobytes()) for p in range(n)]
-
-
 def _uuid(device: int) -> bytes:
     return str(torch.cuda.get_device_properties(device).uuid).encode()[:UUID_BYTES]
 
@@ -166,6 +116,36 @@ def _mappable(device: int) -> list[bytes]:
         if j != device and torch.cuda.can_device_access_peer(device, j):
             out.append(_uuid(j))
     return out[:MAX_MAPPABLE]
+
+
+def buffer_capacity(needed: int, capacity: int) -> int | None:
+    """The IPC buffers' capacity for a collective whose largest per-rank buffer use is
+    ``needed`` bytes, when every rank's buffer now holds ``capacity`` bytes (0 before the
+    group's first IPC collective).
+
+    Returns:
+        None when ``needed`` is 0: the collective moves no bytes, so it is complete after its
+        header phase and touches no buffer and no event (as on the CPU path, where a 0-byte
+        collective is its header phase; before this rule a 0-byte collective as the group's
+        first IPC one indexed the still empty buffer list and broke the group on every rank).
+        Else ``capacity`` when it suffices, else the power of two at least ``needed`` and
+        at least ``MIN_IPC_BYTES`` that every rank grows to.
+
+    Every rank computes it from the same ``needed`` (equal by the header check, or taken
+    from every rank's header for all_to_all) and the same ``capacity``, so all ranks agree
+    on whether the collective grows and on whether it runs any further phase.
+
+    Raises:
+        ValueError: ``needed`` or ``capacity`` is negative.
+    """
+    if needed < 0 or capacity < 0:
+        raise ValueError(f"fcoll cuda: negative byte count (needed {needed}, "
+                         f"capacity {capacity})")
+    if needed == 0:
+        return None
+    if needed <= capacity:
+        return capacity
+    return max(MIN_IPC_BYTES, 1 << (needed - 1).bit_length())
 
 
 # ---- the IPC path -----------------------------------------------------------------------------
@@ -184,6 +164,8 @@ class IpcBuffers:
         self.capacity = 0
         self.bufs: list[torch.Tensor] = []
         n = group.size
+        idle = torch.cuda.Stream(group.device)  # never given work: see lifetime, rule 2
+        self.retired = Retired(lambda: torch.cuda.stream(idle))
         mine = [torch.cuda.Event(interprocess=True) for _ in range(3)]
         self._event_handles = [e.ipc_handle() for e in mine]
         # own events at every index until open_events() puts the peers' in their places
@@ -204,38 +186,54 @@ class IpcBuffers:
     def event_fields(self) -> list[bytes]:
         return list(self._event_handles)
 
-    def grow(self, c: Call, needed: int) -> None:
-        """Make every rank's buffer at least ``needed`` bytes (a power of two, at least
-        ``MIN_IPC_BYTES``): allocate, exchange the handles (one phase), map the peers'.
+    def grow(self, c: Call, cap: int) -> None:
+        """Make every rank's buffer ``cap`` bytes (from :func:`buffer_capacity`): allocate,
+        exchange the handles (one phase), map the peers'.
 
-        Every rank calls it with the same ``needed`` at the same point of the same collective.
-        The old buffers are released after the side stream waited on the peers' ``done``
-        events, so no peer still reads them when the allocator reuses them.
+        Every rank calls it with the same ``cap`` at the same point of the same collective.
+        This rank's old buffer is freed after the side stream waited on the peers' ``done``
+        events: the allocator hands its block out again only to later work of the side stream
+        (it was allocated there), which runs after every peer's reads of it. Each peer gets a
+        share of its own (:mod:`fcoll.shm.cuda.lifetime`, rule 1). The old mappings of the
+        peers' buffers are retired behind an event recorded on the side stream now, after every
+        kernel that may read them was enqueued, and released once it completed (rule 2).
         """
         g = self._g
-        cap = max(MIN_IPC_BYTES, 1 << (max(needed, 1) - 1).bit_length())
         g.wait_peers(self.done)
         with torch.cuda.stream(g.stream):
             own = torch.empty(cap, dtype=torch.uint8, device=g.device)
-        share = own.untyped_storage()._share_cuda_()
-        recs = _exchange(c, list(share), g.size)
+        storage = own.untyped_storage()
+        shares = [None if p == g.rank else storage._share_cuda_() for p in range(g.size)]
+        recs = exchange(c, pack_shares(shares, g.rank), g.size, share_record_bytes(g.size))
         bufs = []
         for p, rec in enumerate(recs):
             if p == g.rank:
                 bufs.append(own)
                 continue
-            dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = rec
-            storage = torch.UntypedStorage._new_shared_cuda(
+            dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = share_for(
+                rec, p, g.rank)
+            peer_storage = torch.UntypedStorage._new_shared_cuda(
                 g.device, handle, size, offset, rc_handle, rc_offset, ev_handle, bool(ev_sync))
             peer = torch.empty(0, dtype=torch.uint8, device=g.device)
-            peer.set_(storage, 0, (size,), (1,))
+            peer.set_(peer_storage, 0, (size,), (1,))
             bufs.append(peer[:cap])
+        old = [b for p, b in enumerate(self.bufs) if p != g.rank]
+        if old:
+            retire = torch.cuda.Event()
+            retire.record(g.stream)
+            self.retired.add(retire, old)
+            del old
         self.bufs = bufs
         self.capacity = cap
+        self.retired.collect()
 
     def close(self) -> None:
-        self.bufs = []
-        self.ready = self.done = self.mid = []
+        """Release everything; the caller saw the side stream drain and made sure no peer
+        will enqueue another wait on this rank's events (lifetime, rule 3)."""
+        self.retired.collect(everything=True)
+        with self.retired.release_context():
+            self.bufs = []
+            self.ready = self.done = self.mid = []
 
 
 class CudaGroup:
@@ -252,6 +250,8 @@ class CudaGroup:
         self.stream: torch.cuda.Stream | None = None
         self.path: str | None = None  # "ipc" | "staged" once the first CUDA collective ran
         self.ipc: IpcBuffers | None = None
+        self._control: torch.Tensor | None = None  # the group's control words (teardown)
+        self._last_phase: int | None = None  # phase count after the last IPC collective
         self.two_shot_bytes = int(os.environ.get(TWO_SHOT_ENV, str(TWO_SHOT_BYTES)))
 
     def wait_peers(self, events: list[torch.cuda.Event]) -> None:
@@ -284,7 +284,7 @@ class CudaGroup:
             raise ValueError(f"fcoll: {PATH_ENV}={path!r}: expected one of {', '.join(PATHS)}")
         with torch.cuda.device(self.device):
             mine = [_uuid(self.device), os.getpid(), *_mappable(self.device)]
-            recs = _exchange(c, mine, self.size)
+            recs = exchange(c, mine, self.size)
             uuids = [r[0] for r in recs]
             can_map = all(u in set(r[2:]) for r in recs for u in uuids)
             if path == "auto":
@@ -296,9 +296,11 @@ class CudaGroup:
                     f"{PATH_ENV}=staged or auto")
             if path == "ipc":
                 ipc = IpcBuffers(self)
-                recs = _exchange(c, ipc.event_fields(), self.size)
+                recs = exchange(c, ipc.event_fields(), self.size)
                 ipc.open_events(recs)
                 self.ipc = ipc
+                self._control = c.ch.seg.control
+                self._last_phase = c.ch.phase  # peers open our events after this phase
             self.path = path
 
     # -- the IPC path's collectives (run by the engine, on any thread) -----------------------
@@ -309,7 +311,10 @@ class CudaGroup:
         s = self.stream
         with torch.cuda.device(self.device), torch.cuda.stream(s):
             s.wait_event(issued)
-            body(c, self.ipc)
+            try:
+                body(c, self.ipc)
+            finally:  # also when a phase raised: peers may have seen this rank's records
+                self._last_phase = c.ch.phase
             ev = torch.cuda.Event()
             ev.record(s)
         return ev
@@ -318,12 +323,19 @@ class CudaGroup:
                 row_bytes: int = 0) -> list:
         """Header phase; grow every buffer to ``needed`` bytes (None: the largest input of
         an all_to_all of ``row_bytes`` rows, from the headers' split sizes); wait for the
-        peers' ``done``. Returns the headers (decoded for all_to_all, else maybe ``[]``)."""
+        peers' ``done``. Returns the headers (decoded for all_to_all, else maybe ``[]``), or
+        None when the collective moves no bytes: it is then complete, and the caller returns
+        without touching a buffer or an event (:func:`buffer_capacity`)."""
         heads = c.first_sync(c.slot())
         if needed is None:
             needed = max(sum(h.extra[0]) for h in heads) * row_bytes
-        if needed > ipc.capacity:
-            ipc.grow(c, needed)
+        cap = buffer_capacity(needed, ipc.capacity)
+        if cap is None:
+            return None
+        if ipc.retired:
+            ipc.retired.collect()
+        if cap != ipc.capacity:
+            ipc.grow(c, cap)
         self.wait_peers(ipc.done)
         return heads
 
@@ -340,7 +352,8 @@ class CudaGroup:
                    op: str) -> None:
         """``out = op over ranks of inp``; both contiguous, same dtype and numel (may alias)."""
         nbytes = inp.numel() * inp.element_size()
-        self._phase1(c, ipc, nbytes)
+        if self._phase1(c, ipc, nbytes) is None:
+            return
         n, r = self.size, self.rank
         dt, N = inp.dtype, inp.numel()
         ipc.bufs[r][:nbytes].view(dt).copy_(inp.view(-1))
@@ -348,12 +361,12 @@ class CudaGroup:
         views = [b[:nbytes].view(dt) for b in ipc.bufs]
         flat = out.view(-1)
         if n < 3 or nbytes < self.two_shot_bytes:
-            reduce_views_into(views, op, flat)
+            fold_views_into(views, op, flat)
             self._done(ipc)
             return
         # reduce-scatter: chunk r of every buffer, reduced into out, then into own buffer
         a, b = slice_of(N, n, r)
-        reduce_views_into([v[a:b] for v in views], op, flat[a:b])
+        fold_views_into([v[a:b] for v in views], op, flat[a:b])
         views[r][a:b].copy_(flat[a:b])
         ipc.mid[r].record(self.stream)
         c.sync()
@@ -373,7 +386,8 @@ class CudaGroup:
             off = -(-off // 256) * 256
             layout.append(off)
             off += x.numel() * x.element_size()
-        self._phase1(c, ipc, off)
+        if self._phase1(c, ipc, off) is None:
+            return
         own = ipc.bufs[self.rank]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (x, _) in enumerate(pairs):
@@ -385,14 +399,15 @@ class CudaGroup:
             for i in idx:
                 x, y = pairs[i]
                 o, ln = layout[i], x.numel() * x.element_size()
-                reduce_views_into([b[o:o + ln].view(dt) for b in ipc.bufs], op, y)
+                fold_views_into([b[o:o + ln].view(dt) for b in ipc.bufs], op, y)
         self._done(ipc)
 
     def all_gather(self, c: Call, ipc: IpcBuffers, src: torch.Tensor,
                    dst: torch.Tensor) -> None:
         """Bytes: ``src [B]`` uint8 -> ``dst [n * B]`` uint8 (contiguous), rank order."""
         B = src.numel()
-        self._phase1(c, ipc, B)
+        if self._phase1(c, ipc, B) is None:
+            return
         ipc.bufs[self.rank][:B].copy_(src)
         self._phase2(c, ipc)
         torch.cat([b[:B] for b in ipc.bufs], out=dst)
@@ -402,17 +417,19 @@ class CudaGroup:
                        op: str) -> None:
         """``inp [n * M]`` -> ``out [M]`` (flat, contiguous): chunk ``rank`` reduced."""
         nbytes = inp.numel() * inp.element_size()
-        self._phase1(c, ipc, nbytes)
+        if self._phase1(c, ipc, nbytes) is None:
+            return
         dt, M, r = inp.dtype, out.numel(), self.rank
         ipc.bufs[r][:nbytes].view(dt).copy_(inp)
         self._phase2(c, ipc)
-        reduce_views_into([b[:nbytes].view(dt)[r * M:(r + 1) * M] for b in ipc.bufs], op, out)
+        fold_views_into([b[:nbytes].view(dt)[r * M:(r + 1) * M] for b in ipc.bufs], op, out)
         self._done(ipc)
 
     def broadcast(self, c: Call, ipc: IpcBuffers, buf: torch.Tensor, root: int) -> None:
         """Bytes: the root's ``buf [B]`` (uint8, contiguous) into every rank's."""
         B = buf.numel()
-        self._phase1(c, ipc, B)
+        if self._phase1(c, ipc, B) is None:
+            return
         if self.rank == root:
             ipc.bufs[root][:B].copy_(buf)
         self._phase2(c, ipc)
@@ -425,6 +442,8 @@ class CudaGroup:
         """Bytes: rank p's rows for this rank land in ``dst`` in rank order; the split sizes
         come from every rank's header (``extra = (input_split_sizes, output_split_sizes)``)."""
         heads = self._phase1(c, ipc, None, row_bytes)
+        if heads is None:
+            return
         ipc.bufs[self.rank][:src.numel()].copy_(src)
         self._phase2(c, ipc)
         r, parts = self.rank, []
@@ -436,12 +455,29 @@ class CudaGroup:
         self._done(ipc)
 
     def close(self) -> None:
-        """Drop the peers' mappings and this rank's buffer (after the side stream drained)."""
+        """Drop the peers' mappings, this rank's buffer and events: after the side stream
+        drained (no kernel of this rank reads a mapping any more) and after every peer is past
+        the last IPC collective (none will enqueue a wait on this rank's events again,
+        :mod:`fcoll.shm.cuda.lifetime` rule 3). A stream that does not drain, or a peer that
+        shows none of that, within ``TEARDOWN_WAIT_S`` leaves them parked until the process
+        exits (a teardown never hangs on the GPU)."""
+        drained = True
         if self.stream is not None:
             try:
-                self.stream.synchronize()
+                drained = wait_drained(self.stream)
             except Exception:  # noqa: BLE001  the context may be gone at interpreter exit
                 pass
-        if self.ipc is not None:
-            self.ipc.close()
-            self.ipc = None
+        ipc, self.ipc = self.ipc, None
+        control, self._control = self._control, None
+        if ipc is None:
+            return
+        left = [] if self._last_phase is None else wait_peers_past(
+            control, self.rank, self._last_phase)
+        if not drained:
+            park(ipc, "its side stream did not drain in time (a wait on an event of a peer "
+                      "that died with work queued?)")
+        elif left:
+            park(ipc, f"group ranks {left} did not leave the last IPC collective, give up or "
+                      "exit in time, and may still enqueue waits on its events")
+        else:
+            ipc.close()

@@ -208,6 +208,9 @@ class Segment:
             written through it (aligned 4-byte loads and stores).
         buf: ``memoryview`` (bytes) over the whole mapping, for headers.
         data: uint8 tensor ``[NSLOTS, world, slot_bytes]`` over the data slots.
+        control: int32 tensor ``[world, CONTROL_BYTES / 4]`` over the control records (u32
+            words read as int32), for readers that may outlive :meth:`close` (a view keeps the
+            mapping alive, see there).
         base: address of the mapping (for futex calls).
     """
 
@@ -220,6 +223,8 @@ class Segment:
         self.words = self.buf.cast("I")
         whole = torch.frombuffer(mm, dtype=torch.uint8)
         self.data = whole[layout.data_off:layout.total].view(NSLOTS, layout.world, layout.slot_bytes)
+        self.control = whole[:layout.world * CONTROL_BYTES].view(torch.int32).view(
+            layout.world, CONTROL_BYTES // WORD_BYTES)
         self._rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._prefix: dict = {}
 
@@ -246,20 +251,27 @@ class Segment:
         return self.base + self.layout.word(rank, index) * WORD_BYTES
 
     def close(self) -> None:
-        """Drop every view and unmap; a view still held elsewhere leaves the mapping to the GC."""
-        self.data = None
+        """Drop this segment's views and its reference to the mapping; never unmap under a view.
+
+        ``torch.frombuffer`` keeps a reference to the ``mmap`` object but no buffer export, so
+        ``mmap.close()`` succeeds while a tensor view of the mapping lives, and that view then
+        points at unmapped memory (a read or write is a SIGSEGV, or silently hits whatever is
+        mapped there next). So close never calls ``mmap.close()``: it releases the memoryviews
+        and the ctypes anchor (whose holders then get ``ValueError``, not a crash) and drops
+        its own reference. The mapping is unmapped by the ``mmap`` object's finalizer the moment
+        the last reference goes, right here when no tensor view is held elsewhere (the usual
+        case: the group's caches are cleared first), or when the last such view is freed.
+        """
+        self.data = self.control = None
         self._rows = {}
         self._prefix = {}
-        try:
-            self.words.release()
-            self.buf.release()
-        except (BufferError, ValueError, AttributeError):
-            pass
+        for mv in (self.words, self.buf):
+            try:
+                mv.release()
+            except (BufferError, ValueError, AttributeError):
+                pass  # a slice of it is exported elsewhere: it keeps the mapping alive
         self._anchor = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # a torch view is still alive somewhere; unmapped when it dies
+        self._mm = None  # the last reference unmaps (mmap's finalizer), never before
 
 
 def create_sealed_memfd(name: str, size: int, what: str = "shared-memory segment") -> int:
