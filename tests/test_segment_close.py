@@ -67,3 +67,41 @@ def test_close_keeps_memory_mapped_until_last_view_dies():
     assert res["mapped_before_close"] is True
     assert res["mapped_after_close_without_views"] is False
 
+
+
+_INBOX_SCRIPT = r"""
+import json, mmap, os
+import torch
+from fcoll.shm.p2p.inbox import Inbox, Layout
+from fcoll.shm.transport.segment import create_sealed_memfd
+
+def mapped(name):
+    with open("/proc/self/maps") as f:
+        return name in f.read()
+
+lay = Layout(2, 4096)
+fd = create_sealed_memfd("fcoll-test-inbox", lay.total)
+inbox = Inbox(fd, lay)
+os.close(fd)
+view = inbox.data[lay.data:lay.data + 4096].view(torch.float32)  # a received slot's view
+inbox.close()
+out = {"mapped_while_view_lives": mapped("fcoll-test-inbox")}
+view.fill_(2.0)
+out["sum"] = float(view.sum())
+del view
+out["mapped_after_view_dropped"] = mapped("fcoll-test-inbox")
+print(json.dumps(out))
+"""
+
+
+def test_inbox_close_keeps_memory_mapped_until_last_view_dies():
+    """The p2p inbox closes the same way: a view taken before close is written and read after
+    it without a signal, and the memfd is unmapped once that view is dropped."""
+    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _INBOX_SCRIPT], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=_ROOT)
+    assert proc.returncode == 0, (f"exit {proc.returncode} (negative: killed by that signal)\n"
+                                  f"{proc.stderr[-2000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res == {"mapped_while_view_lives": True, "sum": 2.0 * 1024,
+                   "mapped_after_view_dropped": False}

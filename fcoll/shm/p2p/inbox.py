@@ -120,14 +120,21 @@ class Inbox:
         self.door_addr = ctypes.addressof(self._anchor) + W_DOOR * 4
 
     def close(self) -> None:
+        """Drop this inbox's views and its reference to the mapping; never unmap under a view.
+
+        As :meth:`fcoll.shm.transport.segment.Segment.close`: ``torch.frombuffer`` views hold
+        the ``mmap`` object without a buffer export, so ``mmap.close()`` would succeed under a
+        live view (a received tensor's view of a slot) and leave it pointing at unmapped memory.
+        The mapping goes with the ``mmap`` object's last reference instead.
+        """
         self.data = None
         self._anchor = None
-        try:
-            self.words.release()
-            self.buf.release()
-            self.mm.close()
-        except (BufferError, ValueError):
-            pass  # a view is still alive somewhere; unmapped when it dies
+        for mv in (self.words, self.buf):
+            try:
+                mv.release()
+            except (BufferError, ValueError, AttributeError):
+                pass  # a slice of it is exported elsewhere: it keeps the mapping alive
+        self.mm = None  # the last reference unmaps (mmap's finalizer), never before
 
 
 def encode_record(seq: int, aux: int, tag: int, desc: tuple) -> bytes:
