@@ -233,6 +233,47 @@ def test_every_peer_of_4_ranks_names_the_rank_that_aborted_after_a_raise_between
     _check_raise_between_graphs(res, 4, modes)
 
 
+def test_fence_on_error_aborts_on_an_exception_but_not_a_mismatch_and_never_swallows_it():
+    """``__exit__`` calls each group's ``abort()`` while the exception is being handled (what
+    fcoll's abort quotes to the peers), as a ``with`` block and as a decorator; a cross-rank
+    mismatch (raised by every rank alike) aborts nothing; an ``abort()`` that fails leaves the
+    block's exception to propagate."""
+    from fcoll import fence_on_error
+    from fcoll.shm.transport.headers import CollectiveMismatchError
+
+    class Group:
+        def __init__(self):
+            self.handling = []
+
+        def abort(self):
+            self.handling.append(sys.exc_info()[1])
+
+    class Failing:
+        def abort(self):
+            raise RuntimeError("abort failed")
+
+    g = Group()
+    with fence_on_error(g):
+        pass
+    with pytest.raises(CollectiveMismatchError):
+        with fence_on_error(g):
+            raise CollectiveMismatchError("fcoll all_reduce: rank 1 has input shape [3]")
+    assert g.handling == []
+    err = KeyError("k")
+    with pytest.raises(KeyError):
+        with fence_on_error(g):
+            raise err
+    assert g.handling == [err]
+
+    @fence_on_error(Failing(), g)
+    def step():
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        step()
+    assert [type(e) for e in g.handling] == [KeyError, ValueError]
+
+
 # ---- abort: this rank's own pending work -----------------------------------------------------
 def _abort_with_pending_work(rank: int, world: int) -> dict:
     """Rank 1 issues collectives that rank 0 never joins (rank 0 waits on the store) and aborts:
