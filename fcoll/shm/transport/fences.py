@@ -1,19 +1,19 @@
 """Fences: how a rank gives up a collective in shared memory, and how its peers read and word it.
 
 A rank that gives up a collective (timeout, dead peer, error, destroyed or aborted group, an
-exception on it while it held collectives) stores the collective's sequence number, op, reason, the first cause
-of the cascade and the rank to blame for it (carried forward from the fence it saw, so every rank
-names the rank that started a cascade) and a short note in its own words in its control record
-(:meth:`Fences.give_up`) and wakes its sleepers. :meth:`~fcoll.shm.transport.sync.Channel.wait_all`
-reads every peer's fence word (:attr:`Fences.peer_idx`) after the peers arrived (one load per
-peer: 2 ranks, one word) and a sleeper on every wake-up; a fence on the current collective
-(``Channel.seq``, set by the engine) or an earlier one raises :class:`PeerError`
-(:meth:`Fences.check`) before any data of that phase is read. Sequence numbers are compared
-before anything else, and liveness is not checked once every peer arrived: a collective that
-every rank completed never raises, whatever a peer does after it (destroy its group, exit). Only
-loads and stores are used, so in the instant a rank gives up a peer may already have read that
-phase (complete data, published before the rank gave up) and finish that one collective; its
-next call raises.
+exception on it while it held collectives) stores the collective's sequence number, op, reason,
+the first cause of the cascade and the rank to blame for it (carried forward from the fence it
+saw, so every rank names the rank that started a cascade) and a short note in its own words in
+its control record (:meth:`Fences.give_up`) and wakes its sleepers.
+:meth:`~fcoll.shm.transport.sync.Channel.wait_all` reads every peer's fence word
+(:attr:`Fences.peer_idx`) after the peers arrived (one load per peer: 2 ranks, one word) and a
+sleeper on every wake-up; a fence on the current collective (``Channel.seq``, set by the engine)
+or an earlier one raises :class:`PeerError` (:meth:`Fences.check`) before any data of that phase
+is read. Sequence numbers are compared before anything else, and liveness is not checked once
+every peer arrived: a collective that every rank completed never raises, whatever a peer does
+after it (destroy its group, exit). Only loads and stores are used, so in the instant a rank
+gives up a peer may already have read that phase (complete data, published before the rank gave
+up) and finish that one collective; its next call raises.
 
 :class:`PeerError` and the ``GAVE_UP_*`` reasons live here too: every error of a group's
 waits (a dead peer, a timeout, a fence) is one a rank may write in its own fence.
