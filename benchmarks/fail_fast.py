@@ -21,6 +21,11 @@ Each job is ``--world`` ranks forked from a forkserver that imported torch and f
     python benchmarks/fail_fast.py --scenario stopped --runs 50
     python benchmarks/fail_fast.py --scenario exit --runs 50 --world 4
     python benchmarks/fail_fast.py --scenario cascade --runs 3 --world 4 --timeout 5
+    python benchmarks/fail_fast.py --scenario stopped --runs 50 --background-load 2
+
+``--background-load N`` runs the jobs beside N busy processes (``collectives.BackgroundLoad``:
+pure-Python spin loops, one core each, ended with the benchmark): a loaded machine, where a
+woken rank runs late.
 
 Every job has a hard timeout (``JOB_TIMEOUT_S``); a job that exceeds it counts as hung and its
 ranks are killed. Exit status 0 when every job went as required.
@@ -224,9 +229,16 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=5.0,
                     help="group timeout of the cascade scenario, seconds")
+    ap.add_argument("--background-load", type=int, default=0, metavar="N",
+                    help="busy background processes during the runs (default 0)")
     ns = ap.parse_args(argv)
-    res = run(ns.scenario, ns.runs, ns.world, ns.timeout)
-    print(f"{ns.scenario}, {ns.world} ranks: {res['ok']}/{res['runs']} ok, "
+    from collectives import BackgroundLoad, _sigterm_raises  # this folder
+
+    with _sigterm_raises(), BackgroundLoad(ns.background_load, max_s=3600.0, settle_s=0.0):
+        res = run(ns.scenario, ns.runs, ns.world, ns.timeout)
+        load = os.getloadavg()[0]
+    print(f"{ns.scenario}, {ns.world} ranks, {ns.background_load} busy processes "
+          f"(load average {load:.1f}): {res['ok']}/{res['runs']} ok, "
           f"false failures {res['false_failures']}, wrong results {res['wrong']}, "
           f"hung {res['hung']}, leavers not naming rank {ns.world - 1}: "
           f"{len(res['not_named'])}; {res['seconds']:.1f} s")

@@ -21,3 +21,8 @@ from fcoll.shm import register_backend as _register_shm_backend
 _register_shm_backend()
 
 import fcoll.inspect  # noqa: E402,F401  subscribes fcoll.inspect to the compile backend's listeners
+
+# the opt-in that aborts groups when an exception leaves a step (docs/design.md, "Failure model")
+from fcoll.shm.group.abort import fence_on_error  # noqa: E402
+
+__all__.append("fence_on_error")

@@ -8,13 +8,19 @@
   ``python benchmarks/fail_fast.py --scenario stopped --runs 50`` (and ``--scenario exit``).
 - The culprit of a cascade is carried in every fence: with rank 3 of 4 stopped, every survivor
   names rank 3, whichever rank's fence it read.
+- A rank that aborts its group (c10d's ``ProcessGroup.abort``, in its ``except`` block or through
+  ``fcoll.fence_on_error``) after raising between two compiled graphs makes its peers raise at
+  once, naming it and the exception; its own pending work fails saying the group was aborted.
 
-Each job has a hard timeout (``fail_fast.JOB_TIMEOUT_S``) and its ranks are killed after it.
+The ``loaded`` variants run beside 2 busy processes (``collectives.BackgroundLoad``, started and
+ended by the ``background_load`` fixture). Each job has a hard timeout
+(``fail_fast.JOB_TIMEOUT_S``, ``run_ranks(timeout_s=...)``) and its ranks are killed after it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -23,19 +29,34 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "benchmarks"))
 
 import fail_fast  # noqa: E402
+from collectives import BackgroundLoad  # noqa: E402
 
 from fcoll.testing import fcoll_segments, run_ranks  # noqa: E402
+
+# a group refusing collectives says to create it again ("create it again", "created again")
+RECREATE = re.compile(r"creat(e|ed) (it )?again")
+
+
+@pytest.fixture(params=["quiet", "loaded"])
+def background_load(request):
+    """Nothing ("quiet"), or 2 busy processes for the test's duration ("loaded": one core
+    each; they also end by themselves after 10 minutes, or if this process dies)."""
+    if request.param == "quiet":
+        yield 0
+        return
+    with BackgroundLoad(2, max_s=600.0, settle_s=0.0):
+        yield 2
 
 
 @pytest.mark.parametrize("world,runs", [(2, 3), (4, 2)])
 def test_a_completed_collective_never_raises_when_a_stopped_rank_resumes_after_peers_exited(
-        world, runs):
+        world, runs, background_load):
     res = fail_fast.run("stopped", runs, world)
     assert res["false_failures"] == 0, res["messages"]
     assert res["ok"] == runs and res["hung"] == 0 and res["wrong"] == 0, res
 
 
-def test_a_completed_collective_never_raises_when_peers_exit_right_after_it():
+def test_a_completed_collective_never_raises_when_peers_exit_right_after_it(background_load):
     res = fail_fast.run("exit", 8, 2)
     assert res["false_failures"] == 0, res["messages"]
     assert res["ok"] == 8 and res["hung"] == 0 and res["wrong"] == 0, res
@@ -109,6 +130,246 @@ def test_an_exception_inside_a_compiled_step_fences_the_group_so_peers_raise_at_
     for r in range(world):
         assert "fenced" in res[r]["after"] or "no longer usable" in res[r]["after"] \
             or "unusable" in res[r]["after"], res[r]["after"]
+
+
+# ---- a raise between two compiled graphs, then abort ------------------------------------------
+def _raise_between_graphs(rank: int, world: int, modes: tuple) -> dict:
+    """The step: all_reduce (graph 1), a data-dependent ``if flag.sum() > 0: raise`` (a graph
+    break: the raise runs in Python, between the graphs), all_reduce (graph 2). On the third
+    call rank 1's flag is set: it raises ValueError after graph 1, while the others wait in
+    graph 2's all_reduce. Rank 1 then aborts the group, per mode:
+
+    - ``fence_on_error``: the step runs inside ``with fcoll.fence_on_error(group)``;
+    - ``except_abort``: the user's ``except`` block calls PyTorch's
+      ``_abort_process_group(group)``.
+
+    Each mode on a fresh group. Reports each call's result or ``(error type, message, time
+    raised)``, rank 1's time of raising (before any abort) and the next call's error."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import fcoll
+
+    out: dict = {}
+    for mode in modes:
+        group = dist.new_group(backend="fcoll")
+        name = group.group_name
+
+        def step(x, flag):
+            y = torch.ops.fcoll.wait_tensor(torch.ops.fcoll.all_reduce(x, "sum", name))
+            if flag.sum() > 0:
+                raise ValueError(f"bad batch on rank {rank}")
+            return torch.ops.fcoll.wait_tensor(torch.ops.fcoll.all_reduce(y * 2, "sum", name))
+
+        compiled = torch.compile(step, backend="fcoll")
+        x = torch.ones(8)
+        res: dict = {}
+
+        def call(flag):
+            try:
+                return compiled(x, flag)
+            except ValueError:
+                res["raised_at"] = time.monotonic()  # the event: before any abort
+                if mode == "except_abort":
+                    dist.distributed_c10d._abort_process_group(group)
+                raise
+
+        for i in range(3):
+            flag = torch.tensor([1.0 if i == 2 and rank == 1 else 0.0])
+            try:
+                if mode == "fence_on_error":
+                    with fcoll.fence_on_error(group):
+                        r = call(flag)
+                else:
+                    r = call(flag)
+                res[i] = r.tolist()
+            except Exception as e:  # noqa: BLE001  the user's loop catches
+                res[i] = (type(e).__name__, str(e), time.monotonic())
+        try:  # the group refuses collectives on every rank now, and says so
+            compiled(x, torch.tensor([0.0]))
+            res["after"] = "no error"
+        except RuntimeError as e:
+            res["after"] = str(e)
+        if mode == "fence_on_error" or rank != 1:  # (_abort_process_group unregistered it)
+            dist.destroy_process_group(group)
+        out[mode] = res
+    return out
+
+
+def _check_raise_between_graphs(res: list, world: int, modes: tuple) -> None:
+    for mode in modes:
+        r1 = res[1][mode]
+        assert r1[2][:2] == ("ValueError", "bad batch on rank 1"), (mode, r1)
+        for r in range(world):
+            got = res[r][mode]
+            assert got[0] == got[1] == [2.0 * world * world] * 8, (mode, r, got)
+            assert RECREATE.search(got["after"]), (mode, r, got["after"])
+        assert "rank 1 aborted the process group (ValueError: bad batch" in r1["after"], r1
+        for r in [0] + list(range(2, world)):
+            kind, msg, raised_at = res[r][mode][2]
+            assert kind == "PeerError", (mode, r, msg)
+            assert "rank 1" in msg and "aborted its process group" in msg, (mode, r, msg)
+            assert 'rank 1 reported: "ValueError: bad batch on rank 1"' in msg, (mode, r, msg)
+            # from rank 1's raise to this rank's (the group timeout is 60 s): a wake-up and an
+            # abort's few stores; measured 0.2-0.8 ms at load 12
+            assert raised_at - r1["raised_at"] < 1.0, (mode, r, raised_at - r1["raised_at"])
+
+
+def test_a_raise_between_compiled_graphs_then_abort_makes_peers_raise_at_once_naming_it(
+        background_load):
+    modes = ("fence_on_error", "except_abort")
+    res = run_ranks(_raise_between_graphs, 2, args=(modes,), timeout_s=240, pg_timeout_s=60)
+    _check_raise_between_graphs(res, 2, modes)
+    assert fcoll_segments() == []
+
+
+def test_every_peer_of_4_ranks_names_the_rank_that_aborted_after_a_raise_between_graphs():
+    """Ranks 0, 2 and 3 all wait in graph 2's all_reduce; each raises on rank 1's fence, or on
+    the fence of a rank that gave up because of it (the culprit carried), naming rank 1."""
+    modes = ("fence_on_error",)
+    res = run_ranks(_raise_between_graphs, 4, args=(modes,), timeout_s=240, pg_timeout_s=60)
+    _check_raise_between_graphs(res, 4, modes)
+
+
+def test_fence_on_error_aborts_on_an_exception_but_not_a_mismatch_and_never_swallows_it():
+    """``__exit__`` calls each group's ``abort()`` while the exception is being handled (what
+    fcoll's abort quotes to the peers), as a ``with`` block and as a decorator; a cross-rank
+    mismatch (raised by every rank alike) aborts nothing; an ``abort()`` that fails leaves the
+    block's exception to propagate."""
+    from fcoll import fence_on_error
+    from fcoll.shm.transport.headers import CollectiveMismatchError
+
+    class Group:
+        def __init__(self):
+            self.handling = []
+
+        def abort(self):
+            self.handling.append(sys.exc_info()[1])
+
+    class Failing:
+        def abort(self):
+            raise RuntimeError("abort failed")
+
+    g = Group()
+    with fence_on_error(g):
+        pass
+    with pytest.raises(CollectiveMismatchError):
+        with fence_on_error(g):
+            raise CollectiveMismatchError("fcoll all_reduce: rank 1 has input shape [3]")
+    assert g.handling == []
+    err = KeyError("k")
+    with pytest.raises(KeyError):
+        with fence_on_error(g):
+            raise err
+    assert g.handling == [err]
+
+    @fence_on_error(Failing(), g)
+    def step():
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        step()
+    assert [type(e) for e in g.handling] == [KeyError, ValueError]
+
+
+# ---- abort: this rank's own pending work -----------------------------------------------------
+def _abort_with_pending_work(rank: int, world: int) -> dict:
+    """Rank 1 issues collectives that rank 0 never joins (rank 0 waits on the store) and aborts:
+
+    - ``async``: an un-waited ``all_reduce(async_op=True)`` running on the group's worker and a
+      second one queued behind it; ``abort()`` from the main thread once the first runs;
+    - ``sync``: a synchronous ``all_reduce`` blocked on the main thread while another thread
+      aborts, with ``ABORT_TIMEOUT_S`` 0: the abort cannot wait for the collective, which then
+      releases the segment itself when it ends.
+
+    After each, rank 0 calls the collective: it raises at once on rank 1's fence."""
+    import datetime
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from fcoll.shm.group import process_group
+
+    store = dist.distributed_c10d._get_default_store()
+    out: dict = {}
+    for case in ("async", "sync"):
+        group = dist.new_group(backend="fcoll")
+        eng = group.engine
+        if rank == 0:
+            store.wait([f"aborted-{case}"], datetime.timedelta(seconds=60))
+            t0 = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(4), group=group)
+                out[case] = ("no error", "", 0.0)
+            except RuntimeError as e:
+                out[case] = (type(e).__name__, str(e), time.monotonic() - t0)
+            dist.destroy_process_group(group)
+            continue
+        errors = []
+        if case == "async":
+            works = [dist.all_reduce(torch.ones(4), group=group, async_op=True)
+                     for _ in range(2)]
+            while not eng._running:  # the worker runs the first one (and waits for rank 0)
+                time.sleep(0.001)
+            group.abort()
+            for w in works:
+                try:
+                    w.wait()
+                    errors.append("no error")
+                except RuntimeError as e:
+                    errors.append(str(e))
+            eng._thread.join(timeout=30)
+            unmapped = eng.seg.data is None
+        else:
+            process_group.ABORT_TIMEOUT_S = 0.0
+
+            def abort_once_blocked():
+                while not eng._running:  # the main thread's all_reduce claimed the executor
+                    time.sleep(0.001)
+                group.abort()
+
+            aborter = threading.Thread(target=abort_once_blocked)
+            aborter.start()
+            try:
+                dist.all_reduce(torch.ones(4), group=group)
+                errors.append("no error")
+            except RuntimeError as e:
+                errors.append(str(e))
+            unmapped = eng.seg.data is None  # by this thread, as its collective ended
+            aborter.join()
+        store.set(f"aborted-{case}", "1")
+        try:
+            dist.all_reduce(torch.ones(4), group=group)
+            after = "no error"
+        except RuntimeError as e:
+            after = str(e)
+        eng._thread.join(timeout=30)
+        out[case] = (errors, unmapped, eng._thread.is_alive(), after)
+        dist.destroy_process_group(group)  # after abort: nothing left to do
+    return out
+
+
+def test_abort_fails_this_ranks_pending_work_releases_everything_and_fences_the_peers():
+    res = run_ranks(_abort_with_pending_work, 2, timeout_s=180, pg_timeout_s=60)
+    for case, n in (("async", 2), ("sync", 1)):
+        errors, unmapped, worker_alive, after = res[1][case]
+        assert len(errors) == n, errors
+        # the running one (and the queued one)
+        assert "while this collective was pending" in errors[0], (case, errors)
+        for e in errors:
+            assert "rank 1 aborted the process group" in e, (case, e)
+            assert RECREATE.search(e), (case, e)
+        assert unmapped and not worker_alive, res[1][case]
+        assert RECREATE.search(after) and "aborted" in after, after
+        kind, msg, waited = res[0][case]
+        assert kind == "PeerError" and "rank 1" in msg and "aborted its process group" in msg, msg
+        # rank 0 entered after the fence: it raises in its first wait (the timeout is 60 s)
+        assert waited < 10.0, (case, waited, msg)
+    assert fcoll_segments() == []
 
 
 # ---- a peer's files and words -----------------------------------------------------------------

@@ -18,6 +18,7 @@ import mmap
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import struct
 import threading
 import time
 import traceback
@@ -254,49 +255,66 @@ def test_arrive_stores_its_counter_then_passes_the_barrier_then_loads_the_sleep_
 
 def _waits_alone(seg, rank, world, mode):
     """Rank 0 waits for rank 1, which never arrives (``timeout``), exits (``dead``), or whose
-    channel is closed from another thread (``closing``)."""
+    channel is closed from another thread (``closing``). Returns rank 0's error, seconds in
+    the wait, CPU seconds, stats, and seconds from the event (rank 1's exit, the close: its
+    time, one clock for every process, stored just before it) to the raise."""
     ch = Channel(seg, rank, world, 1.0 if mode == "timeout" else 30.0, [0, 5])
+    event_at = seg.layout.data_off  # a float64 in the data area: when the event happened
     if rank == 1:
         if mode == "dead":
             time.sleep(0.3)
+            struct.pack_into("d", seg.buf, event_at, time.monotonic())
             os._exit(0)
         time.sleep(3.0)
         return None
     if mode == "closing":
-        threading.Timer(0.3, lambda: setattr(ch, "closing", True)).start()
+        def close():
+            struct.pack_into("d", seg.buf, event_at, time.monotonic())
+            ch.closing = True
+
+        threading.Timer(0.3, close).start()
     ch.arrive()
     t0 = time.monotonic()
     c0 = time.thread_time()
     try:
         ch.wait_all("all_reduce (collective #0)", t0)
     except PeerError as e:
-        return str(e), time.monotonic() - t0, time.thread_time() - c0, dict(ch.stats)
-    return "no error", time.monotonic() - t0, 0.0, dict(ch.stats)
+        raised_at = time.monotonic()
+        return (str(e), raised_at - t0, time.thread_time() - c0, dict(ch.stats),
+                raised_at - struct.unpack_from("d", seg.buf, event_at)[0])
+    return "no error", time.monotonic() - t0, 0.0, dict(ch.stats), 0.0
 
 
 @pytest.mark.timeout(60)
 def test_wait_for_a_peer_that_never_arrives_raises_at_the_timeout_without_spinning():
-    msg, elapsed, cpu, stats = _run_forked(_waits_alone, 2, timeout_s=30, args=("timeout",))[0]
+    msg, elapsed, cpu, stats, _ = _run_forked(_waits_alone, 2, timeout_s=30,
+                                              args=("timeout",))[0]
     assert "timed out after 1.0 s on rank 0; ranks not yet arrived: rank 1 (global rank 5)" \
         in msg
-    assert 1.0 <= elapsed < 3.0
+    # at the timeout, never before; the upper bound only says "not a multiple of it" (a
+    # loaded machine delays the waiter's wake-up after its deadline, by far less than 10 s)
+    assert 1.0 <= elapsed < 1.0 + 10.0, elapsed
     assert cpu < 0.2, cpu  # asleep, not polling: a spin is bounded by spin_s
     assert stats["slept"] == 1
 
 
 @pytest.mark.timeout(60)
-def test_dead_peer_is_named_within_half_a_second():
+def test_dead_peer_is_named_within_ticks_of_its_death():
+    """Liveness is checked every tick (0.1 s), so the death is named about a tick after it
+    happened, measured from the peer's own record of it (a loaded machine delays the peer's
+    exit and the waiter's wake-up, not the tick); the group timeout is 30 s."""
     out = _run_forked(_waits_alone, 2, timeout_s=30, args=("dead",), expect_dead=(1,))
-    msg, elapsed, _, _ = out[0]
+    msg, _, _, _, since_death = out[0]
     assert "rank 1 (global rank 5) died" in msg
-    assert 0.25 <= elapsed < 0.8, elapsed  # the peer exits at 0.3 s; liveness every 0.1 s
+    assert 0.0 < since_death < 2.0, since_death
 
 
 @pytest.mark.timeout(60)
 def test_closing_group_ends_a_blocked_wait_at_the_next_tick():
-    msg, elapsed, _, _ = _run_forked(_waits_alone, 2, timeout_s=30, args=("closing",))[0]
+    msg, _, _, _, since_close = _run_forked(_waits_alone, 2, timeout_s=30,
+                                            args=("closing",))[0]
     assert "process group was destroyed" in msg
-    assert 0.25 <= elapsed < 0.8, elapsed
+    assert 0.0 < since_close < 2.0, since_close  # a tick (0.1 s) after the close
 
 
 def _slow_peer(seg, rank, world, spin_s, waits, delay_s, worker=False, transfer_s=0.0,

@@ -29,7 +29,8 @@ Folder map, bottom layer first (each sub-package is one concept; nothing imports
   groups share), ``arg_checks`` (the per-call argument checks of both process groups),
   ``validate`` (tensor-level checks, staging), ``fast_paths`` (when and how a synchronous
   small collective runs on the caller's thread), ``direct`` (compiled graphs' calls straight
-  into the engine).
+  into the engine), ``abort`` (``fcoll.fence_on_error``: abort groups when an exception leaves
+  a block).
 - ``multihost/``: groups across hosts. ``host_layout`` (host identity, which ranks share a
   host), ``gloo_link`` (gloo between hosts: byte views, reductions gloo lacks, the agreement
   across the link, pipeline pieces), ``ordered_queue`` (the ordered queue and its ``Work``s),

@@ -30,7 +30,14 @@ peer waiting for it, or arriving at it later, raises naming this rank instead of
 from data this rank abandoned, and is broken in turn. Destroying the group fences the next
 sequence number, so a peer still to call it raises at once instead of at the timeout. An
 exception that leaves a compiled step holding collectives of the group fences the group too
-(:meth:`Engine.abandon`, called by the executor), naming the exception's type.
+(:meth:`Engine.abandon`, called by the executor), naming the exception's type. Aborting the group
+(:meth:`Engine.abort`, c10d's ``ProcessGroup.abort``) fences the first collective this rank has
+not completed and makes this rank's own pending collectives fail with an error that says so.
+
+The mapping is unmapped only while no thread executes a collective on it (a torch view of an
+unmapped page crashes the process): :meth:`Engine.close` waits for the executor a bounded time,
+and if a thread still runs a collective (it raises within a wait's tick, the group closing) that
+thread unmaps when it releases the executor.
 """
 
 from __future__ import annotations
@@ -50,8 +57,8 @@ import torch
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.transport.headers import CollectiveMismatchError
 from fcoll.shm.transport.segment import Segment
-from fcoll.shm.transport.fences import (GAVE_UP_DESTROYED, GAVE_UP_ERROR, GAVE_UP_RAISED,
-                                        PeerError)
+from fcoll.shm.transport.fences import (GAVE_UP_ABORTED, GAVE_UP_DESTROYED, GAVE_UP_ERROR,
+                                        GAVE_UP_RAISED, PeerError)
 from fcoll.shm.transport.sync import TRANSFER_BYTES_PER_S, Channel
 from fcoll.shm.work import DoneWork, Job
 
@@ -121,6 +128,8 @@ class Engine:
             :meth:`job` (a queued collective) or :meth:`run_now` (one run on the caller's
             thread), the only two ways to issue one.
         broken: the error that made the group unusable, or None.
+        completed: every collective numbered below this one completed on this rank (one that
+            raised a cross-rank mismatch counts: every rank raised it at the same phase).
     """
 
     def __init__(self, seg: Segment, ch: Channel, label: str):
@@ -132,6 +141,9 @@ class Engine:
         self._running = False
         self._wake = threading.Semaphore(0)
         self._closed = False
+        self._closed_why = "the process group was destroyed"  # what a call after close() says
+        self._aborted = ""  # "rank R aborted the process group (...)" once abort() was called
+        self._unmap_deferred = False  # close() found a collective running: its thread unmaps
         self.seq = 0
         self.completed = 0  # every collective numbered below this one completed on this rank
         self._fewer_threads = _FewerThreads(collective_threads(ch.world))
@@ -153,7 +165,7 @@ class Engine:
         """Queue ``job``; ``wake=False`` leaves it to the caller's ``wait()`` (or to the worker
         if it is already busy with earlier jobs)."""
         if self._closed:
-            raise RuntimeError(f"fcoll {job.name}: the process group was destroyed")
+            raise RuntimeError(f"fcoll {job.name}: {self._closed_why}")
         with self._lock:
             self._pending.append(job)
         if wake:
@@ -213,15 +225,18 @@ class Engine:
                     fn(*call)
             else:
                 fn(*call)
+            self.completed = seq + 1  # before the release: an unmap there fences the next one
         except BaseException as e:  # noqa: BLE001  carried to the caller
             return self._failed(plan.name, e, seq)
         finally:
             with lock:
                 self._running = False
                 more = bool(self._pending)
+                unmap = self._unmap_deferred
             if more:
                 self._wake.release()  # queued meanwhile by another thread: the worker runs it
-        self.completed = seq + 1
+            if unmap:
+                self._unmap()
         return True
 
     def run_fast(self, plan, fn: Callable[..., None], args: tuple,
@@ -251,8 +266,11 @@ class Engine:
         with self._lock:
             self._running = False
             more = bool(self._pending)
+            unmap = self._unmap_deferred
         if more:
             self._wake.release()
+        if unmap:
+            self._unmap()
 
     def kick(self) -> None:
         """Make the worker run whatever is queued."""
@@ -276,6 +294,9 @@ class Engine:
             finally:
                 with self._lock:
                     self._running = False
+                    unmap = self._unmap_deferred
+                if unmap:
+                    self._unmap()
             if job is until:
                 if self._pending:
                     self._wake.release()  # hand the rest to the worker
@@ -348,10 +369,18 @@ class Engine:
         (:meth:`~fcoll.shm.transport.fences.Fences.give_up`), so a peer waiting for it, or
         arriving at it later, raises naming this rank instead of computing a result from data
         this rank abandoned.
-        Unexpected errors are logged with their traceback.
+        Unexpected errors are logged with their traceback. After :meth:`abort` the error of a
+        collective that was pending says so (the abort's fence is already there).
         """
         if isinstance(e, CollectiveMismatchError):
+            self.completed = seq + 1  # every rank raised it at this phase: none waits in it
             return e
+        if self._aborted:
+            err = RuntimeError(f"fcoll {name} (collective #{seq}): {self._aborted} while this "
+                               "collective was pending on it; the group was fenced on every "
+                               "rank: create it again")
+            err.__cause__ = e
+            return err
         if not isinstance(e, PeerError):
             log.exception("fcoll %s failed", name)
         self.broken = e
@@ -385,18 +414,51 @@ class Engine:
                     self.ch.rank)
         return True
 
+    def abort(self, note: str = "") -> None:
+        """This rank gives up the group (c10d's ``ProcessGroup.abort``; the process group
+        calls it, then :meth:`close`): fence the first collective this rank has not
+        completed, so the peers waiting in it, or arriving at it or any later one, raise at
+        once naming this rank and "aborted its process group" (and ``note``); make this rank's
+        own waits give up at their next tick (``Channel.closing``), pending collectives fail
+        with an error saying the group was aborted, and every later call refuse, saying to
+        create the group again. A second call, or one after :meth:`close`, does nothing.
+
+        Args:
+            note: this rank's words for the peers, such as the exception that made it abort
+                (:func:`exception_note`), or "".
+        """
+        if self._closed or self._aborted:
+            return
+        rank = self.ch.rank
+        if self.broken is not None:  # gave up already (and fenced): that error says why
+            self._aborted = f"rank {rank} aborted the process group"
+            self._closed_why = f"{self._aborted} after an earlier error: {self.broken}"
+            note = ""
+        else:
+            said = f" ({note})" if note else ""
+            self._aborted = f"rank {rank} aborted the process group{said}"
+            self._closed_why = f"{self._aborted}; it refuses every collective: create it again"
+            self.broken = RuntimeError(self._closed_why)
+        # first, so that the peers raise however long this rank's own threads take to stop
+        self.ch.fences.give_up(self.completed, "", GAVE_UP_ABORTED, note=note)
+        self.ch.closing = True
+        log.warning("fcoll: %s", self._aborted)
+
     def peers_ahead(self) -> list[int]:
         """Group ranks blocked in a collective this rank has not issued: they arrived at a
         phase past this rank's while every collective this rank issued has completed
         (nothing queued or running). A peer cannot pass a phase without this rank, so such
         a peer waits for this rank until the group timeout unless this rank issues it."""
         with self._lock:
-            if self._running or self._pending or self.completed != self.seq:
+            if self._running or self._pending or self._closed or self.completed != self.seq:
                 return []
         return self.ch.peers_past()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the worker after the queued jobs (bounded by ``timeout_s``) and unmap."""
+        """Stop the worker after the queued jobs (bounded by ``timeout_s``), then refuse every
+        collective and unmap; a collective still running then (its waits give up at their
+        next tick: the group is closing) unmaps when it ends, on its thread. Jobs still queued
+        fail without touching the mapping."""
         if self._closed:
             return
         self._closed = True
@@ -404,11 +466,23 @@ class Engine:
         self._wake.release()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            # a peer still to call collective ``self.seq`` (which this rank never will) raises
-            # at once, naming this rank, instead of waiting for the timeout
-            self.ch.fences.give_up(self.seq, "", GAVE_UP_DESTROYED)
-            self.seg.close()
+        with self._lock:
+            if self.broken is None:  # nothing may run on the mapping from now on
+                self.broken = RuntimeError(self._closed_why)
+            self._unmap_deferred = self._running
+        if not self._unmap_deferred:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        """Fence and unmap, once, with no collective running (:meth:`close`)."""
+        self._unmap_deferred = False
+        if self.seg.data is None:
+            return
+        # a peer still to call a collective that this rank never will (the first one it has
+        # not completed) raises at once, naming this rank, instead of waiting for the timeout;
+        # after a failure or an abort the first fence stays
+        self.ch.fences.give_up(self.completed, "", GAVE_UP_DESTROYED)
+        self.seg.close()
 
 
 @atexit.register

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
+import sys
 from typing import Any, Callable
 
 import torch
@@ -41,7 +42,7 @@ from fcoll.shm.kernels import movement
 from fcoll.shm.group import arg_checks as checks
 from fcoll.shm.cuda.paths import CudaGroup, IpcBuffers
 from fcoll.shm.cuda.staging import CudaStaging
-from fcoll.shm.engine import Engine
+from fcoll.shm.engine import Engine, exception_note
 from fcoll.shm.work import FcollWork
 from fcoll.shm.group.fast_paths import FastPaths
 from fcoll.shm.cuda.submission import CudaSubmission
@@ -53,7 +54,7 @@ from fcoll.shm.transport.segment import default_slot_bytes, open_segment
 from fcoll.shm.transport.sync import Channel
 from fcoll.shm.group.validate import Staging, check_all_gather, check_tensor
 
-ABORT_TIMEOUT_S = 0.5  # abort() waits this long for the worker before unmapping anyway
+ABORT_TIMEOUT_S = 0.5  # abort() waits this long for a running collective, then leaves it the unmap
 
 
 # size and rank trace; peers_ahead and abandon are fcoll's own hooks (the rank check and the
@@ -86,14 +87,38 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         return f"FcollProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
 
     def shutdown(self) -> None:
+        """c10d's shutdown (``dist.destroy_process_group``): run what was queued, then fence
+        the next collective (a peer still to call it raises at once, naming this rank) and
+        release the segment, the worker and the inboxes."""
         self._close_p2p()
         self._fast.clear()  # the fast paths' views of the mapping, so close() can unmap it
+        self._fast = _NO_FAST_PATHS  # a plan made now would view the unmapped segment
         self._engine.close()
         self._cuda.close()
 
     def abort(self) -> None:
+        """c10d's abort (``ProcessGroup.abort``,
+        ``torch.distributed.distributed_c10d._abort_process_group``): this rank gives up the
+        group, on this rank alone (no peer needs to call it).
+
+        The first collective this rank has not completed is fenced in shared memory before
+        anything else (:meth:`Engine.abort`): every peer waiting in it, or arriving at it or a
+        later collective of the group, raises at once (within a wake-up) naming this rank and
+        "aborted its process group", and the group is unusable on every rank until it is
+        created again. Called while an exception is being handled (in an ``except`` block,
+        or by :func:`fcoll.fence_on_error`), the fence carries that exception's type and first
+        line, and the peers quote it. This rank's pending collectives (an un-waited ``Work``,
+        queued or running) fail with an error saying the group was aborted: a running one
+        gives up at its wait's next tick (0.1 s). Every later call raises
+        ``RuntimeError`` saying to create the group again. The worker, the inboxes and the
+        segment are released: the segment after at most ``ABORT_TIMEOUT_S`` here, or, if a
+        collective still runs on another thread then, by that thread when it ends.
+        """
+        exc = sys.exc_info()[1]
+        self._engine.abort(exception_note(exc) if exc is not None else "")
         self._close_p2p()
         self._fast.clear()
+        self._fast = _NO_FAST_PATHS
         self._engine.close(timeout_s=ABORT_TIMEOUT_S)
         self._cuda.close()
 
@@ -419,6 +444,24 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
             stacked = torch.empty((n, *out.shape), dtype=out.dtype)
         return self._broadcast([stacked], root, name="scatter",
                                post=lambda: out.copy_(stacked[self._rank]), result=[out])
+
+
+class _NoFastPaths:
+    """The fast paths of a closed group: none, so every call takes the general path, whose
+    engine refuses it with the reason (destroyed, or aborted: create it again)."""
+
+    def clear(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return _not_eligible
+
+
+def _not_eligible(*args, **kwargs) -> None:
+    return None
+
+
+_NO_FAST_PATHS = _NoFastPaths()
 
 
 def _offsets(splits: list[int], row_bytes: int) -> list[tuple[int, int]]:

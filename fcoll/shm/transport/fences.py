@@ -1,19 +1,19 @@
 """Fences: how a rank gives up a collective in shared memory, and how its peers read and word it.
 
-A rank that gives up a collective (timeout, dead peer, error, destroyed group, an exception on it
-while it held collectives) stores the collective's sequence number, op, reason, the first cause
-of the cascade and the rank to blame for it (carried forward from the fence it saw, so every rank
-names the rank that started a cascade) and a short note in its own words in its control record
-(:meth:`Fences.give_up`) and wakes its sleepers. :meth:`~fcoll.shm.transport.sync.Channel.wait_all`
-reads every peer's fence word (:attr:`Fences.peer_idx`) after the peers arrived (one load per
-peer: 2 ranks, one word) and a sleeper on every wake-up; a fence on the current collective
-(``Channel.seq``, set by the engine) or an earlier one raises :class:`PeerError`
-(:meth:`Fences.check`) before any data of that phase is read. Sequence numbers are compared
-before anything else, and liveness is not checked once every peer arrived: a collective that
-every rank completed never raises, whatever a peer does after it (destroy its group, exit). Only
-loads and stores are used, so in the instant a rank gives up a peer may already have read that
-phase (complete data, published before the rank gave up) and finish that one collective; its
-next call raises.
+A rank that gives up a collective (timeout, dead peer, error, destroyed or aborted group, an
+exception on it while it held collectives) stores the collective's sequence number, op, reason,
+the first cause of the cascade and the rank to blame for it (carried forward from the fence it
+saw, so every rank names the rank that started a cascade) and a short note in its own words in
+its control record (:meth:`Fences.give_up`) and wakes its sleepers.
+:meth:`~fcoll.shm.transport.sync.Channel.wait_all` reads every peer's fence word
+(:attr:`Fences.peer_idx`) after the peers arrived (one load per peer: 2 ranks, one word) and a
+sleeper on every wake-up; a fence on the current collective (``Channel.seq``, set by the engine)
+or an earlier one raises :class:`PeerError` (:meth:`Fences.check`) before any data of that phase
+is read. Sequence numbers are compared before anything else, and liveness is not checked once
+every peer arrived: a collective that every rank completed never raises, whatever a peer does
+after it (destroy its group, exit). Only loads and stores are used, so in the instant a rank
+gives up a peer may already have read that phase (complete data, published before the rank gave
+up) and finish that one collective; its next call raises.
 
 :class:`PeerError` and the ``GAVE_UP_*`` reasons live here too: every error of a group's
 waits (a dead peer, a timeout, a fence) is one a rank may write in its own fence.
@@ -38,19 +38,22 @@ GAVE_UP_ERROR = 1  # an unexpected error on that rank (its traceback is in its l
 GAVE_UP_TIMEOUT = 2
 GAVE_UP_PEER_DIED = 3
 GAVE_UP_PEER_GAVE_UP = 4  # it saw another rank's fence first
-GAVE_UP_DESTROYED = 5  # its process group was destroyed (or aborted, or the interpreter exited)
+GAVE_UP_DESTROYED = 5  # its process group was destroyed (or the interpreter exited)
 GAVE_UP_RAISED = 6  # an exception left a compiled step, or its rank check, on that rank
+GAVE_UP_ABORTED = 7  # its process group was aborted (c10d's ProcessGroup.abort)
 _WHY = {GAVE_UP_ERROR: "it failed with an unexpected error", GAVE_UP_TIMEOUT: "it timed out",
         GAVE_UP_PEER_DIED: "it saw a peer die", GAVE_UP_PEER_GAVE_UP: "a peer gave up first",
         GAVE_UP_DESTROYED: "its process group was destroyed",
-        GAVE_UP_RAISED: "an exception was raised on it while it held collectives of the group"}
+        GAVE_UP_RAISED: "an exception was raised on it while it held collectives of the group",
+        GAVE_UP_ABORTED: "it aborted its process group"}
 _WHY_PEER = {GAVE_UP_TIMEOUT: "it timed out waiting for {}", GAVE_UP_PEER_DIED: "{} died",
              GAVE_UP_PEER_GAVE_UP: "{} gave up first"}
 # The first cause of a cascade, said of its culprit (the rank to blame).
 _ORIGIN = {GAVE_UP_ERROR: "{} failed with an unexpected error",
            GAVE_UP_TIMEOUT: "{} did not arrive in time (a rank timed out waiting for it)",
            GAVE_UP_PEER_DIED: "{} died", GAVE_UP_DESTROYED: "{} destroyed its process group",
-           GAVE_UP_RAISED: "{} raised an exception while it held collectives of the group"}
+           GAVE_UP_RAISED: "{} raised an exception while it held collectives of the group",
+           GAVE_UP_ABORTED: "{} aborted its process group"}
 
 
 class PeerError(RuntimeError):
