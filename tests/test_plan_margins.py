@@ -12,6 +12,7 @@ import contextlib
 import copy
 import logging
 import os
+import subprocess
 import sys
 from unittest import mock
 
@@ -161,6 +162,18 @@ class TestDecisiveTimingsAreLogged(TestCase):
                          ["reorder_for_overlap"])
         line = next(r for r in logs.output if "issued after part of the independent" in r)
         self.assertRegex(line, r"covers [0-9.]+ us >= its estimate [0-9.]+ us")
+
+    def test_torch_logs_plus_fcoll_imports(self):
+        """``TORCH_LOGS=+fcoll python -c "import fcoll"``: torch's log setup walks fcoll's
+        packages at ``import torch``; started from inside fcoll's own import, that raised
+        "cannot import name 'CheckRankConsistency'" (a circular import), so the DEBUG lines
+        above could not be turned on the documented way."""
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        env = {**os.environ, "TORCH_LOGS": "+fcoll",
+               "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-c", "import fcoll"], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
 
     def test_describe_names_the_source(self):
         curve = CommCurve((4096, 1 << 20), (10.0, 210.0), source=SOURCE)
