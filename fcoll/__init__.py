@@ -7,7 +7,13 @@ fcoll also registers the ``"fcoll"`` shared-memory process-group backend, and im
 this happens without an ``import fcoll`` too.
 """
 
-from fcoll.ops import *  # noqa: F401,F403  the funcol API (fcoll.ops.API)
+# torch first: with TORCH_LOGS naming fcoll ("+fcoll"), ``import torch`` walks fcoll's packages
+# (torch._logging imports each one to register its loggers); done from inside fcoll's first
+# submodule import, that walk met half-imported fcoll modules and left fcoll.passes broken
+# ("cannot import name 'CheckRankConsistency' ... circular import").
+import torch  # noqa: F401
+
+from fcoll.ops import *  # noqa: F401,F403,E402  the funcol API (fcoll.ops.API)
 from fcoll.ops import API as _API
 
 __all__ = list(_API)

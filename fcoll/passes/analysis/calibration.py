@@ -47,6 +47,7 @@ import math
 import statistics
 import time
 import weakref
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -113,6 +114,8 @@ class GroupCalibration:
         rates: compute rates (rank 0's).
         points: kind -> {bytes: us}, the slowest rank's median as measured.
         comm: ``CommKey -> CommCurve`` fitted from ``points``.
+        source: where the numbers come from ("file": rank 0 read them from the cache file;
+            else a sentence, :func:`_source`); not compared.
     """
 
     backend: str
@@ -122,6 +125,7 @@ class GroupCalibration:
     rates: ComputeRates
     points: dict[str, dict[int, float]]
     comm: dict[CommKey, CommCurve]
+    source: str = dataclasses.field(default="", compare=False)
 
 
 class _Cache:
@@ -273,7 +277,8 @@ def _known_on_rank_0(backend: str, n: int, layout: str) -> GroupCalibration | No
     _CACHE.stats["file_hits"] += 1
     points = {k: {int(b): float(t) for b, t in entry["points"].get(k, [])} for k in KINDS}
     link = "intra" if set(layout.split(".")) == {"0"} else "inter"
-    return GroupCalibration(backend, n, layout, link, ComputeRates(*entry["compute"]), points, {})
+    return GroupCalibration(backend, n, layout, link, ComputeRates(*entry["compute"]), points, {},
+                            source="file")
 
 
 def _sweep(pg: Any, sizes: list[int], into: torch.Tensor) -> None:
@@ -307,6 +312,25 @@ def sizes_for(max_bytes: int | None) -> tuple[int, ...]:
     cap = max(max_bytes, MIN_SWEEP_BYTES)
     last = next((i for i, s in enumerate(SWEEP_BYTES) if s >= cap), _S - 1)
     return SWEEP_BYTES[:last + 1]
+
+
+def _source(rank: int, known: GroupCalibration | None, todo: list[int], backend: str, n: int,
+            layout: str) -> str:
+    """Where a group's curves come from, for DEBUG logs (:func:`comm_cost.describe`)."""
+    if rank != 0:
+        return "group rank 0's calibration, broadcast"
+    path = calibration_cache.cache_path(backend, n, layout)
+    old = ("calibration file " + path if known is not None and known.source == "file" and path
+           else "this process's earlier calibration" if known is not None else "")
+    if not todo:
+        return old or "no sizes timed"
+    now = f"timed now ({len(todo)} sizes" + (f", written to {path})" if path else ")")
+    return f"{old} + {now}" if old else now
+
+
+def _with_source(rec: GroupCalibration, source: str) -> GroupCalibration:
+    return dataclasses.replace(rec, source=source, comm={
+        k: dataclasses.replace(c, source=source) for k, c in rec.comm.items()})
 
 
 def calibrate_group(pg: Any, max_bytes: int | None = None,
@@ -347,6 +371,7 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
     with no_python_dispatcher():
         layout = host_layout(pg)   # its all_gather also lines the ranks up
         message = torch.zeros(_S + 3 + _K * _S, dtype=torch.float64)
+        known = None
         if pg.rank() == 0:
             known = _known_on_rank_0(backend, n, layout)
             rates = known.rates if known is not None else measure_compute_rates()
@@ -357,6 +382,7 @@ def calibrate_group(pg: Any, max_bytes: int | None = None,
         if todo:
             _sweep(pg, todo, message)   # every rank then holds the same message
     result = _decode(message.tolist(), backend, n, layout)
+    result = _with_source(result, _source(pg.rank(), known, todo, backend, n, layout))
     _CACHE.groups[pg] = result
     if pg.rank() == 0:
         _CACHE.by_key[(backend, n, layout)] = result

@@ -45,13 +45,13 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Sequence, Union
 
 from fcoll.ops.facts import KINDS, busbw_factor
 
 __all__ = ["LINKS", "CommKey", "CommParams", "CommCurve", "CommTable", "Comm",
-           "default_comm", "comm_time_us", "lower_envelope", "fit_alpha_beta",
+           "default_comm", "comm_time_us", "lower_envelope", "fit_alpha_beta", "describe",
            "MIN_BETA_US_PER_BYTE"]
 
 #: Link kinds: one host (shared memory, loopback), or a group spanning hosts.
@@ -149,12 +149,15 @@ class CommCurve:
     Attributes:
         sizes: message sizes in bytes, strictly increasing, at least two.
         times_us: fitted (non-decreasing) microseconds at each size.
+        source: where the numbers come from, for logs ("calibration file PATH", "timed now
+            ..."; set by :mod:`fcoll.passes.analysis.calibration`); not compared.
 
     Build one with :meth:`fit` from raw measurements.
     """
 
     sizes: tuple[int, ...]
     times_us: tuple[float, ...]
+    source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if len(self.sizes) < 2 or len(self.sizes) != len(self.times_us):
@@ -208,6 +211,27 @@ class CommCurve:
     def as_points(self) -> list[list[float]]:
         """``[[bytes, us], ...]`` (JSON-friendly)."""
         return [[b, t] for b, t in zip(self.sizes, self.times_us)]
+
+
+def describe(comm_time: object, nbytes: int) -> str:
+    """The alpha-beta in force at ``nbytes`` and where it comes from, for DEBUG logs:
+    ``"alpha 14.2 us, beta 5.10 GB/s at 1048576 B (calibration file /tmp/...json)"``.
+
+    Args:
+        comm_time: a :class:`CommCurve` or :class:`CommParams`, or its bound ``time_us``
+            (what the bucket planner holds); anything else is described as "a user curve".
+        nbytes: message bytes.
+    """
+    curve = getattr(comm_time, "__self__", comm_time)
+    if isinstance(curve, CommCurve):
+        seg, source = curve.segment(nbytes), curve.source or "a fitted curve"
+    elif isinstance(curve, CommParams):
+        seg, source = curve, "defaults (default_comm: no calibration for this group)"
+    else:
+        return "a user curve"
+    gbps = 1e-3 / seg.beta_us_per_byte if seg.beta_us_per_byte > 0 else math.inf
+    return (f"alpha {seg.alpha_us:.1f} us, beta {gbps:.2f} GB/s at {nbytes} B "
+            f"({source})")
 
 
 #: What a table entry may be: a fitted curve, or one alpha-beta (defaults, hand-made models).

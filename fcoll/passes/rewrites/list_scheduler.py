@@ -333,12 +333,13 @@ def _facts(deps: Deps, storage: Storage, estimate: Callable[[fx.Node], float]) -
 class OverlapScheduler(ListScheduler):
     """One plan of :func:`list_schedule`'s policy, backwards, under a memory limit.
 
-    Scheduling runs from the end of the graph backwards, so "how much compute runs between a
-    collective's issue and its first wait" is known exactly when the issue is placed. State, in
-    the backward sense (``now`` = compute microseconds placed so far, from the end): each
-    collective's first-run wait time (``wait_at``), the next issue per lane (``lane_next``), the
-    collectives in flight and their bytes, and the live bytes (:class:`LiveBytes`). Every step
-    is a heap operation or a constant-time update: O((N + E) log N).
+    Scheduling runs from the end of the graph backwards, so a node placed later runs earlier,
+    and "how much compute runs between a collective's issue and its first wait" is known
+    exactly when the issue is placed. State, in the backward sense (``now`` = compute
+    microseconds placed so far, from the end): each collective's first-run wait time
+    (``wait_at``), the next issue per lane (``lane_next``), the collectives in flight and their
+    bytes, the live bytes (:class:`LiveBytes`) and the ``dep`` of the ready compute. Every step is a heap operation or a constant-time
+    update: O((N + E) log N).
     """
 
     def __init__(self, facts: _Facts, storage: Storage, limit_bytes: int,
@@ -359,11 +360,14 @@ class OverlapScheduler(ListScheduler):
         self.in_flight: set[fx.Node] = set()
         self.flight = 0                            # bytes of the collectives in flight
         self._due_of: fx.Node | None = None        # the collective `_due` was computed for
-        self._due = 0.0
-        # collectives whose results only leave the graph: issued as soon as they are ready
+        self._due = self._start = 0.0
+        # ready compute per dep (the least dep: a lazy heap)
+        self.ready_dep: dict[int, int] = {}
+        self.dep_heap: list[int] = []
         waits: dict[fx.Node, list[fx.Node]] = {}
         for w, c in facts.start.items():
             waits.setdefault(c, []).append(w)
+        # collectives whose results only leave the graph: issued as soon as they are ready
         self.asap = {c for c, ws in waits.items() if all(only_leaves_graph(w) for w in ws)}
 
     def select(self) -> fx.Node:
@@ -373,8 +377,9 @@ class OverlapScheduler(ListScheduler):
         1. a ready wait: each wait runs just before its first user (sink). One whose collective
            would push the bytes in flight over ``max_in_flight_bytes`` is deferred (it will run
            earlier) until a collective completes, i.e. is placed;
-        2. the next collective (in reverse of their fixed order), once ready, if it is due
-           (:meth:`_issue_now`);
+        2. the next collective (in reverse of their fixed order), once ready, if
+           :meth:`_issue_now` says so (as soon as its inputs are ready, unless a documented
+           reason holds it back);
         3. ready compute, highest ``dep`` first (``dep`` = index of the latest collective whose
            wait it depends on): compute that depends on a collective stays after its wait,
            independent compute moves in front of waits and hides the collective being placed;
@@ -397,30 +402,80 @@ class OverlapScheduler(ListScheduler):
             return w
         raise RuntimeError("reorder_for_overlap: no ready node (dependency cycle?)")
 
+    def _contested(self, c: fx.Node) -> int | None:
+        """The earlier collective that ready compute could hide if ``c`` is not issued before
+        it, or None.
+
+        ``c`` runs after the wait of collective ``d = dep[c]`` (its inputs read that wait's
+        result; -1: none). Compute placed now (backwards) runs after ``c``'s issue, so after
+        that wait; left for later, compute that does not depend on that wait (``dep`` below
+        ``d``) can run before it and hide collective ``d``. Otherwise issuing ``c`` first takes
+        nothing from any collective: every earlier one is issued before ``c`` anyway (the fixed
+        order), so compute after ``c`` and before an earlier wait hides both."""
+        d = self.f.dep[c]
+        if d < 0:
+            return None
+        deps, ready = self.dep_heap, self.ready_dep
+        while deps and ready.get(deps[0], 0) == 0:
+            heapq.heappop(deps)
+        return d if deps and deps[0] < d else None
+
     def _issue_now(self, c: fx.Node) -> bool:
-        """Whether collective ``c`` is issued now: once the compute placed after its first wait
-        covers its estimated time, counted from that wait or the issue of the next collective
-        on its lane, whichever is later (that one assumed a free lane); earlier when no compute
-        is ready; later than planned when the memory limit or the in-flight cap presses. A
-        collective whose result only leaves the graph (DDP's gradients) is issued as early as
-        its input allows: nothing in the graph waits for it, so an estimate that is too low
-        cannot expose it at the end."""
+        """Whether collective ``c`` (the next one; everything that reads it is placed) is
+        placed now. Backwards, placing it last means issuing it first: by default ``c`` is
+        issued **as soon as its inputs are ready** (after the collective before it), i.e.
+        placed only once no ready compute is left to run after it. Issuing a collective early
+        costs the compute lane nothing (it runs on its group's lane: fcoll's worker, the
+        link), and the rule reads no timing, so a small estimate error or a calibration a few
+        percent off cannot put a collective after independent compute it could have
+        overlapped (the old "just early enough" rule ran ``ar; mm; cheap op; use`` as ``mm;
+        ar; cheap op; use``). Documented reasons that issue it later:
+
+        - the memory limit: the plan's live bytes already exceed ``limit_bytes``
+          (``memory_budget_mb``): issued now, so its buffers live no longer;
+        - the in-flight cap: a wait was deferred (``max_in_flight_mb``): issued now;
+        - hiding an earlier collective (:meth:`_contested`): some ready compute could instead
+          run before the wait of an earlier collective and hide it. Then ``c`` is issued once
+          the compute after its first wait (or after the issue of the next collective on its
+          lane, whichever is later) covers its estimate, and the rest of that compute is left
+          for the earlier one (an MoE block's second all_to_all and the first one's hiding
+          compute). The one timing-dependent choice, logged at DEBUG with its numbers. It has
+          no margin: a margin would move the point where a timing change flips it, not remove
+          it, and would take compute from the earlier collective whenever it is not needed.
+
+        Ordering edges of :func:`dependencies` hold whatever this says: the fixed collective
+        order (every rank issues the same sequence) and the FSDP prefetch window of one block
+        (``META_NOT_BEFORE``, ``META_WAIT_BY``). A collective whose result only leaves the
+        graph (DDP's gradients) is never held back to hide another."""
+        over = self.memory.live > self.limit_bytes
+        if not self.compute or self.deferred or over:
+            if self.compute:
+                log.debug("reorder_for_overlap: %s issued later than its inputs allow: %s",
+                          c.name, "in-flight cap (max_in_flight_mb)" if self.deferred else
+                          f"memory limit ({self.memory.live} live bytes > "
+                          f"{self.limit_bytes}, memory_budget_mb)")
+            return True
+        if c in self.asap:
+            return False
+        j = self._contested(c)
+        if j is None:
+            return False
         if c is not self._due_of:
             # Fixed while c is the next collective: its waits are placed, and lane_next
             # changes only when a collective is placed.
             self._due_of = c
-            self._due = max(self.wait_at[c], self.lane_next.get(self.f.group[c], 0.0)) \
-                + self.f.est[c] if c in self.wait_at else -math.inf   # nothing waits: now
-            if c in self.asap:   # only the output reads it: as early as its input allows
-                self._due = math.inf
-        over = self.memory.live > self.limit_bytes
-        if self.now >= self._due or self.deferred or over or not self.compute:
-            if self.now < self._due:
-                log.debug("reorder_for_overlap: %s issued later than planned: %s", c.name,
-                          "in-flight cap" if self.deferred else "memory limit" if over else
-                          "no more independent compute to hide it")
-            return True
-        return False
+            self._start = max(self.wait_at.get(c, 0.0), self.lane_next.get(self.f.group[c], 0.0))
+            self._due = self._start + self.f.est[c] \
+                if c in self.wait_at else -math.inf   # nothing waits for it: now
+        if self.now < self._due:
+            return False
+        if c in self.wait_at:
+            log.debug("reorder_for_overlap: %s issued after part of the independent compute: "
+                      "the compute between its issue and its use covers %.1f us >= its "
+                      "estimate %.1f us; the compute before it is left to hide %s (%s reads "
+                      "its result)", c.name, self.now - self._start, self.f.est[c],
+                      self.f.colls[j].name, c.name)
+        return True
 
     def _fits(self, w: fx.Node, reserved: int = 0) -> bool:
         """``w`` may run (backwards: its collective goes in flight) with ``reserved`` more
@@ -432,7 +487,11 @@ class OverlapScheduler(ListScheduler):
     def on_ready(self, node: fx.Node) -> None:
         kind = self.f.kind[node]
         if kind == OTHER:
-            heapq.heappush(self.compute, (-self.f.dep[node], -self.pos[node]))
+            d = self.f.dep[node]
+            heapq.heappush(self.compute, (-d, -self.pos[node]))
+            if not self.ready_dep.get(d):
+                heapq.heappush(self.dep_heap, d)
+            self.ready_dep[d] = self.ready_dep.get(d, 0) + 1
         elif kind == WAIT:
             heapq.heappush(self.waits, -self.pos[node])
         # collectives are taken in their fixed order (select), not from a ready heap
@@ -443,9 +502,10 @@ class OverlapScheduler(ListScheduler):
         kind = f.kind[n]
         if kind == OTHER:
             self.now += f.est[n]
+            self.ready_dep[f.dep[n]] -= 1
         elif kind == WAIT and n in f.start:
             c = f.start[n]
-            self.wait_at[c] = self.now
+            self.wait_at[c] = self.now   # the last placed: its first wait
             if c not in self.in_flight:
                 self.in_flight.add(c)
                 self.flight += f.nbytes[c]
@@ -474,10 +534,13 @@ def list_schedule(graph: fx.Graph, estimate: Callable[[fx.Node], float], *,
 
     Policy: list scheduling *backwards* from the output over the ready set, with heaps, by the
     priority of :meth:`OverlapScheduler.select`; ties always broken by original position, so it
-    is deterministic and every rank plans the same order. Each collective is issued *just early
-    enough* (rather than as early as possible, Inductor's ``raise_comms``): that keeps buffers
-    alive no longer than needed and avoids many collectives contending with compute at once.
-    Cost: O((N + E) log N); estimates are asked once per node.
+    is deterministic and every rank plans the same order. Each collective is issued *as soon as
+    its inputs are ready* (Inductor's ``raise_comms``), each wait just before its first use, and
+    independent compute goes between them; only the memory limit, the in-flight cap and compute
+    that an earlier collective needs for hiding issue a collective later
+    (:meth:`OverlapScheduler._issue_now`). Only that last case reads the time estimates;
+    ``estimate`` (microseconds per node, asked once per node)
+    otherwise only feeds the predicted timeline and records. Cost: O((N + E) log N).
 
     The memory limit is checked on the finished order's peak (the :class:`LiveBytes` model of
     :func:`fcoll.passes.analysis.memory.peak_bytes`, counted while planning; the planner's choices

@@ -7,9 +7,10 @@
 - ``raise_collectives``: every collective moves up to just after the last node it needs (its
   last input, the previous collective, a mutation or barrier, the last placeholder).
 - ``reorder_for_overlap``: the cost-model list scheduler of
-  :mod:`fcoll.passes.rewrites.list_scheduler`: each collective is issued just early enough that the
-  independent compute before its first use covers its estimated time (not as early as possible),
-  with ``config.memory_budget_mb`` of extra peak memory and ``config.max_in_flight_mb`` of
+  :mod:`fcoll.passes.rewrites.list_scheduler`: each collective is issued as soon as its inputs are
+  ready and waited just before its first use, independent compute between them (a collective whose
+  input reads an earlier one's wait takes only the compute that covers its estimate, the rest
+  hides the earlier one), with ``config.memory_budget_mb`` of extra peak memory and ``config.max_in_flight_mb`` of
   outstanding collective bytes; O((N + E) log N). It records per collective ``META_ESTIMATED_US``,
   ``META_HIDING`` (names of the compute nodes predicted to run while it is in flight) and
   ``META_EXPOSED_US`` in ``node.meta``.
