@@ -55,6 +55,34 @@ def test_curve_extrapolates_with_the_end_segments():
     assert c.alpha_us == pytest.approx(alpha_first)
 
 
+def test_above_the_largest_size_a_flattened_last_segment_keeps_the_curves_bandwidth():
+    """A slow 256 KiB cell lowered to 1 MiB's time by the envelope leaves the last segment
+    flat; extrapolated as it is, a 12 MiB bucket would cost what 1 MiB does (seen on train_gpt:
+    every size from 0.8 to 12 MiB predicted at 1929 us). Above the largest size the time per
+    byte is at least the whole curve's."""
+    c = CommCurve.fit([(4 * KiB, 30.0), (64 * KiB, 200.0), (256 * KiB, 3972.0), (MiB, 1929.0)])
+    assert c.times_us == (30.0, 200.0, 1929.0, 1929.0)
+    overall = (1929.0 - 30.0) / (MiB - 4 * KiB)
+    assert c.time_us(12 * MiB) == pytest.approx(1929.0 + overall * 11 * MiB)
+    assert c.time_us(12 * MiB) > 10 * c.time_us(MiB)
+
+
+def test_a_group_is_timed_up_to_the_largest_bucket_its_collectives_can_form():
+    """A DDP backward's gradients: timed up to its largest gradient alone before; now up to
+    the bucket they can form, all of them up to the cap."""
+    gm = canonical.ddp_backward(n_layers=4, batch=64, hidden=256)
+    sizes = [cost.collective_size(n).nbytes for n in collectives(gm.graph)]
+    assert len(sizes) > 1
+    (single,) = calibrate._largest_collectives(gm).values()
+    (uncapped,) = calibrate._largest_collectives(gm, bucket_cap_bytes=1 << 40).values()
+    (capped,) = calibrate._largest_collectives(gm, bucket_cap_bytes=sum(sizes) // 2).values()
+    (below,) = calibrate._largest_collectives(gm, bucket_cap_bytes=1).values()
+    assert single == max(sizes)
+    assert uncapped == sum(sizes)
+    assert capped == max(sum(sizes) // 2, max(sizes))
+    assert below == single
+
+
 def test_below_the_smallest_size_a_negative_latency_becomes_the_smallest_sizes_time():
     """A first segment steeper than proportional would give a negative latency: below the
     smallest measured size the curve is then flat at that size's time (a message smaller than

@@ -185,12 +185,22 @@ class CommCurve:
     def segment(self, nbytes: int) -> CommParams:
         """The alpha-beta in force at ``nbytes``: the segment of the two measured sizes around
         it, the first below the smallest (the smallest size's time, flat, where the first
-        segment's alpha is negative), the last above the largest."""
+        segment's alpha is negative), the last above the largest; where that last segment is
+        flat, the line from the smallest to the largest point instead.
+
+        A flat segment is the lower envelope's doing (two medians of different sizes are never
+        equal): a slow outlier lowered to the next size's time (a 256 KiB cell measured at 4 ms
+        given 1 MiB's 1.9 ms). Extended as it is, it priced every larger message at the largest
+        size's time (a 12 MiB bucket as 1 MiB); no link moves bytes for free above its measured
+        range, so the curve's average time per byte continues it."""
         s, t = self.sizes, self.times_us
         i = min(max(bisect.bisect_right(s, nbytes) - 1, 0), len(s) - 2)
         line = fit_alpha_beta(((s[i], t[i]), (s[i + 1], t[i + 1])))
         if i == 0 and nbytes < s[0] and line.alpha_us < 0:
             return CommParams(t[0], 0.0)
+        if nbytes > s[-1] and t[-1] == t[-2] and t[-1] > t[0]:
+            overall = (t[-1] - t[0]) / (s[-1] - s[0])
+            return CommParams(t[-1] - overall * s[-1], overall)
         return line
 
     def time_us(self, nbytes: int) -> float:

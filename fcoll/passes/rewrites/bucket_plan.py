@@ -213,7 +213,8 @@ def model_costs(gm: fx.GraphModule, config: FcollConfig, estimates: dict | None 
         if before_calibration is None or not needs_calibration(gm):
             return cached_model(gm, config.estimator, estimates)
         before_calibration()
-        return model_for(gm, config.estimator, estimates)
+        return model_for(gm, config.estimator, estimates,
+                         bucket_cap_bytes=int(config.bucket_cap_mb * (1 << 20)))
 
     @functools.cache
     def group_model(group: str):

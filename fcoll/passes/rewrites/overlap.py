@@ -158,7 +158,8 @@ class ReorderForOverlap(FcollPass):
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         if not any(op_class(n) == COLLECTIVE for n in graph_module.graph.nodes):
             return PassResult(graph_module, False)
-        model = model_for(graph_module, self.config.estimator, self.estimates)
+        model = model_for(graph_module, self.config.estimator, self.estimates,
+                          bucket_cap_bytes=int(self.config.bucket_cap_mb * _MIB))
         with gc_paused():
             plan = list_schedule(graph_module.graph, model,
                                  memory_budget_bytes=int(self.config.memory_budget_mb * _MIB),
