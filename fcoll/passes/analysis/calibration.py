@@ -15,7 +15,8 @@ protocol around them.
   (:class:`~fcoll.passes.analysis.comm_cost.CommCurve`) per ``(backend, kind, group size, link)``.
 
 Budget: a graph needs its collectives' sizes, so a group is timed only up to the first sweep
-size at or above the largest collective of the first graph compiled on it (at least
+size at or above the largest collective the passes may issue for the first graph compiled on
+it (its largest bucket: all its collectives of one kind, at most ``bucket_cap_mb``; at least
 :data:`MIN_SWEEP_BYTES`, where timing is cheap; ``python -m fcoll.calibrate`` precomputes the
 whole sweep for a job). Results are reused, without timing again:
 
