@@ -1,6 +1,8 @@
 """fcoll's functional collective ops: ``torch.ops.fcoll.*`` and the Python API over them."""
 
 from fcoll.ops import library  # noqa: F401  defines torch.ops.fcoll.*
+from fcoll.ops.cache_key import guard_compile_caches as _guard_compile_caches
+_guard_compile_caches()  # PyTorch's compile caches never serve another fcoll's ops
 from fcoll.ops.async_tensor import AsyncCollectiveTensor
 from fcoll.ops.functional import (
     all_gather_into_tensor_coalesced,
