@@ -80,6 +80,16 @@ class TestFoldAllReduceSums(unittest.TestCase):
             for ar in collectives(gm):
                 self.assertEqual(arg_of(ar, "input").op, "placeholder")
 
+    def test_in_place_all_reduce_is_not_folded(self):
+        """``all_reduce_`` writes its input, which others may read: left as it is."""
+        def in_place(a, b):
+            x = torch.ops.fcoll.wait_tensor(torch.ops.fcoll.all_reduce_(a, "sum", "0"))
+            y = torch.ops.fcoll.wait_tensor(torch.ops.fcoll.all_reduce_(b, "sum", "0"))
+            return x + y
+
+        gm = _fold(in_place, 2)
+        self.assertEqual(len(collectives(gm)), 2)
+
     def test_in_the_default_pipeline_after_lowering(self):
         self.assertEqual(FcollConfig().pipeline[:2],
                          ("lower_c10d_functional", "fold_all_reduce_sums"))

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fcoll.passes.graph import arg_of, collective_kind, is_collective, waits_of
+from fcoll.passes.graph import arg_of, waits_of
 from fcoll.passes.registry import FcollPass, register_pass
 
 __all__ = ["FoldAllReduceSums", "foldable_pairs"]
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 #: Reduce ops for which an all_reduce of a sum is the sum of the all_reduces.
 LINEAR_OPS = ("sum", "avg")
 _ADD = torch.ops.aten.add.Tensor
+_ALL_REDUCE = torch.ops.fcoll.all_reduce.default
 
 
 def _reduced(x: object) -> tuple[fx.Node, fx.Node] | None:
@@ -45,9 +46,9 @@ def _reduced(x: object) -> tuple[fx.Node, fx.Node] | None:
     if not isinstance(x, fx.Node) or len(x.users) != 1:
         return None
     start = x.args[0] if x.args else None
-    if not isinstance(start, fx.Node) or not is_collective(start) \
-            or collective_kind(start) != "all_reduce" or waits_of(start) != [x] \
-            or len(start.users) != 1:
+    # the functional op only: an in-place all_reduce_ also writes its input, which others read
+    if not isinstance(start, fx.Node) or start.target is not _ALL_REDUCE \
+            or waits_of(start) != [x] or len(start.users) != 1:
         return None
     if arg_of(start, "reduce_op", None) not in LINEAR_OPS:
         return None
