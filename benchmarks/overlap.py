@@ -27,10 +27,14 @@ PyTorch's own ``DistributedDataParallel`` / ``fully_shard``, in ``fcoll.parallel
 SimpleFSDP per block), timed with ``backend="fcoll"`` (``fcoll``) and with PyTorch's own
 compiled module (``backend="inductor"`` with :func:`pytorch_best`, ``pytorch``), beside the
 hand-written step of the same kind when it ran in the same invocation; ``pytorch/fcoll`` is the
-speed-up (target >= 1.3). FSDP rows also give each variant's peak memory: the largest rise of
-the process's resident set over its value before the variant's first step, sampled every
-millisecond during its steps (the ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: tensors of
-128 KiB or more are mmapped, so freeing one lowers the RSS).
+speed-up (target >= 1.3). ``torch-fsdp2`` also runs FSDP2 eagerly (``eager``: no compiler, as
+PyTorch runs it), and ``simple-fsdp`` also fcoll with ``bucket_mode="coalesced"``
+(``coalesced``: buckets without the concat mode's copies in and out). Every FSDP row (``fsdp``'s
+``off`` / ``on`` / ``inductor``, and each module variant) gives its peak memory: rank 0's
+largest rise of live heap bytes within a timed step over their value at the step's start,
+counted at every allocation and free by a preloaded library (``benchmarks/peak_memory.py``;
+every tensor storage of the process, on every thread, Inductor's buffers included); the target
+is SimpleFSDP under fcoll at most 1.1x FSDP2 eager.
 
 ``torch-ddp`` is timed in ``--rounds`` rounds (the variants' order reversed every other round,
 each variant compiled afresh: compiled autograd's cache is process-wide), against every way
@@ -44,19 +48,23 @@ communication), ``comm`` (the gradients' all_reduces alone, bucketed at 25 MiB, 
 ``forward`` (the compiled loss alone); ``exposed = fcoll - compute``, ``overlap = 1 - exposed /
 comm`` and the one-step floor ``max(compute, forward + comm)`` (gradients, and so their
 all_reduces, exist only after the forward). Medians over every timed step of every round; the
-ratios are medians of the per-round ratios. The load average is printed before and after.
+ratios are medians of the per-round ratios. The load average is printed before and after;
+``--background-load N`` runs N busy processes (``collectives.BackgroundLoad``, in the ranks'
+session) for the whole run.
 
 The ranks talk over gloo inside a network namespace whose loopback is rate-limited with
 ``tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 100ms`` (0.125 GB/s; NOTES.md).
 Without root, ``ip`` or ``tc`` it falls back to plain loopback, and says so in the table and
 the JSON (``"network"``).
 
-    python benchmarks/overlap.py --json overlap.json
+    python benchmarks/overlap.py --json overlap.json       # every row, one run
+    python benchmarks/overlap.py --background-load 2 --json overlap-loaded.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -87,6 +95,9 @@ def _parse(argv=None):
     p.add_argument("--network", choices=["auto", "tbf", "loopback"], default="auto")
     p.add_argument("--json", default="overlap.json")
     p.add_argument("--timeout-s", type=float, default=3000)
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="N busy processes during the run (collectives.BackgroundLoad, in the "
+                   "ranks' session)")
     return p.parse_args(argv)
 
 
@@ -136,40 +147,6 @@ def pytorch_best():
                       bucket_reduce_scatters_fx="all")
 
 
-class PeakRSS:
-    """Peak rise of this process's resident set (bytes) while the context is open, sampled
-    every millisecond from ``/proc/self/statm`` by a thread."""
-
-    def __enter__(self) -> "PeakRSS":
-        import gc
-        import threading
-
-        gc.collect()
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, self._rss())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-
-    @property
-    def rise_mb(self) -> float:
-        return (self.peak - self.start) / 2 ** 20
-
-
 class LocalComm:
     """Collectives replaced by local copies of the same output size (compute-only time)."""
 
@@ -183,15 +160,24 @@ class LocalComm:
         return shard.repeat(self.n)  # [k] -> [n * k], backward sums the n chunks
 
 
-def _time_steps(run, args_fn, warmup: int, steps: int, barrier) -> list[float]:
+def _time_steps(run, args_fn, warmup: int, steps: int, barrier, mem=None) -> list[float]:
+    """Seconds of each of ``steps`` steps after ``warmup``; ``mem`` (a
+    :class:`peak_memory.PeakAlloc`) is entered around each timed step, after a ``gc.collect()``
+    (untimed) so that cyclic garbage of earlier variants is not freed inside the window."""
+    import gc
+
     times = []
     for i in range(warmup + steps):
         inputs = args_fn(i)
+        if mem is not None:
+            gc.collect()
         barrier()
-        t0 = time.perf_counter()
-        run(*inputs)
+        with mem if mem is not None and i >= warmup else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            run(*inputs)
+            t = time.perf_counter() - t0
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(t)
     return times
 
 
@@ -237,20 +223,17 @@ def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int,
 
 
 def _time_variant(T, cfg, comm, backend: str, options, parallel: str, shapes, batch, barrier,
-                  a: dict) -> float | str:
-    """Median step time of one variant, or "failed: ..." (a failing baseline is reported)."""
+                  a: dict, mem=None) -> float | str:
+    """Median step time of one variant, or "failed: ..." (a failing baseline is reported);
+    ``mem``: a :class:`peak_memory.PeakAlloc` entered around each timed step."""
     import torch
 
     torch._dynamo.reset()
     step = T.make_train_step(cfg, comm, parallel, shapes=shapes)
     try:
-        if backend == "inductor":
-            with pytorch_best():
-                run = T.compile_step(step, "inductor")
-                times = _time_steps(run, batch, a["warmup"], a["steps"], barrier)
-        else:
-            run = T.compile_step(step, backend, options)
-            times = _time_steps(run, batch, a["warmup"], a["steps"], barrier)
+        with pytorch_best() if backend == "inductor" else contextlib.nullcontext():
+            run = T.compile_step(step, backend, None if backend == "inductor" else options)
+            times = _time_steps(run, batch, a["warmup"], a["steps"], barrier, mem)
         return statistics.median(times)
     except Exception as e:  # noqa: BLE001  a baseline that fails is reported, not fatal
         return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -259,11 +242,13 @@ def _time_variant(T, cfg, comm, backend: str, options, parallel: str, shapes, ba
 def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int, barrier,
                            a: dict) -> dict:
     """Median step time of the GPT module (PyTorch's FSDP2, fcoll's SimpleFSDP, tensor
-    parallel) compiled with fcoll and with Inductor (:func:`pytorch_best`); FSDP modes also the
-    peak memory rise of each (MiB, ``<name>_peak_mb``)."""
-    import contextlib
-
+    parallel) compiled with fcoll and with Inductor (:func:`pytorch_best`), and for FSDP2 also
+    run eagerly (``eager``: FSDP2 as PyTorch runs it without a compiler); FSDP modes also each
+    variant's peak memory over its timed steps (MiB, ``<name>_peak_mb``:
+    :class:`peak_memory.PeakAlloc`, the largest rise of live heap bytes within a step)."""
     import torch
+
+    from peak_memory import PeakAlloc
 
     data_rank, data_world = (0, 1) if parallel == "tp" else (rank, world)
 
@@ -275,20 +260,26 @@ def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int,
     backends = {"fcoll": ("fcoll", {"compute": "inductor"})}
     if not a["no_inductor"]:
         backends["pytorch"] = ("inductor", None)
+    if parallel == "torch-fsdp2":
+        backends["eager"] = ("eager", None)
+    if parallel == "simple-fsdp":   # buckets without copies in or out (peak memory)
+        backends["coalesced"] = ("fcoll", {"compute": "inductor", "bucket_mode": "coalesced"})
     for name, (backend, options) in backends.items():
         torch._dynamo.reset()
         counts, stop = T.count_compiled_collectives()
         try:
             best = pytorch_best() if backend == "inductor" else contextlib.nullcontext()
-            with best:
+            stance = (torch.compiler.set_stance("force_eager") if name == "eager"
+                      else contextlib.nullcontext())
+            with best, stance:
                 step = T.TorchModuleStep(cfg, T.init_params(cfg, 0), parallel, T.AdamW(),
                                          torch.device("cpu"), backend, options)
-                step(*batch(0))   # compiles outside the memory window
-                with PeakRSS() as mem:
-                    times = _time_steps(step, batch, a["warmup"], a["steps"], barrier)
+                step(*batch(0))   # compiles before the timed steps
+                mem = PeakAlloc() if "fsdp" in parallel else None
+                times = _time_steps(step, batch, a["warmup"], a["steps"], barrier, mem)
             res[name] = statistics.median(times)
-            if "fsdp" in parallel:
-                res[f"{name}_peak_mb"] = mem.rise_mb
+            if mem is not None:
+                res[f"{name}_peak_mb"] = mem.max_rise_mb
         except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
             res[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         stop()
@@ -409,8 +400,9 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
     import train_gpt as T
+    from peak_memory import PeakAlloc
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
@@ -445,9 +437,13 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         }
         if not a["no_inductor"]:
             variants["inductor"] = (T.TorchComm(group), "inductor", None)
-        res: dict = {name: _time_variant(T, cfg, comm, backend, options, parallel, shapes, batch,
-                                         barrier, a)
-                     for name, (comm, backend, options) in variants.items()}
+        res: dict = {}
+        for name, (comm, backend, options) in variants.items():
+            mem = PeakAlloc() if parallel == "fsdp" and name != "compute" else None
+            res[name] = _time_variant(T, cfg, comm, backend, options, parallel, shapes, batch,
+                                      barrier, a, mem)
+            if mem is not None and mem.max_rise_mb is not None:
+                res[f"{name}_peak_mb"] = mem.max_rise_mb
         res["comm"] = statistics.median(_comm_only(params, parallel, world, 25 * 2 ** 20, group,
                                                    a["steps"]))
         # The forward's compute alone (the loss of full parameters, no collective): DDP's
@@ -524,20 +520,41 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
         else:
             lines.append(f"{mode:6} failed: {r}")
         summary[mode] = s
+    fsdp = results.get("fsdp", {})
+    peaks = {k: fsdp.get(f"{k}_peak_mb") for k in ("off", "on", "inductor")}
+    if any(v is not None for v in peaks.values()):
+        summary.setdefault("fsdp", {}).update({f"{k}_peak_mb": v for k, v in peaks.items()})
+        lines.append("fsdp peak memory (largest rise of live heap bytes in a step, MiB): " +
+                     ", ".join(f"{k} {v:.1f}" for k, v in peaks.items() if v is not None))
     if module_lines:
         lines += ["", "GPT modules, median step ms: fcoll = backend='fcoll' (compute='inductor'), "
                   "pytorch = backend='inductor' with FX bucketing (PyTorch's best on CPU), hand = "
-                  "the hand-written step with fcoll; peak = peak RSS rise during the steps, MiB",
+                  "the hand-written step with fcoll; peak = largest rise of live heap bytes in a "
+                  "step, MiB (eager: FSDP2 without a compiler)",
                   f"{'mode':12} {'fcoll':>9} {'pytorch':>9} {'hand':>9} {'pytorch/fcoll':>13} "
-                  f"{'collectives in graphs':>22} {'peak fcoll':>10} {'peak pytorch':>12}  "
-                  "target pytorch/fcoll >= 1.3"] + module_lines
+                  f"{'collectives in graphs':>22} {'peak fcoll':>10} {'peak torch':>10} "
+                  f"{'peak eager':>10}  target pytorch/fcoll >= 1.3"] + module_lines
         fs, f2 = summary.get("simple-fsdp", {}), summary.get("torch-fsdp2", {})
-        if fs.get("fcoll_peak_mb") is not None and f2.get("pytorch_peak_mb"):
-            ratio = fs["fcoll_peak_mb"] / f2["pytorch_peak_mb"]
-            fs["peak_over_fsdp2"] = ratio
-            lines.append(f"SimpleFSDP under fcoll peak {fs['fcoll_peak_mb']:.1f} MiB / FSDP2 "
-                         f"(Inductor) {f2['pytorch_peak_mb']:.1f} MiB = {ratio:.2f} "
-                         f"(target <= 1.1: {ratio <= 1.1})")
+        ours = fs.get("fcoll_peak_mb")
+        refs = {"FSDP2 eager": f2.get("eager_peak_mb"), "FSDP2 Inductor": f2.get("pytorch_peak_mb"),
+                "SimpleFSDP Inductor": fs.get("pytorch_peak_mb")}
+        co = summary.get("simple-fsdp", {})
+        if co.get("coalesced_ms") is not None:
+            lines.append(f"SimpleFSDP under fcoll with bucket_mode='coalesced': "
+                         f"{co['coalesced_ms']:.1f} ms, peak {co['coalesced_peak_mb']:.1f} MiB")
+            if refs["FSDP2 eager"]:
+                fs["coalesced_peak_over_fsdp2_eager"] = (co["coalesced_peak_mb"]
+                                                         / refs["FSDP2 eager"])
+        for label, ref in refs.items():
+            if ours is not None and ref:
+                key = {"FSDP2 eager": "peak_over_fsdp2_eager",
+                       "FSDP2 Inductor": "peak_over_fsdp2_inductor",
+                       "SimpleFSDP Inductor": "peak_over_inductor"}[label]
+                fs[key] = ours / ref
+                target = (f" (target <= 1.1: {ours / ref <= 1.1})"
+                          if label == "FSDP2 eager" else "")
+                lines.append(f"SimpleFSDP under fcoll peak {ours:.1f} MiB / {label} {ref:.1f} "
+                             f"MiB = {ours / ref:.2f}{target}")
     return "\n".join(lines + ddp_lines), summary
 
 
@@ -582,9 +599,13 @@ def _module_row(mode: str, r: dict, hand: dict | None, summary: dict) -> str:
     hand_ms = hand["on"] * 1e3 if hand and isinstance(hand.get("on"), float) else None
     fc, pt = ms.get("fcoll"), ms.get("pytorch")
     ratio = pt / fc if fc and pt else None
-    peaks = {k: r.get(f"{k}_peak_mb") for k in ("fcoll", "pytorch")}
+    peaks = {k: r.get(f"{k}_peak_mb") for k in ("fcoll", "pytorch", "eager")}
+    eager, co = r.get("eager"), r.get("coalesced")
     summary[mode] = {"fcoll_ms": fc, "pytorch_ms": pt, "hand_ms": hand_ms,
-                     "fcoll_peak_mb": peaks["fcoll"], "pytorch_peak_mb": peaks["pytorch"],
+                     "eager_ms": eager * 1e3 if isinstance(eager, float) else None,
+                     "coalesced_ms": co * 1e3 if isinstance(co, float) else None,
+                     "coalesced_peak_mb": r.get("coalesced_peak_mb"),
+                     **{f"{k}_peak_mb": v for k, v in peaks.items()},
                      "pytorch_over_fcoll": ratio, "fcoll_collectives": r.get("fcoll_collectives"),
                      "errors": {k: v for k, v in r.items() if isinstance(v, str)},
                      "target_met": ratio is not None and ratio >= 1.3}
@@ -610,18 +631,33 @@ def main(argv=None) -> int:
     sys.path.insert(0, ROOT)
     from fcoll.testing import run_ranks
 
+    from collectives import BackgroundLoad, _sigterm_raises
+    from peak_memory import preload_env
+
+    # the ranks start with the allocation counter preloaded (peak columns); only they do
+    preload = preload_env()
+    saved = {k: os.environ.get(k) for k in preload}
     t0, load_before = time.time(), os.getloadavg()
-    # a fixed mmap threshold: glibc otherwise raises it as mmapped chunks are freed, keeps
-    # later tensors in its heap, and the RSS stops showing what a step frees (peak columns)
-    r0 = run_ranks(_rank, 2, backend="gloo", args=(vars(a),), timeout_s=a.timeout_s,
-                   pg_timeout_s=a.timeout_s, env={"MALLOC_MMAP_THRESHOLD_": "131072"})[0]
+    try:
+        os.environ.update(preload)
+        with _sigterm_raises(), BackgroundLoad(a.background_load):
+            r0 = run_ranks(_rank, 2, backend="gloo", args=(vars(a),), timeout_s=a.timeout_s,
+                           pg_timeout_s=a.timeout_s)[0]
+            load_after = os.getloadavg()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     text, summary = _table(r0, network)
-    load_after = os.getloadavg()
     print(text)
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after} "
-          f"({os.cpu_count()} cores)")
+          f"({os.cpu_count()} cores; {a.background_load} background busy processes; peak "
+          f"memory: {'counted' if preload else 'unavailable (no C compiler)'})")
     with open(a.json, "w") as f:
         json.dump({"network": network, "args": vars(a), "results": summary,
+                   "background_load": a.background_load,
                    "raw_seconds": r0, "wall_s": time.time() - t0,
                    "load_average": {"before": load_before, "after": load_after}}, f, indent=2)
     print(f"wrote {a.json}")

@@ -75,6 +75,19 @@ def _backward(blocks: int = BLOCKS) -> fx.GraphModule:
     return _tag_blocks(canonical.trace(step, [act] + [act, act, shard, shard] * blocks), 2)
 
 
+def _gradient_waits_at_end(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move every reduce_scatter's wait just before its first user (the end of the graph),
+    where AOTAutograd's backward has the waits of gradients that only leave the graph (the
+    trace puts each right after its collective)."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for rs in [n for n in collectives(gm) if collective_kind(n) == "reduce_scatter"]:
+        for w in waits_of(rs):
+            min(w.users, key=pos.__getitem__).prepend(w)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 def _lowered(gm: fx.GraphModule) -> fx.GraphModule:
     return run_pipeline(gm, FcollConfig(), ("lower_c10d_functional",))
 
@@ -138,6 +151,37 @@ class TestFsdpPlan(unittest.TestCase):
         waited_by = [n for n in gm.graph.nodes if META_WAIT_BY in n.meta]
         # waited before the block after next starts; the last two blocks': at the end
         self.assertEqual(len(waited_by), BLOCKS - 2)
+
+    def test_gradient_buckets_stay_waited_before_the_block_after_next_through_the_scheduler(self):
+        """The whole pipeline on the backward: each block's gradient bucket
+        ``rs(g2, g1) -> ... -> wait`` keeps its wait before the first use of the block after
+        next's weights (``META_WAIT_BY`` names a node that survives bucketing, and
+        ``reorder_for_overlap`` keeps the bound), so at most two buckets are in flight: peak
+        memory within the unbucketed graph's plus three blocks' gradients (each bucket's
+        concatenated input and its output, two buckets), where waiting every bucket at the end
+        holds all of them."""
+        before = _gradient_waits_at_end(_lowered(_backward()))
+        unbucketed_peak = peak_bytes(before.graph.nodes)
+        gm = run_pipeline(_gradient_waits_at_end(_lowered(_backward())), FcollConfig(),
+                          ("bucket_collectives", "reorder_for_overlap"))
+        nodes = list(gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        by_name = {n.name: n for n in nodes}
+        scatters = [n for n in collectives(gm) if collective_kind(n) == "reduce_scatter"]
+        self.assertEqual(len(scatters), BLOCKS)
+        bounded = 0
+        for rs in scatters:
+            (w,) = waits_of(rs)
+            due = w.meta.get(META_WAIT_BY)
+            if due is None:
+                continue
+            bounded += 1
+            self.assertIn(due, by_name, f"{w.name}'s bound {due} is not in the graph")
+            self.assertLess(pos[w], pos[by_name[due]])
+            self.assertEqual(by_name[due].op, "call_function")
+        self.assertEqual(bounded, BLOCKS - 2)
+        grad_bytes = 2 * HIDDEN * HIDDEN * 4    # one block's two full-size weight gradients
+        self.assertLessEqual(peak_bytes(gm.graph.nodes), unbucketed_peak + 3 * grad_bytes)
 
 
 if __name__ == "__main__":

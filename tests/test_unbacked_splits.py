@@ -222,8 +222,9 @@ def _check_moe(backend: str) -> None:
         kinds = sorted(g["name"].rsplit("_", 1)[-1] for g in r["graphs"])
         assert kinds == ["backward", "forward"], r["graphs"]   # both batches: one compile
         for g in r["graphs"]:
-            assert g["passes"] == ["lower_c10d_functional", "bucket_collectives",
-                                   "check_rank_consistency", "reorder_for_overlap"]
+            assert g["passes"] == ["lower_c10d_functional", "fold_all_reduce_sums",
+                                   "bucket_collectives", "check_rank_consistency",
+                                   "reorder_for_overlap"]
             assert g["size_estimates"], g     # the unbacked a2as were sized by the fallback
             report = "\n".join(g["rank_check"].values())
             assert "data-dependent, not compared at compile time" in report, report

@@ -19,6 +19,13 @@ partitioner reads the same tags, so in a compiled step the backward graph holds 
 all_gathers). This is torchtitan's SimpleFSDP design (Zhang et al., "SimpleFSDP: Simpler Fully
 Sharded Data Parallel with torch.compile", 2024); the code here is fcoll's own.
 
+Memory: compiled with ``backend="fcoll"``, each block's parameters are one all_gather bucket
+(``fcoll.passes.rewrites.fsdp_plan``). The default ``bucket_mode="concat"`` copies a block's
+shards into one input and the gathered bucket out into its parameters, and each gradient bucket
+in; ``options={"bucket_mode": "coalesced"}`` issues the block's collectives without those
+copies, which keeps the step's peak memory within FSDP2's (``benchmarks/overlap.py`` reports
+both).
+
 What differs from ``torch.distributed.fsdp.fully_shard`` (FSDP2):
 
 - Compiled-only: prefetch, bucketing and freeing gathered parameters between blocks. Run

@@ -13,6 +13,7 @@ model, storage model, lane simulator, calibration, collective-sequence fingerpri
 pass                       what it does
 =========================  ===================================================================
 lower_c10d_functional      ``torch.ops._c10d_functional.*`` -> ``torch.ops.fcoll.*``
+fold_all_reduce_sums       ``ar(a) + ar(b)`` -> ``ar(a + b)`` (sum / avg; tensor parallel's backward)
 bucket_collectives         merge same-key collectives into buckets of <= ``bucket_cap_mb``
 sink_output_waits          waits that only feed the output, with their chains, to the end
 sink_waits                 each wait just before the first use of its result
@@ -32,6 +33,7 @@ from fcoll.passes.rewrites.consistency import (
 )
 from fcoll.passes.rewrites.lower import LowerC10dFunctional
 from fcoll.passes.rewrites.output_chains import SinkOutputWaits
+from fcoll.passes.rewrites.reduce_sums import FoldAllReduceSums
 from fcoll.passes.rewrites.overlap import (
     PredictedEvent, RaiseCollectives, ReorderForOverlap, SinkWaits, predict,
 )
@@ -43,6 +45,6 @@ __all__ = [
     "Bucket", "plan_buckets", "apply_buckets", "BucketCollectives", "BucketPlanError",
     "BucketPlanTimeoutError", "CheckRankConsistency",
     "RankMismatchError", "RankTimeoutError", "fingerprint", "LowerC10dFunctional",
-    "PredictedEvent", "RaiseCollectives", "ReorderForOverlap", "SinkWaits", "SinkOutputWaits",
+    "FoldAllReduceSums", "PredictedEvent", "RaiseCollectives", "ReorderForOverlap", "SinkWaits", "SinkOutputWaits",
     "predict", "FcollPass", "PassFailed", "get_pass", "register_pass", "registered_passes", "run_pipeline",
 ]

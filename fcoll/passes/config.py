@@ -21,6 +21,7 @@ __all__ = ["FcollConfig", "DEFAULT_PASSES"]
 #: fingerprint the check compares is the same before and after it.
 DEFAULT_PASSES: tuple[str, ...] = (
     "lower_c10d_functional",
+    "fold_all_reduce_sums",
     "bucket_collectives",
     "check_rank_consistency",
     "reorder_for_overlap",
