@@ -80,6 +80,25 @@ class TestFoldAllReduceSums(unittest.TestCase):
             for ar in collectives(gm):
                 self.assertEqual(arg_of(ar, "input").op, "placeholder")
 
+    def test_integer_avg_is_not_folded_integer_sum_is(self):
+        """An integer ``avg`` truncates, so it is not linear (``avg(1) + avg(1) = 0`` over 2
+        ranks whose other inputs are 0, ``avg(2) = 1``): left as it is; an integer ``sum`` folds."""
+        def avgs(a, b):
+            return fcoll.all_reduce(a, "avg", "0") + fcoll.all_reduce(b, "avg", "0")
+
+        def sums(a, b):
+            return fcoll.all_reduce(a, "sum", "0") + fcoll.all_reduce(b, "sum", "0")
+
+        gm = run_pipeline(canonical.trace(avgs, [SHAPE] * 2, dtype=torch.int64), FcollConfig(),
+                          ("lower_c10d_functional", "fold_all_reduce_sums"))
+        self.assertEqual(len(collectives(gm)), 2)
+        gm = run_pipeline(canonical.trace(sums, [SHAPE] * 2, dtype=torch.int64), FcollConfig(),
+                          ("lower_c10d_functional", "fold_all_reduce_sums"))
+        self.assertEqual(len(collectives(gm)), 1)
+        gm = run_pipeline(canonical.trace(avgs, [SHAPE] * 2), FcollConfig(),
+                          ("lower_c10d_functional", "fold_all_reduce_sums"))
+        self.assertEqual(len(collectives(gm)), 1)
+
     def test_in_place_all_reduce_is_not_folded(self):
         """``all_reduce_`` writes its input, which others may read: left as it is."""
         def in_place(a, b):

@@ -1,8 +1,8 @@
 """``fold_all_reduce_sums``: the sum of two all_reduces is one all_reduce of the sum.
 
 ``add(wait(all_reduce(a, op)), wait(all_reduce(b, op)))`` becomes ``wait(all_reduce(add(a, b),
-op))`` for ``op`` in sum and avg (both linear: ``sum_r a_r + sum_r b_r = sum_r (a_r + b_r)``),
-one group, one dtype and shape, when nothing else reads either result. The rewrite repeats until
+op))`` for ``op`` in sum and avg (both linear: ``sum_r a_r + sum_r b_r = sum_r (a_r + b_r)``;
+avg on floating dtypes only, since an integer avg truncates), one group, one dtype and shape, when nothing else reads either result. The rewrite repeats until
 no such ``add`` is left, so a chain of ``k`` summed all_reduces becomes one: ``k - 1``
 collectives and their bytes fewer.
 
@@ -56,11 +56,17 @@ def _reduced(x: object) -> tuple[fx.Node, fx.Node] | None:
 
 
 def _same(a: fx.Node, b: fx.Node) -> bool:
-    """Same op, reduce op, group, input dtype and shape (no broadcasting in the add)."""
+    """Same op, reduce op, group, input dtype and shape (no broadcasting in the add), and a
+    dtype for which the reduce op is linear: ``avg`` of an integer dtype truncates
+    (``avg(1) + avg(1) = 0`` over 2 ranks whose other inputs are 0, ``avg(1 + 1) = 1``), so
+    only ``sum`` folds there."""
     va, vb = a.args[0].meta.get("val"), b.args[0].meta.get("val")
-    return (a.target == b.target and a.args[1:] == b.args[1:] and a.kwargs == b.kwargs
+    if not (a.target == b.target and a.args[1:] == b.args[1:] and a.kwargs == b.kwargs
             and isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
-            and va.dtype == vb.dtype and va.shape == vb.shape)
+            and va.dtype == vb.dtype and va.shape == vb.shape):
+        return False
+    return arg_of(a, "reduce_op", None) == "sum" or va.dtype.is_floating_point \
+        or va.dtype.is_complex
 
 
 def foldable_pairs(graph: fx.Graph) -> list[tuple[fx.Node, tuple[fx.Node, fx.Node],
