@@ -452,7 +452,7 @@ class TestRandomGraphs(unittest.TestCase):
             seen.add(n)
         removed = sum(len(b.members) for b in plan)
         added = sum(len(set(b.dtypes)) if b.kind in ("all_reduce", "reduce_scatter")
-                    and config.bucket_mode == "concat" else 1 for b in plan)
+                    and b.mode == "concat" else 1 for b in plan)
         self.assertEqual(len(collectives(gm)), n_before - removed + added)
         return len(plan)
 

@@ -149,8 +149,10 @@ class TestFsdpPlan(unittest.TestCase):
         self.assertEqual(kinds.count(("all_gather", 2)), BLOCKS)
         self.assertEqual(kinds.count(("reduce_scatter", 2)), BLOCKS)
         waited_by = [n for n in gm.graph.nodes if META_WAIT_BY in n.meta]
-        # waited before the block after next starts; the last two blocks': at the end
-        self.assertEqual(len(waited_by), BLOCKS - 2)
+        # waited before the block after next starts; the last two blocks': at the end. A
+        # block's gradients are one coalesced reduce_scatter (bucket_mode "auto"): a wait each.
+        self.assertEqual(len(waited_by), 2 * (BLOCKS - 2))
+        self.assertEqual(len({n.meta[META_WAIT_BY] for n in waited_by}), BLOCKS - 2)
 
     def test_gradient_buckets_stay_waited_before_the_block_after_next_through_the_scheduler(self):
         """The whole pipeline on the backward: each block's gradient bucket
@@ -170,14 +172,16 @@ class TestFsdpPlan(unittest.TestCase):
         scatters = [n for n in collectives(gm) if collective_kind(n) == "reduce_scatter"]
         self.assertEqual(len(scatters), BLOCKS)
         bounded = 0
-        for rs in scatters:
-            (w,) = waits_of(rs)
-            due = w.meta.get(META_WAIT_BY)
+        for rs in scatters:   # coalesced (the default "auto" mode for FSDP): a wait per output
+            dues = {w.meta.get(META_WAIT_BY) for w in waits_of(rs)}
+            self.assertEqual(len(dues), 1, rs.name)
+            (due,) = dues
             if due is None:
                 continue
             bounded += 1
-            self.assertIn(due, by_name, f"{w.name}'s bound {due} is not in the graph")
-            self.assertLess(pos[w], pos[by_name[due]])
+            self.assertIn(due, by_name, f"{rs.name}'s bound {due} is not in the graph")
+            for w in waits_of(rs):
+                self.assertLess(pos[w], pos[by_name[due]])
             self.assertEqual(by_name[due].op, "call_function")
         self.assertEqual(bounded, BLOCKS - 2)
         grad_bytes = 2 * HIDDEN * HIDDEN * 4    # one block's two full-size weight gradients

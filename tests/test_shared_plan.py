@@ -399,7 +399,7 @@ class TestStore(unittest.TestCase):
 
     def test_key_names_group_sequence_and_planning_options(self):
         a = shared_plan.plan_key("g", "abc", FcollConfig())
-        self.assertEqual(a, "fcoll/bucket_plan/v1/g/abc/cap=25.0/mode=concat/budget=1024.0")
+        self.assertEqual(a, "fcoll/bucket_plan/v1/g/abc/cap=25.0/mode=auto/budget=1024.0")
         self.assertNotEqual(a, shared_plan.plan_key("g", "abc", FcollConfig(bucket_cap_mb=4)))
 
     def test_missing_plan_times_out_naming_rank_group_and_key(self):

@@ -28,7 +28,7 @@ DEFAULT_PASSES: tuple[str, ...] = (
 )
 
 _COMPUTE = ("eager", "inductor")
-_BUCKET_MODES = ("concat", "coalesced")
+_BUCKET_MODES = ("auto", "concat", "coalesced")
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,12 @@ class FcollConfig:
         overlap: run ``reorder_for_overlap`` (cost-model scheduling of collectives and waits).
         bucket: run ``bucket_collectives``.
         bucket_cap_mb: largest bucket, in MiB (2**20 bytes) of collective input.
-        bucket_mode: "concat" (flatten and concatenate into one buffer) or "coalesced" (the
-            coalesced ops, no copy).
+        bucket_mode: "concat" (flatten and concatenate into one buffer), "coalesced" (the
+            coalesced ops, no copy) or "auto" (the default): "coalesced" for the buckets of an
+            FSDP block (:mod:`fcoll.passes.rewrites.fsdp_plan`), whose concat copies (shards
+            in, gathered parameters out, gradients in) put a SimpleFSDP step's peak at 1.11x
+            FSDP2's against 1.02x coalesced, and "concat" for the others (DDP gradients: one
+            large collective).
         max_in_flight_mb: most collective bytes outstanding at once in a schedule, in MiB.
         memory_budget_mb: most extra peak memory the scheduler may add, in MiB.
         check_ranks: run ``check_rank_consistency`` (compare collective fingerprints across ranks).
@@ -62,7 +66,7 @@ class FcollConfig:
     overlap: bool = True
     bucket: bool = True
     bucket_cap_mb: float = 25.0
-    bucket_mode: str = "concat"
+    bucket_mode: str = "auto"
     max_in_flight_mb: float = 256.0
     memory_budget_mb: float = 1024.0
     check_ranks: bool = True

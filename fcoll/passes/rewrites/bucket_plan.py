@@ -148,6 +148,8 @@ class Bucket:
         not_before: FSDP prefetch (:mod:`fcoll.passes.rewrites.fsdp_plan`): the node the merged
             collective is not issued before, by any pass; None: no such bound.
         wait_by: FSDP gradient buckets: the node the merged wait stays before, by any pass.
+        mode: how :mod:`fcoll.passes.rewrites.bucketing` issues it, "concat" or "coalesced"
+            (``config.bucket_mode``; "auto": coalesced for an FSDP block's bucket).
     """
 
     kind: str
@@ -161,6 +163,7 @@ class Bucket:
     seq: int
     not_before: str | None = None
     wait_by: str | None = None
+    mode: str = "concat"
 
     @property
     def held_bytes(self) -> int:
@@ -245,7 +248,7 @@ class _Planner:
         self.include_moves = include_moves
         self.cap = int(config.bucket_cap_mb * MIB)
         self.budget = int(config.memory_budget_mb * MIB)
-        self.concat = config.bucket_mode == "concat"
+        self.mode = config.bucket_mode
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
         self.last_ph = max((self.idx[n] for n in gm.graph.find_nodes(op="placeholder")),
@@ -331,7 +334,7 @@ class _Planner:
                 self.close(alone, "issued alone")
                 return
         else:
-            why = (join_rejection(b, m, self.cap, self.budget, self.concat)
+            why = (join_rejection(b, m, self.cap, self.budget, self.mode_of(m.node) == "concat")
                    if b is not None else None)
         if why is not None:
             log.debug("closing bucket of %s before %s: %s",
@@ -396,6 +399,14 @@ class _Planner:
                 out.append(total)
         return out
 
+    def mode_of(self, node: fx.Node) -> str:
+        """How the bucket of collective ``node`` is issued: ``config.bucket_mode``, where
+        "auto" is "coalesced" for an FSDP block's collective and "concat" for the others. An
+        FSDP block's members share a segment, so a bucket's members share a mode."""
+        if self.mode != "auto":
+            return self.mode
+        return "coalesced" if self.fsdp and node in self.fsdp.segment else "concat"
+
     def close(self, b: OpenBucket, why: str = "the end of the graph") -> None:
         """Close ``b``: record it as a :class:`Bucket` if it merges, or moves, anything
         (``why`` it closes: for a forced plan's errors)."""
@@ -418,7 +429,8 @@ class _Planner:
             out_bytes=b.out_bytes, issue_key=b.ready + (1, seq), wait_key=(2 * w - 1, 0, seq),
             seq=seq, not_before=max(anchors, key=self.idx.__getitem__).name if anchors else None,
             wait_by=self.nodes[w].name if any(self.fsdp and m.node in self.fsdp.wait_by
-                                              for m in b.members) else None)
+                                              for m in b.members) else None,
+            mode=self.mode_of(b.members[0].node))
         self.buckets.append(bucket)
         if len(b.members) == 1:   # a move: its wait stays where it is
             return

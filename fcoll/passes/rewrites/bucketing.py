@@ -7,7 +7,8 @@ all_to_all_single (either namespace, ``fcoll`` or ``_c10d_functional``). PyTorch
 all_reduce calls of one dtype and never all_to_all; here any collectives of one key that can be
 issued and waited at a common point may merge (see :mod:`fcoll.passes.rewrites.bucket_plan`).
 
-Modes (``config.bucket_mode``):
+Modes (each bucket's ``Bucket.mode``: ``config.bucket_mode``, with "auto" resolved by the
+planner to "coalesced" for an FSDP block's bucket and "concat" otherwise):
 
 * ``"concat"``: flatten and concatenate the members into one buffer, one collective, then split
   and view back. all_gather and all_to_all move bytes, so members of any dtypes are viewed as
@@ -291,7 +292,7 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
     Args:
         gm: the graph :func:`plan_buckets` planned, unchanged since.
         buckets: the plan; a one-member bucket moves its collective to its issue point.
-        config: uses ``bucket_mode``.
+        config: the options (each bucket carries its own mode, ``Bucket.mode``).
 
     Returns:
         ``gm``, rewritten, checked (:func:`check_topological`) and recompiled.
@@ -311,7 +312,7 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
     for b in buckets:
         if b.seq in moves and b.not_before is not None:
             moves[b.seq].meta[META_NOT_BEFORE] = b.not_before
-    rewrites = {b.seq: _Rewrite(b, [by_name[m] for m in b.members], config.bucket_mode)
+    rewrites = {b.seq: _Rewrite(b, [by_name[m] for m in b.members], b.mode)
                 for b in buckets if b.seq not in moves}
     _insert_groups(g, nodes, buckets, moves, rewrites, fake_vals)
     for rw in rewrites.values():
@@ -319,7 +320,7 @@ def apply_buckets(gm: fx.GraphModule, buckets: list[Bucket],
             wait.replace_all_uses_with(new)
             g.erase_node(wait)
             g.erase_node(member)
-        if rw.mode != config.bucket_mode:
+        if rw.mode != rw.bucket.mode:
             log.debug("bucket %d (%s): no coalesced op for %s, used concat", rw.bucket.seq,
                       list(rw.bucket.members), rw.bucket.kind)
     check_topological(g)
