@@ -12,7 +12,10 @@ Cases (2 ranks each, every rank compares its own results with eager):
   ``--steps`` steps against eager (gradients cleared between steps, outside the function).
 
 Each run is a fresh 2-rank job (fresh processes: Dynamo and Inductor caches in memory are cold,
-PyTorch's on-disk FX-graph and AOTAutograd caches are warm after the first run); ``--concurrent``
+PyTorch's on-disk FX-graph and AOTAutograd caches are warm after the first run). Those caches
+live in a directory of this invocation's own unless ``--shared-cache`` is given: they key
+fcoll's ops by name only, so another checkout of fcoll compiling the same program into the
+machine's shared directory would have its artifacts run here (docs/design.md); ``--concurrent``
 jobs run at once; ``--busy`` processes spin on the CPU beside them; fcoll's engine worker
 sleeps ``--delay-ms`` before every collective it runs (fcoll's group; gloo's threads are not
 slowed). Prints one line per run and a JSON summary: runs, mismatches, the largest error.
@@ -27,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -142,7 +147,13 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=20.0)
     ap.add_argument("--concurrent", type=int, default=2, help="jobs at once")
     ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--shared-cache", action="store_true",
+                    help="use PyTorch's default compile cache directory (shared by every "
+                         "checkout on the machine) instead of a fresh one")
     args = ap.parse_args()
+    own_cache = None if args.shared_cache else tempfile.mkdtemp(prefix="fcoll-stress-cache-")
+    if own_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = own_cache   # the spawned ranks inherit it
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(args.busy)]
     errors: list[float] = []
@@ -165,12 +176,15 @@ def main() -> None:
         for p in busy:
             p.kill()
             p.wait()
+        if own_cache:
+            shutil.rmtree(own_cache, ignore_errors=True)
     print(json.dumps({"case": args.case, "group": args.group, "runs": len(errors),
                       "failed_runs": len(failures),
                       "mismatches": sum(e > TOLERANCE for e in errors),
                       "max_error": max(errors, default=None), "busy": args.busy,
                       "delay_ms": args.delay_ms, "concurrent": args.concurrent,
-                      "steps": args.steps, "seconds": round(time.time() - t0, 1)}))
+                      "steps": args.steps, "shared_cache": args.shared_cache,
+                      "seconds": round(time.time() - t0, 1)}))
 
 
 if __name__ == "__main__":
