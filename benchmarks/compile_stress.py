@@ -12,10 +12,14 @@ Cases (2 ranks each, every rank compares its own results with eager):
   ``--steps`` steps against eager (gradients cleared between steps, outside the function).
 
 Each run is a fresh 2-rank job (fresh processes: Dynamo and Inductor caches in memory are cold,
-PyTorch's on-disk FX-graph and AOTAutograd caches are warm after the first run); ``--concurrent``
+PyTorch's on-disk FX-graph and AOTAutograd caches are warm after the first run). Those caches
+live in a directory of this invocation's own unless ``--shared-cache`` is given: they key
+fcoll's ops by name only, so another checkout of fcoll compiling the same program into the
+machine's shared directory would have its artifacts run here (docs/design.md); ``--concurrent``
 jobs run at once; ``--busy`` processes spin on the CPU beside them; fcoll's engine worker
 sleeps ``--delay-ms`` before every collective it runs (fcoll's group; gloo's threads are not
-slowed). Prints one line per run and a JSON summary: runs, mismatches, the largest error.
+slowed). Prints one line per run and a JSON summary: runs, mismatches, the largest error, and
+``completed`` (false when it was terminated, by ``timeout`` say, before the last run).
 
 Usage::
 
@@ -27,8 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -142,36 +149,50 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=20.0)
     ap.add_argument("--concurrent", type=int, default=2, help="jobs at once")
     ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--shared-cache", action="store_true",
+                    help="use PyTorch's default compile cache directory (shared by every "
+                         "checkout on the machine) instead of a fresh one")
     args = ap.parse_args()
+    own_cache = None if args.shared_cache else tempfile.mkdtemp(prefix="fcoll-stress-cache-")
+    if own_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = own_cache   # the spawned ranks inherit it
+    # ``timeout`` or a kill ends the loop as an exception would: the busy processes and the
+    # cache directory are removed and the summary says how far it got
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("compile_stress: terminated"))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(args.busy)]
     errors: list[float] = []
     failures: list[str] = []
     t0 = time.time()
+    pool = ThreadPoolExecutor(args.concurrent)
+    completed = False
     try:
-        with ThreadPoolExecutor(args.concurrent) as pool:
-            futures = [pool.submit(_one_run, args) for _ in range(args.runs)]
-            for i, f in enumerate(futures):
-                try:
-                    err = f.result()
-                except Exception as e:  # noqa: BLE001  a failed run is reported, not fatal
-                    failures.append(f"{type(e).__name__}: {str(e)[:300]}")
-                    print(f"run {i}: FAILED {failures[-1]}", flush=True)
-                    continue
-                errors.append(err)
-                print(f"run {i}: max error {err:.3g}{'  MISMATCH' if err > TOLERANCE else ''}"
-                      f"  load {os.getloadavg()[0]:.1f}", flush=True)
+        futures = [pool.submit(_one_run, args) for _ in range(args.runs)]
+        for i, f in enumerate(futures):
+            try:
+                err = f.result()
+            except Exception as e:  # noqa: BLE001  a failed run is reported, not fatal
+                failures.append(f"{type(e).__name__}: {str(e)[:300]}")
+                print(f"run {i}: FAILED {failures[-1]}", flush=True)
+                continue
+            errors.append(err)
+            print(f"run {i}: max error {err:.3g}{'  MISMATCH' if err > TOLERANCE else ''}"
+                  f"  load {os.getloadavg()[0]:.1f}", flush=True)
+        completed = True
     finally:
+        pool.shutdown(wait=completed, cancel_futures=True)   # runs under way finish on exit
         for p in busy:
             p.kill()
             p.wait()
-    print(json.dumps({"case": args.case, "group": args.group, "runs": len(errors),
-                      "failed_runs": len(failures),
-                      "mismatches": sum(e > TOLERANCE for e in errors),
-                      "max_error": max(errors, default=None), "busy": args.busy,
-                      "delay_ms": args.delay_ms, "concurrent": args.concurrent,
-                      "steps": args.steps, "seconds": round(time.time() - t0, 1)}))
-
+        if own_cache:
+            shutil.rmtree(own_cache, ignore_errors=True)
+        print(json.dumps({"case": args.case, "group": args.group, "runs": len(errors),
+                          "failed_runs": len(failures), "completed": completed,
+                          "mismatches": sum(e > TOLERANCE for e in errors),
+                          "max_error": max(errors, default=None), "busy": args.busy,
+                          "delay_ms": args.delay_ms, "concurrent": args.concurrent,
+                          "steps": args.steps, "shared_cache": args.shared_cache,
+                          "seconds": round(time.time() - t0, 1)}), flush=True)
 
 if __name__ == "__main__":
     main()
