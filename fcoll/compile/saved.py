@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fcoll.passes.graph import collective_kind, is_collective, is_wait, start_of
+from fcoll.passes.graph import collective_kind, is_collective, is_wait, size_hint, start_of
 
 __all__ = ["SavedValue", "SavedForBackward", "record_partition", "saved_for_backward",
            "META_SAVED"]
@@ -35,7 +35,9 @@ class SavedValue:
         name: the forward graph's node (the backward graph's input of the same name).
         op: the op that produced it (``aten.t.default``; ``placeholder`` for a graph input
             saved as is); for a value that is no tensor, its type (``SymInt``).
-        shape: its shape (per rank), () for a scalar or symbolic int.
+        shape: its shape (per rank), () for a scalar or symbolic int; a symbolic dim by its
+            size hint (a data-dependent one estimated, as the cost model does:
+            :func:`fcoll.passes.graph.size_hint`), never a guard.
         dtype: its dtype as text (``torch.float32``), "" for no tensor.
         bytes: its own bytes, ``numel * element_size`` (0 for no tensor).
         base: the node it is a view of, through view ops (itself if it is no view).
@@ -94,9 +96,16 @@ class SavedForBackward:
                 "saved_collective_bytes": self.saved_collective_bytes}
 
 
+def _shape(val: torch.Tensor) -> tuple[int, ...]:
+    return tuple(size_hint(d) for d in val.shape)
+
+
 def _bytes(val: Any) -> int:
     if isinstance(val, torch.Tensor):
-        return int(val.numel()) * val.element_size()
+        n = 1
+        for d in _shape(val):
+            n *= d
+        return n * val.element_size()
     return 0
 
 
@@ -113,7 +122,7 @@ def _value(node: fx.Node) -> SavedValue:
     base = _base(node)
     start = start_of(base) if is_wait(base) else (base if is_collective(base) else None)
     if isinstance(val, torch.Tensor):
-        shape, dtype = tuple(int(s) for s in val.shape), str(val.dtype)
+        shape, dtype = _shape(val), str(val.dtype)
     else:
         shape, dtype = (), ""
     if not isinstance(val, torch.Tensor):   # a symbolic int (a size, a seed) or a constant
