@@ -60,6 +60,8 @@ def _run_all(rank: int, world: int) -> dict[str, object]:
             out[op] = [C.wait_tensor(t).tolist() for t in call()]
         except RuntimeError as e:
             out[op] = str(e).splitlines()[0]
+        except AttributeError:
+            pass   # not an op of this torch (isend / irecv came after 2.11): left out on both
     return out
 
 
@@ -71,6 +73,7 @@ def results():
 
 def test_pytorchs_c10d_functional_ops_give_the_answers_gloo_gives_on_an_fcoll_group(results):
     for rank, (gloo, fcoll) in enumerate(zip(results["gloo"], results["fcoll"])):
+        assert gloo.keys() == fcoll.keys() and len(gloo) >= 13, (rank, sorted(gloo))
         for op, expected in gloo.items():
             if op in DEVICE_BACKEND_OPS:
                 continue
@@ -84,7 +87,7 @@ def test_ops_that_need_a_cpp_device_backend_name_it_on_an_fcoll_group(results):
     """The limitation the README states: these two raise c10d's own error on fcoll's group
     (and run on gloo's, so the op itself is fine)."""
     for rank in range(2):
-        for op in DEVICE_BACKEND_OPS:
+        for op in (op for op in DEVICE_BACKEND_OPS if op in results["gloo"][rank]):
             assert isinstance(results["gloo"][rank][op], list), (rank, op)
             assert results["fcoll"][rank][op] == (
                 "No backend type associated with device type cpu"), (rank, op)
