@@ -108,12 +108,25 @@ def dependencies(graph: fx.Graph, storage: Storage | None = None) -> Deps:
     for a, b in mutation_deps(order, storage):
         add(a, b)
     by_name = {n.name: n for n in order}
+
+    def bound(n: fx.Node, key: str) -> fx.Node | None:
+        """The node ``n.meta[key]`` names; a name no node of the graph has (a pass removed it)
+        loses that FSDP memory bound: said at WARNING, since peak memory may then grow."""
+        name = n.meta.get(key)
+        if name is None:
+            return None
+        node = by_name.get(name)
+        if node is None:
+            log.warning("fcoll: %s's %s names %r, which is not in the graph: that bound is "
+                        "dropped (peak memory may grow)", n.name, key, name)
+        return node
+
     for n in colls:   # FSDP prefetch bounds (fsdp_plan): issued after that node at the earliest
-        anchor = by_name.get(n.meta.get(META_NOT_BEFORE))
+        anchor = bound(n, META_NOT_BEFORE)
         if anchor is not None and pos[anchor] < pos[n]:
             add(anchor, n)
     for n in order:   # FSDP gradient buckets: waited before that node at the latest
-        due = by_name.get(n.meta.get(META_WAIT_BY)) if cls[n] == WAIT else None
+        due = bound(n, META_WAIT_BY) if cls[n] == WAIT else None
         if due is not None and pos[n] < pos[due]:
             add(n, due)
     barrier: fx.Node | None = None
