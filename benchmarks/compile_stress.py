@@ -45,24 +45,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from fcoll.testing import run_ranks, slow_collectives  # noqa: E402
+from test_compile_matrix import reported_step  # noqa: E402  issue 28.1's program
 
 TOLERANCE = 1e-5
-
-
-def _ckpt_step(x, w1, w2, w3, group):
-    import fcoll
-    from torch.utils.checkpoint import checkpoint
-
-    def first(x):
-        return torch.nn.functional.gelu(fcoll.all_reduce(x @ w1, "sum", group)) @ w2
-
-    def second(h):
-        return torch.tanh(h @ w3)
-
-    loss = checkpoint(second, checkpoint(first, x, use_reentrant=False),
-                      use_reentrant=False).sum()
-    grads = torch.autograd.grad(loss, [w1, w2, w3])
-    return [fcoll.all_reduce(g, "avg", group) for g in grads]
 
 
 def _ckpt(rank: int, backend: str, steps: int) -> float:
@@ -72,8 +57,8 @@ def _ckpt(rank: int, backend: str, steps: int) -> float:
     gen = torch.Generator().manual_seed(0)
     ws = [(torch.randn(16, 16, generator=gen) * 0.3).requires_grad_() for _ in range(3)]
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank + 1))
-    expected = [fcoll.wait_tensor(g) for g in _ckpt_step(x, *ws, group)]
-    step = torch.compile(_ckpt_step, backend=backend)
+    expected = [fcoll.wait_tensor(g) for g in reported_step(x, *ws, group)]
+    step = torch.compile(reported_step, backend=backend)
     err = 0.0
     for _ in range(steps):
         got = step(x, *ws, group)

@@ -138,10 +138,11 @@ def _uneven_fsdp(rank: int, world: int) -> dict[str, float]:
             for k, p in params.items()}
 
 
-def _reported_step(x, w1, w2, w3, group):
+def reported_step(x, w1, w2, w3, group):
     """Issue 28.1's program as reported: the whole step compiled, ``torch.autograd.grad``
     inside it (Dynamo breaks the graph there on 2.13: forward and backward compiled, then a
-    graph of the gradients' all_reduces), then ``fcoll.all_reduce(avg)`` of each gradient."""
+    graph of the gradients' all_reduces), then ``fcoll.all_reduce(avg)`` of each gradient.
+    ``benchmarks/compile_stress.py`` loops it (its ``ckpt-*`` cases)."""
     import fcoll
     from torch.utils.checkpoint import checkpoint
 
@@ -158,16 +159,16 @@ def _reported_step(x, w1, w2, w3, group):
 
 
 def _reported(x, ws, group) -> dict[str, float]:
-    """The largest gradient error of :func:`_reported_step` against eager, per compiler, over
+    """The largest gradient error of :func:`reported_step` against eager, per compiler, over
     ``REPORTED_STEPS`` calls of one compiled function (the first compiles, the rest reuse)."""
     import fcoll
 
     ws = [w.detach().clone().requires_grad_() for w in ws]
-    expected = [fcoll.wait_tensor(g) for g in _reported_step(x, *ws, group)]
+    expected = [fcoll.wait_tensor(g) for g in reported_step(x, *ws, group)]
     errors = {}
     for backend in ("inductor", "aot_eager", "fcoll"):
         torch._dynamo.reset()
-        step = torch.compile(_reported_step, backend=backend)
+        step = torch.compile(reported_step, backend=backend)
         errors[backend] = max((fcoll.wait_tensor(a) - b).abs().max().item()
                               for _ in range(REPORTED_STEPS)
                               for a, b in zip(step(x, *ws, group), expected))
