@@ -51,16 +51,21 @@ print(json.dumps(out))
 """
 
 
+def _run(script: str) -> dict:
+    """``script`` in a fresh interpreter (a crash is its signal, not pytest's death); the JSON
+    of its last line."""
+    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=_ROOT)
+    assert proc.returncode == 0, (f"exit {proc.returncode} (negative: killed by that signal)\n"
+                                  f"{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
 def test_close_keeps_memory_mapped_until_last_view_dies():
     """close; write and read a view taken before: no signal, right values; then drop the view:
     the memfd is no longer mapped (/proc/self/maps). A segment with no outside view is unmapped
     by close itself."""
-    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=_ROOT)
-    assert proc.returncode == 0, (f"exit {proc.returncode} (negative: killed by that signal)\n"
-                                  f"{proc.stderr[-2000:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = _run(_SCRIPT)
     assert res["mapped_while_view_lives"] is True
     assert res["sum"] == 3.0 * res["numel"] and res["numel"] == 2 * PAGE // 4  # [world, PAGE] bytes as f32
     assert res["mapped_after_view_dropped"] is False
@@ -97,11 +102,6 @@ print(json.dumps(out))
 def test_inbox_close_keeps_memory_mapped_until_last_view_dies():
     """The p2p inbox closes the same way: a view taken before close is written and read after
     it without a signal, and the memfd is unmapped once that view is dropped."""
-    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _INBOX_SCRIPT], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=_ROOT)
-    assert proc.returncode == 0, (f"exit {proc.returncode} (negative: killed by that signal)\n"
-                                  f"{proc.stderr[-2000:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = _run(_INBOX_SCRIPT)
     assert res == {"mapped_while_view_lives": True, "sum": 2.0 * 1024,
                    "mapped_after_view_dropped": False}
