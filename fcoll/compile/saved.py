@@ -11,6 +11,7 @@ of both graphs, where ``fcoll.inspect`` reads it for its "saved for backward" re
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -102,10 +103,7 @@ def _shape(val: torch.Tensor) -> tuple[int, ...]:
 
 def _bytes(val: Any) -> int:
     if isinstance(val, torch.Tensor):
-        n = 1
-        for d in _shape(val):
-            n *= d
-        return n * val.element_size()
+        return math.prod(_shape(val)) * val.element_size()
     return 0
 
 

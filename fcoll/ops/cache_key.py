@@ -21,12 +21,13 @@ once are ordered by the lock.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
 from pathlib import Path
 
-__all__ = ["source_digest", "REGISTRY_NAME", "tag_for", "guard_compile_caches"]
+__all__ = ["source_digest", "REGISTRY_NAME", "register", "tag_for", "guard_compile_caches"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 REGISTRY_NAME = "fcoll-sources.txt"
 
 _PACKAGE = Path(__file__).resolve().parent.parent
-_guarded: str | None = None
 
 
 def source_digest(package: Path = _PACKAGE) -> str:
@@ -83,16 +83,13 @@ def register(cache_dir: str | os.PathLike, digest: str) -> bool:
     return known == [digest]
 
 
+@functools.cache
 def guard_compile_caches() -> str | None:
     """Register this fcoll's digest in PyTorch's compile cache directory and tag the caches'
     keys where another fcoll version compiled there (module docstring); once per process.
     Returns the tag set, or None when the tag was left as it was (the only version, or the
     caches are off, or the directory cannot be used: then a DEBUG log says why, and nothing
     else changes)."""
-    global _guarded
-    if _guarded is not None:
-        return _guarded or None
-    _guarded = ""
     import torch.compiler.config as cconfig
     from torch._inductor import config as inductor_config
     from torch._functorch import config as functorch_config
@@ -106,8 +103,8 @@ def guard_compile_caches() -> str | None:
     except OSError as e:
         log.debug("fcoll: compile cache registry not used (%s); cache keys unchanged", e)
         return None
-    _guarded = tag_for(cconfig.cache_key_tag, digest)
-    cconfig.cache_key_tag = _guarded
+    tag = tag_for(cconfig.cache_key_tag, digest)
+    cconfig.cache_key_tag = tag
     log.info("fcoll: another fcoll version compiled in %s; this process's compile cache keys "
-             "carry %r", cache_dir(), _guarded)
-    return _guarded
+             "carry %r", cache_dir(), tag)
+    return tag
