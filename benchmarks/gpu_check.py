@@ -214,7 +214,7 @@ def plan() -> list[tuple[str, Callable[[float, str], tuple[Stage, str]], float]]
     stages = [("tests", stage_tests, 200.0)]
     stages += [(f"probe:{p}", stage_probe(p), t) for p, t in PROBES.items()]
     stages += [("sweep", stage_sweep(False), 60.0), ("stress", stage_stress, 90.0),
-               ("step:mps-off", stage_step("off", STEP_VARIANTS), 150.0),
+               ("step:mps-off", stage_step("off", STEP_VARIANTS), 200.0),
                ("step:mps-on", stage_step("on", ("fcoll", "inductor")), 100.0),
                ("sweep:mps", stage_sweep(True), 60.0),
                ("sweep:triton", stage_sweep(False, triton=True), 60.0)]
@@ -294,6 +294,19 @@ def device_info() -> dict[str, Any]:
     return info
 
 
+def ordered(stages: list, only: list[str] | None) -> list:
+    """``stages`` whose name starts with one of ``only``, in the order ``only`` names them
+    (plan order among the stages one prefix selects; a prefix that is a whole stage name selects
+    that stage alone); all of them when ``only`` is None."""
+    if only is None:
+        return list(stages)
+    picked: list = []
+    for prefix in only:
+        exact = [s for s in stages if s[0] == prefix]
+        picked += [s for s in exact or stages if s[0].startswith(prefix) and s not in picked]
+    return picked
+
+
 def table(stages: list[Stage]) -> str:
     """The final table: one line per stage."""
     w = max([len(s.name) for s in stages] + [5])
@@ -313,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=BUDGET_S,
                    help="wall-clock budget of all stages together, seconds")
     p.add_argument("--only", nargs="*", default=None, help="run only stages whose name "
-                   "starts with one of these (e.g. tests probe:zero_byte sweep)")
+                   "starts with one of these, in this order (e.g. sweep step tests probe:)")
     p.add_argument("--step-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=20, help=argparse.SUPPRESS)
@@ -333,9 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     logs: list[str] = []
     print(f"# gpu_check {datetime.datetime.now(datetime.timezone.utc).isoformat()} "
           f"{json.dumps(info)}", flush=True)
-    for name, run, limit in plan():
-        if ns.only is not None and not any(name.startswith(o) for o in ns.only):
-            continue
+    for name, run, limit in ordered(plan(), ns.only):
         left = ns.budget_s - (time.monotonic() - started)
         if skip_why is not None:
             st, log = Stage(name, "SKIP", detail=skip_why), ""

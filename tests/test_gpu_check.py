@@ -55,11 +55,19 @@ def test_every_stage_reports_skip_without_a_gpu(tmp_path, args, why):
     assert (tmp_path / "gpu_check_logs.txt").exists()
 
 
-def test_only_selects_stages_by_prefix(tmp_path):
-    proc, out = _run_check(tmp_path, "--dry-run", "--only", "probe:", "sweep")
+def test_only_selects_stages_by_prefix_in_its_order(tmp_path):
+    proc, out = _run_check(tmp_path, "--dry-run", "--only", "sweep:", "probe:", "tests")
     names = [s["name"] for s in out["stages"]]
-    assert names and all(n.startswith(("probe:", "sweep")) for n in names)
-    assert "sweep:mps" in names and "tests" not in names
+    probes = [n for n in names if n.startswith("probe:")]
+    assert names == ["sweep:mps", "sweep:triton", *probes, "tests"] and len(probes) > 1
+
+
+def test_only_whole_stage_name_selects_that_stage_alone():
+    plan = [(n, None, 1.0) for n in ("tests", "sweep", "stress", "sweep:mps", "sweep:triton")]
+    assert [s[0] for s in gpu_check.ordered(plan, ["sweep", "tests"])] == ["sweep", "tests"]
+    assert [s[0] for s in gpu_check.ordered(plan, ["sw"])] == ["sweep", "sweep:mps",
+                                                               "sweep:triton"]
+    assert gpu_check.ordered(plan, None) == plan
 
 
 def test_table_counts_statuses():
