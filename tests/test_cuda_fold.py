@@ -2,7 +2,8 @@
 
 The kernel's math runs under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors) in a
 fresh interpreter, against :func:`fcoll.ops.reduce.reduce_views_into` for every dtype the
-kernel takes, every reduce op the CPU path accepts for it, and 2, 3, 5 and 8 operands. Sums,
+kernel takes, every reduce op the CPU path accepts for it, and 2, 3, 5 and 8 operands, and
+``avg`` the way torch computes it on CUDA (times the rounded reciprocal of n). Sums,
 products, averages and the bitwise ops must give the same bits; min and max the same values
 (ties between -0 and +0 and NaN payloads are unspecified: torch's own vectorized and scalar
 CPU kernels disagree on them). Skipped where Triton is not installed.
@@ -66,6 +67,23 @@ for n in (2, 3, 5, 8):
                 same = torch.equal(got, want)
             if not same:
                 bad.append(f"{n} {dt} {op}: {int((got != want).sum())} of {got.numel()} differ")
+
+# CUDA's avg: torch multiplies the sum by 1/n rounded once in the compute type (float32 for
+# float16/bfloat16); the kernel's reciprocal mode against that formula, written out here
+for n in (2, 3, 5, 8):
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        vs = operands(n, dt, torch.Generator().manual_seed(n))
+        total = torch.empty_like(vs[0])
+        reduce_views_into(vs, "sum", total)
+        compute = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        inv = torch.ones((), dtype=compute) / torch.tensor(n, dtype=compute)
+        want = (total.to(compute) * inv).to(dt)
+        got = torch.empty_like(vs[0])
+        fold_views_into(vs, "avg", got, avg_by_reciprocal=True)
+        runs += 1
+        nan = got.isnan()
+        if not (torch.equal(nan, want.isnan()) and torch.equal(got[~nan], want[~nan])):
+            bad.append(f"{n} {dt} avg by reciprocal: {int((got != want).sum())} differ")
 print(json.dumps({"bad": bad, "runs": runs}))
 """
 
@@ -79,7 +97,7 @@ def test_kernel_matches_the_torch_fold_for_every_dtype_op_and_rank_count():
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["bad"] == []
-    assert res["runs"] >= 4 * 60  # every (operand count, dtype, op) the CPU path accepts
+    assert res["runs"] >= 4 * 60 + 16  # every (operand count, dtype, op) the CPU path accepts
 
 
 def test_fold_is_used_only_where_it_applies(monkeypatch):

@@ -7,7 +7,8 @@ to divide. :func:`fold_views_into` does the same fold in one kernel: it reads ea
 and writes the output once (n S read, S written). It computes what the torch fold computes:
 the operands combined in rank order, float16 and bfloat16 combined in float32 and rounded back
 to nearest even after every step (as torch's kernels do), integers wrapping, bool sum/max as or
-and product/min as and, ``avg`` dividing the sum once (integers truncate toward zero), so sums,
+and product/min as and, ``avg`` dividing the sum once as torch's ``div_`` does on the device
+(CUDA multiplies by the rounded reciprocal; integers truncate toward zero), so sums,
 products, averages and the bitwise ops give torch's bits. min and max propagate NaN and return
 the earlier operand when neither is smaller; on ties of -0 and +0 and on NaN payloads torch's
 kernels themselves disagree (vectorized and scalar paths), so only the values are the same.
@@ -73,10 +74,16 @@ def fold_supported(views: list[torch.Tensor], op: str, out: torch.Tensor) -> str
     return None
 
 
-def fold_views_into(views: list[torch.Tensor], op: str, out: torch.Tensor) -> None:
+def fold_views_into(views: list[torch.Tensor], op: str, out: torch.Tensor, *,
+                    avg_by_reciprocal: bool | None = None) -> None:
     """``out = op(views[0], ..., views[n-1])`` elementwise in rank order, in one kernel when
     :func:`fold_supported` allows it, else by :func:`~fcoll.ops.reduce.reduce_views_into`
-    (same contract: ``out`` may alias ``views[0]`` only; flat views of one dtype and numel)."""
+    (same contract: ``out`` may alias ``views[0]`` only; flat views of one dtype and numel).
+
+    ``avg_by_reciprocal``: how a float ``avg`` divides by n. torch's ``div_`` by a Python
+    number multiplies by ``1/n`` (rounded once, in float32 for float16/bfloat16) on CUDA and
+    divides on the CPU, which differ in the last bit for n = 3; None (the default) does what
+    torch does on ``out``'s device, so the kernel gives the torch fold's bits on both."""
     if fold_supported(views, op, out) is not None:
         reduce_views_into(views, op, out)
         return
@@ -97,4 +104,5 @@ def fold_views_into(views: list[torch.Tensor], op: str, out: torch.Tensor) -> No
         fold[(triton.cdiv(numel, BLOCK),)](
             dst, *ptrs, numel, n, N=n, OP=_OP_CODES["sum" if avg else code_op],
             IS_FLOAT=dt.is_floating_point, WIDEN=dt in (torch.float16, torch.bfloat16),
-            AVG=avg, BLOCK=BLOCK)
+            AVG=avg, RECIPROCAL=out.is_cuda if avg_by_reciprocal is None else avg_by_reciprocal,
+            BLOCK=BLOCK)

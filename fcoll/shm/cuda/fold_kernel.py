@@ -46,6 +46,15 @@ def narrow(x, like):
 
 
 @triton.jit
+def exact_div(a, b):
+    """``a / b`` rounded to nearest (IEEE): Triton's ``/`` on float32 is the approximate
+    ``div.full.f32`` on NVIDIA GPUs, ``div_rn`` is float32-only, and float64's ``/`` is exact."""
+    if a.dtype == tl.float32:
+        return tl.math.div_rn(a, b)
+    return a / b
+
+
+@triton.jit
 def step(acc, ptr, offs, mask, OP: tl.constexpr, IS_FLOAT: tl.constexpr,
          WIDEN: tl.constexpr):
     v = tl.load(ptr + offs, mask=mask)
@@ -56,7 +65,7 @@ def step(acc, ptr, offs, mask, OP: tl.constexpr, IS_FLOAT: tl.constexpr,
 @triton.jit
 def fold(out, p0, p1, p2, p3, p4, p5, p6, p7, numel, divisor,
          N: tl.constexpr, OP: tl.constexpr, IS_FLOAT: tl.constexpr, WIDEN: tl.constexpr,
-         AVG: tl.constexpr, BLOCK: tl.constexpr):
+         AVG: tl.constexpr, RECIPROCAL: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.load(p0 + offs, mask=mask)
@@ -75,10 +84,15 @@ def fold(out, p0, p1, p2, p3, p4, p5, p6, p7, numel, divisor,
         acc = step(acc, p7, offs, mask, OP, IS_FLOAT, WIDEN)
     if AVG:
         if IS_FLOAT:
-            if WIDEN:
-                acc = narrow(acc.to(tl.float32) / divisor, acc)
+            # torch's CUDA kernel multiplies by 1/n rounded once in the compute type (float32 for
+            # float16/bfloat16, BinaryDivTrueKernel.cu); its CPU kernel divides
+            wide = acc.to(tl.float32) if WIDEN else acc
+            d = divisor.to(wide.dtype)
+            if RECIPROCAL:
+                wide = wide * exact_div(tl.full([], 1.0, wide.dtype), d)
             else:
-                acc = acc / divisor.to(acc.dtype)
+                wide = exact_div(wide, d)
+            acc = narrow(wide, acc) if WIDEN else wide
         else:  # C division truncates toward zero, as divide_for_avg's "trunc"
             acc = acc // divisor.to(acc.dtype)
     tl.store(out + offs, acc, mask=mask)
