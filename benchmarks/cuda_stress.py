@@ -21,9 +21,12 @@ Per world size (``--worlds``, default 2 and 3 ranks on the machine's GPUs, ``cud
 
 Every rank is a process of its own (exit codes are read directly, so a signal during teardown
 or interpreter exit is counted too). Reported: jobs run, signals (exit by a signal other than
-the deliberate SIGKILL), wrong results, survivors that did not name the dead rank; ``ok`` when
-all are zero. ``--budget-s`` stops launching jobs when it has passed (the summary says how many
-ran).
+the deliberate SIGKILL), wrong results, survivors that did not name the dead rank, ranks killed
+at ``--job-timeout-s`` before their result (``timeouts``: a hang) or after printing it
+(``hung_at_exit``); ``ok`` when all are zero. ``--budget-s`` launches a job only while 1.3x the
+longest job so far is left, so no job is cut short by the budget (the summary says how many
+ran). The first device run (H100, 2026-11-27) cut the 3-rank kill job at 18 s, its share of
+the budget, after both survivors had named the dead rank: a budget cut, counted as a hang.
 """
 
 from __future__ import annotations
@@ -137,7 +140,9 @@ def judge(kind: str, sc: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[st
     signals = [r for r, x in enumerate(ranks)
                if x["rc"] is not None and x["rc"] < 0 and not (r == killed
                                                                and x["rc"] == -signal.SIGKILL)]
-    timeouts = [r for r, x in enumerate(ranks) if x["rc"] is None]
+    # killed at the job's timeout: before its result (a hang) or after it (a hang at exit)
+    timeouts = [r for r, x in enumerate(ranks) if x["rc"] is None and x["result"] is None]
+    hung_at_exit = [r for r, x in enumerate(ranks) if x["rc"] is None and x["result"] is not None]
     bad = sum((x["result"] or {}).get("bad", 0) for x in ranks)
     unnamed, failed = [], []
     for r, x in enumerate(ranks):
@@ -159,9 +164,9 @@ def judge(kind: str, sc: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[st
                 failed.append(r)
         elif err or res["steps"] != sc["steps"]:
             failed.append(r)
-    return {"kind": kind, "signals": signals, "timeouts": timeouts, "bad": bad,
-            "unnamed": unnamed, "failed": failed,
-            "ok": not (signals or timeouts or bad or unnamed or failed)}
+    return {"kind": kind, "signals": signals, "timeouts": timeouts, "hung_at_exit": hung_at_exit,
+            "bad": bad, "unnamed": unnamed, "failed": failed,
+            "ok": not (signals or timeouts or hung_at_exit or bad or unnamed or failed)}
 
 
 def plan(worlds: list[int], jobs: int, steps: int, kill_jobs: int,
@@ -189,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute", choices=("inductor", "eager", "none"), default="inductor",
                    help="the compiled step's compute (none: the step runs eagerly)")
     p.add_argument("--job-timeout-s", type=float, default=120.0)
-    p.add_argument("--budget-s", type=float, default=1e9, help="stop launching jobs after this")
+    p.add_argument("--budget-s", type=float, default=1e9,
+                   help="launch a job only while 1.3x the longest job so far is left, seconds")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -208,22 +214,24 @@ def main(argv: list[str] | None = None) -> int:
         out.update(ok=None, skipped="no GPU", summary="SKIP (no GPU)")
         print("SKIP: cuda_stress: no GPU")
     else:
-        t0 = time.monotonic()
+        t0, longest = time.monotonic(), 0.0
         for kind, n, sc in jobs:
             left = ns.budget_s - (time.monotonic() - t0)
-            if left <= 0:
-                break
+            if left < 1.3 * longest or left <= 0:  # a job is never cut short by the budget:
+                break                               # its timeout is always --job-timeout-s
             t = time.monotonic()
-            ranks = run_job(sc, n, min(ns.job_timeout_s, left + 10))
+            ranks = run_job(sc, n, ns.job_timeout_s)
             verdict = judge(kind, sc, ranks)
             verdict.update(world=n, seconds=round(time.monotonic() - t, 1),
                            errors=[(x["result"] or {}).get("error") for x in ranks],
                            tails=[x["tail"] for x in ranks] if not verdict["ok"] else None)
+            longest = max(longest, verdict["seconds"])
             out["jobs"].append(verdict)
             print(f"{'PASS' if verdict['ok'] else 'FAIL'}: {kind} job, {n} ranks, "
                   f"{verdict['seconds']} s: signals {verdict['signals']}, bad {verdict['bad']}, "
                   f"unnamed {verdict['unnamed']}, failed {verdict['failed']}, "
-                  f"timeouts {verdict['timeouts']}", flush=True)
+                  f"timeouts {verdict['timeouts']}, hung at exit {verdict['hung_at_exit']}",
+                  flush=True)
             _write(ns.json, out)  # after every job: a run cut short keeps what it had
         ran = out["jobs"]
         out["ok"] = bool(ran) and all(j["ok"] for j in ran)
@@ -231,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(ran)} of {len(jobs)} jobs ran; signals {sum(len(j['signals']) for j in ran)}, "
             f"wrong results {sum(j['bad'] for j in ran)}, survivors not naming the dead rank "
             f"{sum(len(j['unnamed']) for j in ran)}, failed ranks "
-            f"{sum(len(j['failed']) + len(j['timeouts']) for j in ran)}")
+            f"{sum(len(j['failed']) + len(j['timeouts']) + len(j['hung_at_exit']) for j in ran)}")
         print(out["summary"])
     _write(ns.json, out)
     return 0 if out["ok"] is not False else 1

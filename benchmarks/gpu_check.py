@@ -171,7 +171,8 @@ def stage_sweep(mps: bool, triton: bool = False) -> Callable[[float, str], tuple
 def stage_stress(timeout_s: float, out_dir: str) -> tuple[Stage, str]:
     path = os.path.join(tempfile.mkdtemp(prefix="gpu_check-"), "stress.json")
     rc, log = run_cmd([sys.executable, os.path.join(BENCH, "cuda_stress.py"), "--json", path,
-                       "--budget-s", str(max(10.0, timeout_s - 15))], timeout_s)
+                       "--budget-s", str(max(10.0, timeout_s - 15)), "--job-timeout-s",
+                       str(max(10.0, min(120.0, timeout_s - 15)))], timeout_s)
     data = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -213,7 +214,7 @@ def plan() -> list[tuple[str, Callable[[float, str], tuple[Stage, str]], float]]
 
     stages = [("tests", stage_tests, 200.0)]
     stages += [(f"probe:{p}", stage_probe(p), t) for p, t in PROBES.items()]
-    stages += [("sweep", stage_sweep(False), 60.0), ("stress", stage_stress, 90.0),
+    stages += [("sweep", stage_sweep(False), 60.0), ("stress", stage_stress, 120.0),
                ("step:mps-off", stage_step("off", STEP_VARIANTS), 200.0),
                ("step:mps-on", stage_step("on", ("fcoll", "inductor")), 100.0),
                ("sweep:mps", stage_sweep(True), 60.0),

@@ -94,7 +94,11 @@ def test_judge_counts_signals_but_not_the_deliberate_kill():
                                                                   2, 0), (-9, None, 0, 0)))
     assert v["signals"] == [0] and v["unnamed"] == [1] and not v["ok"]
     v = cuda_stress.judge("steps", {"steps": 3}, _ranks((0, None, 3, 1), (None, None, 1, 0)))
-    assert v["bad"] == 1 and v["timeouts"] == [1] and not v["ok"]
+    assert v["bad"] == 1 and v["hung_at_exit"] == [1] and v["timeouts"] == [] and not v["ok"]
+    silent = _ranks((0, None, 3, 0), (0, None, 3, 0))
+    silent[1].update(rc=None, result=None)  # killed at the timeout before its result: a hang
+    v = cuda_stress.judge("steps", {"steps": 3}, silent)
+    assert v["timeouts"] == [1] and v["hung_at_exit"] == [] and not v["ok"]
     sc = {"steps": 2, "extra_rank": 1}
     assert cuda_stress.judge("teardown", sc, _ranks(
         (0, None, 2, 0), (0, "PeerError: rank 0 gave up: destroyed", 2, 0)))["ok"]
