@@ -619,7 +619,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    default="ddp", help="ddp/fsdp: the functional step; torch-ddp/torch-fsdp2: "
                    "the GPT as nn.Modules in PyTorch's DistributedDataParallel / fully_shard; "
                    "simple-fsdp: fcoll.parallel.fully_shard; tp: parallelize_module")
-    p.add_argument("--compute", choices=("eager", "inductor"), default="eager")
+    p.add_argument("--compute", choices=("auto", "eager", "inductor"), default="auto",
+                   help="fcoll's compute option; auto: inductor on CUDA, eager on the CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=4)

@@ -85,6 +85,22 @@ def test_bad_option_value_raises_naming_it(fake_pg, options, name):
         fcoll_backend(_ar_graph(fake_pg), [torch.randn(4, 4)], options=options)
 
 
+def test_auto_compute_is_inductor_for_cuda_graphs_and_eager_otherwise():
+    """The default ``compute="auto"`` is decided per graph from its example inputs (the
+    faster on each device, docs/design.md "Compute"); explicit values stay as given."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    auto = FcollConfig()
+    assert auto.compute == "auto"
+    assert auto.for_inputs([torch.randn(2), 3]).compute == "eager"
+    assert auto.for_inputs([]).compute == "eager"
+    with FakeTensorMode():  # what Dynamo hands a backend; no GPU needed
+        fake_cuda = torch.empty(2, device="cuda")
+    assert auto.for_inputs([torch.randn(2), fake_cuda]).compute == "inductor"
+    assert FcollConfig(compute="eager").for_inputs([fake_cuda]).compute == "eager"
+    assert FcollConfig(compute="inductor").for_inputs([]).compute == "inductor"
+
+
 def test_backend_works_without_import_fcoll():
     code = ("import sys, torch\n"
             "f = torch.compile(lambda x: torch.sin(x) * 2, backend='fcoll')\n"

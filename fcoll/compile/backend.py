@@ -260,7 +260,7 @@ def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 
     if mode not in (None, "default"):
         raise ValueError(f"fcoll backend: mode {mode!r} is not supported; use options=...")
-    config = FcollConfig.from_options(options)
+    config = FcollConfig.from_options(options).for_inputs(example_inputs)
     graph_id = next(_graph_ids)
 
     if _in_compiled_autograd():

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
 
 __all__ = ["FcollConfig", "DEFAULT_PASSES"]
 
@@ -27,7 +29,7 @@ DEFAULT_PASSES: tuple[str, ...] = (
     "reorder_for_overlap",
 )
 
-_COMPUTE = ("eager", "inductor")
+_COMPUTE = ("auto", "eager", "inductor")
 _BUCKET_MODES = ("auto", "concat", "coalesced")
 
 
@@ -37,7 +39,10 @@ class FcollConfig:
 
     Attributes:
         compute: "eager" runs the aten graph op by op; "inductor" compiles the compute between
-            collectives with Inductor and keeps fcoll's collectives and waits in fcoll's order.
+            collectives with Inductor and keeps fcoll's collectives and waits in fcoll's order;
+            "auto" (the default) is "inductor" for a graph with a CUDA input and "eager"
+            otherwise (:meth:`for_inputs`), each the faster on its device by the measurements
+            in ``docs/design.md`` ("Compute").
         passes: pass names to run, in order; None means :data:`DEFAULT_PASSES` filtered by the
             switches below.
         overlap: run ``reorder_for_overlap`` (cost-model scheduling of collectives and waits).
@@ -61,7 +66,7 @@ class FcollConfig:
             False sends every collective through its op and c10d.
     """
 
-    compute: str = "eager"
+    compute: str = "auto"
     passes: tuple[str, ...] | None = None
     overlap: bool = True
     bucket: bool = True
@@ -104,6 +109,17 @@ class FcollConfig:
         if self.estimator is not None and not callable(self.estimator):
             raise ValueError(f"fcoll option 'estimator': expected a callable, "
                              f"got {self.estimator!r}")
+
+    def for_inputs(self, example_inputs: Sequence[Any]) -> "FcollConfig":
+        """This config with ``compute="auto"`` decided for a graph whose example inputs are
+        ``example_inputs`` (Dynamo's: real or fake tensors, SymInts, other values):
+        ``"inductor"`` when any input is a CUDA tensor, else ``"eager"``. Other values of
+        ``compute`` are returned unchanged."""
+        if self.compute != "auto":
+            return self
+        cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda"
+                   for x in example_inputs)
+        return dataclasses.replace(self, compute="inductor" if cuda else "eager")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "FcollConfig":
