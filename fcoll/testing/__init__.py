@@ -88,6 +88,21 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]):
+    """``os.environ`` with ``updates`` applied inside the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
@@ -149,7 +164,8 @@ def run_ranks(
         args: extra positional arguments for ``fn``.
         timeout_s: hard wall-clock limit for the whole run, in seconds.
         pg_timeout_s: the ``timeout`` given to ``init_process_group``, in seconds.
-        env: extra environment variables for the ranks.
+        env: extra environment variables for the ranks, set before each rank's interpreter
+            starts (so what is read at start-up, ``LD_PRELOAD`` or malloc tunables, applies).
         allow_failures: if True, failing ranks do not raise; their slot in the result holds a
             :class:`RankFailure` for that rank instead.
         hosts: the emulated host of each rank (``hosts[r]``, any str or int): rank r runs with
@@ -187,8 +203,9 @@ def run_ranks(
             )
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        for p, rank_env in zip(procs, rank_envs):
+            with _environ(rank_env):  # a spawned child copies os.environ at start
+                p.start()
         deadline = time.monotonic() + timeout_s
         got: dict[int, tuple[bool, Any]] = {}
         try:
