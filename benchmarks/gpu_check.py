@@ -150,6 +150,7 @@ def stage_sweep(mps: bool, triton: bool = False) -> Callable[[float, str], tuple
                 return Stage(name, "SKIP", detail=f"no {fmps.CONTROL_BINARY} on PATH"), ""
             with fmps.MpsDaemon() as daemon:
                 rc, log = run_cmd(cmd, timeout_s, dict(_env(), **daemon.env))
+                served = daemon.server_started()
         else:
             rc, log = run_cmd(cmd, timeout_s, dict(_env(), FCOLL_CUDA_TRITON="1") if triton
                               else None)
@@ -163,6 +164,9 @@ def stage_sweep(mps: bool, triton: bool = False) -> Callable[[float, str], tuple
         detail = (f"ceiling {data.get('ceiling', {}).get('copy_gbps', float('nan')):.0f} GB/s; "
                   f"%ceil by size {pct}; targets failed: {fails or 'none'}") if data else \
             (f"exit {rc}" if rc is not None else "timed out")
+        if mps:  # were the ranks MPS clients at all? (the 2026-11-27 H100 run left it open)
+            data["mps_server_started"] = served
+            detail = f"MPS server started: {served}; " + detail
         ok = rc == 0 and bool(data) and not data.get("errors")
         return Stage(name, "PASS" if ok else "FAIL", detail=detail, data=data), log
     return run

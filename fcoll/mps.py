@@ -162,6 +162,14 @@ class MpsDaemon:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def server_started(self) -> bool:
+        """True once a client reached the daemon: the control daemon starts an MPS server for
+        its first client, which writes ``server.log`` in the log directory. A job whose ranks
+        set the pipe directory but never became clients (the daemon unreachable, MPS not
+        supported on the machine) leaves it False."""
+        log = self.env.get("CUDA_MPS_LOG_DIRECTORY")
+        return bool(log) and os.path.exists(os.path.join(log, "server.log"))
+
     def _log_tail(self) -> str:
         try:
             with open(os.path.join(self.env["CUDA_MPS_LOG_DIRECTORY"], "control.log")) as f:

@@ -138,3 +138,13 @@ def test_visible_gpu_count_reads_the_driver_and_cuda_visible_devices(tmp_path):
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError, match="--mps: expected auto, on or off, got 'yes'"):
         mps.plan("yes", 2, 1)
+
+
+def test_server_started_tells_whether_a_client_reached_the_daemon(fake_mps):
+    with mps.MpsDaemon() as daemon:
+        assert not daemon.server_started()  # no client yet: the fake writes no server.log
+        log_dir = daemon.env["CUDA_MPS_LOG_DIRECTORY"]
+        with open(os.path.join(log_dir, "server.log"), "w") as f:  # what a first client causes
+            f.write("[server] started\n")
+        assert daemon.server_started()
+    assert not os.path.exists(log_dir) and not daemon.server_started()  # removed at exit
