@@ -72,6 +72,17 @@ def test_ranks_sharing_a_gpu_get_a_daemon_of_their_own_stopped_at_exit(tmp_path,
     assert fake_mps.read_text().splitlines() == [
         f"start {pipe} {Path(pipe).parent / 'log'}", f"quit {pipe}"]
     assert not Path(pipe).parent.exists()   # its directories are removed
+    assert "no rank became a client of the MPS daemon" in err  # these ranks never used CUDA
+
+
+def test_launch_is_quiet_about_clients_when_a_rank_reached_the_daemon(tmp_path, fake_mps, capfd):
+    script = _script(tmp_path, """
+        import os
+        with open(os.path.join(os.environ["CUDA_MPS_LOG_DIRECTORY"], "server.log"), "a") as f:
+            f.write("client\\n")   # what the first CUDA client's server writes
+        """)
+    assert launch.main(["--nproc-per-node", "2", script]) == 0
+    assert "no rank became a client" not in capfd.readouterr().err
 
 
 def test_the_daemon_stops_when_a_rank_fails(tmp_path, fake_mps, capfd):
