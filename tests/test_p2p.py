@@ -307,3 +307,62 @@ def test_destroying_a_group_fails_pending_p2p_and_closes_its_inbox():
     (b0, a0, e0), (b1, a1, _) = run_ranks(_destroy_with_pending_send, 2, timeout_s=100)
     assert b0 >= 1 and a0 == 0 and a1 == 0
     assert e0 is not None and "destroyed" in e0
+
+
+def _peer_leaves(rank, world, how: str):
+    """Rank 0 completes one send to rank 1, then leaves its group alive (``abort()`` or
+    ``destroy_process_group``) and waits for rank 1's verdict; rank 1 receives the completed
+    message, then waits in a receive from rank 0 that can never come (the group timeout is
+    60 s) and in a receive from any source with rank 2 still in the group (rank 2 sends once
+    rank 1 says so)."""
+    import torch.distributed as dist
+
+    from fcoll.shm.transport.fences import PeerError
+
+    store = dist.distributed_c10d._get_default_store()
+    pg = dist.new_group([0, 1, 2])
+    if rank == 0:
+        dist.send(torch.arange(4.0), dst=1, group=pg)
+        if how == "abort":
+            pg.abort()
+        else:
+            dist.destroy_process_group(pg)
+        store.set("left", "1")
+        store.wait(["verdict"])
+        return None
+    if rank == 2:
+        store.wait(["send_now"])
+        dist.send(torch.full((2,), 7.0), dst=1, group=pg)
+        return None
+    try:
+        first = torch.zeros(4)
+        dist.recv(first, src=0, group=pg)
+        store.wait(["left"])
+        t0 = time.monotonic()
+        try:
+            dist.recv(torch.zeros(4), src=0, group=pg)
+            err = None
+        except PeerError as e:
+            err = str(e)
+        took = time.monotonic() - t0
+        anysrc = torch.zeros(2)
+        work = pg.recv_anysource([anysrc], 0)
+        store.set("send_now", "1")
+        work.wait()  # rank 0 has left, rank 2 has not: a receive from any source still works
+        return first, err, took, anysrc, work._source_rank()
+    finally:
+        store.set("send_now", "1")
+        store.set("verdict", "1")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["abort", "destroy"])
+def test_a_receive_from_a_peer_that_left_the_group_fails_at_once_naming_it(how):
+    res = run_ranks(_peer_leaves, 3, args=(how,), pg_timeout_s=60, timeout_s=150)
+    first, err, took, anysrc, source = res[1]
+    torch.testing.assert_close(first, torch.arange(4.0))  # completed before it left: delivered
+    verb = "aborted" if how == "abort" else "destroyed"
+    assert err is not None and f"rank 0 {verb} its process group while rank 1" in err, err
+    assert took < 10.0, took  # not the 60 s group timeout (loose: a loaded machine's wake-ups)
+    torch.testing.assert_close(anysrc, torch.full((2,), 7.0))
+    assert source == 2

@@ -407,7 +407,8 @@ class FcollProcessGroup(ReducingCollectives, CudaSubmission, GroupIdentity, dist
         p2p = getattr(self, "_p2p_state", None)
         if p2p is None:
             p2p = self._p2p_state = P2P(self._engine.seg, self._rank, self._size,
-                                        self._timeout_s, self._engine.ch.describe, owner=self)
+                                        self._timeout_s, self._engine.ch.describe, owner=self,
+                                        quit_why=self._engine.ch.fences.left_group)
         return p2p
 
     # ---- rooted gather / scatter (via all_gather / broadcast) ------------------------------

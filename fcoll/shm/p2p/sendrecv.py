@@ -45,6 +45,7 @@ import os
 import threading
 import time
 import weakref
+from typing import Callable
 
 import torch
 
@@ -72,11 +73,15 @@ class P2P(RingProtocol):
         timeout_s: the group timeout, in seconds, for a wait on one operation.
         describe: group rank -> its name in messages (``"rank 1 (global rank 3)"``).
         owner: the process group; the inbox is closed when it is garbage collected.
+        quit_why: group rank -> why that peer left the group while alive (it destroyed or
+            aborted it: its inbox is closed and it sends and receives nothing more), or None;
+            checked with liveness every tick (:meth:`_check_peers`).
     """
 
     def __init__(self, seg: Segment, rank: int, world: int, timeout_s: float, describe,
-                 owner=None):
+                 owner=None, quit_why: Callable[[int], str | None] | None = None):
         self.rank, self.world, self.timeout_s, self.describe = rank, world, timeout_s, describe
+        self.quit_why = quit_why
         self.lay = Layout(world, chunk_bytes())
         lay, words = seg.layout, seg.words
         self.ident = [(words[lay.word(p, W_PID)],
@@ -97,6 +102,7 @@ class P2P(RingProtocol):
         self.posted: list[PendingOp] = []  # receives not matched yet, in post order
         self.unexpected: list[tuple[int, int, int, tuple, torch.Tensor]] = []
         self.broken: dict[int, BaseException] = {}  # peer -> error that ended its channel
+        self.left: set[int] = set()  # peers whose channel ended because they left the group
         self.pending = 0  # operations issued and not done
         self.waiters = 0  # threads in wait()
         self.ring_count = 0  # doorbell values this rank wrote
@@ -179,8 +185,13 @@ class P2P(RingProtocol):
         if self.closed:
             op.finish(RuntimeError(f"{what}): the process group was destroyed"))
             return P2PWork(self, op)
-        bad = next((p for p in ([peer] if peer is not None else list(self.broken))
-                    if p in self.broken), None)
+        if peer is not None:
+            bad = peer if peer in self.broken else None
+        else:  # from any source: refused after an error with some peer (a message may be
+            # half transferred), not because peers left the group, unless every peer did
+            bad = next((p for p in self.broken if p not in self.left), None)
+            if bad is None and len(self.broken) == self.world - 1:
+                bad = next(iter(self.broken))
         if bad is not None:
             op.finish(RuntimeError(f"{what}): the channel with {self.describe(bad)} is unusable "
                                    f"after an earlier error: {self.broken[bad]}"))
@@ -260,19 +271,21 @@ class P2P(RingProtocol):
     def _missing_inbox(self) -> bool:
         return any(d not in self.inboxes for d, q in self.sends.items() if q)
 
-    def _ops_with(self, peers: set[int]) -> list[PendingOp]:
+    def _ops_with(self, peers: set[int], any_source: bool = True) -> list[PendingOp]:
         ops = [o for d, q in self.sends.items() if d in peers for o in q]
         ops += [o for d, u in self.unacked.items() if d in peers for o in u.values()]
-        ops += [o for o in self.posted if o.peer is None or o.peer in peers]
+        ops += [o for o in self.posted if (o.peer is None and any_source) or o.peer in peers]
         ops += [m.op for s, m in self.cur.items() if s in peers and m.op is not None]
         return ops
 
-    def _fail_peers(self, peers: set[int], error: BaseException) -> None:
-        """Fail every pending operation with ``peers``; their channels stay broken."""
+    def _fail_peers(self, peers: set[int], error: BaseException,
+                    any_source: bool = True) -> None:
+        """Fail every pending operation with ``peers`` (receives from any source too, unless
+        ``any_source`` is False); their channels stay broken."""
         with self.progress:
             for p in peers:
                 self.broken.setdefault(p, error)
-            for op in self._ops_with(peers):
+            for op in self._ops_with(peers, any_source):
                 self._done(op, error)
             for p in peers:
                 self.sends.pop(p, None)
@@ -283,7 +296,12 @@ class P2P(RingProtocol):
             self._ring(self.rank)
 
     def _check_peers(self) -> None:
-        """Fail the operations with every peer process that no longer runs."""
+        """Fail the operations with every peer process that no longer runs, and with every
+        peer that left the group alive (``quit_why``: it destroyed or aborted it). A receive
+        from any source fails on a death, but on a peer leaving only once every peer has
+        left (another may still send). A message a leaving peer completed is already in this
+        rank's inbox (a send completes only once accepted), so one more progress step takes
+        what arrived before the operations with it fail."""
         peers = {p for p in range(self.world) if p != self.rank}
         dead = {p for p in peers if not proc_alive(*self.ident[p])}
         if dead:
@@ -291,6 +309,20 @@ class P2P(RingProtocol):
             self._fail_peers(dead, PeerError(
                 f"fcoll p2p: {names} died (pid {', '.join(str(self.ident[p][0]) for p in sorted(dead))}) "
                 f"while {self.describe(self.rank)} had a send or receive pending with it"))
+        if self.quit_why is None or not self.pending:
+            return
+        left = {p: why for p in sorted(peers - dead) if p not in self.broken
+                for why in [self.quit_why(p)] if why is not None}
+        if not left:
+            return
+        with self.progress:
+            self._guarded_step()
+        self.left.update(p for p in left if p not in self.broken)
+        for p, why in left.items():
+            self._fail_peers({p}, PeerError(
+                f"fcoll p2p: {self.describe(p)} {why} while {self.describe(self.rank)} had a "
+                f"send or receive pending with it; it sends and receives nothing more"),
+                any_source=set(left) | dead == peers)
 
     def _timeout(self, op: PendingOp, limit: float) -> None:
         peer = "any rank" if op.peer is None else self.describe(op.peer)

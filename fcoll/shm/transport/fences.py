@@ -173,6 +173,16 @@ class Fences:
         return ((mark - 1) & U32_MASK, op, why & 0xF, (why >> 16) - 1, (why >> 4) & 0xF,
                 note.decode("utf-8", "replace"))
 
+    def left_group(self, p: int) -> str | None:
+        """Why group rank ``p`` left the group by its own call ("destroyed its process group"
+        or "aborted its process group"), or None while it has not (a rank that gave up a
+        collective on an error or a timeout has not left: it still closes its group)."""
+        mark = self.gave_up(p)
+        if mark is None or mark[2] not in (GAVE_UP_DESTROYED, GAVE_UP_ABORTED):
+            return None
+        return "destroyed its process group" if mark[2] == GAVE_UP_DESTROYED else \
+            "aborted its process group"
+
     def check(self, seq: int, what: str) -> None:
         """Raise :class:`PeerError` if a peer gave up collective ``seq`` (the one being
         executed, ``Channel.seq``) or an earlier one; ``what`` names it in the message.
