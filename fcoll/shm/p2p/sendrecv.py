@@ -318,11 +318,12 @@ class P2P(RingProtocol):
         with self.progress:
             self._guarded_step()
         self.left.update(p for p in left if p not in self.broken)
+        every_peer_gone = set(self.broken) | set(left) | dead >= peers
         for p, why in left.items():
             self._fail_peers({p}, PeerError(
                 f"fcoll p2p: {self.describe(p)} {why} while {self.describe(self.rank)} had a "
                 f"send or receive pending with it; it sends and receives nothing more"),
-                any_source=set(left) | dead == peers)
+                any_source=every_peer_gone)
 
     def _timeout(self, op: PendingOp, limit: float) -> None:
         peer = "any rank" if op.peer is None else self.describe(op.peer)
