@@ -10,6 +10,8 @@ Stages, in order of value (each a subprocess with its own timeout, killed with i
 process group when it runs over; a stage that cannot start within what is left of
 ``--budget-s`` is SKIP):
 
+0. ``floor``: ``gpu_sharing_floor.py`` without and with an MPS daemon (does MPS work here at
+   all: the H100 run of 2026-11-27 saw no gain from it).
 1. ``tests``: ``pytest tests/test_cuda.py`` (every CUDA test).
 2. ``probe:<name>``: the probes of :mod:`cuda_probes` (0-byte first collective, buffer growth
    with kernels queued, bf16/fp16 at 64 MiB, world size 1 on NCCL and on fcoll under
@@ -173,6 +175,37 @@ def stage_sweep(mps: bool, triton: bool = False) -> Callable[[float, str], tuple
     return run
 
 
+def stage_floor(timeout_s: float, out_dir: str) -> tuple[Stage, str]:
+    """``gpu_sharing_floor.py`` without and with an MPS daemon of this script's own: whether MPS
+    works on this machine at all (the per-turn hand-off should drop by about 10x), apart from
+    anything fcoll does."""
+    from fcoll import mps as fmps
+
+    tmp = tempfile.mkdtemp(prefix="gpu_check-")
+    cmd = [sys.executable, os.path.join(BENCH, "gpu_sharing_floor.py"), "--iters", "500",
+           "--json"]
+    logs, data = [], {}
+    rc, log = run_cmd(cmd + [os.path.join(tmp, "off.json")], timeout_s / 2)
+    logs.append(log)
+    modes = [("off", None)]
+    if shutil.which(fmps.CONTROL_BINARY) is not None:
+        with fmps.MpsDaemon() as daemon:
+            rc_on, log = run_cmd(cmd + [os.path.join(tmp, "on.json")], timeout_s / 2,
+                                 dict(_env(), **daemon.env))
+            data["mps_server_started"] = daemon.server_started()
+        logs.append(log)
+        modes.append(("on", rc_on))
+    for mode, _ in modes:
+        path = os.path.join(tmp, f"{mode}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                data[f"mps_{mode}"] = {k: round(v, 1) for k, v in json.load(f).items()}
+    detail = "; ".join(f"{k}: {v}" for k, v in data.items()) or \
+        (f"exit {rc}" if rc is not None else "timed out")
+    ok = rc == 0 and "mps_off" in data
+    return Stage("floor", "PASS" if ok else "FAIL", detail=detail, data=data), "\n".join(logs)
+
+
 def stage_stress(timeout_s: float, out_dir: str) -> tuple[Stage, str]:
     path = os.path.join(tempfile.mkdtemp(prefix="gpu_check-"), "stress.json")
     rc, log = run_cmd([sys.executable, os.path.join(BENCH, "cuda_stress.py"), "--json", path,
@@ -217,7 +250,7 @@ def plan() -> list[tuple[str, Callable[[float, str], tuple[Stage, str]], float]]
     """``(name, run(timeout_s, out_dir), timeout_s)`` of every stage, in run order."""
     from cuda_probes import PROBES
 
-    stages = [("tests", stage_tests, 200.0)]
+    stages = [("floor", stage_floor, 60.0), ("tests", stage_tests, 200.0)]
     stages += [(f"probe:{p}", stage_probe(p), t) for p, t in PROBES.items()]
     stages += [("sweep", stage_sweep(False), 60.0), ("stress", stage_stress, 120.0),
                ("step:mps-off", stage_step("off", STEP_VARIANTS), 200.0),
