@@ -416,12 +416,13 @@ def test_two_ranks_results_c10d_graphs_and_trace(tmp_path):
             assert e["ts"] >= b["ts"] and e["args"]["wait_node"]
             assert set(e["args"]) == {"op", "group", "graph", "bytes", "busbw_gbps",
                                       "wait_node", "seq", "n_seq", "run_start_us",
-                                      "run_end_us", "exposed_us"}
+                                      "run_end_us", "on_worker", "exposed_us"}
             assert e["args"]["bytes"] > 0
             # fcoll's group: the engine's own times, within issue .. wait return, and the
             # blocked time of the wait, within the span
             x = e["args"]
             assert x["graph"].startswith("graph_") and x["n_seq"] >= 1, x
+            assert isinstance(x["on_worker"], bool), x
             assert b["ts"] <= x["run_start_us"] <= x["run_end_us"] <= e["ts"], x
             assert 0 <= x["exposed_us"] <= e["ts"] - b["ts"], x
         # the same collective has the same sequence number on both ranks

@@ -331,10 +331,10 @@ class TestCompare(TestCase):
         self.assertEqual(row.busbw_gbps, 1.0)
         self.assertEqual(result.unmatched, ["other_graph_ar"])
         self.assertExpectedInline(str(result), """\
-node        op          bytes  n  pred_us  meas_us  pred/meas  late_us  span_us  pred_exposed_us  meas_exposed_us  busbw_GB/s
-----------  ----------  -----  -  -------  -------  ---------  -------  -------  ---------------  ---------------  ----------
-all_reduce  all_reduce    256  2     24.0        -          -        -     18.0             14.0              8.0        1.00
-total                                                                                       14.0              8.0
+node        op          bytes  n  pred_us  meas_us  pred/meas  late_us  computing  worker  span_us  pred_exposed_us  meas_exposed_us  busbw_GB/s
+----------  ----------  -----  -  -------  -------  ---------  -------  ---------  ------  -------  ---------------  ---------------  ----------
+all_reduce  all_reduce    256  2     24.0        -          -        -          -       -     18.0             14.0              8.0        1.00
+total                                                                                                          14.0              8.0
 in the trace but not in the graph: other_graph_ar""")
 
     def test_own_time_starts_when_the_last_rank_started(self):
@@ -344,7 +344,8 @@ in the trace but not in the graph: other_graph_ar""")
         def run(pid, start, end):
             args = {"op": "all_reduce", "group": "0", "graph": "g_fw", "bytes": 256,
                     "busbw_gbps": 1.0, "wait_node": "wait_tensor", "seq": 7, "n_seq": 1,
-                    "run_start_us": start, "run_end_us": end, "exposed_us": 3.0}
+                    "run_start_us": start, "run_end_us": end, "on_worker": pid == 0,
+                    "exposed_us": 3.0}
             return {"traceEvents": [
                 {"ph": "b", "cat": "comm", "name": "all_reduce", "id": pid, "ts": 0.0,
                  "pid": pid, "args": args},
@@ -353,8 +354,13 @@ in the trace but not in the graph: other_graph_ar""")
 
         gm = overlapped(canonical.mm_overlap(size=8))
         mine, peer = run(0, 1.0, 20.0), run(1, 5.0, 21.0)
+        # rank 0 computes 2..8 and 17..23: 3 + 3 us of its own time 5..20
+        mine["traceEvents"] += [{"ph": "X", "cat": "compute", "name": n, "ts": t, "dur": 6.0,
+                                 "pid": 0} for n, t in (("mm", 2.0), ("relu", 17.0))]
         row = compare(mine, gm, predict=stand_in_predict, peers=[peer]).rows[0]
         self.assertEqual((row.measured_us, row.late_us, row.span_us), (15.0, 4.0, 24.0))
+        self.assertAlmostEqual(row.computing, 6.0 / 15.0)
+        self.assertEqual(row.on_worker, 1.0)
         self.assertEqual(row.measured_exposed_us, 3.0)
         self.assertAlmostEqual(row.ratio, 24.0 / 15.0)  # stand-in predicts 24
         # one rank's file alone: the own time includes waiting for the peer
@@ -362,7 +368,7 @@ in the trace but not in the graph: other_graph_ar""")
         self.assertEqual((alone.measured_us, alone.late_us), (19.0, 0.0))
         # the peer started first: its own time starts at its own start
         other = compare(peer, gm, predict=stand_in_predict, peers=[mine]).rows[0]
-        self.assertEqual((other.measured_us, other.late_us), (16.0, 0.0))
+        self.assertEqual((other.measured_us, other.late_us, other.on_worker), (16.0, 0.0, 0.0))
         result = compare(mine, gm, predict=stand_in_predict, peers=[peer])
         self.assertEqual((len(result.judged), result.within), (1, 0))
         self.assertAlmostEqual(result.worst_ratio, 1.6)

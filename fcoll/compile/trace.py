@@ -17,7 +17,7 @@ which ``fcoll.inspect.compare(trace, gm)`` reads:
   collective is issued) and ``"ph": "e"`` when its (last) ``wait_tensor`` returns, both with
   ``"cat": "comm"``, ``"name": <collective node name>``, ``"pid": rank``,
   ``"tid": "comm:<group name>"`` and ``args = {"op", "group", "graph", "bytes", "busbw_gbps",
-  "wait_node", "seq", "n_seq", "run_start_us", "run_end_us", "exposed_us"}``:
+  "wait_node", "seq", "n_seq", "run_start_us", "run_end_us", "on_worker", "exposed_us"}``:
 
   - ``graph``: the compiled graph's name (``"graph_0_forward"``), so a reader tells apart
     same-named nodes of different graphs (a forward's and a backward's ``all_gather_3``).
@@ -28,7 +28,8 @@ which ``fcoll.inspect.compare(trace, gm)`` reads:
   - ``run_start_us``, ``run_end_us``: when this rank's engine executed them
     (:meth:`fcoll.shm.engine.Engine.executed`: from the moment the first began moving data to
     the moment the last completed on this rank; the collective's own time, which is what the
-    cost model predicts), None where not known.
+    cost model predicts), None where not known; ``on_worker``: the group's worker thread ran
+    it (while the caller went on), not the thread that issued or waited for it.
   - ``exposed_us``: how long the compute thread sat blocked in the wait that ended it.
 
   A collective whose wait never ran in the same graph run ends at the end of the run with
@@ -123,20 +124,22 @@ class RunTrace:
         self._seq0 = None
         args = {"op": op, "group": group, "graph": self.graph, "bytes": nbytes,
                 "busbw_gbps": None, "wait_node": None, "seq": seq, "n_seq": n_seq,
-                "run_start_us": None, "run_end_us": None, "exposed_us": None}
+                "run_start_us": None, "run_end_us": None, "on_worker": None,
+                "exposed_us": None}
         ev = {"name": name, "cat": "comm", "ph": "b", "id": next(self.recorder.ids),
               "ts": t_us, "pid": self.recorder.rank, "tid": f"comm:{group}", "args": args}
         self.events.append(ev)
         self.open[name] = {"ev": ev, "factor": factor}
 
-    def _run_times(self, args: dict[str, Any]) -> tuple[float, float] | None:
+    def _run_times(self, args: dict[str, Any]) -> tuple[float, float, bool] | None:
         eng = self.engines.get(args["group"])
         if eng is None or args["seq"] is None:
             return None
         spans = [eng.executed(s) for s in range(args["seq"], args["seq"] + args["n_seq"])]
         if any(sp is None for sp in spans):
             return None
-        return min(sp[0] for sp in spans), max(sp[1] for sp in spans)
+        return (min(sp[0] for sp in spans), max(sp[1] for sp in spans),
+                any(sp[2] for sp in spans))
 
     def comm_end(self, name: str, wait_node: str | None, t_us: float,
                  wait_start_us: float | None = None) -> None:
@@ -149,7 +152,7 @@ class RunTrace:
         args = begin["args"]  # shared by the begin and end events
         run = self._run_times(args)
         if run is not None:
-            args["run_start_us"], args["run_end_us"] = run
+            args["run_start_us"], args["run_end_us"], args["on_worker"] = run
         elapsed = (run[1] - run[0]) if run is not None else (t_us - begin["ts"])
         args["busbw_gbps"] = args["bytes"] * entry["factor"] / (max(elapsed, 1e-3) / 1e6) / 1e9
         args["wait_node"] = wait_node

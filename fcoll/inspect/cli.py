@@ -71,11 +71,13 @@ def _load_summaries(out: str) -> list[dict[str, Any]]:
 
 
 def _model_cell(g: dict[str, Any]) -> str:
-    """``"k/n (worst r)"``: collectives whose predicted time is within +-30 % of their measured
-    own time (:mod:`fcoll.inspect.trace_compare`), and the ratio farthest from 1."""
+    """``"k/n (worst r), quiet k/n"``: collectives whose predicted time is within +-30 % of
+    their measured own time (:mod:`fcoll.inspect.trace_compare`), the ratio farthest from 1,
+    and the same count over those that ran with little compute beside them."""
     if not g.get("model_judged"):
         return "-"
-    return f"{g['model_within']}/{g['model_judged']} (worst {g['model_worst_ratio']:.2f})"
+    return (f"{g['model_within']}/{g['model_judged']} (worst {g['model_worst_ratio']:.2f}), "
+            f"quiet {g.get('model_quiet_within', 0)}/{g.get('model_quiet_judged', 0)}")
 
 
 def summary_text(out: str) -> str:

@@ -98,6 +98,8 @@ def _summarize(cap: _Capture, trace_path: str) -> list[dict[str, Any]]:
             entry["trace_collectives"] = sum(1 for r in cmp.rows if r.occurrences)
             entry["model_judged"], entry["model_within"] = len(cmp.judged), cmp.within
             entry["model_worst_ratio"] = cmp.worst_ratio
+            entry["model_quiet_judged"] = len(cmp.quiet)
+            entry["model_quiet_within"] = sum(bool(r.holds) for r in cmp.quiet)
         rows.append(entry)
     return rows
 

@@ -39,6 +39,7 @@ forward's and a backward's same-named node are never mixed.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -54,12 +55,15 @@ from fcoll.passes.analysis.cost import collective_size
 from fcoll.passes.graph import collective_info, collectives
 
 __all__ = ["CompareRow", "TraceComparison", "compare", "last_starts", "load_trace",
-           "measured_collectives", "TOLERANCE"]
+           "measured_collectives", "QUIET_COMPUTING", "TOLERANCE"]
 
 log = logging.getLogger(__name__)
 
 #: A prediction "holds" within this relative error of the measured time (+-30 %).
 TOLERANCE = 0.30
+#: A collective that ran with compute for less than this share of its own time counts as run
+#: in the regime the model was calibrated in (the cores to itself).
+QUIET_COMPUTING = 0.10
 
 
 def load_trace(trace: str | os.PathLike | dict | list) -> list[dict[str, Any]]:
@@ -88,6 +92,30 @@ class _Occurrence:
     args: dict[str, Any]
     own_us: float | None = None
     late_us: float | None = None
+    computing: float | None = None
+
+
+def _compute_spans(events: list[dict[str, Any]]) -> dict[Any, list[tuple[float, float]]]:
+    """Per pid, the (start, end) of every compute event, sorted."""
+    spans: dict[Any, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "compute":
+            t = float(e["ts"])
+            spans[e.get("pid")].append((t, t + float(e.get("dur", 0.0))))
+    return {pid: sorted(v) for pid, v in spans.items()}
+
+
+def _computing(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """The fraction of ``start .. end`` during which this rank's compute thread computed."""
+    if end <= start:
+        return 0.0
+    i = bisect.bisect_left(spans, (start, float("-inf")))
+    i = max(0, i - 1)
+    busy = 0.0
+    while i < len(spans) and spans[i][0] < end:
+        busy += max(0.0, min(end, spans[i][1]) - max(start, spans[i][0]))
+        i += 1
+    return min(1.0, busy / (end - start))
 
 
 def _busy_ends(events: list[dict[str, Any]]) -> dict[Any, list[float]]:
@@ -144,6 +172,7 @@ def measured_collectives(trace: str | os.PathLike | dict | list, *, graph: str |
         events = [e for e in events if (e.get("args") or {}).get("graph", graph) == graph]
     starts = last_starts([events, *peers])
     ends = _busy_ends(events)
+    spans = _compute_spans(events)
     xs: dict[tuple, list[dict]] = defaultdict(list)  # (pid, name) -> complete events
     for e in events:
         if e.get("ph") == "X":
@@ -166,13 +195,15 @@ def measured_collectives(trace: str | os.PathLike | dict | list, *, graph: str |
         exposed = args.get("exposed_us")
         if exposed is None:
             exposed = _exposed(e.get("pid"), issue, done, args.get("wait_node"), ends, xs)
-        own = late = None
+        own = late = computing = None
         if args.get("run_start_us") is not None and args.get("run_end_us") is not None:
             first = float(args["run_start_us"])
             last = max(first, starts.get(_key(args), first))
             own, late = max(0.0, float(args["run_end_us"]) - last), last - first
+            computing = _computing(spans.get(e.get("pid"), []), last, last + own)
         out[str(e.get("name"))].append(_Occurrence(
-            str(e.get("name")), e.get("pid"), issue, done, float(exposed), args, own, late))
+            str(e.get("name")), e.get("pid"), issue, done, float(exposed), args, own, late,
+            computing))
     for key in opened:
         log.debug("trace: collective %s (id %s, pid %s) never completed; ignored", key[2],
                   key[1], key[0])
@@ -197,7 +228,10 @@ class CompareRow:
     ``measured_us`` is the collective's own time (from the last rank's start to its completion
     on this rank; see the module docstring), None where the trace has no execution times;
     ``late_us`` how long this rank waited for that last start; ``span_us`` issue to wait
-    return. ``busbw_gbps`` is the runtime's figure (of the own time where known), averaged.
+    return; ``computing`` the fraction of the own time during which this rank's compute
+    thread ran compute (0: the collective had the cores to itself, as when calibrated);
+    ``on_worker`` the share of occurrences the group's worker thread ran (short spins, then
+    sleeps) rather than the calling or waiting thread (long spins, as when calibrated). ``busbw_gbps`` is the runtime's figure (of the own time where known), averaged.
     ``bytes`` is the collective's size (nccl-tests' convention,
     :func:`fcoll.ops.facts.comm_bytes`): the trace's when it recorded one, else the graph's.
     """
@@ -213,6 +247,8 @@ class CompareRow:
     bytes: int | None = None
     late_us: float | None = None
     span_us: float | None = None
+    computing: float | None = None
+    on_worker: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -255,6 +291,12 @@ class TraceComparison:
         return sum(bool(r.holds) for r in self.judged)
 
     @property
+    def quiet(self) -> list[CompareRow]:
+        """The judged rows that ran with compute under :data:`QUIET_COMPUTING` of their own
+        time: the regime the model was calibrated in."""
+        return [r for r in self.judged if (r.computing or 0.0) < QUIET_COMPUTING]
+
+    @property
     def worst_ratio(self) -> float | None:
         """The judged ``pred/meas`` farthest from 1 (by ``max(r, 1/r)``), or None."""
         rs = [r.ratio for r in self.judged if r.ratio]
@@ -265,25 +307,33 @@ class TraceComparison:
                 "predicted_exposed_us": self.predicted_exposed_us,
                 "measured_exposed_us": self.measured_exposed_us, "unmatched": self.unmatched,
                 "judged": len(self.judged), "within": self.within,
-                "worst_ratio": self.worst_ratio}
+                "worst_ratio": self.worst_ratio, "quiet_judged": len(self.quiet),
+                "quiet_within": sum(bool(r.holds) for r in self.quiet)}
 
     def __str__(self) -> str:
         headers = ("node", "op", "bytes", "n", "pred_us", "meas_us", "pred/meas", "late_us",
-                   "span_us", "pred_exposed_us", "meas_exposed_us", "busbw_GB/s")
+                   "computing", "worker", "span_us", "pred_exposed_us", "meas_exposed_us",
+                   "busbw_GB/s")
         rows = [(r.node, r.op, "-" if r.bytes is None else r.bytes, r.occurrences,
                  fmt_us(r.predicted_us), fmt_us(r.measured_us),
                  "-" if r.ratio is None else f"{r.ratio:.2f}", fmt_us(r.late_us),
-                 fmt_us(r.span_us), fmt_us(r.predicted_exposed_us),
+                 "-" if r.computing is None else f"{r.computing:.0%}",
+                 "-" if r.on_worker is None else f"{r.on_worker:.0%}", fmt_us(r.span_us), fmt_us(r.predicted_exposed_us),
                  fmt_us(r.measured_exposed_us),
                  "-" if r.busbw_gbps is None else f"{r.busbw_gbps:.2f}") for r in self.rows]
-        rows.append(("total", "", "", "", "", "", "", "", "", fmt_us(self.predicted_exposed_us),
-                     fmt_us(self.measured_exposed_us), ""))
-        text = text_table(headers, rows, (False, False) + (True,) * 10)
+        rows.append(("total", "", "", "", "", "", "", "", "", "", "",
+                     fmt_us(self.predicted_exposed_us), fmt_us(self.measured_exposed_us), ""))
+        text = text_table(headers, rows, (False, False) + (True,) * 12)
         if self.judged:
+            quiet = self.quiet
             text += (f"\npredicted within +-{TOLERANCE:.0%} of measured: {self.within} of "
-                     f"{len(self.judged)} collectives (meas_us: own time, from the last rank's "
-                     f"start to completion; late_us: waiting for that start; span_us: issue to "
-                     f"wait return)")
+                     f"{len(self.judged)} collectives; of those that ran with compute under "
+                     f"{QUIET_COMPUTING:.0%} of their time (the calibrated regime): "
+                     f"{sum(bool(r.holds) for r in quiet)} of {len(quiet)}"
+                     f"\n(meas_us: own time, from the last rank's start to completion; "
+                     f"late_us: waiting for that start; computing: share of the own time this "
+                     f"rank computed; worker: share run by the group's worker thread; "
+                     f"span_us: issue to wait return)")
         if self.unmatched:
             text += f"\nin the trace but not in the graph: {', '.join(self.unmatched)}"
         return text
@@ -343,6 +393,8 @@ def compare(trace: str | os.PathLike | dict | list, gm: fx.GraphModule, *,
             bytes=max(sizes) if sizes else _graph_bytes(node),
             late_us=_mean([o.late_us for o in own]),
             span_us=_mean([o.done_ts - o.issue_ts for o in occ]),
+            computing=_mean([o.computing for o in own]),
+            on_worker=_mean([float(bool(o.args.get("on_worker"))) for o in own]),
         ))
     names = {n.name for n in collectives(gm)}
     return TraceComparison(

@@ -133,7 +133,8 @@ class Engine:
         completed: every collective numbered below this one completed on this rank (one that
             raised a cross-rank mismatch counts: every rank raised it at the same phase).
         times: None, or (after :meth:`keep_times`) a ring of the last :data:`TIMES_KEPT`
-            completed collectives' ``(seq, start_ns, end_ns)`` (see :meth:`executed`).
+            completed collectives' ``(seq, start_ns, end_ns, on_worker)`` (see
+            :meth:`executed`).
     """
 
     def __init__(self, seg: Segment, ch: Channel, label: str):
@@ -150,7 +151,7 @@ class Engine:
         self._unmap_deferred = False  # close() found a collective running: its thread unmaps
         self.seq = 0
         self.completed = 0  # every collective numbered below this one completed on this rank
-        self.times: list[tuple[int, int, int] | None] | None = None
+        self.times: list[tuple[int, int, int, bool] | None] | None = None
         self._fewer_threads = _FewerThreads(collective_threads(ch.world))
         self._thread = threading.Thread(target=self._loop, name=f"fcoll-{label}", daemon=True)
         self._thread.start()
@@ -233,7 +234,7 @@ class Engine:
             else:
                 fn(*call)
             if times is not None:
-                times[seq % TIMES_KEPT] = (seq, t0, time.perf_counter_ns())
+                times[seq % TIMES_KEPT] = (seq, t0, time.perf_counter_ns(), False)
             self.completed = seq + 1  # before the release: an unmap there fences the next one
         except BaseException as e:  # noqa: BLE001  carried to the caller
             return self._failed(plan.name, e, seq)
@@ -367,7 +368,7 @@ class Engine:
             job.complete(self._failed(job.name, e, job.seq))
             return
         if times is not None:
-            times[job.seq % TIMES_KEPT] = (job.seq, t0, time.perf_counter_ns())
+            times[job.seq % TIMES_KEPT] = (job.seq, t0, time.perf_counter_ns(), on_worker)
         self.completed = job.seq + 1
         job.complete(None)
 
@@ -377,18 +378,20 @@ class Engine:
         if self.times is None:
             self.times = [None] * TIMES_KEPT
 
-    def executed(self, seq: int) -> tuple[float, float] | None:
-        """When this rank executed collective ``seq``: ``(start_us, end_us)`` on the host's
-        monotonic clock (``time.perf_counter_ns``, the tracer's), from the moment its thread
-        began the algorithm (header written, data copied in) to the moment it completed on this
-        rank (outputs written back). A rank that waits for a late peer inside it counts that
-        wait too. None: not kept (:meth:`keep_times` not called, failed, not yet completed, or
-        older than the last :data:`TIMES_KEPT`)."""
+    def executed(self, seq: int) -> tuple[float, float, bool] | None:
+        """When and where this rank executed collective ``seq``: ``(start_us, end_us,
+        on_worker)``, times on the host's monotonic clock (``time.perf_counter_ns``, the
+        tracer's), from the moment its thread began the algorithm (header written, data copied
+        in) to the moment it completed on this rank (outputs written back); ``on_worker``: the
+        group's worker thread ran it (short spins, then sleeps: the caller computes meanwhile),
+        not the calling or waiting thread (long spins). A rank that waits for a late peer
+        inside it counts that wait too. None: not kept (:meth:`keep_times` not called, failed,
+        not yet completed, or older than the last :data:`TIMES_KEPT`)."""
         times = self.times
         rec = times[seq % TIMES_KEPT] if times is not None else None
         if rec is None or rec[0] != seq:
             return None
-        return rec[1] / 1e3, rec[2] / 1e3
+        return rec[1] / 1e3, rec[2] / 1e3, rec[3]
 
     def _failed(self, name: str, e: BaseException, seq: int) -> BaseException:
         """The failure policy of every executed collective (``name``, number ``seq``);
