@@ -361,6 +361,11 @@ in the trace but not in the graph: other_graph_ar""")
         self.assertEqual((row.measured_us, row.late_us, row.span_us), (15.0, 4.0, 24.0))
         self.assertAlmostEqual(row.computing, 6.0 / 15.0)
         self.assertEqual(row.on_worker, 1.0)
+        # a peer that computes 0..15 (10 of the 15 us): the largest share counts
+        busy_peer = {"traceEvents": peer["traceEvents"] + [
+            {"ph": "X", "cat": "compute", "name": "mm", "ts": 0.0, "dur": 15.0, "pid": 1}]}
+        row = compare(mine, gm, predict=stand_in_predict, peers=[busy_peer]).rows[0]
+        self.assertAlmostEqual(row.computing, 10.0 / 15.0)
         self.assertEqual(row.measured_exposed_us, 3.0)
         self.assertAlmostEqual(row.ratio, 24.0 / 15.0)  # stand-in predicts 24
         # one rank's file alone: the own time includes waiting for the peer

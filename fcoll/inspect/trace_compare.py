@@ -160,7 +160,8 @@ def measured_collectives(trace: str | os.PathLike | dict | list, *, graph: str |
         graph: keep only events whose ``args["graph"]`` equals this (events that record no
             graph, from older traces, are kept); None keeps everything.
         peers: the other ranks' traces of the same run: the own time starts at the latest
-            start of the collective over this rank and these (see the module docstring).
+            start of the collective over this rank and these (see the module docstring), and
+            ``computing`` is the largest share of it that any of these ranks computed.
 
     Returns:
         name -> occurrences (issue time, return time, exposed µs, own µs, late µs, args) in
@@ -170,9 +171,13 @@ def measured_collectives(trace: str | os.PathLike | dict | list, *, graph: str |
     events = load_trace(trace)
     if graph is not None:
         events = [e for e in events if (e.get("args") or {}).get("graph", graph) == graph]
+    peers = [load_trace(p) for p in peers]
     starts = last_starts([events, *peers])
     ends = _busy_ends(events)
     spans = _compute_spans(events)
+    for peer in peers:  # every rank's compute, whatever graph it ran
+        for pid, sp in _compute_spans(peer).items():
+            spans.setdefault(pid, sp)
     xs: dict[tuple, list[dict]] = defaultdict(list)  # (pid, name) -> complete events
     for e in events:
         if e.get("ph") == "X":
@@ -200,7 +205,8 @@ def measured_collectives(trace: str | os.PathLike | dict | list, *, graph: str |
             first = float(args["run_start_us"])
             last = max(first, starts.get(_key(args), first))
             own, late = max(0.0, float(args["run_end_us"]) - last), last - first
-            computing = _computing(spans.get(e.get("pid"), []), last, last + own)
+            computing = max((_computing(sp, last, last + own) for sp in spans.values()),
+                            default=0.0)
         out[str(e.get("name"))].append(_Occurrence(
             str(e.get("name")), e.get("pid"), issue, done, float(exposed), args, own, late,
             computing))
@@ -228,8 +234,10 @@ class CompareRow:
     ``measured_us`` is the collective's own time (from the last rank's start to its completion
     on this rank; see the module docstring), None where the trace has no execution times;
     ``late_us`` how long this rank waited for that last start; ``span_us`` issue to wait
-    return; ``computing`` the fraction of the own time during which this rank's compute
-    thread ran compute (0: the collective had the cores to itself, as when calibrated);
+    return; ``computing`` the largest fraction of the own time during which a rank's compute
+    thread ran compute (this rank's, or a peer's when their traces are given: a peer's
+    worker that shares a core with its compute slows every phase; 0: the collective had the
+    cores to itself, as when calibrated);
     ``on_worker`` the share of occurrences the group's worker thread ran (short spins, then
     sleeps) rather than the calling or waiting thread (long spins, as when calibrated). ``busbw_gbps`` is the runtime's figure (of the own time where known), averaged.
     ``bytes`` is the collective's size (nccl-tests' convention,
@@ -331,8 +339,8 @@ class TraceComparison:
                      f"{QUIET_COMPUTING:.0%} of their time (the calibrated regime): "
                      f"{sum(bool(r.holds) for r in quiet)} of {len(quiet)}"
                      f"\n(meas_us: own time, from the last rank's start to completion; "
-                     f"late_us: waiting for that start; computing: share of the own time this "
-                     f"rank computed; worker: share run by the group's worker thread; "
+                     f"late_us: waiting for that start; computing: largest share of the own "
+                     f"time a rank computed; worker: share run by the group's worker thread; "
                      f"span_us: issue to wait return)")
         if self.unmatched:
             text += f"\nin the trace but not in the graph: {', '.join(self.unmatched)}"
