@@ -32,6 +32,14 @@ What is compared with what, per collective (means over occurrences: steps, one r
   (``args["exposed_us"]``; for older traces, the ``"X"`` event of the wait node, else the gap
   between the wait's return and the later of the issue and the previous activity on the rank).
 
+- ``computing`` and ``worker``: which regime the collective ran in. The curve is of blocking
+  calls on free cores (the calling thread spins through every phase); a hidden collective runs
+  on the group's worker thread (short spins, then futex sleeps) while the ranks compute, and
+  on a machine with as many cores as ranks each of its phases then waits for a core and for
+  the GIL. ``computing`` is the largest share of the own time that any rank's compute thread
+  computed, ``worker`` the share of occurrences the worker ran; the count under the table is
+  repeated for the rows with ``computing`` under :data:`QUIET_COMPUTING`.
+
 A row "holds" when ``pred/meas`` is within :data:`TOLERANCE` of 1 (+-30 %); the count is under
 the table. Events are matched to the graph by ``args["graph"]`` when the trace records it, so a
 forward's and a backward's same-named node are never mixed.
