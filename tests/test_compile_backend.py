@@ -416,6 +416,7 @@ def test_two_ranks_results_c10d_graphs_and_trace(tmp_path):
         torch.testing.assert_close(ga, (2 * dh) @ w.t())
         torch.testing.assert_close(gw, a[rank].t() @ (2 * dh) + 2)
         torch.testing.assert_close(r["c10d"], (torch.tanh(h) * 2).sum())
+    seqs = {}
     for rank in range(2):
         events = json.loads((tmp_path / f"rank{rank}.json").read_text())["traceEvents"]
         expected = [c for graph in results[rank]["collectives"][:2] for c in graph]
@@ -429,11 +430,24 @@ def test_two_ranks_results_c10d_graphs_and_trace(tmp_path):
             assert b["cat"] == e["cat"] == "comm" and b["pid"] == rank
             assert b["tid"] == e["tid"] == f"comm:{b['args']['group']}"
             assert e["ts"] >= b["ts"] and e["args"]["wait_node"]
-            assert set(e["args"]) == {"op", "group", "bytes", "busbw_gbps", "wait_node"}
+            assert set(e["args"]) == {"op", "group", "graph", "bytes", "busbw_gbps",
+                                      "wait_node", "seq", "n_seq", "run_start_us",
+                                      "run_end_us", "on_worker", "exposed_us"}
             assert e["args"]["bytes"] > 0
+            # fcoll's group: the engine's own times, within issue .. wait return, and the
+            # blocked time of the wait, within the span
+            x = e["args"]
+            assert x["graph"].startswith("graph_") and x["n_seq"] >= 1, x
+            assert isinstance(x["on_worker"], bool), x
+            assert b["ts"] <= x["run_start_us"] <= x["run_end_us"] <= e["ts"], x
+            assert 0 <= x["exposed_us"] <= e["ts"] - b["ts"], x
+        # the same collective has the same sequence number on both ranks
+        seqs[rank] = [ends[b["id"]]["args"]["seq"] for b in begins]
         compute = [e for e in events if e["cat"] == "compute"]
         assert compute and all(e["ph"] == "X" and e["tid"] == "compute" and e["dur"] >= 0
-                               and "target" in e["args"] for e in compute)
+                               and "target" in e["args"] and "graph" in e["args"]
+                               for e in compute)
+    assert seqs[0] == seqs[1] and len(set(seqs[0])) == len(seqs[0])
 
 
 def test_trace_file_is_valid_after_every_run_bounded_and_appended(tmp_path):

@@ -234,16 +234,17 @@ def test_lane_plan_is_the_same_on_network_and_shared_memory_backends():
 
 
 def _trace_of(durations_us, nbytes=4096):
-    """A rank's trace with one all_reduce occurrence per duration (issue at ts, wait returns
-    after the duration)."""
+    """A rank's trace with one all_reduce occurrence per duration: issued at ts, executed by
+    the engine from ts + 5 for the duration (its own time), its wait returning 5 us later."""
     evs = []
     for i, dur in enumerate(durations_us):
         t0 = 1000.0 * i
         args = {"op": "all_reduce", "group": "0", "bytes": nbytes, "busbw_gbps": 1.0,
-                "wait_node": "wait_tensor"}
+                "wait_node": "wait_tensor", "seq": i, "n_seq": 1, "run_start_us": t0 + 5,
+                "run_end_us": t0 + 5 + dur, "on_worker": True, "exposed_us": 0.0}
         evs += [{"ph": "b", "cat": "comm", "name": "all_reduce", "id": i, "ts": t0, "pid": 0,
                  "args": args},
-                {"ph": "e", "cat": "comm", "name": "all_reduce", "id": i, "ts": t0 + dur,
+                {"ph": "e", "cat": "comm", "name": "all_reduce", "id": i, "ts": t0 + dur + 10,
                  "pid": 0, "args": args}]
     return {"traceEvents": evs}
 
@@ -256,14 +257,16 @@ def _predicted(collective_us):
 
 
 def test_compare_report_sets_predicted_beside_measured_per_collective():
-    """The compare report's row: the model's time, the measured mean (100 and 120 us: 110),
-    their ratio, the bytes from the trace, and whether the prediction holds within 30 %."""
+    """The compare report's row: the model's time, the measured mean own time (100 and
+    120 us: 110; issue to wait return, 120, is only the span), their ratio, the bytes from the
+    trace, and whether the prediction holds within 30 %."""
     from fcoll.inspect.trace_compare import TOLERANCE, compare
 
     gm = canonical.mm_overlap(size=8)
     close = compare(_trace_of([100.0, 120.0]), gm, events=_predicted(99.0))
     (row,) = close.rows
     assert (row.predicted_us, row.measured_us, row.bytes) == (99.0, 110.0, 4096)
+    assert row.span_us == 120.0
     assert row.ratio == pytest.approx(0.9) and row.holds is True
     assert row.as_dict()["ratio"] == pytest.approx(0.9) and row.as_dict()["holds"] is True
     assert "predicted within +-30% of measured: 1 of 1 collectives" in str(close)

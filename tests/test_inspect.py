@@ -323,17 +323,81 @@ class TestCompare(TestCase):
         (row,) = result.rows
         self.assertEqual(row.occurrences, 2)
         self.assertEqual(row.measured_exposed_us, (14.0 + 2.0) / 2)
-        self.assertEqual(row.measured_us, (24.0 + 12.0) / 2)
+        self.assertEqual(row.span_us, (24.0 + 12.0) / 2)
+        # no execution times in this (older) trace: the own time is unknown, nothing judged
+        self.assertIsNone(row.measured_us)
+        self.assertIsNone(row.holds)
         self.assertEqual(row.predicted_exposed_us, 14.0)
         self.assertEqual(row.busbw_gbps, 1.0)
         self.assertEqual(result.unmatched, ["other_graph_ar"])
         self.assertExpectedInline(str(result), """\
-node        op          bytes  n  pred_us  meas_us  pred/meas  pred_exposed_us  meas_exposed_us  busbw_GB/s
-----------  ----------  -----  -  -------  -------  ---------  ---------------  ---------------  ----------
-all_reduce  all_reduce    256  2     24.0     18.0       1.33             14.0              8.0        1.00
-total                                                                     14.0              8.0
-predicted within +-30% of measured: 0 of 1 collectives (meas_us is issue to wait return: an upper bound for hidden ones)
+node        op          bytes  n  pred_us  meas_us  pred/meas  late_us  computing  worker  span_us  pred_exposed_us  meas_exposed_us  busbw_GB/s
+----------  ----------  -----  -  -------  -------  ---------  -------  ---------  ------  -------  ---------------  ---------------  ----------
+all_reduce  all_reduce    256  2     24.0        -          -        -          -       -     18.0             14.0              8.0        1.00
+total                                                                                                          14.0              8.0
 in the trace but not in the graph: other_graph_ar""")
+
+    def test_own_time_starts_when_the_last_rank_started(self):
+        """Rank 0 issues at 0 and starts executing at 1; rank 1 starts at 5; rank 0 completes
+        at 20 and its wait returns at 24. Rank 0's own time is 20 - 5 = 15 (not 19: the 4 us
+        it waited for rank 1 is late_us), its span 24, its exposed time the recorded 3."""
+        def run(pid, start, end):
+            args = {"op": "all_reduce", "group": "0", "graph": "g_fw", "bytes": 256,
+                    "busbw_gbps": 1.0, "wait_node": "wait_tensor", "seq": 7, "n_seq": 1,
+                    "run_start_us": start, "run_end_us": end, "on_worker": pid == 0,
+                    "exposed_us": 3.0}
+            return {"traceEvents": [
+                {"ph": "b", "cat": "comm", "name": "all_reduce", "id": pid, "ts": 0.0,
+                 "pid": pid, "args": args},
+                {"ph": "e", "cat": "comm", "name": "all_reduce", "id": pid, "ts": 24.0,
+                 "pid": pid, "args": args}]}
+
+        gm = overlapped(canonical.mm_overlap(size=8))
+        mine, peer = run(0, 1.0, 20.0), run(1, 5.0, 21.0)
+        # rank 0 computes 2..8 and 17..23: 3 + 3 us of its own time 5..20
+        mine["traceEvents"] += [{"ph": "X", "cat": "compute", "name": n, "ts": t, "dur": 6.0,
+                                 "pid": 0} for n, t in (("mm", 2.0), ("relu", 17.0))]
+        row = compare(mine, gm, predict=stand_in_predict, peers=[peer]).rows[0]
+        self.assertEqual((row.measured_us, row.late_us, row.span_us), (15.0, 4.0, 24.0))
+        self.assertAlmostEqual(row.computing, 6.0 / 15.0)
+        self.assertEqual(row.on_worker, 1.0)
+        # a peer that computes 0..15 (10 of the 15 us): the largest share counts
+        busy_peer = {"traceEvents": peer["traceEvents"] + [
+            {"ph": "X", "cat": "compute", "name": "mm", "ts": 0.0, "dur": 15.0, "pid": 1}]}
+        row = compare(mine, gm, predict=stand_in_predict, peers=[busy_peer]).rows[0]
+        self.assertAlmostEqual(row.computing, 10.0 / 15.0)
+        self.assertEqual(row.measured_exposed_us, 3.0)
+        self.assertAlmostEqual(row.ratio, 24.0 / 15.0)  # stand-in predicts 24
+        # one rank's file alone: the own time includes waiting for the peer
+        alone = compare(mine, gm, predict=stand_in_predict).rows[0]
+        self.assertEqual((alone.measured_us, alone.late_us), (19.0, 0.0))
+        # the peer started first: its own time starts at its own start
+        other = compare(peer, gm, predict=stand_in_predict, peers=[mine]).rows[0]
+        self.assertEqual((other.measured_us, other.late_us, other.on_worker), (16.0, 0.0, 0.0))
+        result = compare(mine, gm, predict=stand_in_predict, peers=[peer])
+        self.assertEqual((len(result.judged), result.within), (1, 0))
+        self.assertAlmostEqual(result.worst_ratio, 1.6)
+
+    def test_events_of_another_graph_with_the_same_node_name_are_not_matched(self):
+        """A backward graph has a node of the same name and op: with ``graph=`` only the
+        forward's events count (SimpleFSDP's forward and backward both name their gathers
+        all_gather_into_tensor_N)."""
+        trace = synthetic_trace()
+        for e in trace["traceEvents"]:
+            if e["cat"] == "comm" and e.get("args"):
+                e["args"] = {**e["args"], "graph": "g_fw"}
+        bw_args = {"op": "all_reduce", "group": "0", "graph": "g_bw", "bytes": 256,
+                   "busbw_gbps": 9.0, "wait_node": "wait_tensor", "exposed_us": 500.0}
+        trace["traceEvents"] += [
+            {"ph": "b", "cat": "comm", "name": "all_reduce", "id": 50, "ts": 300.0, "pid": 0,
+             "args": bw_args},
+            {"ph": "e", "cat": "comm", "name": "all_reduce", "id": 50, "ts": 900.0, "pid": 0,
+             "args": bw_args}]
+        gm = overlapped(canonical.mm_overlap(size=8))
+        row = compare(trace, gm, predict=stand_in_predict, graph="g_fw").rows[0]
+        self.assertEqual((row.occurrences, row.span_us), (2, 18.0))
+        mixed = compare(trace, gm, predict=stand_in_predict).rows[0]
+        self.assertEqual(mixed.occurrences, 3)
 
     def test_a_recorded_wait_event_is_its_exposed_time(self):
         trace = synthetic_trace()

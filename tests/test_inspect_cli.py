@@ -50,6 +50,7 @@ class TestInspectCLI(unittest.TestCase):
     def test_cli_exits_zero_and_prints_a_summary(self):
         self.assertEqual(self.proc.returncode, 0, self.proc.stderr[-4000:])
         self.assertIn("measured exposed_us", self.proc.stdout)
+        self.assertIn("model +-30%", self.proc.stdout)
         self.assertIn(f"on {NPROC} rank(s)", self.proc.stdout)
         with open(os.path.join(self.out, "summary.txt")) as f:
             self.assertIn(f.read().strip(), self.proc.stdout)
@@ -61,7 +62,7 @@ class TestInspectCLI(unittest.TestCase):
             files = set(os.listdir(os.path.join(self.out, f"rank{r}")))
             for g in s["graphs"]:
                 expected = {f.format(name=g["name"]) for f in RECORD_FILES}
-                expected.add(f"{g['name']}.compare.txt")
+                expected |= {f"{g['name']}.compare.txt", f"{g['name']}.compare.json"}
                 self.assertLessEqual(expected, files, f"rank {r}, graph {g['name']}")
 
     def test_passes_show_in_the_files(self):
@@ -106,6 +107,9 @@ class TestInspectCLI(unittest.TestCase):
                     self.assertLessEqual(names, seen, f"rank {r} {ph}")
                 self.assertGreater(g["trace_collectives"], 0)
                 self.assertGreater(g["measured_exposed_us"], 0.0)
+                # on fcoll's group every traced collective has its own time: all are judged
+                self.assertEqual(g["model_judged"], g["trace_collectives"], g["name"])
+                self.assertLessEqual(g["model_within"], g["model_judged"])
 
 
 if __name__ == "__main__":

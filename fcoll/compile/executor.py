@@ -11,7 +11,8 @@ graph order, and :meth:`GraphExecutor.run_steps` interprets them. Compute is eit
 per step (``compute="eager"``, this module) or one Inductor-compiled segment per maximal run of
 compute nodes (``compute="inductor"``, :mod:`fcoll.compile.inductor_compute`); that is the only
 difference between the two executors. With a trace recorder, the loop times each compute step and
-records the issue and wait return of each collective in a :class:`fcoll.compile.trace.RunTrace`.
+records the issue and wait return of each collective in a :class:`fcoll.compile.trace.RunTrace`,
+with, on fcoll's groups, when the engine executed it (its own time) and how long its wait blocked.
 
 Without a recorder, the eager executor skips the loop: the graph module's own generated
 ``forward`` runs (one Python call per node; intermediate values are freed after their last use by
@@ -243,6 +244,17 @@ def plan_steps(gm: fx.GraphModule, items: Sequence[fx.Node | Step], table: OpTab
     return [s._replace(free=tuple(f)) if f else s for s, f in zip(steps, frees)]
 
 
+def _timed_engines(groups: Sequence[str]) -> dict[str, Any]:
+    """The engines of fcoll's shared-memory groups among ``groups``, each told to keep its
+    collectives' execution times (:meth:`fcoll.shm.engine.Engine.keep_times`) for the trace."""
+    from fcoll.shm.group.direct import group_engines
+
+    engines = group_engines(groups)
+    for eng in engines.values():
+        eng.keep_times()
+    return engines
+
+
 def _output_of(gm: fx.GraphModule) -> Any:
     return gm.graph.output_node().args[0]
 
@@ -289,6 +301,8 @@ class GraphExecutor:
         #: the process groups of the graph's collectives: fenced when an exception leaves a run
         self.groups = tuple(sorted({str(collective_info(n).group_name)
                                     for n in nodes if is_collective(n)}))
+        #: traced runs: group name -> its engine, which keeps its collectives' own times
+        self._engines = _timed_engines(self.groups) if recorder is not None else {}
 
     def _items(self) -> list[fx.Node | Step]:
         """What :func:`plan_steps` plans: here every node but placeholders, ``get_attr`` and the
@@ -315,7 +329,8 @@ class GraphExecutor:
                 inputs = list(args)
                 args.clear()
                 return self._forward(*inputs)
-            run = self.recorder.start_run() if self.recorder is not None else None
+            run = (self.recorder.start_run(self.name, self._engines)
+                   if self.recorder is not None else None)
             try:
                 return self.run_steps(args, run)
             finally:
@@ -352,7 +367,10 @@ class GraphExecutor:
         load = env.__getitem__
         map_arg = fx.node.map_arg
         for kind, node, impl, target, comm, ends, free in self._loop:
-            t0 = now_us() if run is not None else 0.0
+            if run is not None:
+                t0 = now_us()
+                if comm is not None:
+                    run.before_issue(comm.group)
             if kind is _SEGMENT:
                 env.update(zip(node.outputs, impl([load(n) for n in node.inputs])))
             else:
@@ -365,7 +383,7 @@ class GraphExecutor:
                     nbytes = comm_bytes(comm.kind, tensor_bytes(a[0]), tensor_bytes(out))
                     run.comm_begin(node.name, comm.op, comm.group, nbytes, comm.busbw_factor, t0)
                 elif ends is not None:
-                    run.comm_end(ends, node.name, now_us())
+                    run.comm_end(ends, node.name, now_us(), t0)
             for n in free:
                 env.pop(n, None)
         return map_arg(self._output, load)

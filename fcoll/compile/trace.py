@@ -12,13 +12,28 @@ which ``fcoll.inspect.compare(trace, gm)`` reads:
 - ``{"traceEvents": [...]}``, times in microseconds (``ts``, ``dur``) on the host's monotonic
   clock (``time.perf_counter_ns``, CLOCK_MONOTONIC on Linux), so the ranks of one host line up.
 - A compute node: ``{"ph": "X", "cat": "compute", "name": <node name>, "ts", "dur",
-  "pid": rank, "tid": "compute", "args": {"target": str(node.target)}}``.
+  "pid": rank, "tid": "compute", "args": {"target": str(node.target), "graph": <graph name>}}``.
 - A collective: an async pair with one unique ``id``: ``"ph": "b"`` when its node runs (the
   collective is issued) and ``"ph": "e"`` when its (last) ``wait_tensor`` returns, both with
   ``"cat": "comm"``, ``"name": <collective node name>``, ``"pid": rank``,
-  ``"tid": "comm:<group name>"`` and ``args = {"op", "group", "bytes", "busbw_gbps",
-  "wait_node"}``. A collective whose wait never ran in the same graph run ends at the end of
-  the run with ``"wait_node": None``.
+  ``"tid": "comm:<group name>"`` and ``args = {"op", "group", "graph", "bytes", "busbw_gbps",
+  "wait_node", "seq", "n_seq", "run_start_us", "run_end_us", "on_worker", "exposed_us"}``:
+
+  - ``graph``: the compiled graph's name (``"graph_0_forward"``), so a reader tells apart
+    same-named nodes of different graphs (a forward's and a backward's ``all_gather_3``).
+  - ``seq``, ``n_seq``: the group's sequence numbers the node issued (``seq`` .. ``seq +
+    n_seq - 1``; several for a coalesced bucket on the c10d path), the same on every rank of
+    the group, so readers join one collective across the ranks' traces; None where the group
+    is not fcoll's shared-memory group (gloo, nccl, hierarchical).
+  - ``run_start_us``, ``run_end_us``: when this rank's engine executed them
+    (:meth:`fcoll.shm.engine.Engine.executed`: from the moment the first began moving data to
+    the moment the last completed on this rank; the collective's own time, which is what the
+    cost model predicts), None where not known; ``on_worker``: the group's worker thread ran
+    it (while the caller went on), not the thread that issued or waited for it.
+  - ``exposed_us``: how long the compute thread sat blocked in the wait that ended it.
+
+  A collective whose wait never ran in the same graph run ends at the end of the run with
+  ``"wait_node": None`` and ``"exposed_us": 0``.
 
 ``bytes`` follows the nccl-tests convention for the size of one collective
 (:func:`fcoll.ops.facts.comm_bytes`): the larger of the input and output buffers on this rank
@@ -26,8 +41,9 @@ which ``fcoll.inspect.compare(trace, gm)`` reads:
 unscattered input for reduce_scatter), the input for all_to_all.
 ``busbw_gbps = bytes / time * factor / 1e9`` with the nccl-tests bus-bandwidth factor of
 :func:`fcoll.ops.facts.busbw_factor` (all_reduce ``2(n-1)/n``; all_gather, reduce_scatter,
-all_to_all ``(n-1)/n``; broadcast 1; 0 on one rank), where ``time`` is issue to wait return (so
-it includes time the wait was not yet asked for; it is a lower bound of the bandwidth).
+all_to_all ``(n-1)/n``; broadcast 1; 0 on one rank), where ``time`` is the collective's own
+time on this rank (``run_end_us - run_start_us``) where known, else issue to wait return (which
+includes time the wait was not yet asked for: a lower bound of the bandwidth).
 
 The recorder's own write after a run is an event too, in the next run's events:
 ``{"ph": "X", "cat": "trace", "name": "trace_write", "ts", "dur", "pid": rank,
@@ -64,41 +80,84 @@ def trace_dir_from(option: str | None) -> str | None:
 
 
 class RunTrace:
-    """Events of one run of one graph (filled by the executor, then handed to the recorder)."""
+    """Events of one run of one graph (filled by the executor, then handed to the recorder).
 
-    __slots__ = ("recorder", "events", "open")
+    Args:
+        recorder: the rank's recorder.
+        graph: the graph's name, recorded in every event's ``args["graph"]``.
+        engines: group name -> the group's executor (an object with ``seq``, the group's next
+            sequence number, and ``executed(seq) -> (start_us, end_us) | None``), for the
+            groups whose collectives' own times are known; others record None.
+    """
 
-    def __init__(self, recorder: "TraceRecorder") -> None:
+    __slots__ = ("recorder", "graph", "engines", "events", "open", "_seq0")
+
+    def __init__(self, recorder: "TraceRecorder", graph: str = "",
+                 engines: dict[str, Any] | None = None) -> None:
         self.recorder = recorder
+        self.graph = graph
+        self.engines = engines or {}
         self.events: list[dict[str, Any]] = []
         self.open: dict[str, dict[str, Any]] = {}  # collective node name -> shared args dict
+        self._seq0: int | None = None
 
     def compute(self, name: str, target: str, t0_us: float, t1_us: float) -> None:
         """A compute node (or compiled compute segment) that ran from ``t0_us`` to ``t1_us``."""
         self.events.append({"name": name, "cat": "compute", "ph": "X", "ts": t0_us,
                             "dur": t1_us - t0_us, "pid": self.recorder.rank, "tid": "compute",
-                            "args": {"target": target}})
+                            "args": {"target": target, "graph": self.graph}})
+
+    def before_issue(self, group: str) -> None:
+        """A collective on ``group`` is about to be issued: note the group's next number."""
+        eng = self.engines.get(group)
+        self._seq0 = eng.seq if eng is not None else None
 
     def comm_begin(self, name: str, op: str, group: str, nbytes: int, factor: float,
                    t_us: float) -> None:
-        """Collective ``name`` was issued at ``t_us``."""
-        args = {"op": op, "group": group, "bytes": nbytes, "busbw_gbps": None,
-                "wait_node": None}
+        """Collective ``name`` was issued at ``t_us`` (after :meth:`before_issue`)."""
+        seq, n_seq = self._seq0, None
+        eng = self.engines.get(group)
+        if seq is not None and eng is not None:
+            n_seq = eng.seq - seq
+        if not n_seq:
+            seq = n_seq = None
+        self._seq0 = None
+        args = {"op": op, "group": group, "graph": self.graph, "bytes": nbytes,
+                "busbw_gbps": None, "wait_node": None, "seq": seq, "n_seq": n_seq,
+                "run_start_us": None, "run_end_us": None, "on_worker": None,
+                "exposed_us": None}
         ev = {"name": name, "cat": "comm", "ph": "b", "id": next(self.recorder.ids),
               "ts": t_us, "pid": self.recorder.rank, "tid": f"comm:{group}", "args": args}
         self.events.append(ev)
         self.open[name] = {"ev": ev, "factor": factor}
 
-    def comm_end(self, name: str, wait_node: str | None, t_us: float) -> None:
-        """The last wait of collective ``name`` (the node ``wait_node``) returned at ``t_us``."""
+    def _run_times(self, args: dict[str, Any]) -> tuple[float, float, bool] | None:
+        eng = self.engines.get(args["group"])
+        if eng is None or args["seq"] is None:
+            return None
+        spans = [eng.executed(s) for s in range(args["seq"], args["seq"] + args["n_seq"])]
+        if any(sp is None for sp in spans):
+            return None
+        return (min(sp[0] for sp in spans), max(sp[1] for sp in spans),
+                any(sp[2] for sp in spans))
+
+    def comm_end(self, name: str, wait_node: str | None, t_us: float,
+                 wait_start_us: float | None = None) -> None:
+        """The last wait of collective ``name`` (the node ``wait_node``), entered at
+        ``wait_start_us`` (None: no wait ran), returned at ``t_us``."""
         entry = self.open.pop(name, None)
         if entry is None:
             return
         begin = entry["ev"]
         args = begin["args"]  # shared by the begin and end events
-        seconds = max(t_us - begin["ts"], 1e-3) / 1e6
-        args["busbw_gbps"] = args["bytes"] * entry["factor"] / seconds / 1e9
+        run = self._run_times(args)
+        if run is not None:
+            args["run_start_us"], args["run_end_us"], args["on_worker"] = run
+        elapsed = (run[1] - run[0]) if run is not None else (t_us - begin["ts"])
+        args["busbw_gbps"] = args["bytes"] * entry["factor"] / (max(elapsed, 1e-3) / 1e6) / 1e9
         args["wait_node"] = wait_node
+        args["exposed_us"] = (0.0 if wait_start_us is None
+                              else max(0.0, t_us - max(wait_start_us, begin["ts"])))
         self.events.append({"name": name, "cat": "comm", "ph": "e", "id": begin["id"],
                             "ts": t_us, "pid": begin["pid"], "tid": begin["tid"],
                             "args": args})
@@ -134,8 +193,9 @@ class TraceRecorder:
         self._last_write: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
-    def start_run(self) -> RunTrace:
-        return RunTrace(self)
+    def start_run(self, graph: str = "", engines: dict[str, Any] | None = None) -> RunTrace:
+        """A :class:`RunTrace` for one run of graph ``graph`` (see there for ``engines``)."""
+        return RunTrace(self, graph, engines)
 
     def add_run(self, events: list[dict[str, Any]]) -> None:
         """Add one run's events to the file: append them, or rewrite the file with the last

@@ -14,7 +14,8 @@ wrapper :mod:`fcoll.inspect.rank_main`, which captures every graph ``backend="fc
 - ``rank{R}/{graph}.saved.txt`` / ``.json``: what the forward saves for the backward (each
   value's op, shape, dtype, bytes, whether it is a collective's result such as a gathered
   parameter) and the collectives the backward re-issues (:mod:`fcoll.inspect.saved`);
-- ``rank{R}/{graph}.compare.txt``: measured (trace) against predicted exposed time;
+- ``rank{R}/{graph}.compare.txt`` / ``.json``: measured (trace) against predicted time per
+  collective (its own time, from the last rank's start to its completion) and exposed time;
 - ``rank{R}/summary.json`` and ``summary.txt``: the summary printed at the end.
 """
 
@@ -69,6 +70,16 @@ def _load_summaries(out: str) -> list[dict[str, Any]]:
     return sorted(found, key=lambda s: s["rank"])
 
 
+def _model_cell(g: dict[str, Any]) -> str:
+    """``"k/n (worst r), quiet k/n"``: collectives whose predicted time is within +-30 % of
+    their measured own time (:mod:`fcoll.inspect.trace_compare`), the ratio farthest from 1,
+    and the same count over those that ran with little compute beside them."""
+    if not g.get("model_judged"):
+        return "-"
+    return (f"{g['model_within']}/{g['model_judged']} (worst {g['model_worst_ratio']:.2f}), "
+            f"quiet {g.get('model_quiet_within', 0)}/{g.get('model_quiet_judged', 0)}")
+
+
 def summary_text(out: str) -> str:
     """A short summary of an output directory: one line per graph and rank."""
     summaries = _load_summaries(out)
@@ -79,10 +90,10 @@ def summary_text(out: str) -> str:
             rows.append((s["rank"], g["name"], f"{b['n_collectives']} -> {a['n_collectives']}",
                          f"{fmt_us(b['exposed_comm_us'])} -> {fmt_us(a['exposed_comm_us'])}",
                          f"{a['overlap_ratio']:.0%}", fmt_us(g["measured_exposed_us"]),
-                         fmt_bytes(g.get("saved_bytes"))))
+                         _model_cell(g), fmt_bytes(g.get("saved_bytes"))))
     lines = [text_table(("rank", "graph", "collectives", "pred exposed_us", "overlap",
-                         "measured exposed_us", "saved for bw"), rows,
-                        (True, False, True, True, True, True, True))]
+                         "measured exposed_us", "model +-30%", "saved for bw"), rows,
+                        (True, False, True, True, True, True, True, True))]
     n_files = sum(len(files) for _, _, files in os.walk(out))
     errors = [e for s in summaries for e in s["errors"]]
     lines.append(f"{len(rows)} graph(s) on {len(summaries)} rank(s); {n_files} files in {out}")

@@ -5,8 +5,9 @@ Started on every rank by the launcher as a script path (so it works with any lau
 :func:`fcoll.inspect.write_record` files for each compiled graph to ``DIR/rank{R}/``, points the
 runtime's traces at ``DIR/traces`` (``FCOLL_TRACE_DIR``, unless already set), runs ``SCRIPT``
 with ``runpy.run_path(..., run_name="__main__")`` and ``sys.argv = [SCRIPT, *ARGS]``, and at exit
-compares each graph's predicted schedule with the rank's trace (``{name}.compare.txt``) and writes
-``DIR/rank{R}/summary.json``.
+compares each graph's predicted schedule with the rank's trace, the other ranks' traces giving
+when the last rank started each collective (``{name}.compare.txt`` and ``.json``:
+:mod:`fcoll.inspect.trace_compare`), and writes ``DIR/rank{R}/summary.json``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == \
 import json  # noqa: E402
 import logging  # noqa: E402
 import runpy  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -28,7 +30,7 @@ from fcoll.compile.backend import register_compile_listener  # noqa: E402
 from fcoll.inspect.artifacts import write_record  # noqa: E402
 from fcoll.inspect.overlap_report import overlap_report  # noqa: E402
 from fcoll.inspect.saved import saved_report  # noqa: E402
-from fcoll.inspect.trace_compare import compare  # noqa: E402
+from fcoll.inspect.trace_compare import compare, load_trace  # noqa: E402
 
 log = logging.getLogger("fcoll.inspect.rank_main")
 
@@ -54,9 +56,31 @@ class _Capture:
             self.errors.append(msg)
 
 
+def _peer_traces(trace_path: str) -> list[list[dict[str, Any]]]:
+    """The other ranks' traces beside ``trace_path`` (``rank*.json``), loaded; one that cannot
+    be read (a peer still appending its last run) is retried briefly, then left out (its
+    collectives' own times then start at this rank's start)."""
+    folder, mine = os.path.split(trace_path)
+    peers = []
+    for name in sorted(os.listdir(folder)):
+        if name == mine or not (name.startswith("rank") and name.endswith(".json")):
+            continue
+        for attempt in range(4):
+            try:
+                peers.append(load_trace(os.path.join(folder, name)))
+                break
+            except (OSError, ValueError):
+                if attempt == 3:
+                    log.warning("fcoll.inspect: could not read the peer trace %s", name)
+                else:
+                    time.sleep(0.5)
+    return peers
+
+
 def _summarize(cap: _Capture, trace_path: str) -> list[dict[str, Any]]:
     rows = []
     have_trace = os.path.exists(trace_path)
+    peers = _peer_traces(trace_path) if have_trace else []
     for rec in cap.records:
         report = overlap_report(rec.before, rec.after).as_dict()
         saved = saved_report(rec.after, rec.name)
@@ -65,11 +89,17 @@ def _summarize(cap: _Capture, trace_path: str) -> list[dict[str, Any]]:
             "saved_bytes": saved.record.saved_bytes if saved else None,
             "recomputed_collectives": len(saved.recomputed_collectives) if saved else None}
         if have_trace:
-            cmp = compare(trace_path, rec.after, graph=rec.name)
+            cmp = compare(trace_path, rec.after, graph=rec.name, peers=peers)
             with open(os.path.join(cap.out_dir, f"{rec.name}.compare.txt"), "w") as f:
                 f.write(str(cmp) + "\n")
+            with open(os.path.join(cap.out_dir, f"{rec.name}.compare.json"), "w") as f:
+                json.dump(cmp.as_dict(), f, indent=1)
             entry["measured_exposed_us"] = cmp.measured_exposed_us
             entry["trace_collectives"] = sum(1 for r in cmp.rows if r.occurrences)
+            entry["model_judged"], entry["model_within"] = len(cmp.judged), cmp.within
+            entry["model_worst_ratio"] = cmp.worst_ratio
+            entry["model_quiet_judged"] = len(cmp.quiet)
+            entry["model_quiet_within"] = sum(bool(r.holds) for r in cmp.quiet)
         rows.append(entry)
     return rows
 

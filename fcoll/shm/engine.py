@@ -68,6 +68,8 @@ _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 # collective_threads() intra-op threads: ATen parallelises copies and elementwise ops above
 # 32768 elements (at::internal::GRAIN_SIZE), 32 KiB at the smallest dtype.
 THREAD_LIMIT_BYTES = 32 << 10
+#: Collectives whose execution times an engine keeps once asked to (:meth:`Engine.keep_times`).
+TIMES_KEPT = 1024
 
 
 def collective_threads(world: int) -> int:
@@ -130,6 +132,9 @@ class Engine:
         broken: the error that made the group unusable, or None.
         completed: every collective numbered below this one completed on this rank (one that
             raised a cross-rank mismatch counts: every rank raised it at the same phase).
+        times: None, or (after :meth:`keep_times`) a ring of the last :data:`TIMES_KEPT`
+            completed collectives' ``(seq, start_ns, end_ns, on_worker)`` (see
+            :meth:`executed`).
     """
 
     def __init__(self, seg: Segment, ch: Channel, label: str):
@@ -146,6 +151,7 @@ class Engine:
         self._unmap_deferred = False  # close() found a collective running: its thread unmaps
         self.seq = 0
         self.completed = 0  # every collective numbered below this one completed on this rank
+        self.times: list[tuple[int, int, int, bool] | None] | None = None
         self._fewer_threads = _FewerThreads(collective_threads(ch.world))
         self._thread = threading.Thread(target=self._loop, name=f"fcoll-{label}", daemon=True)
         self._thread.start()
@@ -217,6 +223,8 @@ class Engine:
         seq = self.seq
         self.seq = seq + 1
         ch.seq = seq
+        times = self.times
+        t0 = time.perf_counter_ns() if times is not None else 0
         try:
             call = (ch, plan, *args, plan.tail.encode(seq), f"{plan.name} (collective #{seq})",
                     time.monotonic())
@@ -225,6 +233,8 @@ class Engine:
                     fn(*call)
             else:
                 fn(*call)
+            if times is not None:
+                times[seq % TIMES_KEPT] = (seq, t0, time.perf_counter_ns(), False)
             self.completed = seq + 1  # before the release: an unmap there fences the next one
         except BaseException as e:  # noqa: BLE001  carried to the caller
             return self._failed(plan.name, e, seq)
@@ -337,6 +347,8 @@ class Engine:
         self.ch.spin_iters = self.ch.spin_async if on_worker else self.ch.spin_sync
         self.ch.seq = job.seq
         self.ch.transfer_s = 0.0  # the algorithms that move large phases set it
+        times = self.times
+        t0 = time.perf_counter_ns() if times is not None else 0
         call = Call(self.ch, job.name, f"{job.name} (collective #{job.seq})", time.monotonic(),
                     job.payload)
         try:
@@ -355,8 +367,31 @@ class Engine:
         except BaseException as e:  # noqa: BLE001  carried to wait()
             job.complete(self._failed(job.name, e, job.seq))
             return
+        if times is not None:
+            times[job.seq % TIMES_KEPT] = (job.seq, t0, time.perf_counter_ns(), on_worker)
         self.completed = job.seq + 1
         job.complete(None)
+
+    def keep_times(self) -> None:
+        """From now on, keep when this rank executed each collective (:meth:`executed`): two
+        clock reads per collective more. The executor's tracer asks for it."""
+        if self.times is None:
+            self.times = [None] * TIMES_KEPT
+
+    def executed(self, seq: int) -> tuple[float, float, bool] | None:
+        """When and where this rank executed collective ``seq``: ``(start_us, end_us,
+        on_worker)``, times on the host's monotonic clock (``time.perf_counter_ns``, the
+        tracer's), from the moment its thread began the algorithm (header written, data copied
+        in) to the moment it completed on this rank (outputs written back); ``on_worker``: the
+        group's worker thread ran it (short spins, then sleeps: the caller computes meanwhile),
+        not the calling or waiting thread (long spins). A rank that waits for a late peer
+        inside it counts that wait too. None: not kept (:meth:`keep_times` not called, failed,
+        not yet completed, or older than the last :data:`TIMES_KEPT`)."""
+        times = self.times
+        rec = times[seq % TIMES_KEPT] if times is not None else None
+        if rec is None or rec[0] != seq:
+            return None
+        return rec[1] / 1e3, rec[2] / 1e3, rec[3]
 
     def _failed(self, name: str, e: BaseException, seq: int) -> BaseException:
         """The failure policy of every executed collective (``name``, number ``seq``);

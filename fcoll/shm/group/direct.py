@@ -47,7 +47,7 @@ from fcoll.shm.work import Job
 from fcoll.shm.transport.headers import NO_ROOT, Header, dtype_name
 
 __all__ = ["DirectAllReduce", "DirectAllGather", "DirectReduceScatter", "direct_group",
-           "wire_reduce_op"]
+           "group_engines", "wire_reduce_op"]
 
 
 def direct_group(pg: Any) -> Any | None:
@@ -65,17 +65,24 @@ def abandon_groups(names: Any, e: BaseException, where: str) -> list[str]:
     named in ``names`` that the step's collectives use (:meth:`Engine.abandon`), so the peers
     raise at once naming this rank and ``e``'s type; returns the names of the groups fenced.
     Other backends' groups, and errors that every rank raised alike, are left alone."""
+    return [name for name, eng in group_engines(names).items() if eng.abandon(e, where)]
+
+
+def group_engines(names: Any) -> dict[str, Any]:
+    """Group name -> :class:`~fcoll.shm.engine.Engine`, for each name in ``names`` that is
+    fcoll's shared-memory group of 2 ranks or more (see :func:`direct_group`); other groups,
+    and names no longer registered, are left out."""
     from fcoll.ops.groups import group_from_name
 
-    fenced = []
+    engines = {}
     for name in names:
         try:
             pg = direct_group(group_from_name(name))
         except ValueError:  # destroyed meanwhile
             continue
-        if pg is not None and pg.engine.abandon(e, where):
-            fenced.append(name)
-    return fenced
+        if pg is not None:
+            engines[name] = pg.engine
+    return engines
 
 
 def wire_reduce_op(reduce_op: str, dtype: torch.dtype) -> tuple[str, bool]:
