@@ -61,6 +61,12 @@ CALLS.update({name: fn for name, fn in {
     "reduce_scatter_single": lambda x, i, g: dist.reduce_scatter_single(x.new_empty(2, 3), x),
 }.items() if hasattr(dist, name)})
 
+# The calls PyTorch's Dynamo graph-breaks on (no remap, or async_op=True) or fails on (an
+# [n, N, *] output): fcoll compiles them only for its own backend; under any other, Dynamo does
+# what it does without fcoll (fcoll/ops/remaps.py, issue 28.5).
+FCOLL_ONLY = {"_all_gather_base", "broadcast", "broadcast_group_src", "reduce", "barrier",
+              "all_reduce_async", "all_gather_single"}
+
 # Collective kinds each program must compile to (wait_tensor counted separately).
 KINDS = {
     "all_gather_into_tensor": ["all_gather"], "_all_gather_base": ["all_gather"],
@@ -81,11 +87,19 @@ def _overloads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
+def _as_fcolls(backend):
+    """``backend`` marked as fcoll's, so the remaps compile every call for it: Dynamo's graph,
+    which fcoll's backend receives, recorded without running fcoll's passes."""
+    setattr(backend, remaps.FCOLL_BACKEND_ATTR, True)
+    return backend
+
+
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_each_call_compiles_to_one_graph_with_c10d_functional_ops(fake_pg, call):
-    """Other backends see PyTorch's own ops (``import fcoll`` only removes graph breaks)."""
+    """Under fcoll's backend every call is one graph of PyTorch's ``_c10d_functional`` ops
+    (what fcoll's lowering reads)."""
     fn = CALLS[call]
-    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    counter = _as_fcolls(torch._dynamo.testing.CompileCounterWithBackend("eager"))
     torch._dynamo.reset()
     # fullgraph=True: any graph break raises.
     torch.compile(fn, backend=counter, fullgraph=True)(torch.ones(4, 3), torch.arange(4),
@@ -98,20 +112,47 @@ def test_each_call_compiles_to_one_graph_with_c10d_functional_ops(fake_pg, call)
                for s in starts)
 
 
-def test_explain_reports_no_graph_break_for_all_calls_in_one_function(fake_pg):
+def test_fcoll_backend_traces_all_calls_in_one_function_without_graph_break(fake_pg):
     def f(x, i, g):
         for call in CALLS.values():
             call(x, i, g)
         return x
 
+    counter = _as_fcolls(torch._dynamo.testing.CompileCounterWithBackend("eager"))
     torch._dynamo.reset()
-    ex = torch._dynamo.explain(f)(torch.ones(4, 3), torch.arange(4), fake_pg)
-    assert (ex.graph_count, ex.graph_break_count) == (1, 0)
+    torch.compile(f, backend=counter, fullgraph=True)(torch.ones(4, 3), torch.arange(4),
+                                                      fake_pg)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_other_backends_graph_break_where_pytorch_does(fake_pg, call):
+    """Under any backend but fcoll's, ``fullgraph=True`` fails on a call PyTorch does not
+    compile (a graph break at the call; ``_all_gather_base`` into ``[n, N, *]`` fails in
+    PyTorch's remap), as without fcoll, and compiles the calls PyTorch remaps."""
+    torch._dynamo.reset()
+    compiled = torch.compile(CALLS[call], backend="eager", fullgraph=True)
+    args = (torch.ones(4, 3), torch.arange(4), fake_pg)
+    if call in FCOLL_ONLY:
+        with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError)):
+            compiled(*args)
+    else:
+        compiled(*args)
+
+
+def test_is_fcoll_backend_sees_through_dynamos_wrappers():
+    from fcoll.compile.backend import fcoll_backend
+
+    assert remaps.is_fcoll_backend(fcoll_backend)
+    assert remaps.is_fcoll_backend("fcoll")
+    assert remaps.is_fcoll_backend(torch._dynamo.testing.CompileCounterWithBackend("fcoll"))
+    assert not remaps.is_fcoll_backend("eager")
+    assert not remaps.is_fcoll_backend(torch._dynamo.testing.CompileCounter())
 
 
 def test_aot_eager_and_inductor_see_pytorchs_own_ops_with_fcoll_imported(fake_pg):
     """``import fcoll`` changes nothing for other backends: the graph AOTAutograd hands a
-    backend (aot_eager, Inductor) after every remapped call and a PyTorch funcol call holds
+    backend (aot_eager, Inductor) after every call PyTorch remaps and a PyTorch funcol call holds
     PyTorch's ``_c10d_functional`` ops and none of fcoll's, and Inductor applies its own
     rewrite to them (re-inplacing ``all_reduce`` of a buffer it allocated into
     ``all_reduce_``), as without fcoll."""
@@ -119,8 +160,10 @@ def test_aot_eager_and_inductor_see_pytorchs_own_ops_with_fcoll_imported(fake_pg
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.utils import run_and_get_code
 
+    pytorchs = [call for name, call in CALLS.items() if name not in FCOLL_ONLY]
+
     def every_call(x, i, g):
-        for call in CALLS.values():
+        for call in pytorchs:
             call(x, i, g)
         return funcol.all_reduce(x + 1, "sum", g) * 2
 
@@ -140,7 +183,7 @@ def test_aot_eager_and_inductor_see_pytorchs_own_ops_with_fcoll_imported(fake_pg
     starts = [op for op in ops if op.namespace == "_c10d_functional" and
               op is not torch.ops._c10d_functional.wait_tensor.default]
     waits = [op for op in ops if op is torch.ops._c10d_functional.wait_tensor.default]
-    assert len(starts) == len(CALLS) + 1 == len(waits), (len(starts), len(waits))
+    assert len(starts) == len(pytorchs) + 1 == len(waits), (len(starts), len(waits))
 
     def g(x):
         y = x + 1

@@ -41,6 +41,7 @@ from fcoll.compile.executor import GraphExecutor
 from fcoll.compile.inductor_compute import InductorExecutor
 from fcoll.compile.saved import record_partition
 from fcoll.compile.trace import recorder_for, trace_dir_from
+from fcoll.ops.remaps import FCOLL_BACKEND_ATTR
 from fcoll.passes.config import FcollConfig
 from fcoll.passes.graph import is_fcoll_op
 from fcoll.passes.registry import run_pipeline
@@ -303,6 +304,11 @@ def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         decompositions=decompositions,
     )
     return backend(gm, example_inputs)
+
+
+# The remaps compile broadcast, reduce, barrier and async_op=True calls for this backend only;
+# under any other, Dynamo sees what it sees without fcoll (fcoll/ops/remaps.py).
+setattr(fcoll_backend, FCOLL_BACKEND_ATTR, True)
 
 
 class _EntryPointOfThisModule:

@@ -6,9 +6,15 @@ passes included, sees what it would see without fcoll) plus a ``copy_`` into the
 tensor; fcoll's backend lowers them to ``torch.ops.fcoll`` (``fcoll.passes.rewrites.lower``). Where
 PyTorch's own remap compiles the call (no ``async_op``, PyTorch's shapes), the polyfill calls the
 very function PyTorch's remap table names (``traceable_collective_remaps``), so the graph and
-the return value are PyTorch's node for node: op packets, names, placeholder order. ``import
-fcoll`` thus changes other backends' graphs only where PyTorch would graph-break (broadcast,
-reduce, barrier, ``async_op=True``, which PyTorch does not remap):
+the return value are PyTorch's node for node: op packets, names, placeholder order.
+
+The table's other rows (broadcast, reduce, barrier, ``async_op=True``, the ``[n, N, *]`` forms)
+are where PyTorch graph-breaks or fails. They compile so only while fcoll's own backend traces
+(:func:`compiling_for_fcoll`); under any other backend (``eager``, ``aot_eager``, Inductor,
+``torch.export``) the polyfill graph-breaks at the call, or calls PyTorch's remap, as PyTorch
+does without fcoll, so ``import fcoll`` changes nothing in another backend's graphs (issue
+28.5; PyTorch's ``test_dynamo_graphbreaks_unsupported_async_op`` counts those frames). Under
+``backend="fcoll"``:
 
 =================================  ==========================================================
 call (group: None, WORLD, a group)  graph
@@ -76,7 +82,8 @@ import torch.distributed._functional_collectives as _funcol
 from fcoll import compat
 from fcoll.ops.groups import group_from_name, group_rank, group_size
 
-__all__ = ["install", "installed", "REMAPPED", "reduce_op_name", "group_rank_of", "rank_in"]
+__all__ = ["install", "installed", "REMAPPED", "reduce_op_name", "group_rank_of", "rank_in",
+           "FCOLL_BACKEND_ATTR", "is_fcoll_backend", "compiling_for_fcoll"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +144,54 @@ def _barrier_device(group_name: str) -> str:
         return "cuda" if group_from_name(group_name)._get_backend_name() == "nccl" else "cpu"
     except (AttributeError, RuntimeError):
         return "cpu"
+
+
+#: The attribute that marks a Dynamo backend as fcoll's (``fcoll.compile.backend`` sets it on
+#: ``fcoll_backend``); the remaps find it through the wrappers Dynamo and its test helpers put
+#: around a backend (``_torchdynamo_orig_backend``, ``compiler_fn``, ``backend``, ``__wrapped__``,
+#: ``functools.partial.func``), or its registered name ``"fcoll"`` where a wrapper keeps the
+#: name (``torch._dynamo.testing.CompileCounterWithBackend("fcoll")``).
+FCOLL_BACKEND_ATTR = "__fcoll_backend__"
+_BACKEND_WRAPPER_ATTRS = ("_torchdynamo_orig_backend", "compiler_fn", "backend", "__wrapped__",
+                          "func")
+
+
+def is_fcoll_backend(backend: Any) -> bool:
+    """True if ``backend`` is fcoll's compile backend or wraps it (a bounded walk)."""
+    seen: set[int] = set()
+    todo = [backend]
+    while todo and len(seen) < 64:
+        fn = todo.pop()
+        if isinstance(fn, str) and fn == "fcoll":
+            return True
+        if fn is None or isinstance(fn, str) or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if getattr(fn, FCOLL_BACKEND_ATTR, False) is True:
+            return True
+        todo.extend(getattr(fn, attr, None) for attr in _BACKEND_WRAPPER_ATTRS)
+    return False
+
+
+@torch.compiler.assume_constant_result
+def compiling_for_fcoll() -> bool:
+    """True while Dynamo traces for fcoll's backend (run once, at trace time).
+
+    Dynamo keys its cache entries on the backend (a backend-match guard), so a frame compiled
+    for another backend is traced again, and asks again, under fcoll's.
+    """
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    return tx is not None and is_fcoll_backend(tx.output.compiler_fn)
+
+
+def _unless_fcoll_graph_break() -> None:
+    """Graph-break here, at the legacy call, unless fcoll's backend traces: what Dynamo does
+    without fcoll where PyTorch has no remap (broadcast, reduce, barrier) or refuses one
+    (``async_op=True``: ``CollectiveFunctionRewriteVariable`` calls ``unimplemented``)."""
+    if not compiling_for_fcoll():
+        torch._dynamo.graph_break()
 
 
 def _root(group: Any, global_rank: Any, group_rank: Any, call: str, arg: str) -> int:
@@ -211,6 +266,7 @@ def all_reduce(tensor, op=_RO.SUM, group=None, async_op=False):
     group = _world(group)
     if not async_op:
         return _TORCH_REMAP["all_reduce"](tensor, reduce_op_name(op), group.group_name)
+    _unless_fcoll_graph_break()
     r = _F.all_reduce(tensor, reduce_op_name(op), group.group_name)
     return _complete(r, [(tensor, None, None)], async_op)
 
@@ -219,8 +275,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     """``dist.all_gather_into_tensor``: ``input [N, *]`` -> ``output [n * N, *]`` or ``[n, N, *]``."""
     group = _world(group)
     name = group.group_name
-    if not async_op and output_tensor.dim() == input_tensor.dim():  # not [n, N, *]
+    if not async_op and (output_tensor.dim() == input_tensor.dim()  # not [n, N, *]
+                         or not compiling_for_fcoll()):
         return _TORCH_REMAP["all_gather_into_tensor"](output_tensor, input_tensor, name)
+    _unless_fcoll_graph_break()
     r = _F.all_gather_into_tensor(input_tensor, group_size(name), name)
     return _complete(r, [(output_tensor, None, None)], async_op)
 
@@ -243,6 +301,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     group = _world(group)
     if not async_op:
         return _TORCH_REMAP["all_gather"](tensor_list, tensor, group.group_name)
+    _unless_fcoll_graph_break()
     n = group_size(group.group_name)
     rows = tensor.shape[0] if tensor.dim() > 0 else 1
     r = _F.all_gather_into_tensor(tensor, n, group.group_name)
@@ -253,9 +312,12 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 def reduce_scatter_tensor(output, input, op=_RO.SUM, group=None, async_op=False):
     """``dist.reduce_scatter_tensor``: ``input [n * N, *]`` or ``[n, N, *]`` -> ``output [N, *]``."""
     group = _world(group)
+    if not async_op and (input.dim() == output.dim()  # not [n, N, *]
+                         or not compiling_for_fcoll()):
+        return _TORCH_REMAP["reduce_scatter_tensor"](
+            output, input, reduce_op_name(op, "reduce_scatter_tensor"), group.group_name)
+    _unless_fcoll_graph_break()
     reduce_op = reduce_op_name(op, "reduce_scatter_tensor")
-    if not async_op and input.dim() == output.dim():  # not [n, N, *]
-        return _TORCH_REMAP["reduce_scatter_tensor"](output, input, reduce_op, group.group_name)
     n = group_size(group.group_name)
     flat = input.reshape(n * output.shape[0], *output.shape[1:]) if output.dim() > 0 else input
     r = _F.reduce_scatter_tensor(flat, reduce_op, n, group.group_name)
@@ -282,6 +344,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if not async_op:
         return _TORCH_REMAP["all_to_all_single"](output, input, output_split_sizes,
                                                  input_split_sizes, group.group_name)
+    _unless_fcoll_graph_break()
     n = group_size(group.group_name)
     out_splits = (list(output_split_sizes) if output_split_sizes is not None
                   else [output.shape[0] // n] * n)
@@ -294,6 +357,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     """``dist.broadcast``: every rank's ``tensor`` <- the root's (``src`` global rank, or
     ``group_src`` rank inside ``group``)."""
+    _unless_fcoll_graph_break()
     group = _world(group)
     root = _root(group, src, group_src, "broadcast", "src")
     r = _F.broadcast(tensor, root, group.group_name)
@@ -305,6 +369,7 @@ def reduce(tensor, dst=None, op=_RO.SUM, group=None, async_op=False, group_dst=N
 
     Compiled as an all_reduce whose result is copied on the root only (module docstring).
     """
+    _unless_fcoll_graph_break()
     group = _world(group)
     root = _root(group, dst, group_dst, "reduce", "dst")
     r = _F.all_reduce(tensor, reduce_op_name(op, "reduce"), group.group_name)
@@ -314,6 +379,7 @@ def reduce(tensor, dst=None, op=_RO.SUM, group=None, async_op=False, group_dst=N
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     """``dist.barrier``: a one-element all_reduce and its wait (every rank must arrive)."""
+    _unless_fcoll_graph_break()
     group = _world(group)
     r = _F.all_reduce(torch.zeros(1, device=_barrier_device(group.group_name)), "sum",
                       group.group_name)
