@@ -191,12 +191,12 @@ class TestFsdpPlan(unittest.TestCase):
     def test_a_bound_naming_a_missing_node_is_dropped_with_a_warning(self):
         """A wait whose ``META_WAIT_BY`` names a node no longer in the graph loses that bound;
         the scheduler says so at WARNING instead of dropping it without a word."""
-        from fcoll.passes.rewrites.list_scheduler import dependencies
+        from fcoll.passes.rewrites.ordering import dependencies
 
         gm = _lowered(_backward())
         wait = next(w for rs in collectives(gm) for w in waits_of(rs))
         wait.meta[META_WAIT_BY] = "no_such_node"
-        with self.assertLogs("fcoll.passes.rewrites.list_scheduler", "WARNING") as logs:
+        with self.assertLogs("fcoll.passes.rewrites.ordering", "WARNING") as logs:
             dependencies(gm.graph)
         self.assertIn("'no_such_node', which is not in the graph", logs.output[0])
         self.assertIn(wait.name, logs.output[0])

@@ -48,9 +48,8 @@ from fcoll.passes.graph import (
     META_ESTIMATED_US, META_EXPOSED_US, META_HIDING, is_collective, is_wait,
 )
 from fcoll.passes.registry import FcollPass, gc_paused, register_pass
-from fcoll.passes.rewrites.list_scheduler import (
-    KeyScheduler, apply_order, dependencies, list_schedule, ready_counts,
-)
+from fcoll.passes.rewrites.list_scheduler import KeyScheduler, list_schedule, ready_counts
+from fcoll.passes.rewrites.ordering import apply_order, dependencies
 
 __all__ = ["SinkWaits", "RaiseCollectives", "ReorderForOverlap", "PredictedEvent", "predict",
            "sink_waits_order", "raise_collectives_order"]
