@@ -256,7 +256,7 @@ class Engine:
         # Reuse the plan's last Work when nothing but the plan refers to it any more (c10d
         # drops a synchronous call's Work after wait()): making one costs about 1 us.
         if work is not None and sys.getrefcount(work) == 3:  # plan.work, ``work``, the argument
-            work.reset(result)
+            work._reset(result)
             return work
         work = plan.work = DoneWork(result, None)
         return work
