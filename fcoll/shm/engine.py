@@ -192,8 +192,8 @@ class Engine:
         2 us a call).
 
         Args:
-            plan: a :class:`~fcoll.shm.kernels.one_slot.OneSlotPlan`: its ``name`` and header
-                ``tail`` are used here.
+            plan: a :class:`~fcoll.shm.kernels.one_slot.OneSlotPlan`: its header
+                (``set_seq``, ``payload``) and ``what`` (the name in messages) are used here.
             fn: the kernel, called ``fn(ch, plan, *args, payload, what, start)``.
             args: the user's tensors (and the root) for ``fn``; ``args[0]`` is what this rank
                 copies in (its bytes set :attr:`Channel.transfer_s`).
@@ -218,8 +218,8 @@ class Engine:
         self.seq = seq + 1
         ch.seq = seq
         try:
-            call = (ch, plan, *args, plan.tail.encode(seq), f"{plan.name} (collective #{seq})",
-                    time.monotonic())
+            plan.set_seq(seq)
+            call = (ch, plan, *args, plan.payload, plan.what, time.monotonic())
             if args[0].nbytes >= THREAD_LIMIT_BYTES:
                 with self._fewer_threads:
                     fn(*call)
