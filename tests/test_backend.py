@@ -614,17 +614,18 @@ def _threads_in_collectives(rank, world):
     afterwards; results are gloo's."""
     from fcoll.ops import reduce as reduce_mod
     from fcoll.shm import engine
-    from fcoll.shm.kernels import one_slot, reductions
 
     torch.set_num_threads(2)
     seen = []
-    real = reduce_mod.reduce_pair_inplace
+    real = reduce_mod._PAIR_INPLACE["sum"]
 
     def spy(*a, **k):
         seen.append(torch.get_num_threads())
         return real(*a, **k)
 
-    one_slot.reduce_pair_inplace = reductions.reduce_pair_inplace = spy
+    # the in-place pair reduction both paths call: the one-slot plan's (pair_reducer, chosen
+    # when the plan is made, below) and the chunked algorithm's (reduce_pair_inplace)
+    reduce_mod._PAIR_INPLACE["sum"] = spy
     gl = dist.new_group(backend="gloo")
     out = []
     for numel in (1 << 18, 3 << 18):  # 1 MiB: one slot; 3 MiB: three chunks
@@ -640,5 +641,5 @@ def _threads_in_collectives(rank, world):
 def test_synchronous_collectives_run_with_the_collectives_threads_and_restore_the_callers():
     for seen, after, limit in run_ranks(_threads_in_collectives, 2, timeout_s=120):
         assert limit == max(1, len(os.sched_getaffinity(0)) // 2)
-        assert seen and set(seen) == {min(2, limit)}, seen
+        assert len(seen) == 4 and set(seen) == {min(2, limit)}, seen  # 1 slot + 3 chunks
         assert after == [2, 2]

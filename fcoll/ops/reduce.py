@@ -32,6 +32,7 @@ The reducers here are what the shared-memory backend's algorithms and the gloo p
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ __all__ = [
     "REDUCE_OPS", "DIST_REDUCE_OPS", "DATA_DTYPES", "REDUCE_DTYPES", "reduce_op_name",
     "check_dtype", "check_reduce_op", "validate_reduce_op",
     "logical_op", "backend_reduce_op", "divide_for_avg", "BINARY_REDUCERS", "reduce_views_into",
-    "reduce_rows", "reduce_rows_into", "reduce_pair_inplace",
+    "reduce_rows", "reduce_rows_into", "reduce_pair_inplace", "pair_reducer",
 ]
 
 #: Every reduce op name, as the functional ops take it.
@@ -274,6 +275,17 @@ def reduce_rows(rows: torch.Tensor | None, op: str, out: torch.Tensor,
 _PAIR_INPLACE = {"sum": torch.Tensor.add_, "product": torch.Tensor.mul_,
                  "band": torch.Tensor.bitwise_and_, "bor": torch.Tensor.bitwise_or_,
                  "bxor": torch.Tensor.bitwise_xor_}
+
+
+def pair_reducer(op: str, dtype: torch.dtype,
+                 mine_first: bool = True) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """:func:`reduce_pair_inplace` for one (``op``, ``dtype``, rank order), chosen once:
+    ``f(mine, other)`` computes the same bits (a one-slot plan keeps it, saving the op's
+    look-ups on every call of a small collective)."""
+    op = logical_op(op, dtype)
+    if op in _PAIR_INPLACE:
+        return _PAIR_INPLACE[op]
+    return functools.partial(reduce_pair_inplace, op=op, mine_first=mine_first)
 
 
 def reduce_pair_inplace(mine: torch.Tensor, other: torch.Tensor, op: str,

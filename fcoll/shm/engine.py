@@ -195,11 +195,11 @@ class Engine:
         """Run a one-slot kernel (:mod:`fcoll.shm.kernels.one_slot`) on the caller's thread, if
         nothing is queued or executing, and make no ``Work``: the direct path's form of
         :meth:`run_fast` (a ``Work`` and its checks behind Dynamo's eager wrapper cost about
-        2 us a call).
+        1 us a call).
 
         Args:
-            plan: a :class:`~fcoll.shm.kernels.one_slot.OneSlotPlan`: its ``name`` and header
-                ``tail`` are used here.
+            plan: a :class:`~fcoll.shm.kernels.one_slot.OneSlotPlan`: its header
+                (``set_seq``, ``payload``) and ``what`` (the name in messages) are used here.
             fn: the kernel, called ``fn(ch, plan, *args, payload, what, start)``.
             args: the user's tensors (and the root) for ``fn``; ``args[0]`` is what this rank
                 copies in (its bytes set :attr:`Channel.transfer_s`).
@@ -226,8 +226,8 @@ class Engine:
         times = self.times
         t0 = time.perf_counter_ns() if times is not None else 0
         try:
-            call = (ch, plan, *args, plan.tail.encode(seq), f"{plan.name} (collective #{seq})",
-                    time.monotonic())
+            plan.set_seq(seq)
+            call = (ch, plan, *args, plan.payload, plan.what, time.monotonic())
             if args[0].nbytes >= THREAD_LIMIT_BYTES:
                 with self._fewer_threads:
                     fn(*call)
@@ -266,7 +266,7 @@ class Engine:
         # Reuse the plan's last Work when nothing but the plan refers to it any more (c10d
         # drops a synchronous call's Work after wait()): making one costs about 1 us.
         if work is not None and sys.getrefcount(work) == 3:  # plan.work, ``work``, the argument
-            work.reset(result)
+            work._reset(result)
             return work
         work = plan.work = DoneWork(result, None)
         return work

@@ -141,8 +141,10 @@ class DoneWork(torch.distributed.Work):
         self._error = error
         self._fut: torch.futures.Future | None = None
 
-    def reset(self, result) -> None:
-        """Make this (successful, no longer referenced) Work stand for a new collective."""
+    def _reset(self, result) -> None:
+        """Make this (successful, no longer referenced) Work stand for a new collective
+        (:meth:`Engine.run_fast`). Underscored so that ``run_eagerly_under_dynamo`` leaves it
+        unwrapped: no compiled code calls it, and a wrapper cost every fast call ~0.6 us."""
         self._result = result
         self._fut = None
 

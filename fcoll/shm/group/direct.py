@@ -206,7 +206,7 @@ class DirectAllReduce(_DirectCall):
         self.plan = None
         if sync and 0 < nbytes <= self.engine.seg.layout.slot_bytes:
             self.plan = one_slot.AllReducePlan(self.engine.ch, dtype, self.shape, self.op)
-            self.plan.tail = self.tail  # the tagged header (same fields otherwise)
+            self.plan.use_tail(self.tail)  # the tagged header (same fields otherwise)
 
     def __call__(self, input: torch.Tensor, reduce_op: str = "", group_name: Any = None
                  ) -> torch.Tensor:  # noqa: A002

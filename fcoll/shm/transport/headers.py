@@ -37,10 +37,11 @@ Messages built from a peer's fields are bounded: names by ``MAX_NAME_BYTES``, a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -172,6 +173,19 @@ class Tail(tuple):
     def encode(self, seq: int) -> bytes:
         """The bytes of ``Header(seq, *self)``."""
         return self.prefix + _SEQ.pack(seq) + self.rest
+
+
+def seq_setter(payload: bytearray) -> Callable[[int], None]:
+    """``f(seq)`` sets the sequence number of ``payload`` (``Tail.encode``'s bytes) in place;
+    a C call, no Python frame (a one-slot plan numbers each call's header with it)."""
+    return functools.partial(_SEQ.pack_into, payload, _PREFIX.size)
+
+
+def spot(offset: int, n: int) -> tuple[int, int, int]:
+    """Where :func:`write` puts an ``n``-byte payload at ``offset``: the u32 index of the length
+    word and the payload's byte range ``[start, end)`` (for a plan that writes and compares
+    headers of one length on every call without recomputing them)."""
+    return offset >> 2, offset + LEN_BYTES, offset + LEN_BYTES + n
 
 
 # ---- encoding (our own header: never raises, falls back instead) ------------------------------
