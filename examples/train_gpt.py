@@ -657,6 +657,13 @@ def nccl_device_conflict(local_world: int, device_count: int) -> str | None:
             "rank(s) per node")
 
 
+def _compute_label(args: argparse.Namespace) -> str:
+    """fcoll's ``compute`` option as the run used it (``auto`` with what it chose here)."""
+    if args.compute != "auto":
+        return args.compute
+    return f"auto: {'inductor' if args.device == 'cuda' else 'eager'}"
+
+
 def _setup_device(args: argparse.Namespace) -> torch.device:
     """The rank's device; for CUDA, ``cuda:{LOCAL_RANK % device_count}``, made current.
 
@@ -796,7 +803,7 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
              "tp": "PyTorch tensor parallel"}.get(args.parallel)
     title = title or f"PyTorch {args.parallel[len('torch-'):].upper()}"
     name = f"{title}, backend={backend}" + (
-        f" (compute={args.compute})" if options else "") + f" on {args.dist_backend}"
+        f" (compute={_compute_label(args)})" if options else "") + f" on {args.dist_backend}"
 
     def evaluate() -> float:
         losses = [step.eval_loss(x, y) for x, y in _val_batches(corpus, args, device)]
@@ -850,7 +857,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run = compile_step(step, "fcoll", options)
     say = print if rank == 0 else (lambda *a, **k: None)
     name = f"inductor on {args.dist_backend} (baseline)" if args.backend_baseline else \
-        f"fcoll (compute={args.compute}) on {args.dist_backend}"
+        f"fcoll (compute={_compute_label(args)}) on {args.dist_backend}"
     where = _describe_device(device)
     say(f"{args.parallel} on {world} rank(s), {where}, {name}; "
         f"{sum(v.numel() for v in params.values())} parameters per rank; vocab "
