@@ -190,9 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 err.flush()
             status = _run_ranks(ns, cmd, port, run_id, mps_env, out, err)
             if daemon is not None and not daemon.server_started():
-                err.write(f"[fcoll.launch] no rank became a client of the MPS daemon (it started "
-                          f"no server): either no rank used CUDA, or MPS does not work on this "
-                          f"machine and the ranks were time-sliced\n".encode())
+                err.write(b"[fcoll.launch] no rank became a client of the MPS daemon (it started "
+                          b"no server): either no rank used CUDA, or MPS does not work on this "
+                          b"machine and the ranks were time-sliced\n")
                 err.flush()
             return status
     except mps.MpsError as e:   # --mps on without the binary, or a daemon that did not start
