@@ -635,21 +635,13 @@ def main(argv=None) -> int:
     from peak_memory import preload_env
 
     # the ranks start with the allocation counter preloaded (peak columns); only they do
+    # (run_ranks sets env before each rank's interpreter starts)
     preload = preload_env()
-    saved = {k: os.environ.get(k) for k in preload}
     t0, load_before = time.time(), os.getloadavg()
-    try:
-        os.environ.update(preload)
-        with _sigterm_raises(), BackgroundLoad(a.background_load):
-            r0 = run_ranks(_rank, 2, backend="gloo", args=(vars(a),), timeout_s=a.timeout_s,
-                           pg_timeout_s=a.timeout_s)[0]
-            load_after = os.getloadavg()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _sigterm_raises(), BackgroundLoad(a.background_load):
+        r0 = run_ranks(_rank, 2, backend="gloo", args=(vars(a),), timeout_s=a.timeout_s,
+                       pg_timeout_s=a.timeout_s, env=preload)[0]
+        load_after = os.getloadavg()
     text, summary = _table(r0, network)
     print(text)
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after} "

@@ -8,8 +8,9 @@ library's allocation functions and keeps the live bytes and their peak, on every
 is every tensor storage of the process (PyTorch's CPU allocator, Inductor's buffers, gloo's and
 fcoll's), counted by ``malloc_usable_size`` from allocation to free.
 
-Use: :func:`preload_env` in the parent before it starts the ranks (the library must be loaded
-when a process starts), then :class:`PeakAlloc` around a step in a rank.
+Use: :func:`preload_env` as the ranks' start-up environment (``fcoll.testing.run_ranks(env=...)``:
+the library must be loaded when a process starts), then :class:`PeakAlloc` around a step in a
+rank.
 """
 
 from __future__ import annotations
