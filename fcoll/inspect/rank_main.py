@@ -80,6 +80,8 @@ def _peer_traces(trace_path: str) -> list[list[dict[str, Any]]]:
 def _summarize(cap: _Capture, trace_path: str) -> list[dict[str, Any]]:
     rows = []
     have_trace = os.path.exists(trace_path)
+    # read once for every graph's compare (each graph's events are told apart by name)
+    mine = load_trace(trace_path) if have_trace else []
     peers = _peer_traces(trace_path) if have_trace else []
     for rec in cap.records:
         report = overlap_report(rec.before, rec.after).as_dict()
@@ -89,7 +91,7 @@ def _summarize(cap: _Capture, trace_path: str) -> list[dict[str, Any]]:
             "saved_bytes": saved.record.saved_bytes if saved else None,
             "recomputed_collectives": len(saved.recomputed_collectives) if saved else None}
         if have_trace:
-            cmp = compare(trace_path, rec.after, graph=rec.name, peers=peers)
+            cmp = compare(mine, rec.after, graph=rec.name, peers=peers)
             with open(os.path.join(cap.out_dir, f"{rec.name}.compare.txt"), "w") as f:
                 f.write(str(cmp) + "\n")
             with open(os.path.join(cap.out_dir, f"{rec.name}.compare.json"), "w") as f:
