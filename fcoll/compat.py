@@ -240,8 +240,9 @@ def run_eagerly_under_dynamo(cls: type, *, keep: tuple[str, ...] = ("size", "ran
     (``torch.distributed.device_mesh``'s ``register_opaque_type``). Wrapping each method in
     ``torch._dynamo.disable`` (:func:`eager_entry_point`) makes a call graph-break and run
     eagerly, as a call to gloo's C++ methods does. ``keep`` names the methods left alone (read
-    at trace time for real; wrapping them would only add ~0.2 us to every eager call). Dunder methods, and underscore methods
-    other than :data:`C10D_PRIVATE_ENTRY_POINTS`, are left alone.
+    at trace time for real; wrapping them would only add ~0.2 us to every eager call). Dunder
+    methods, and underscore methods other than :data:`C10D_PRIVATE_ENTRY_POINTS`, are left
+    alone.
 
     The methods are those ``cls`` resolves along its MRO to a class defined in fcoll (its mixins
     included; never ``dist.ProcessGroup``, ``dist.Work`` or ``object``), so a mixin is an ordinary

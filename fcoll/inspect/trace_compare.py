@@ -247,7 +247,8 @@ class CompareRow:
     worker that shares a core with its compute slows every phase; 0: the collective had the
     cores to itself, as when calibrated);
     ``on_worker`` the share of occurrences the group's worker thread ran (short spins, then
-    sleeps) rather than the calling or waiting thread (long spins, as when calibrated). ``busbw_gbps`` is the runtime's figure (of the own time where known), averaged.
+    sleeps) rather than the calling or waiting thread (long spins, as when calibrated).
+    ``busbw_gbps`` is the runtime's figure (of the own time where known), averaged.
     ``bytes`` is the collective's size (nccl-tests' convention,
     :func:`fcoll.ops.facts.comm_bytes`): the trace's when it recorded one, else the graph's.
     """
@@ -334,8 +335,8 @@ class TraceComparison:
                  fmt_us(r.predicted_us), fmt_us(r.measured_us),
                  "-" if r.ratio is None else f"{r.ratio:.2f}", fmt_us(r.late_us),
                  "-" if r.computing is None else f"{r.computing:.0%}",
-                 "-" if r.on_worker is None else f"{r.on_worker:.0%}", fmt_us(r.span_us), fmt_us(r.predicted_exposed_us),
-                 fmt_us(r.measured_exposed_us),
+                 "-" if r.on_worker is None else f"{r.on_worker:.0%}", fmt_us(r.span_us),
+                 fmt_us(r.predicted_exposed_us), fmt_us(r.measured_exposed_us),
                  "-" if r.busbw_gbps is None else f"{r.busbw_gbps:.2f}") for r in self.rows]
         rows.append(("total", "", "", "", "", "", "", "", "", "", "",
                      fmt_us(self.predicted_exposed_us), fmt_us(self.measured_exposed_us), ""))

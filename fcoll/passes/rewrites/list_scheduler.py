@@ -4,7 +4,8 @@ Everything here is pure planning: functions read a graph and return orders and r
 (:func:`fcoll.passes.rewrites.ordering.apply_order` applies one).
 
 The constraints every order keeps (data edges, the collectives' relative order, writes after
-reads of a storage, barriers, FSDP bounds) are :func:`fcoll.passes.rewrites.ordering.dependencies`'s.
+reads of a storage, barriers, FSDP bounds) are
+:func:`fcoll.passes.rewrites.ordering.dependencies`'s.
 
 One scheduler (:class:`ListScheduler`) places nodes from a ready set, backwards or forwards, so
 that every order it makes keeps these constraints by construction; a reorder differs only in its
