@@ -56,6 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fcoll  # registers torch.ops.fcoll and the "fcoll" process-group backend
+from fcoll.passes.config import auto_compute
 
 __all__ = ["GPTConfig", "load_text", "init_params", "gpt_loss", "GPTModule", "GPTBlock",
            "TPGPTModule", "torch_adamw", "TorchModuleStep", "FcollComm", "TorchComm",
@@ -661,7 +662,7 @@ def _compute_label(args: argparse.Namespace) -> str:
     """fcoll's ``compute`` option as the run used it (``auto`` with what it chose here)."""
     if args.compute != "auto":
         return args.compute
-    return f"auto: {'inductor' if args.device == 'cuda' else 'eager'}"
+    return f"auto: {auto_compute(args.device)}"
 
 
 def _setup_device(args: argparse.Namespace) -> torch.device:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["FcollConfig", "DEFAULT_PASSES"]
+__all__ = ["FcollConfig", "DEFAULT_PASSES", "auto_compute"]
 
 #: The default pass pipeline, in order (docs/design.md, "Data flow"; the backend runs
 #: ``sink_output_waits`` first on compiled autograd's backward graphs). The rank check runs
@@ -31,6 +31,12 @@ DEFAULT_PASSES: tuple[str, ...] = (
 
 _COMPUTE = ("auto", "eager", "inductor")
 _BUCKET_MODES = ("auto", "concat", "coalesced")
+
+
+def auto_compute(device_type: str) -> str:
+    """What ``compute="auto"`` runs on ``device_type`` (``"cuda"``, ``"cpu"``, ...): Inductor on
+    CUDA, op by op elsewhere, each the faster there (docs/design.md, "Compute")."""
+    return "inductor" if device_type == "cuda" else "eager"
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,7 @@ class FcollConfig:
             return self
         cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda"
                    for x in example_inputs)
-        return dataclasses.replace(self, compute="inductor" if cuda else "eager")
+        return dataclasses.replace(self, compute=auto_compute("cuda" if cuda else "cpu"))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "FcollConfig":
