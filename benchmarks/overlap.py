@@ -1,6 +1,9 @@
 """Overlap benchmark: the DDP and FSDP training steps of ``examples/train_gpt.py`` on 2 ranks.
 
-Measures, in one run, per parallel mode (median step time over ``--steps`` steps after warm-up):
+Measures, in one run, per parallel mode (median step time over every timed step: each variant
+is compiled once, then timed for ``--steps`` steps after ``--warmup`` in each of ``--rounds``
+rounds, the variants interleaved and their order reversed every other round, so that a change in
+the machine's load falls on every variant alike; ratios are medians of the per-round ratios):
 
 - ``off``: ``torch.compile(backend="fcoll", options={"overlap": False})`` (no reorder pass);
 - ``on``: ``backend="fcoll"`` with the default pipeline (``reorder_for_overlap`` included);
@@ -18,7 +21,8 @@ Measures, in one run, per parallel mode (median step time over ``--steps`` steps
   Inductor's FX bucketing, ``bucket_all_reduces_fx`` / ``bucket_all_gathers_fx`` /
   ``bucket_reduce_scatters_fx = "all"``, PyTorch's funcol): :func:`pytorch_best`. (2.13's
   ``reorder_for_compute_comm_overlap`` has an empty pass list, and its overlap scheduler,
-  ``aten_distributed_optimizations.enable_overlap_scheduling``, fails on CPU: NOTES.md.)
+  ``aten_distributed_optimizations.enable_overlap_scheduling``, fails on CPU: NOTES.md);
+  ``ind/on`` = inductor / on (target >= 1.3).
 
 ``--parallel torch-ddp torch-fsdp2 simple-fsdp tp``: the same GPT as ``nn.Module``s in
 PyTorch's own ``DistributedDataParallel`` / ``fully_shard``, in ``fcoll.parallel.fully_shard``
@@ -36,8 +40,8 @@ counted at every allocation and free by a preloaded library (``benchmarks/peak_m
 every tensor storage of the process, on every thread, Inductor's buffers included); the target
 is SimpleFSDP under fcoll at most 1.1x FSDP2 eager.
 
-``torch-ddp`` is timed in ``--rounds`` rounds (the variants' order reversed every other round,
-each variant compiled afresh: compiled autograd's cache is process-wide), against every way
+``torch-ddp``'s variants are compiled afresh in every round (compiled autograd's cache is
+process-wide), and timed against every way
 PyTorch compiles DDP: ``ca-inductor`` / ``ca-aot_eager`` (python reducer + compiled autograd,
 the all_reduces in the backward graph, Inductor with :func:`pytorch_best` or no compiler
 passes) and ``ddpopt-inductor`` /
@@ -91,7 +95,9 @@ def _parse(argv=None):
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--no-inductor", action="store_true", help="skip the PyTorch baseline")
-    p.add_argument("--rounds", type=int, default=2, help="torch-ddp: rounds of every variant")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of every variant, interleaved (the order reversed every other "
+                        "round)")
     p.add_argument("--network", choices=["auto", "tbf", "loopback"], default="auto")
     p.add_argument("--json", default="overlap.json")
     p.add_argument("--timeout-s", type=float, default=3000)
@@ -222,21 +228,68 @@ def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int,
     return times[1:]
 
 
-def _time_variant(T, cfg, comm, backend: str, options, parallel: str, shapes, batch, barrier,
-                  a: dict, mem=None) -> float | str:
-    """Median step time of one variant, or "failed: ..." (a failing baseline is reported);
-    ``mem``: a :class:`peak_memory.PeakAlloc` entered around each timed step."""
+def _best(backend: str):
+    """:func:`pytorch_best` for Inductor (its FX bucketing is read when Inductor compiles, at the
+    first steps and at any recompile, so every call of an Inductor variant runs inside it)."""
+    return pytorch_best() if backend == "inductor" else contextlib.nullcontext()
+
+
+def _failed(e: BaseException) -> str:
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _interleaved(timers: dict, rounds: int, per_round=None) -> tuple[dict, list[dict]]:
+    """Times every variant in ``rounds`` rounds, interleaved (the order reversed every other
+    round), so a change of the machine's load during the run falls on every variant alike.
+
+    Args:
+        timers: name -> a callable that times that variant's steps and returns their seconds;
+            one that raises is reported as ``"failed: ..."`` and not run again.
+        per_round: optional callable returning extra per-round medians (``{name: seconds}``),
+            for example the collectives alone.
+
+    Returns:
+        ``(times, rounds)``: every timed step's seconds per name (or the failure message), and
+        per round the median of each name (for the ratios, which are medians of per-round
+        ratios).
+    """
     import torch
 
-    torch._dynamo.reset()
-    step = T.make_train_step(cfg, comm, parallel, shapes=shapes)
-    try:
-        with pytorch_best() if backend == "inductor" else contextlib.nullcontext():
-            run = T.compile_step(step, backend, None if backend == "inductor" else options)
-            times = _time_steps(run, batch, a["warmup"], a["steps"], barrier, mem)
-        return statistics.median(times)
-    except Exception as e:  # noqa: BLE001  a baseline that fails is reported, not fatal
-        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    times: dict = {name: [] for name in timers}
+    by_round: list[dict] = []
+    for r in range(rounds):
+        this_round: dict = {}
+        for name in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
+            if isinstance(times[name], str):
+                continue
+            try:
+                t = timers[name]()
+            except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
+                times[name] = _failed(e)
+                continue
+            times[name] += t
+            this_round[name] = statistics.median(t)
+        for name, v in (per_round() if per_round else {}).items():
+            times.setdefault(name, []).append(v)
+            this_round[name] = v
+        by_round.append(this_round)
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    if compiled:   # a variant that recompiles while timed is timed compiling: say so
+        times["recompiled_graphs"] = f"failed: {compiled} graph(s) compiled in the timed rounds"
+    return times, by_round
+
+
+def _medians(times: dict, by_round: list[dict], ref: str) -> dict:
+    """Per name, the median of its steps (seconds) or its failure message, and
+    ``<name>_over_<ref>``: the median of the per-round ratios name / ref."""
+    res = {k: (statistics.median(v) if isinstance(v, list) and v else v)
+           for k, v in times.items()}
+    for k in times:
+        paired = [x[k] / x[ref] for x in by_round if k in x and ref in x and k != ref]
+        if paired:
+            res[f"{k}_over_{ref}"] = statistics.median(paired)
+    return res
 
 
 def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int, barrier,
@@ -256,7 +309,6 @@ def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int,
         return T.get_batch(corpus.train, a["batch_size"], a["seq_len"], seed=0, step=i,
                            rank=data_rank, world_size=data_world)
 
-    res: dict = {}
     backends = {"fcoll": ("fcoll", {"compute": "inductor"})}
     if not a["no_inductor"]:
         backends["pytorch"] = ("inductor", None)
@@ -264,28 +316,45 @@ def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int,
         backends["eager"] = ("eager", None)
     if parallel == "simple-fsdp":   # buckets without copies in or out (peak memory)
         backends["coalesced"] = ("fcoll", {"compute": "inductor", "bucket_mode": "coalesced"})
+    res: dict = {}
+    timers, mems = {}, {}
+    torch._dynamo.reset()
     for name, (backend, options) in backends.items():
-        torch._dynamo.reset()
         counts, stop = T.count_compiled_collectives()
         try:
-            best = pytorch_best() if backend == "inductor" else contextlib.nullcontext()
-            stance = (torch.compiler.set_stance("force_eager") if name == "eager"
-                      else contextlib.nullcontext())
-            with best, stance:
+            with _best(backend), _stance(name):
                 step = T.TorchModuleStep(cfg, T.init_params(cfg, 0), parallel, T.AdamW(),
                                          torch.device("cpu"), backend, options)
-                step(*batch(0))   # compiles before the timed steps
-                mem = PeakAlloc() if "fsdp" in parallel else None
-                times = _time_steps(step, batch, a["warmup"], a["steps"], barrier, mem)
-            res[name] = statistics.median(times)
-            if mem is not None:
-                res[f"{name}_peak_mb"] = mem.max_rise_mb
+                step(*batch(0))   # compiles before the timed rounds
         except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
-            res[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        stop()
+            res[name] = _failed(e)
+            continue
+        finally:
+            stop()
         if backend == "fcoll":
             res["fcoll_collectives"] = sum(counts.values())
+        mems[name] = PeakAlloc() if "fsdp" in parallel else None
+
+        def timer(step=step, name=name, backend=backend):
+            with _best(backend), _stance(name):
+                return _time_steps(step, batch, a["warmup"], a["steps"], barrier, mems[name])
+        timers[name] = timer
+    with torch._dynamo.config.patch(recompile_limit=64):  # every variant keeps its graphs
+        times, by_round = _interleaved(timers, a["rounds"])
+    res.update(_medians(times, by_round, "fcoll"))
+    for name, mem in mems.items():
+        if mem is not None:
+            res[f"{name}_peak_mb"] = mem.max_rise_mb
     return res
+
+
+def _stance(name: str):
+    """FSDP2 as PyTorch runs it without a compiler (``eager``): the compiled module forced
+    eager."""
+    import torch
+
+    return (torch.compiler.set_stance("force_eager") if name == "eager"
+            else contextlib.nullcontext())
 
 
 class _PlainModuleStep:
@@ -396,13 +465,69 @@ def _torch_ddp_variants(T, cfg, corpus, rank: int, world: int, barrier, group, a
     return {"times": times, "rounds": rounds}
 
 
+def _hand_variants(T, cfg, full, params, parallel: str, variants: dict, batch, barrier, group,
+                   world: int, a: dict) -> dict:
+    """Median step seconds of the hand-written step's variants (``off``, ``on``, ``compute``,
+    ``inductor``), of its forward alone, and of its collectives alone (``comm``, and for FSDP
+    each kind alone), every one compiled once and then timed in ``--rounds`` interleaved rounds
+    (:func:`_interleaved`); ``<variant>_over_on``: medians of per-round ratios; FSDP also each
+    variant's peak memory (MiB)."""
+    import torch
+
+    from peak_memory import PeakAlloc
+
+    res: dict = {}
+    timers, mems = {}, {}
+    torch._dynamo.reset()
+    for name, (comm, backend, options) in variants.items():
+        step = T.make_train_step(cfg, comm, parallel, shapes={k: v.shape for k, v in full.items()}
+                                 if parallel == "fsdp" else None)
+        try:
+            with _best(backend):
+                run = T.compile_step(step, backend, None if backend == "inductor" else options)
+                run(*batch(0))   # compiles before the timed rounds
+        except Exception as e:  # noqa: BLE001  a baseline that fails is reported, not fatal
+            res[name] = _failed(e)
+            continue
+        mems[name] = PeakAlloc() if parallel == "fsdp" and name != "compute" else None
+
+        def timer(run=run, name=name, backend=backend):
+            with _best(backend):
+                return _time_steps(run, batch, a["warmup"], a["steps"], barrier, mems[name])
+        timers[name] = timer
+
+    # The forward's compute alone (the loss of full parameters, no collective): DDP's
+    # gradients, and so its collectives, exist only after it; FSDP's all_gathers must be
+    # hidden by it, its reduce_scatters by the rest.
+    def forward(params, state, x, y):
+        return T.gpt_loss(full.__getitem__, x, y, cfg)
+    forward_run = T.compile_step(forward, "fcoll", {})
+    forward_run(*batch(0))
+    timers["forward"] = lambda: _time_steps(forward_run, batch, a["warmup"], a["steps"], barrier)
+
+    def comm_alone() -> dict:
+        kinds = {"comm": None}
+        if parallel == "fsdp":
+            kinds.update(comm_all_gather="all_gather", comm_reduce_scatter="reduce_scatter")
+        return {k: statistics.median(_comm_only(params, parallel, world, 25 * 2 ** 20, group,
+                                                a["steps"], only=only))
+                for k, only in kinds.items()}
+
+    with torch._dynamo.config.patch(recompile_limit=64):  # every variant keeps its graphs
+        times, by_round = _interleaved(timers, a["rounds"], comm_alone)
+    res.update(_medians(times, by_round, "on"))
+    for name, mem in mems.items():
+        if mem is not None and mem.max_rise_mb is not None:
+            res[f"{name}_peak_mb"] = mem.max_rise_mb
+    return res
+
+
 def _rank(rank: int, world: int, a: dict) -> dict:
     import torch
     import torch.distributed as dist
 
     sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
     import train_gpt as T
-    from peak_memory import PeakAlloc
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
@@ -421,7 +546,6 @@ def _rank(rank: int, world: int, a: dict) -> dict:
                                                        barrier, a)
             continue
         full = T.init_params(cfg, 0)
-        shapes = {k: v.shape for k, v in full.items()} if parallel == "fsdp" else None
         params = T.shard_params(full, rank, world) if parallel == "fsdp" else full
         state = T.init_adamw(params)
 
@@ -437,29 +561,8 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         }
         if not a["no_inductor"]:
             variants["inductor"] = (T.TorchComm(group), "inductor", None)
-        res: dict = {}
-        for name, (comm, backend, options) in variants.items():
-            mem = PeakAlloc() if parallel == "fsdp" and name != "compute" else None
-            res[name] = _time_variant(T, cfg, comm, backend, options, parallel, shapes, batch,
-                                      barrier, a, mem)
-            if mem is not None and mem.max_rise_mb is not None:
-                res[f"{name}_peak_mb"] = mem.max_rise_mb
-        res["comm"] = statistics.median(_comm_only(params, parallel, world, 25 * 2 ** 20, group,
-                                                   a["steps"]))
-        # The forward's compute alone (the loss of full parameters, no collective): DDP's
-        # gradients, and so its collectives, exist only after it; FSDP's all_gathers must be
-        # hidden by it, its reduce_scatters by the rest.
-        torch._dynamo.reset()
-
-        def forward(params, state, x, y):
-            return T.gpt_loss(full.__getitem__, x, y, cfg)
-        run = T.compile_step(forward, "fcoll", {})
-        res["forward"] = statistics.median(
-            _time_steps(run, batch, a["warmup"], a["steps"], barrier))
-        if parallel == "fsdp":
-            for kind in ("all_gather", "reduce_scatter"):
-                res[f"comm_{kind}"] = statistics.median(_comm_only(
-                    params, parallel, world, 25 * 2 ** 20, group, a["steps"], only=kind))
+        res = _hand_variants(T, cfg, full, params, parallel, variants, batch, barrier, group,
+                             world, a)
         results[parallel] = res
     return results
 
@@ -470,8 +573,8 @@ def _rank(rank: int, world: int, a: dict) -> dict:
 def _table(results: dict, network: str) -> tuple[str, dict]:
     lines = [f"network: {network}; times: median step, ms (2 ranks, gloo)",
              f"{'mode':6} {'compute':>9} {'comm':>9} {'off':>9} {'on':>9} {'inductor':>12} "
-             f"{'exp_off':>9} {'exp_on':>9} {'exp_on/comm':>11} {'on/max':>7} {'floor':>7} "
-             f"{'on/floor':>8}  targets"]
+             f"{'ind/on':>7} {'exp_off':>9} {'exp_on':>9} {'exp_on/comm':>11} {'on/max':>7} "
+             f"{'floor':>7} {'on/floor':>8}  targets"]
     summary = {}
     ddp_lines: list[str] = []
     module_lines = []
@@ -487,7 +590,7 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
         ms = {k: (v * 1e3 if isinstance(v, float) else None) for k, v in r.items()}
         comp, comm, off, on = ms["compute"], ms["comm"], ms["off"], ms["on"]
         s = {"compute_ms": comp, "comm_ms": comm, "step_off_ms": off, "step_on_ms": on,
-             "inductor_ms": ms.get("inductor"),
+             "inductor_ms": ms.get("inductor"), "inductor_over_on": r.get("inductor_over_on"),
              "inductor_error": r.get("inductor") if ms.get("inductor") is None else None}
         if None not in (comp, comm, off, on):
             s["exposed_comm_off_ms"] = off - comp
@@ -496,6 +599,7 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
             s["step_over_max"] = on / max(comp, comm)
             s["target_exposed_met"] = (comp < comm) or s["exposed_over_comm"] <= 0.15
             s["target_step_met"] = s["step_over_max"] <= 1.1
+            s["target_speedup_met"] = (s["inductor_over_on"] or 0.0) >= 1.3
             # No schedule of one step beats this: DDP's collectives start only once the forward
             # is done (the gradients do not exist before), so the step is at least forward +
             # comm; FSDP's forward takes at least as long as its all_gathers, and its backward
@@ -511,14 +615,17 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
             s["step_over_floor"] = on / s["floor_ms"]
             ind = (f"{ms['inductor']:.1f}" if ms.get("inductor") is not None else
                    "skipped" if "inductor" not in r else "failed")
+            ratio = s["inductor_over_on"]
             lines.append(
                 f"{mode:6} {comp:9.1f} {comm:9.1f} {off:9.1f} {on:9.1f} {ind:>12} "
-                f"{off - comp:9.1f} {on - comp:9.1f} {s['exposed_over_comm']:11.2f} "
+                f"{f'{ratio:7.2f}' if ratio else f'{chr(45):>7}'} {off - comp:9.1f} {on - comp:9.1f} {s['exposed_over_comm']:11.2f} "
                 f"{s['step_over_max']:7.2f} {s['floor_ms']:7.1f} {s['step_over_floor']:8.2f}"
                 f"  exposed<=15%: {s['target_exposed_met']}, "
-                f"step<=1.1x: {s['target_step_met']}")
+                f"step<=1.1x: {s['target_step_met']}, ind/on>=1.3: {s['target_speedup_met']}")
         else:
             lines.append(f"{mode:6} failed: {r}")
+        s["errors"] = {k: v for k, v in r.items() if isinstance(v, str)}
+        lines += [f"{mode:6} {k}: {v}" for k, v in s["errors"].items() if k != "inductor"]
         summary[mode] = s
     fsdp = results.get("fsdp", {})
     peaks = {k: fsdp.get(f"{k}_peak_mb") for k in ("off", "on", "inductor")}
@@ -598,7 +705,7 @@ def _module_row(mode: str, r: dict, hand: dict | None, summary: dict) -> str:
           if k in ("fcoll", "pytorch")}
     hand_ms = hand["on"] * 1e3 if hand and isinstance(hand.get("on"), float) else None
     fc, pt = ms.get("fcoll"), ms.get("pytorch")
-    ratio = pt / fc if fc and pt else None
+    ratio = r.get("pytorch_over_fcoll")   # the median of per-round ratios
     peaks = {k: r.get(f"{k}_peak_mb") for k in ("fcoll", "pytorch", "eager")}
     eager, co = r.get("eager"), r.get("coalesced")
     summary[mode] = {"fcoll_ms": fc, "pytorch_ms": pt, "hand_ms": hand_ms,
