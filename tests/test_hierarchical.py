@@ -163,3 +163,39 @@ def _invalid_calls(rank, world):
     return errors, t.tolist()
 
 
+
+
+def _aborts_while_peers_wait(rank, world):
+    """Rank 2 aborts the world group (keeping a reference to it, so nothing is destroyed by
+    garbage collection) while the others wait for it in an all_reduce."""
+    import time
+
+    world_group = dist.group.WORLD
+    dist.barrier()
+    if rank == 2:
+        time.sleep(0.5)
+        dist.distributed_c10d._abort_process_group()
+        assert world_group is not None
+        time.sleep(20)   # alive, not in any op: the peers must not wait for its exit
+        return None
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as ei:
+        dist.all_reduce(torch.ones(1000))
+    elapsed = time.monotonic() - t0
+    with pytest.raises(RuntimeError, match="unusable"):
+        world_group.allreduce([torch.ones(3)]).wait()
+    return elapsed, f"{type(ei.value).__name__}: {ei.value}"
+
+
+def test_a_rank_that_aborts_makes_peers_on_every_host_raise_at_once():
+    """Before: rank 0, rank 2's peer across the link, waited in gloo until rank 2's process
+    exited or the group timed out (gloo's ``abort()`` closes nothing); now the aborting rank
+    destroys its gloo groups, so the connection closes at once and rank 0 raises naming it."""
+    res = run_ranks(_aborts_while_peers_wait, 4, hosts=TWO_BY_TWO, timeout_s=120,
+                    pg_timeout_s=60)
+    for rank in (0, 1, 3):
+        elapsed, msg = res[rank]
+        assert elapsed < 10.0, (rank, elapsed, msg)
+    assert "another host closed its connection" in res[0][1], res[0]
+    assert "aborted its process group" in res[3][1], res[3]
+    assert fcoll_segments() == []

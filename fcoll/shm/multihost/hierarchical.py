@@ -60,6 +60,7 @@ the c10d identity is :class:`~fcoll.shm.group.identity.GroupIdentity`'s.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import datetime
 import threading
 from collections.abc import Callable
@@ -75,6 +76,7 @@ from fcoll.shm.group.identity import GroupIdentity
 from fcoll.shm.group.validate import check_all_gather
 from fcoll.shm.multihost import compositions as comp
 from fcoll.shm.kernels import movement
+from fcoll.shm.transport.fences import GAVE_UP_PEER_GAVE_UP, PeerError
 from fcoll.shm.transport.op_codes import kind_code
 from fcoll.shm.multihost.ordered_queue import ChainedWork, HierarchicalWork, OrderedRunner
 from fcoll.shm.multihost.host_layout import HostLayout
@@ -82,6 +84,10 @@ from fcoll.shm.multihost.gloo_link import REDUCE_CODES, SIGNATURE, agree, as_byt
 from fcoll.shm.group.process_group import FcollProcessGroup
 
 __all__ = ["HierarchicalProcessGroup", "HierarchicalWork"]
+
+
+#: gloo's words for a connection its peer closed or reset (``gloo/transport/tcp/pair.cc``)
+_CLOSED_LINK = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 @run_eagerly_under_dynamo
@@ -137,6 +143,7 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
         self._runner = OrderedRunner(f"fcoll-hier-r{rank}")
         self._lock = threading.Lock()
         self._coalescing: list[cf.Future] | None = None
+        self._broken: BaseException | None = None
 
     # ---- identity (GroupIdentity), lifecycle -----------------------------------------------
     def __repr__(self) -> str:
@@ -150,9 +157,29 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
             self._intra.shutdown()
 
     def abort(self) -> None:
+        """c10d's ``ProcessGroup.abort``: queued ops are cancelled, the same-host peers are
+        fenced (:meth:`FcollProcessGroup.abort`) and the gloo groups destroyed, which closes
+        their connections, so a peer on any host waiting in an op of this group raises at once
+        (gloo reports the closed connection; :meth:`_submit` names it) instead of at the group
+        timeout."""
         self._runner.shutdown(cancel=True)
+        self._break(None)
+
+    def _break(self, error: BaseException | None) -> None:
+        """Make the group unusable on this rank (``error``: why; None: aborted) and tell every
+        peer: the intra-host group is aborted (its fence names this rank) and the gloo groups
+        are aborted (their connections close, so a cross-host peer's op fails at once)."""
+        with self._lock:
+            if self._broken is not None:
+                return
+            self._broken = error if error is not None else RuntimeError("it was aborted")
         if self._intra is not None:
             self._intra.abort()
+        # gloo's abort() leaves its connections open (measured, torch 2.11 and 2.13); they
+        # close when the group is destroyed: here, or when an op running on the runner
+        # thread lets go of it
+        self._inter = self._flat = None
+        self._sub = dataclasses.replace(self._sub, inter=None, flat=None)
 
     # ---- submission -----------------------------------------------------------------------
     def _error(self, op: str, msg: str) -> ValueError:
@@ -160,15 +187,55 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
                           f"{self._global_ranks[self._rank]}): {msg}")
 
     def _submit(self, fn: Callable[[], Any]) -> HierarchicalWork:
+        """Queue ``fn`` (one op) on the runner.
+
+        An op that fails other than by a ``ValueError`` (invalid or mismatched arguments,
+        raised alike on every rank, the group still usable) breaks the group (:meth:`_break`):
+        its peers, on this host and across the link, raise at once rather than at the
+        timeout, and later ops raise naming the first error. gloo's error for a connection a
+        peer closed (that peer aborted or broke the group, or died) is raised as a
+        :class:`PeerError` that says so.
+        """
         def run():
-            with torch.no_grad():  # a collective writes outputs in place, as c10d's backends
-                return fn()
+            if self._broken is not None:
+                raise RuntimeError(f"fcoll: rank {self._rank} (global rank "
+                                   f"{self._global_ranks[self._rank]}): the process group is "
+                                   f"unusable after an earlier error: {self._broken}")
+            try:
+                with torch.no_grad():  # a collective writes outputs in place, as c10d's
+                    return fn()
+            except ValueError:
+                raise
+            except BaseException as e:
+                broken_meanwhile = self._broken
+                error = self._link_error(e) or e
+                self._break(error)
+                if broken_meanwhile is not None:   # aborted on another thread while it ran
+                    raise RuntimeError(
+                        f"fcoll: rank {self._rank} (global rank "
+                        f"{self._global_ranks[self._rank]}): the process group became "
+                        f"unusable while this op ran: {broken_meanwhile}") from e
+                if error is e:
+                    raise
+                raise error from e
 
         with self._lock:
             fut = self._runner.submit(run)
             if self._coalescing is not None:
                 self._coalescing.append(fut)
         return HierarchicalWork([fut], self._runner)
+
+    def _link_error(self, e: BaseException) -> PeerError | None:
+        """gloo's error for a closed or reset connection as a :class:`PeerError` naming this
+        rank, or None for any other error."""
+        text = str(e)
+        if not isinstance(e, RuntimeError) or not any(m in text for m in _CLOSED_LINK):
+            return None
+        return PeerError(
+            f"fcoll: rank {self._rank} (global rank {self._global_ranks[self._rank]}): a rank "
+            f"on another host closed its connection in the middle of an op of this group (it "
+            f"aborted the group, gave up an op, or died); the process group is no longer "
+            f"usable. gloo said: {text.splitlines()[0][:200]}", reason=GAVE_UP_PEER_GAVE_UP)
 
     def _preflight(self, name: str, x: torch.Tensor | None, code: int = 0,
                    error: str | None = None, reduce_op: str = "", on_flat: bool = False) -> None:
