@@ -658,11 +658,18 @@ def nccl_device_conflict(local_world: int, device_count: int) -> str | None:
             "rank(s) per node")
 
 
-def _compute_label(args: argparse.Namespace) -> str:
-    """fcoll's ``compute`` option as the run used it (``auto`` with what it chose here)."""
+def _compute_label(args: argparse.Namespace, state_bytes: int | None = None) -> str:
+    """fcoll's ``compute`` option as the run used it (``auto`` with what it chose for a step
+    whose parameters and optimizer state are ``state_bytes`` bytes; None: large)."""
     if args.compute != "auto":
         return args.compute
-    return f"auto: {auto_compute(args.device)}"
+    return f"auto: {auto_compute(args.device, state_bytes)}"
+
+
+def _nbytes(*trees) -> int:
+    """Bytes of every tensor in ``trees`` (dicts, lists and tuples of tensors)."""
+    leaves = [x for t in trees for x in torch.utils._pytree.tree_leaves(t)]
+    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 
 def _setup_device(args: argparse.Namespace) -> torch.device:
@@ -858,7 +865,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run = compile_step(step, "fcoll", options)
     say = print if rank == 0 else (lambda *a, **k: None)
     name = f"inductor on {args.dist_backend} (baseline)" if args.backend_baseline else \
-        f"fcoll (compute={_compute_label(args)}) on {args.dist_backend}"
+        f"fcoll (compute={_compute_label(args, _nbytes(params, state))}) on {args.dist_backend}"
     where = _describe_device(device)
     say(f"{args.parallel} on {world} rank(s), {where}, {name}; "
         f"{sum(v.numel() for v in params.values())} parameters per rank; vocab "

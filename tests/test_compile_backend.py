@@ -85,10 +85,14 @@ def test_bad_option_value_raises_naming_it(fake_pg, options, name):
         fcoll_backend(_ar_graph(fake_pg), [torch.randn(4, 4)], options=options)
 
 
-def test_auto_compute_is_inductor_for_cuda_graphs_and_eager_otherwise():
+def test_auto_compute_is_inductor_for_cuda_and_large_cpu_graphs_and_eager_otherwise():
     """The default ``compute="auto"`` is decided per graph from its example inputs (the
-    faster on each device, docs/design.md "Compute"); explicit values stay as given."""
+    faster on each device for a step large enough to repay the compile, docs/design.md
+    "Compute"); explicit values stay as given."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fcoll.passes.config import AUTO_INDUCTOR_MIN_BYTES
 
     auto = FcollConfig()
     assert auto.compute == "auto"
@@ -96,7 +100,18 @@ def test_auto_compute_is_inductor_for_cuda_graphs_and_eager_otherwise():
     assert auto.for_inputs([]).compute == "eager"
     with FakeTensorMode():  # what Dynamo hands a backend; no GPU needed
         fake_cuda = torch.empty(2, device="cuda")
+        half = torch.empty(AUTO_INDUCTOR_MIN_BYTES // 8)   # float32: half the bound each
+        below = torch.empty(AUTO_INDUCTOR_MIN_BYTES // 4 - 1)
     assert auto.for_inputs([torch.randn(2), fake_cuda]).compute == "inductor"
+    assert auto.for_inputs([half, half]).compute == "inductor"
+    assert auto.for_inputs([below]).compute == "eager"
+    # a symbolic size is read through its hint, without a guard
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        s = shape_env.create_unbacked_symint()
+        unknown = torch.empty(s)
+    assert auto.for_inputs([unknown]).compute == "inductor"
+    assert not shape_env.guards
     assert FcollConfig(compute="eager").for_inputs([fake_cuda]).compute == "eager"
     assert FcollConfig(compute="inductor").for_inputs([]).compute == "inductor"
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["FcollConfig", "DEFAULT_PASSES", "auto_compute"]
+__all__ = ["FcollConfig", "DEFAULT_PASSES", "AUTO_INDUCTOR_MIN_BYTES", "auto_compute"]
 
 #: The default pass pipeline, in order (docs/design.md, "Data flow"; the backend runs
 #: ``sink_output_waits`` first on compiled autograd's backward graphs). The rank check runs
@@ -33,10 +33,25 @@ _COMPUTE = ("auto", "eager", "inductor")
 _BUCKET_MODES = ("auto", "concat", "coalesced")
 
 
-def auto_compute(device_type: str) -> str:
-    """What ``compute="auto"`` runs on ``device_type`` (``"cuda"``, ``"cpu"``, ...): Inductor on
-    CUDA, op by op elsewhere, each the faster there (docs/design.md, "Compute")."""
-    return "inductor" if device_type == "cuda" else "eager"
+#: ``compute="auto"`` on the CPU compiles a graph with Inductor from this many bytes of tensor
+#: inputs (parameters, activations, gradients) up: 4 MiB, about a million float32 parameters
+AUTO_INDUCTOR_MIN_BYTES = 4 * 2**20
+
+
+def auto_compute(device_type: str, input_bytes: int | None = None) -> str:
+    """What ``compute="auto"`` runs for a graph on ``device_type`` (``"cuda"``, ``"cpu"``, ...)
+    whose tensor inputs total ``input_bytes`` bytes (None: unknown, taken as large).
+
+    Inductor on CUDA; on the CPU, Inductor from :data:`AUTO_INDUCTOR_MIN_BYTES` of inputs up
+    and op by op below. Measured (docs/design.md, "Compute"): a step large enough to matter is
+    as fast or faster with Inductor on the CPU (2-13 %, most under load), while compiling it
+    costs seconds more (train_gpt's first step 12 s against 6 s); a small graph gains nothing
+    that would repay the compile.
+    """
+    if device_type == "cuda":
+        return "inductor"
+    large = input_bytes is None or input_bytes >= AUTO_INDUCTOR_MIN_BYTES
+    return "inductor" if large else "eager"
 
 
 @dataclass(frozen=True)
@@ -46,9 +61,9 @@ class FcollConfig:
     Attributes:
         compute: "eager" runs the aten graph op by op; "inductor" compiles the compute between
             collectives with Inductor and keeps fcoll's collectives and waits in fcoll's order;
-            "auto" (the default) is "inductor" for a graph with a CUDA input and "eager"
-            otherwise (:meth:`for_inputs`), each the faster on its device by the measurements
-            in ``docs/design.md`` ("Compute").
+            "auto" (the default) is "inductor" for a graph with a CUDA input or with at least
+            :data:`AUTO_INDUCTOR_MIN_BYTES` of tensor inputs, and "eager" for a small CPU
+            graph (:meth:`for_inputs`), by the measurements in ``docs/design.md`` ("Compute").
         passes: pass names to run, in order; None means :data:`DEFAULT_PASSES` filtered by the
             switches below.
         overlap: run ``reorder_for_overlap`` (cost-model scheduling of collectives and waits).
@@ -118,14 +133,25 @@ class FcollConfig:
 
     def for_inputs(self, example_inputs: Sequence[Any]) -> "FcollConfig":
         """This config with ``compute="auto"`` decided for a graph whose example inputs are
-        ``example_inputs`` (Dynamo's: real or fake tensors, SymInts, other values):
-        ``"inductor"`` when any input is a CUDA tensor, else ``"eager"``. Other values of
-        ``compute`` are returned unchanged."""
+        ``example_inputs`` (Dynamo's: real or fake tensors, SymInts, other values) by
+        :func:`auto_compute`: ``"inductor"`` when any input is a CUDA tensor or the tensor
+        inputs total at least :data:`AUTO_INDUCTOR_MIN_BYTES` (a size with symbols counts
+        as large), else ``"eager"``. Other values of ``compute`` are returned unchanged."""
         if self.compute != "auto":
             return self
-        cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda"
-                   for x in example_inputs)
-        return dataclasses.replace(self, compute=auto_compute("cuda" if cuda else "cpu"))
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        if any(x.device.type == "cuda" for x in tensors):
+            return dataclasses.replace(self, compute=auto_compute("cuda"))
+        nbytes: int | None = 0
+        for x in tensors:
+            n = x.numel()
+            if isinstance(n, torch.SymInt):   # read its hint: int() would add a guard
+                n = n.node.hint
+            if n is None:
+                nbytes = None
+                break
+            nbytes += int(n) * x.element_size()
+        return dataclasses.replace(self, compute=auto_compute("cpu", nbytes))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "FcollConfig":
