@@ -105,15 +105,32 @@ def test_auto_compute_is_inductor_for_cuda_and_large_cpu_graphs_and_eager_otherw
     assert auto.for_inputs([torch.randn(2), fake_cuda]).compute == "inductor"
     assert auto.for_inputs([half, half]).compute == "inductor"
     assert auto.for_inputs([below]).compute == "eager"
-    # a symbolic size is read through its hint, without a guard
+    # a data-dependent size is estimated as the passes estimate it, without a guard
     shape_env = ShapeEnv()
     with FakeTensorMode(shape_env=shape_env):
-        s = shape_env.create_unbacked_symint()
-        unknown = torch.empty(s)
+        rows = shape_env.create_unbacked_symint()
+        unknown = torch.empty(rows, AUTO_INDUCTOR_MIN_BYTES // 4)
     assert auto.for_inputs([unknown]).compute == "inductor"
     assert not shape_env.guards
     assert FcollConfig(compute="eager").for_inputs([fake_cuda]).compute == "eager"
     assert FcollConfig(compute="inductor").for_inputs([]).compute == "inductor"
+
+
+def test_auto_compute_stays_eager_on_the_cpu_without_a_cxx_compiler():
+    """Inductor's CPU kernels need a C++ compiler: without one "auto" keeps the op-by-op path,
+    which works anywhere, rather than failing at the first compile."""
+    import torch._inductor.config as inductor_config
+
+    from fcoll.passes import config as fcoll_config
+
+    big = [torch.empty(fcoll_config.AUTO_INDUCTOR_MIN_BYTES // 4)]
+    fcoll_config._cpu_inductor_available.cache_clear()
+    try:
+        with inductor_config.patch({"cpp.cxx": ("no-such-compiler-fcoll",)}):
+            assert FcollConfig().for_inputs(big).compute == "eager"
+    finally:
+        fcoll_config._cpu_inductor_available.cache_clear()
+    assert FcollConfig().for_inputs(big).compute == "inductor"
 
 
 def test_backend_works_without_import_fcoll():

@@ -7,6 +7,7 @@ the option, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -43,7 +44,7 @@ def auto_compute(device_type: str, input_bytes: int | None = None) -> str:
     whose tensor inputs total ``input_bytes`` bytes (None: unknown, taken as large).
 
     Inductor on CUDA; on the CPU, Inductor from :data:`AUTO_INDUCTOR_MIN_BYTES` of inputs up
-    and op by op below. Measured (docs/design.md, "Compute"): a step large enough to matter is
+    (when a C++ compiler is there for its kernels) and op by op below. Measured (docs/design.md, "Compute"): a step large enough to matter is
     as fast or faster with Inductor on the CPU (2-13 %, most under load), while compiling it
     costs seconds more (train_gpt's first step 12 s against 6 s); a small graph gains nothing
     that would repay the compile.
@@ -51,7 +52,21 @@ def auto_compute(device_type: str, input_bytes: int | None = None) -> str:
     if device_type == "cuda":
         return "inductor"
     large = input_bytes is None or input_bytes >= AUTO_INDUCTOR_MIN_BYTES
-    return "inductor" if large else "eager"
+    return "inductor" if large and _cpu_inductor_available() else "eager"
+
+
+@functools.cache
+def _cpu_inductor_available() -> bool:
+    """Whether Inductor finds the C++ compiler its CPU kernels need (``g++`` by default,
+    ``torch._inductor.config.cpp.cxx``); without one ``"auto"`` stays op by op on the CPU,
+    where it works on any machine, instead of failing at the first compile."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:  # noqa: BLE001  InvalidCxxCompiler, or an Inductor without the helper
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -135,22 +150,17 @@ class FcollConfig:
         """This config with ``compute="auto"`` decided for a graph whose example inputs are
         ``example_inputs`` (Dynamo's: real or fake tensors, SymInts, other values) by
         :func:`auto_compute`: ``"inductor"`` when any input is a CUDA tensor or the tensor
-        inputs total at least :data:`AUTO_INDUCTOR_MIN_BYTES` (a size with symbols counts
-        as large), else ``"eager"``. Other values of ``compute`` are returned unchanged."""
+        inputs total at least :data:`AUTO_INDUCTOR_MIN_BYTES` (sizes with symbols read by
+        :func:`fcoll.passes.graph.size_hint`, which adds no guard) and a C++ compiler is there
+        for Inductor's CPU kernels, else ``"eager"``. Other values of ``compute`` are returned unchanged."""
         if self.compute != "auto":
             return self
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
         if any(x.device.type == "cuda" for x in tensors):
             return dataclasses.replace(self, compute=auto_compute("cuda"))
-        nbytes: int | None = 0
-        for x in tensors:
-            n = x.numel()
-            if isinstance(n, torch.SymInt):   # read its hint: int() would add a guard
-                n = n.node.hint
-            if n is None:
-                nbytes = None
-                break
-            nbytes += int(n) * x.element_size()
+        from fcoll.passes.graph import size_hint   # never guards
+
+        nbytes = sum(size_hint(x.numel()) * x.element_size() for x in tensors)
         return dataclasses.replace(self, compute=auto_compute("cpu", nbytes))
 
     @classmethod
