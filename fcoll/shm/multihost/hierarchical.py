@@ -189,10 +189,11 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
     def _submit(self, fn: Callable[[], Any]) -> HierarchicalWork:
         """Queue ``fn`` (one op) on the runner.
 
-        An op that fails other than by a ``ValueError`` (invalid or mismatched arguments,
-        raised alike on every rank, the group still usable) breaks the group (:meth:`_break`):
-        its peers, on this host and across the link, raise at once rather than at the
-        timeout, and later ops raise naming the first error. gloo's error for a connection a
+        An op that fails other than by a ``ValueError`` or ``TypeError`` (invalid or mismatched
+        arguments, raised on every rank: :func:`~fcoll.shm.multihost.gloo_link.agree`; the
+        group stays usable) breaks the group (:meth:`_break`): its peers, on this host and
+        across the link, raise at once rather than at the timeout, and later ops raise naming
+        the first error. gloo's error for a connection a
         peer closed (that peer aborted or broke the group, or died) is raised as a
         :class:`PeerError` that says so.
         """
@@ -204,7 +205,7 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
             try:
                 with torch.no_grad():  # a collective writes outputs in place, as c10d's
                     return fn()
-            except ValueError:
+            except (ValueError, TypeError):   # arguments: every rank raises, as gloo_link.agree
                 raise
             except BaseException as e:
                 broken_meanwhile = self._broken
