@@ -616,9 +616,10 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
             ind = (f"{ms['inductor']:.1f}" if ms.get("inductor") is not None else
                    "skipped" if "inductor" not in r else "failed")
             ratio = s["inductor_over_on"]
+            ratio_cell = f"{ratio:7.2f}" if ratio else f"{'-':>7}"
             lines.append(
-                f"{mode:6} {comp:9.1f} {comm:9.1f} {off:9.1f} {on:9.1f} {ind:>12} "
-                f"{f'{ratio:7.2f}' if ratio else f'{chr(45):>7}'} {off - comp:9.1f} {on - comp:9.1f} {s['exposed_over_comm']:11.2f} "
+                f"{mode:6} {comp:9.1f} {comm:9.1f} {off:9.1f} {on:9.1f} {ind:>12} {ratio_cell} "
+                f"{off - comp:9.1f} {on - comp:9.1f} {s['exposed_over_comm']:11.2f} "
                 f"{s['step_over_max']:7.2f} {s['floor_ms']:7.1f} {s['step_over_floor']:8.2f}"
                 f"  exposed<=15%: {s['target_exposed_met']}, "
                 f"step<=1.1x: {s['target_step_met']}, ind/on>=1.3: {s['target_speedup_met']}")

@@ -44,10 +44,11 @@ def auto_compute(device_type: str, input_bytes: int | None = None) -> str:
     whose tensor inputs total ``input_bytes`` bytes (None: unknown, taken as large).
 
     Inductor on CUDA; on the CPU, Inductor from :data:`AUTO_INDUCTOR_MIN_BYTES` of inputs up
-    (when a C++ compiler is there for its kernels) and op by op below. Measured (docs/design.md, "Compute"): a step large enough to matter is
-    as fast or faster with Inductor on the CPU (2-13 %, most under load), while compiling it
-    costs seconds more (train_gpt's first step 12 s against 6 s); a small graph gains nothing
-    that would repay the compile.
+    (when a C++ compiler is there for its kernels) and op by op below. Measured
+    (docs/design.md, "Compute"): a step large enough to matter is as fast or faster with
+    Inductor on the CPU (2-13 %, most under load), while compiling it costs seconds more
+    (train_gpt's first step 12 s against 6 s); a small graph gains nothing that would repay
+    the compile.
     """
     if device_type == "cuda":
         return "inductor"
@@ -152,7 +153,8 @@ class FcollConfig:
         :func:`auto_compute`: ``"inductor"`` when any input is a CUDA tensor or the tensor
         inputs total at least :data:`AUTO_INDUCTOR_MIN_BYTES` (sizes with symbols read by
         :func:`fcoll.passes.graph.size_hint`, which adds no guard) and a C++ compiler is there
-        for Inductor's CPU kernels, else ``"eager"``. Other values of ``compute`` are returned unchanged."""
+        for Inductor's CPU kernels, else ``"eager"``. Other values of ``compute`` are returned
+        unchanged."""
         if self.compute != "auto":
             return self
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]

@@ -168,7 +168,7 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
     def _break(self, error: BaseException | None) -> None:
         """Make the group unusable on this rank (``error``: why; None: aborted) and tell every
         peer: the intra-host group is aborted (its fence names this rank) and the gloo groups
-        are aborted (their connections close, so a cross-host peer's op fails at once)."""
+        are destroyed (their connections close, so a cross-host peer's op fails at once)."""
         with self._lock:
             if self._broken is not None:
                 return
@@ -193,9 +193,8 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
         arguments, raised on every rank: :func:`~fcoll.shm.multihost.gloo_link.agree`; the
         group stays usable) breaks the group (:meth:`_break`): its peers, on this host and
         across the link, raise at once rather than at the timeout, and later ops raise naming
-        the first error. gloo's error for a connection a
-        peer closed (that peer aborted or broke the group, or died) is raised as a
-        :class:`PeerError` that says so.
+        the first error. gloo's error for a connection a peer closed (that peer aborted or
+        broke the group, or died) is raised as a :class:`PeerError` that says so.
         """
         def run():
             if self._broken is not None:
