@@ -54,9 +54,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 
 import fcoll  # registers torch.ops.fcoll and the "fcoll" process-group backend
 from fcoll.passes.config import auto_compute
+from fcoll.passes.graph import tensor_bytes
 
 __all__ = ["GPTConfig", "load_text", "init_params", "gpt_loss", "GPTModule", "GPTBlock",
            "TPGPTModule", "torch_adamw", "TorchModuleStep", "FcollComm", "TorchComm",
@@ -621,7 +623,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "the GPT as nn.Modules in PyTorch's DistributedDataParallel / fully_shard; "
                    "simple-fsdp: fcoll.parallel.fully_shard; tp: parallelize_module")
     p.add_argument("--compute", choices=("auto", "eager", "inductor"), default="auto",
-                   help="fcoll's compute option; auto: inductor on CUDA, eager on the CPU")
+                   help="fcoll's compute option; auto: inductor on CUDA and for graphs of "
+                   "4 MiB of inputs or more on the CPU, eager for smaller ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=4)
@@ -664,12 +667,6 @@ def _compute_label(args: argparse.Namespace, state_bytes: int | None = None) -> 
     if args.compute != "auto":
         return args.compute
     return f"auto: {auto_compute(args.device, state_bytes)}"
-
-
-def _nbytes(*trees) -> int:
-    """Bytes of every tensor in ``trees`` (dicts, lists and tuples of tensors)."""
-    leaves = [x for t in trees for x in torch.utils._pytree.tree_leaves(t)]
-    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 
 def _setup_device(args: argparse.Namespace) -> torch.device:
@@ -865,7 +862,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run = compile_step(step, "fcoll", options)
     say = print if rank == 0 else (lambda *a, **k: None)
     name = f"inductor on {args.dist_backend} (baseline)" if args.backend_baseline else \
-        f"fcoll (compute={_compute_label(args, _nbytes(params, state))}) on {args.dist_backend}"
+        f"fcoll (compute={_compute_label(args, tensor_bytes(tree_leaves((params, state))))}) on " \
+        f"{args.dist_backend}"
     where = _describe_device(device)
     say(f"{args.parallel} on {world} rank(s), {where}, {name}; "
         f"{sum(v.numel() for v in params.values())} parameters per rank; vocab "

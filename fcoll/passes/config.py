@@ -151,19 +151,18 @@ class FcollConfig:
         """This config with ``compute="auto"`` decided for a graph whose example inputs are
         ``example_inputs`` (Dynamo's: real or fake tensors, SymInts, other values) by
         :func:`auto_compute`: ``"inductor"`` when any input is a CUDA tensor or the tensor
-        inputs total at least :data:`AUTO_INDUCTOR_MIN_BYTES` (sizes with symbols read by
-        :func:`fcoll.passes.graph.size_hint`, which adds no guard) and a C++ compiler is there
-        for Inductor's CPU kernels, else ``"eager"``. Other values of ``compute`` are returned
-        unchanged."""
+        inputs total at least :data:`AUTO_INDUCTOR_MIN_BYTES` (by
+        :func:`fcoll.passes.graph.tensor_bytes`: symbolic sizes by their hints, no guard) and a
+        C++ compiler is there for Inductor's CPU kernels, else ``"eager"``. Other values of
+        ``compute`` are returned unchanged."""
         if self.compute != "auto":
             return self
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
         if any(x.device.type == "cuda" for x in tensors):
             return dataclasses.replace(self, compute=auto_compute("cuda"))
-        from fcoll.passes.graph import size_hint   # never guards
+        from fcoll.passes.graph import tensor_bytes   # symbolic sizes by hint, no guard
 
-        nbytes = sum(size_hint(x.numel()) * x.element_size() for x in tensors)
-        return dataclasses.replace(self, compute=auto_compute("cpu", nbytes))
+        return dataclasses.replace(self, compute=auto_compute("cpu", tensor_bytes(tensors)))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "FcollConfig":
