@@ -238,7 +238,8 @@ def _failed(e: BaseException) -> str:
     return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def _interleaved(timers: dict, rounds: int, per_round=None) -> tuple[dict, list[dict]]:
+def _interleaved(timers: dict, rounds: int, per_round=None,
+                 compiles_in_rounds: bool = False) -> tuple[dict, list[dict]]:
     """Times every variant in ``rounds`` rounds, interleaved (the order reversed every other
     round), so a change of the machine's load during the run falls on every variant alike.
 
@@ -247,6 +248,9 @@ def _interleaved(timers: dict, rounds: int, per_round=None) -> tuple[dict, list[
             one that raises is reported as ``"failed: ..."`` and not run again.
         per_round: optional callable returning extra per-round medians (``{name: seconds}``),
             for example the collectives alone.
+        compiles_in_rounds: the timers compile afresh in every round (in their untimed
+            warm-up steps); otherwise a graph compiled during the rounds is reported as
+            ``times["recompiled_graphs"]``, since a variant was then timed compiling.
 
     Returns:
         ``(times, rounds)``: every timed step's seconds per name (or the failure message), and
@@ -275,7 +279,7 @@ def _interleaved(timers: dict, rounds: int, per_round=None) -> tuple[dict, list[
             this_round[name] = v
         by_round.append(this_round)
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-    if compiled:   # a variant that recompiles while timed is timed compiling: say so
+    if compiled and not compiles_in_rounds:   # a variant timed compiling: say so
         times["recompiled_graphs"] = f"failed: {compiled} graph(s) compiled in the timed rounds"
     return times, by_round
 
@@ -434,34 +438,32 @@ def _torch_ddp_variants(T, cfg, corpus, rank: int, world: int, barrier, group, a
             makers[f"ca-{b}"] = (lambda b=b: T.TorchModuleStep(
                 cfg, T.init_params(cfg, 0), "torch-ddp", T.AdamW(), cpu, b, None))
             makers[f"ddpopt-{b}"] = lambda b=b: _DDPOptimizerStep(T, cfg, b)
-    import contextlib
-    times: dict = {name: [] for name in makers}
-    rounds: list[dict] = []
-    params = T.init_params(cfg, 0)
-    for r in range(a["rounds"]):
-        names = list(makers) if r % 2 == 0 else list(makers)[::-1]
-        per_round = {}
-        for name in names:
+    collectives: list[int] = []   # fcoll's compiled collectives, per round it ran in
+
+    def timer(name: str):
+        def run() -> list[float]:
             torch._dynamo.reset()
             counts, stop = T.count_compiled_collectives()
-            best = pytorch_best() if name.endswith("inductor") else contextlib.nullcontext()
-            try:
-                with best:   # Inductor compiles at the first steps, inside the patch
+            try:   # Inductor compiles at the first steps, inside pytorch_best
+                with _best("inductor" if name.endswith("inductor") else name):
                     t = _time_steps(makers[name](), batch, a["warmup"], a["steps"], barrier)
-            except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
-                times[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                continue
             finally:
                 stop()
             if name == "fcoll":
-                per_round["fcoll_collectives"] = sum(counts.values())
-            if isinstance(times[name], list):
-                times[name] += t
-                per_round[name] = statistics.median(t)
-        per_round["comm"] = statistics.median(_comm_only(params, "ddp", world, 25 * 2 ** 20,
-                                                         group, a["steps"]))
-        times.setdefault("comm", []).append(per_round["comm"])
-        rounds.append(per_round)
+                collectives.append(sum(counts.values()))
+            return t
+        return run
+
+    params = T.init_params(cfg, 0)
+
+    def comm_alone() -> dict:
+        return {"comm": statistics.median(_comm_only(params, "ddp", world, 25 * 2 ** 20, group,
+                                                     a["steps"]))}
+
+    times, rounds = _interleaved({name: timer(name) for name in makers}, a["rounds"],
+                                 comm_alone, compiles_in_rounds=True)
+    for this_round, n in zip(rounds, collectives):   # fcoll ran in every round until a failure
+        this_round["fcoll_collectives"] = n
     return {"times": times, "rounds": rounds}
 
 
@@ -479,9 +481,9 @@ def _hand_variants(T, cfg, full, params, parallel: str, variants: dict, batch, b
     res: dict = {}
     timers, mems = {}, {}
     torch._dynamo.reset()
+    shapes = {k: v.shape for k, v in full.items()} if parallel == "fsdp" else None
     for name, (comm, backend, options) in variants.items():
-        step = T.make_train_step(cfg, comm, parallel, shapes={k: v.shape for k, v in full.items()}
-                                 if parallel == "fsdp" else None)
+        step = T.make_train_step(cfg, comm, parallel, shapes=shapes)
         try:
             with _best(backend):
                 run = T.compile_step(step, backend, None if backend == "inductor" else options)
