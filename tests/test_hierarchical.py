@@ -167,16 +167,19 @@ def _invalid_calls(rank, world):
 
 def _aborts_while_peers_wait(rank, world):
     """Rank 2 aborts the world group (keeping a reference to it, so nothing is destroyed by
-    garbage collection) while the others wait for it in an all_reduce."""
+    garbage collection) while the others wait for it in an all_reduce, and stays alive, in no
+    op, until every peer has raised: they must not need its exit."""
+    import datetime
     import time
 
     world_group = dist.group.WORLD
+    store = dist.distributed_c10d._get_default_store()   # outlives the aborted group
     dist.barrier()
     if rank == 2:
-        time.sleep(0.5)
+        time.sleep(0.5)   # the peers are most likely inside the all_reduce (either way they raise)
         dist.distributed_c10d._abort_process_group()
         assert world_group is not None
-        time.sleep(20)   # alive, not in any op: the peers must not wait for its exit
+        store.wait([f"raised/{r}" for r in (0, 1, 3)], datetime.timedelta(seconds=60))
         return None
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as ei:
@@ -184,6 +187,7 @@ def _aborts_while_peers_wait(rank, world):
     elapsed = time.monotonic() - t0
     with pytest.raises(RuntimeError, match="unusable"):
         world_group.allreduce([torch.ones(3)]).wait()
+    store.set(f"raised/{rank}", "1")
     return elapsed, f"{type(ei.value).__name__}: {ei.value}"
 
 
