@@ -22,7 +22,6 @@ import tempfile
 import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
-from unittest import mock
 
 __all__ = ["RankFailure", "run_ranks", "fcoll_segments", "one_rank_group", "slow_collectives",
            "SHM_DIR", "SEGMENT_PREFIX"]
@@ -87,6 +86,21 @@ def _loads(data: bytes) -> Any:
     import torch
 
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]):
+    """``os.environ`` with ``updates`` applied inside the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _rank_main(
@@ -190,7 +204,7 @@ def run_ranks(
             for r in range(world_size)
         ]
         for p, rank_env in zip(procs, rank_envs):
-            with mock.patch.dict(os.environ, rank_env):  # a spawned child copies it at start
+            with _environ(rank_env):  # a spawned child copies os.environ at start
                 p.start()
         deadline = time.monotonic() + timeout_s
         got: dict[int, tuple[bool, Any]] = {}
