@@ -6,6 +6,7 @@ Run on 2 local ranks (``torchrun`` works the same way)::
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel fsdp
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel simple-fsdp
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel tp
+    python -m fcoll.launch --nproc-per-node 4 examples/train_gpt.py --parallel fsdp-tp --tp 2
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --backend-baseline
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --device cuda --compute inductor
 
@@ -26,6 +27,10 @@ optimizer is a functional AdamW (new tensors out, no in-place state).
 - ``--parallel tp``: :class:`TPGPTModule` with PyTorch's ``parallelize_module``
   (``ColwiseParallel`` q/k/v and fc, ``RowwiseParallel`` proj and fc2); every rank trains on the
   same batches (one tensor-parallel group).
+- ``--parallel fsdp-tp``: both, on a ``(dp, tp)`` mesh (``--tp`` ranks per tensor-parallel
+  group): :class:`TPGPTModule` parallelized over ``mesh["tp"]``, then ``fully_shard`` over
+  ``mesh["dp"]`` on every block and on the root (torchtitan's 2-D layout); the ranks of one
+  tensor-parallel group train on the same batches.
 
 ``--device cuda``: parameters, optimizer state and batches live on ``cuda:{LOCAL_RANK %
 device_count}``. On fcoll's group (and on gloo) several ranks may share one GPU; ``--dist-backend
@@ -474,7 +479,7 @@ def compile_step(step, backend: str = "fcoll", options: dict[str, Any] | None = 
 
 
 #: ``--parallel`` modes that train :class:`GPTModule` (or :class:`TPGPTModule`) as nn.Modules.
-MODULE_MODES = ("torch-ddp", "torch-fsdp2", "simple-fsdp", "tp")
+MODULE_MODES = ("torch-ddp", "torch-fsdp2", "simple-fsdp", "tp", "fsdp-tp")
 
 
 class TorchModuleStep:
@@ -499,6 +504,10 @@ class TorchModuleStep:
       backward graph; no compiled autograd.
     - ``"tp"``: :class:`TPGPTModule` parallelized over every rank, compiled the same way (its
       all_reduces in both graphs); every rank must be given the same batch.
+    - ``"fsdp-tp"``: :class:`TPGPTModule` parallelized over ``mesh["tp"]`` of a
+      ``(world / tp_size, tp_size)`` mesh named ``("dp", "tp")``, then ``fcoll.parallel.
+      fully_shard`` over ``mesh["dp"]`` on every block and on the root; the ranks of one
+      tensor-parallel group (``rank // tp_size`` equal) must be given the same batch.
 
     ``step(x, y)`` runs forward, backward and ``torch.optim.AdamW`` (decay as :func:`_adamw`)
     and returns the loss (a detached float32 scalar); ``eval_loss(x, y)`` runs the model eagerly.
@@ -506,25 +515,35 @@ class TorchModuleStep:
 
     def __init__(self, cfg: GPTConfig, params: dict[str, torch.Tensor], parallel: str,
                  opt: AdamW, device: torch.device, backend: str = "fcoll",
-                 options: dict[str, Any] | None = None) -> None:
+                 options: dict[str, Any] | None = None, tp_size: int = 2) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if parallel not in MODULE_MODES:
             raise ValueError(f"parallel: expected one of {MODULE_MODES}, got {parallel!r}")
+        world = dist.get_world_size()
+        if parallel == "fsdp-tp" and (tp_size < 1 or world % tp_size):
+            raise ValueError(f"tp_size: {tp_size} does not divide the world size {world}")
         self.parallel = parallel
-        module = (TPGPTModule if parallel == "tp" else GPTModule)(cfg, params).to(device)
+        tensor_parallel = parallel in ("tp", "fsdp-tp")
+        module = (TPGPTModule if tensor_parallel else GPTModule)(cfg, params).to(device)
         self._patches: dict[str, Any] = {}
         #: the backward runs under compiled autograd (DDP's python reducer, traced FSDP2)
         self.compiled_autograd = parallel.startswith("torch-")
-        if parallel in ("simple-fsdp", "tp"):
+        if parallel in ("simple-fsdp", "tp", "fsdp-tp"):
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            from fcoll.parallel import fully_shard
+
+            if parallel == "fsdp-tp":
+                mesh2d = init_device_mesh(device.type, (world // tp_size, tp_size),
+                                          mesh_dim_names=("dp", "tp"))
+                module.parallelize(mesh2d["tp"])
+                mesh = mesh2d["dp"]
+            else:
+                mesh = init_device_mesh(device.type, (world,))
             if parallel == "tp":
                 wrapped = module.parallelize(mesh)
             else:
-                from fcoll.parallel import fully_shard
-
                 for block in module.blocks:
                     fully_shard(block, mesh=mesh)
                 wrapped = fully_shard(module, mesh=mesh)
@@ -621,7 +640,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=("ddp", "fsdp") + MODULE_MODES,
                    default="ddp", help="ddp/fsdp: the functional step; torch-ddp/torch-fsdp2: "
                    "the GPT as nn.Modules in PyTorch's DistributedDataParallel / fully_shard; "
-                   "simple-fsdp: fcoll.parallel.fully_shard; tp: parallelize_module")
+                   "simple-fsdp: fcoll.parallel.fully_shard; tp: parallelize_module; "
+                   "fsdp-tp: both, on a (dp, tp) mesh")
+    p.add_argument("--tp", type=int, default=2,
+                   help="--parallel fsdp-tp: ranks per tensor-parallel group (divides the "
+                   "world size)")
     p.add_argument("--compute", choices=("auto", "eager", "inductor"), default="auto",
                    help="fcoll's compute option; auto: inductor on CUDA and for graphs of "
                    "4 MiB of inputs or more on the CPU, eager for smaller ones")
@@ -802,10 +825,13 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
         if args.trace_dir:
             options["trace_dir"] = args.trace_dir
     counts, stop_counting = count_compiled_collectives()
-    step = TorchModuleStep(cfg, params, args.parallel, AdamW(lr=args.lr), device, backend, options)
+    step = TorchModuleStep(cfg, params, args.parallel, AdamW(lr=args.lr), device, backend, options,
+                           tp_size=args.tp)
     say = print if rank == 0 else (lambda *a, **k: None)
     title = {"simple-fsdp": "fcoll.parallel.fully_shard (SimpleFSDP)",
-             "tp": "PyTorch tensor parallel"}.get(args.parallel)
+             "tp": "PyTorch tensor parallel",
+             "fsdp-tp": f"fully_shard over dp x tensor parallel over tp={args.tp}"}.get(
+                 args.parallel)
     title = title or f"PyTorch {args.parallel[len('torch-'):].upper()}"
     name = f"{title}, backend={backend}" + (
         f" (compute={_compute_label(args)})" if options else "") + f" on {args.dist_backend}"
@@ -817,8 +843,9 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
     say(f"{args.parallel} on {world} rank(s), {_describe_device(device)}, {name}; "
         f"{sum(v.numel() for v in params.values())} parameters; vocab {cfg.vocab_size}; "
         f"communication {'in the compiled graphs' if step.traced_comms else 'in eager hooks'}")
-    # tensor parallel: one group, so every rank trains on rank 0's batches
-    data_rank, data_world = (0, 1) if args.parallel == "tp" else (rank, world)
+    # tensor parallel: the ranks of one group train on the same batches
+    data_rank, data_world = {"tp": (0, 1), "fsdp-tp": (rank // args.tp, world // args.tp)}.get(
+        args.parallel, (rank, world))
     summary = _train_loop(args, corpus, device, data_rank, data_world, step, evaluate, say)
     stop_counting()
     collectives = sum(counts.values())

@@ -104,3 +104,93 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
         for name in ("eager", "fcoll", "inductor"):
             assert max(tp[name]) <= 1e-5, (name, tp)
     assert fcoll_segments() == []
+
+
+def _batch_of_dp(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 51, (2, 16), generator=g), torch.randint(0, 51, (2, 16), generator=g)
+
+
+def _refusal(make) -> str:
+    try:
+        make()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _fsdp_with_tensor_parallel(rank: int, world: int) -> dict:
+    """2-D: tensor parallel over ``mesh["tp"]``, then ``fully_shard`` over ``mesh["dp"]``; each
+    dp group trains on its own batch. The reference is the unsharded model on each dp batch,
+    gradients averaged over the two batches (what data parallel means)."""
+    import train_gpt as tg
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from fcoll.parallel import fully_shard
+
+    cfg = _cfg(tg, 32, 4)
+    params = tg.init_params(cfg, 0)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_coordinate()[0]
+    grads, ref_loss = [], None
+    for seed in range(2):
+        ref = tg.TPGPTModule(cfg, params)
+        loss = ref(*_batch_of_dp(seed))
+        loss.backward()
+        ref_loss = loss.item() if seed == dp else ref_loss
+        grads.append({k: p.grad for k, p in ref.named_parameters()})
+    ref_grads = {k: (grads[0][k] + grads[1][k]) / 2 for k in grads[0]}
+    ref_params = dict(tg.TPGPTModule(cfg, params).named_parameters())
+
+    def sharded():
+        m = tg.TPGPTModule(cfg, params).parallelize(mesh["tp"])
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        return fully_shard(m, mesh=mesh["dp"])
+
+    out: dict = {"refused": [
+        # a tensor-parallel mesh that is not a slice of the fully_shard mesh's root
+        _refusal(lambda: fully_shard(tg.TPGPTModule(cfg, params).parallelize(
+            init_device_mesh("cpu", (world,))), mesh=mesh["dp"])),
+        # sharding again over the dimension tensor parallel already uses
+        _refusal(lambda: fully_shard(tg.TPGPTModule(cfg, params).parallelize(mesh["tp"]),
+                                     mesh=mesh["tp"])),
+    ]}
+    x, y = _batch_of_dp(dp)
+    for backend in ("eager", "fcoll", "inductor"):
+        torch._dynamo.reset()
+        m = sharded()
+        q = m.blocks[0].q._parameters["weight"]
+        out["placements"] = (q.device_mesh.mesh_dim_names,
+                             [(type(p).__name__, p.dim) for p in q.placements])
+        out["all_2d"] = all(isinstance(p, DTensor) and p.device_mesh.ndim == 2
+                            for k, p in m.named_parameters() if ".q." in k or ".fc2." in k)
+        # the stored 2-D DTensors describe the model's parameters (FSDP2's placements)
+        out["layout"] = max((p.full_tensor() - ref_params[k]).abs().max().item()
+                            for k, p in m.named_parameters())
+        f = m if backend == "eager" else torch.compile(m, backend=backend)
+        loss = f(x, y)
+        loss.backward()
+        out[backend] = (abs(loss.item() - ref_loss),
+                        max((p.grad.full_tensor() - ref_grads[k]).abs().max().item()
+                            for k, p in m.named_parameters()))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_shard_with_tensor_parallel_2d_trains_as_data_parallel(backend):
+    """FSDP + TP on a (dp 2, tp 2) mesh, torchtitan's usual layout: tensor-parallel parameters
+    are sharded again over dp (before, ``fully_shard`` skipped every DTensor parameter, so their
+    gradients were never averaged over dp: each dp replica drifted apart). Loss and gradients
+    eager and compiled equal the unsharded model's averaged over the dp batches."""
+    for res in run_ranks(_fsdp_with_tensor_parallel, 4, backend=backend, timeout_s=900):
+        assert res["all_2d"]
+        assert res["placements"] == (("dp", "tp"), [("_StridedShard", 0), ("Shard", 0)])
+        assert res["layout"] == 0.0
+        assert "not slices of one device mesh" in res["refused"][0], res["refused"]
+        assert "already sharded over the fully_shard mesh dimension 'tp'" in res["refused"][1], \
+            res["refused"]
+        for name in ("eager", "fcoll", "inductor"):
+            assert res[name][0] <= 1e-5 and res[name][1] <= 1e-5, (name, res)
+    assert fcoll_segments() == []

@@ -42,6 +42,19 @@ parameter; a later call on a parent shards only what is left), ``mesh=None`` mea
 over the default group's ranks on the default device type, the module returned, sharded
 parameters (``module.parameters()`` are DTensors; a plain optimizer updates each rank's shard),
 and ``state_dict`` keys unchanged.
+
+FSDP with tensor parallel (2-D, torchtitan's usual layout): call ``parallelize_module`` with
+``mesh["tp"]`` first, then ``fully_shard(..., mesh=mesh["dp"])``, both meshes slices of one
+named mesh. A tensor-parallel parameter (a DTensor on the 1-D tp mesh, ``Shard(k)`` or
+``Replicate()``) is sharded again over dp, dim 0 of its tp-local tensor, and stored as a DTensor
+on the 2-D ``(dp, tp)`` mesh with FSDP2's placements: ``(Shard(0), tp)``, or
+``(_StridedShard(0, split_factor=tp size), Shard(0))`` when tp already splits dim 0, so
+``full_tensor()`` and ``state_dict`` give the model's parameter. Reading it gathers the tp-local
+tensor over dp (one all_gather of the dp group, its gradient a reduce_scatter over dp, divided by
+the dp size) and hands the module the tp DTensor it had, so tensor parallel's own collectives
+are unchanged. A DTensor parameter fcoll cannot place this way (a mesh that is not a slice of
+``mesh``'s root, a ``Partial`` placement, a 2-D tp mesh) raises ``ValueError``: it would
+otherwise be left unsharded with gradients never averaged over dp.
 """
 
 from __future__ import annotations
@@ -54,6 +67,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, \
     create_selective_checkpoint_contexts
 
@@ -106,8 +120,80 @@ class _Gather(nn.Module):
                                                        _recompute_everything))
 
 
+class _TensorParallelGather:
+    """The parametrization of a tensor-parallel parameter sharded again over dp (module
+    docstring): 2-D DTensor ``(dp, tp)`` -> the tp DTensor the module was parallelized with.
+
+    The tp-local tensor ``[l0, *]`` is gathered over dp by the 1-D :class:`_Gather` (its
+    reshard-after-forward checkpoint included) from this rank's ``[ceil-chunk of l0, *]``."""
+
+    def __init__(self, gather: _Gather, tp_mesh: DeviceMesh, tp_placement: Placement,
+                 tp_local_shape: torch.Size) -> None:
+        self.gather = gather
+        self.tp_mesh = tp_mesh
+        self.tp_placement = tp_placement
+        self.tp_local_shape = tp_local_shape
+        self.tp_local_stride = torch.empty(tp_local_shape, device="meta").stride()
+
+    def __call__(self, p: DTensor) -> DTensor:
+        dp_shard = DTensor.from_local(p.to_local(), self.gather.mesh, [Shard(0)],
+                                      run_check=False, shape=self.tp_local_shape,
+                                      stride=self.tp_local_stride)
+        return DTensor.from_local(self.gather(dp_shard), self.tp_mesh, [self.tp_placement],
+                                  run_check=False, shape=p.shape, stride=p.stride())
+
+
 def _property(name: str, gather: Callable[[DTensor], torch.Tensor]) -> property:
     return property(lambda self: gather(self._parameters[name]))
+
+
+def _mesh_dim_name(mesh: DeviceMesh, what: str) -> str:
+    names = mesh.mesh_dim_names
+    if not names or len(names) != 1:
+        raise ValueError(f"fully_shard: the {what} mesh must be a 1-D slice of a mesh with named "
+                         f"dimensions (init_device_mesh(..., mesh_dim_names=...)), got "
+                         f"{mesh}")
+    return names[0]
+
+
+def _shard_tensor_parallel(p: DTensor, where: str, mesh: DeviceMesh,
+                           gather: _Gather) -> tuple[DTensor, _TensorParallelGather]:
+    """``p`` (a tensor-parallel DTensor parameter, at ``where``) sharded again over ``mesh``
+    (dp): the 2-D DTensor to store and the parametrization that reads it (module docstring).
+
+    Raises:
+        ValueError: ``p``'s mesh is not a 1-D named slice of ``mesh``'s root other than
+            ``mesh``, or its placement is not ``Shard`` / ``Replicate``.
+    """
+    tp_mesh = p.device_mesh
+    why = None
+    if tp_mesh.ndim != 1:
+        why = f"its mesh has {tp_mesh.ndim} dimensions (only a 1-D tensor-parallel mesh is supported)"
+    elif not isinstance(p.placements[0], (Shard, Replicate)) or \
+            isinstance(p.placements[0], _StridedShard):
+        why = f"its placement {p.placements[0]} is neither Shard nor Replicate"
+    elif tp_mesh._get_root_mesh() is not mesh._get_root_mesh() or \
+            mesh._get_root_mesh() is mesh:
+        why = "its mesh and the fully_shard mesh are not slices of one device mesh"
+    if why is None:
+        dp_name, tp_name = _mesh_dim_name(mesh, "fully_shard"), _mesh_dim_name(tp_mesh, "parameter's")
+        if dp_name == tp_name:
+            why = f"it is already sharded over the fully_shard mesh dimension {dp_name!r}"
+    if why is not None:
+        raise ValueError(f"fully_shard: parameter {where!r} (shape {list(p.shape)}) is a DTensor "
+                         f"on {tp_mesh} with placements {p.placements}, not made by fully_shard; "
+                         f"it cannot be sharded over {mesh}: {why}")
+    root = mesh._get_root_mesh()
+    order = [n for n in root.mesh_dim_names if n in (dp_name, tp_name)]
+    tp_placement = p.placements[0]
+    dp_placement = (_StridedShard(0, split_factor=tp_mesh.size())
+                    if isinstance(tp_placement, Shard) and tp_placement.dim == 0 else Shard(0))
+    by_name = {dp_name: dp_placement, tp_name: tp_placement}
+    tp_local = p.to_local().detach()
+    dp_shard = distribute_tensor(tp_local, mesh, [Shard(0)]).to_local()
+    stored = DTensor.from_local(dp_shard, root[tuple(order)], [by_name[n] for n in order],
+                                run_check=False, shape=p.shape, stride=p.stride())
+    return stored, _TensorParallelGather(gather, tp_mesh, tp_placement, tp_local.shape)
 
 
 def is_fully_sharded(module: nn.Module) -> bool:
@@ -126,12 +212,14 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` (dim 0), SimpleFSDP style (module docstring).
 
-    Every parameter of ``module`` and its submodules that is not already a DTensor (not owned by
-    an earlier ``fully_shard`` call on a submodule) becomes an ``nn.Parameter`` holding
-    ``distribute_tensor(p, mesh, [Shard(0)])``: rank ``r`` keeps rows ``[r * c, (r + 1) * c)`` of
-    dim 0 with ``c = ceil(d0 / n)`` (clipped; uneven and empty shards are allowed). Each module
-    that owns such a parameter reads it gathered: ``[c, *] -> [d0, *]`` on every rank, its
-    gradient reduce-scattered (sum) and divided by ``n``.
+    Every parameter of ``module`` and its submodules not owned by an earlier ``fully_shard``
+    call on a submodule becomes an ``nn.Parameter`` holding ``distribute_tensor(p, mesh,
+    [Shard(0)])``: rank ``r`` keeps rows ``[r * c, (r + 1) * c)`` of dim 0 with
+    ``c = ceil(d0 / n)`` (clipped; uneven and empty shards are allowed). Each module that owns
+    such a parameter reads it gathered: ``[c, *] -> [d0, *]`` on every rank, its gradient
+    reduce-scattered (sum) and divided by ``n``. A tensor-parallel parameter (a DTensor on
+    another 1-D slice of ``mesh``'s root) is sharded the same way on its tp-local tensor and
+    stored on the 2-D mesh (module docstring, "FSDP with tensor parallel").
 
     Args:
         module: the module to shard, modified in place (its class becomes a subclass named
@@ -146,8 +234,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         ``module``.
 
     Raises:
-        ValueError: ``mesh`` is not 1-D, or ``reshard_after_forward`` is not a bool (FSDP2's
-            int form is not supported).
+        ValueError: ``mesh`` is not 1-D, ``reshard_after_forward`` is not a bool (FSDP2's
+            int form is not supported), or a DTensor parameter cannot be sharded over ``mesh``
+            (named, with its mesh, placements and the reason).
     """
     if not isinstance(reshard_after_forward, bool):
         raise ValueError("fully_shard: reshard_after_forward must be a bool (resharding to a "
@@ -156,14 +245,19 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if mesh.ndim != 1:
         raise ValueError(f"fully_shard: expected a 1-D mesh, got {mesh.ndim} dimensions")
     gather = _Gather(mesh, reshard_after_forward)
-    for sub in list(module.modules()):
-        names = [n for n, p in sub.named_parameters(recurse=False)
-                 if p is not None and not isinstance(p, DTensor)]
-        for name in names:
-            p = sub._parameters[name]
-            sub._parameters[name] = nn.Parameter(
-                distribute_tensor(p.detach(), mesh, [Shard(0)]), requires_grad=p.requires_grad)
-        props = {name: _property(name, gather) for name in names}
+    for path, sub in list(module.named_modules()):
+        sharded_here = vars(type(sub)) if getattr(type(sub), _MADE_HERE, False) else {}
+        props = {}
+        for name, p in list(sub.named_parameters(recurse=False)):
+            if p is None or name in sharded_here:   # an earlier call on a submodule owns it
+                continue
+            if isinstance(p, DTensor):
+                stored, read = _shard_tensor_parallel(p, f"{path}.{name}".lstrip("."), mesh,
+                                                      gather)
+            else:
+                stored, read = distribute_tensor(p.detach(), mesh, [Shard(0)]), gather
+            sub._parameters[name] = nn.Parameter(stored, requires_grad=p.requires_grad)
+            props[name] = _property(name, read)
         if getattr(type(sub), _MADE_HERE, False):   # a class of an earlier call: extend it
             for name, prop in props.items():
                 setattr(type(sub), name, prop)
