@@ -26,7 +26,8 @@ optimizer is a functional AdamW (new tensors out, no in-place state).
   block and on the root (SimpleFSDP on DTensor), the module compiled; see :class:`TorchModuleStep`.
 - ``--parallel tp``: :class:`TPGPTModule` with PyTorch's ``parallelize_module``
   (``ColwiseParallel`` q/k/v and fc, ``RowwiseParallel`` proj and fc2); every rank trains on the
-  same batches (one tensor-parallel group).
+  same batches (one tensor-parallel group). ``--sequence-parallel``: the blocks' layer norms and
+  residual stream split along the sequence as well (PyTorch's ``SequenceParallel``).
 - ``--parallel fsdp-tp``: both, on a ``(dp, tp)`` mesh (``--tp`` ranks per tensor-parallel
   group): :class:`TPGPTModule` parallelized over ``mesh["tp"]``, then ``fully_shard`` over
   ``mesh["dp"]`` on every block and on the root (torchtitan's 2-D layout); the ranks of one
@@ -266,12 +267,13 @@ class TPGPTBlock(nn.Module):
             lin.weight.data, lin.bias.data = p(f"{k}_w"), p(f"{k}_b")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
+        # shapes come from q/k/v's outputs: with sequence parallel ``x`` holds a slice of the
+        # sequence and the column-parallel layers' outputs all of it
         h = self.ln1(x)
-        heads = lambda t: t.view(B, T, -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        heads = lambda t: t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # noqa: E731
         a = F.scaled_dot_product_attention(heads(self.q(h)), heads(self.k(h)), heads(self.v(h)),
                                            is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, -1))
+        x = x + self.proj(a.transpose(1, 2).flatten(2))
         return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -282,14 +284,36 @@ class TPGPTModule(GPTModule):
         super().__init__(cfg, params)
         self.blocks = nn.ModuleList(TPGPTBlock(cfg, i, params) for i in range(cfg.n_layer))
 
-    def parallelize(self, mesh) -> "TPGPTModule":
+    def parallelize(self, mesh, sequence_parallel: bool = False) -> "TPGPTModule":
         """Megatron-style tensor parallelism over ``mesh`` (1-D): attention by heads, the MLP
-        by its hidden width; embeddings, layer norms and the head stay replicated."""
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, \
-            parallelize_module
+        by its hidden width; embeddings, the final layer norm and the head stay replicated.
 
-        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
-                "proj": RowwiseParallel(), "fc": ColwiseParallel(), "fc2": RowwiseParallel()}
+        ``sequence_parallel``: also the blocks' layer norms and residual stream, split along the
+        sequence (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+        Models", 2022; PyTorch's ``SequenceParallel``): the first block's input is split, each
+        column-parallel layer all_gathers its input along the sequence, each row-parallel layer
+        reduce-scatters its output to it, and the last block's output is gathered again.
+        ``seq_len`` must divide by the mesh size."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, \
+            PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module
+
+        if not sequence_parallel:
+            plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                    "proj": RowwiseParallel(), "fc": ColwiseParallel(), "fc2": RowwiseParallel()}
+        else:
+            if self.cfg.seq_len % mesh.size():
+                raise ValueError(f"sequence_parallel: seq_len {self.cfg.seq_len} does not divide "
+                                 f"by the tensor-parallel size {mesh.size()}")
+            seq = Shard(1)
+            plan = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+                    **{k: ColwiseParallel(input_layouts=seq) for k in ("q", "k", "v", "fc")},
+                    "proj": RowwiseParallel(output_layouts=seq),
+                    "fc2": RowwiseParallel(output_layouts=seq)}
+            parallelize_module(self.blocks[0], mesh, PrepareModuleInput(
+                input_layouts=Replicate(), desired_input_layouts=seq, use_local_output=True))
+            parallelize_module(self.blocks[-1], mesh, PrepareModuleOutput(
+                output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=True))
         for block in self.blocks:
             parallelize_module(block, mesh, plan)
         return self
@@ -509,13 +533,16 @@ class TorchModuleStep:
       fully_shard`` over ``mesh["dp"]`` on every block and on the root; the ranks of one
       tensor-parallel group (``rank // tp_size`` equal) must be given the same batch.
 
+    ``sequence_parallel`` (``"tp"``, ``"fsdp-tp"``): :meth:`TPGPTModule.parallelize`'s.
+
     ``step(x, y)`` runs forward, backward and ``torch.optim.AdamW`` (decay as :func:`_adamw`)
     and returns the loss (a detached float32 scalar); ``eval_loss(x, y)`` runs the model eagerly.
     """
 
     def __init__(self, cfg: GPTConfig, params: dict[str, torch.Tensor], parallel: str,
                  opt: AdamW, device: torch.device, backend: str = "fcoll",
-                 options: dict[str, Any] | None = None, tp_size: int = 2) -> None:
+                 options: dict[str, Any] | None = None, tp_size: int = 2,
+                 sequence_parallel: bool = False) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if parallel not in MODULE_MODES:
@@ -537,12 +564,12 @@ class TorchModuleStep:
             if parallel == "fsdp-tp":
                 mesh2d = init_device_mesh(device.type, (world // tp_size, tp_size),
                                           mesh_dim_names=("dp", "tp"))
-                module.parallelize(mesh2d["tp"])
+                module.parallelize(mesh2d["tp"], sequence_parallel)
                 mesh = mesh2d["dp"]
             else:
                 mesh = init_device_mesh(device.type, (world,))
             if parallel == "tp":
-                wrapped = module.parallelize(mesh)
+                wrapped = module.parallelize(mesh, sequence_parallel)
             else:
                 for block in module.blocks:
                     fully_shard(block, mesh=mesh)
@@ -645,6 +672,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2,
                    help="--parallel fsdp-tp: ranks per tensor-parallel group (divides the "
                    "world size)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="--parallel tp / fsdp-tp: layer norms and the residual stream split "
+                   "along the sequence (PyTorch's SequenceParallel)")
     p.add_argument("--compute", choices=("auto", "eager", "inductor"), default="auto",
                    help="fcoll's compute option; auto: inductor on CUDA and for graphs of "
                    "4 MiB of inputs or more on the CPU, eager for smaller ones")
@@ -659,6 +689,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: rank r uses cuda:{LOCAL_RANK %% device_count}")
     args = p.parse_args(argv)
+    if args.sequence_parallel and args.parallel not in ("tp", "fsdp-tp"):
+        p.error("--sequence-parallel needs --parallel tp or fsdp-tp")
     if args.dist_backend == "nccl" and args.device != "cuda":
         p.error("--dist-backend nccl needs --device cuda (nccl has no CPU collectives)")
     return args
@@ -826,13 +858,14 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
             options["trace_dir"] = args.trace_dir
     counts, stop_counting = count_compiled_collectives()
     step = TorchModuleStep(cfg, params, args.parallel, AdamW(lr=args.lr), device, backend, options,
-                           tp_size=args.tp)
+                           tp_size=args.tp, sequence_parallel=args.sequence_parallel)
     say = print if rank == 0 else (lambda *a, **k: None)
     title = {"simple-fsdp": "fcoll.parallel.fully_shard (SimpleFSDP)",
              "tp": "PyTorch tensor parallel",
              "fsdp-tp": f"fully_shard over dp x tensor parallel over tp={args.tp}"}.get(
                  args.parallel)
     title = title or f"PyTorch {args.parallel[len('torch-'):].upper()}"
+    title += " with sequence parallel" if args.sequence_parallel else ""
     name = f"{title}, backend={backend}" + (
         f" (compute={_compute_label(args)})" if options else "") + f" on {args.dist_backend}"
 

@@ -2,7 +2,8 @@
 ``examples/train_gpt.py``'s GPT: loss and gradients compiled with ``backend="fcoll"`` and
 ``backend="inductor"`` equal the eager single-process model's, 2 ranks, on fcoll's process
 group and on gloo. The model is tiny and uneven (``d_model`` 33, vocab 51: dims not divisible
-by the world size)."""
+by the world size). Tensor parallel also with sequence parallel, and FSDP + TP on a 2-D mesh
+(4 ranks)."""
 
 from __future__ import annotations
 
@@ -59,32 +60,32 @@ def _simple_fsdp(rank: int, world: int) -> dict:
 
 
 def _tensor_parallel(rank: int, world: int) -> dict:
+    """Tensor parallel without and with sequence parallel: every parameter's gradient against
+    the unparallelized model's (the same module class, so names match)."""
     import train_gpt as tg
     from torch.distributed.device_mesh import init_device_mesh
 
     cfg = _cfg(tg, 32, 4)
     params = tg.init_params(cfg, 0)
     x, y = _batch(0)                          # one batch for the whole tensor-parallel group
-    ref = tg.GPTModule(cfg, params)
+    ref = tg.TPGPTModule(cfg, params)
     ref_loss = ref(x, y)
     ref_loss.backward()
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
-    for backend in ("eager", "fcoll", "inductor"):
-        torch._dynamo.reset()
-        m = tg.TPGPTModule(cfg, params).parallelize(mesh)
-        f = m if backend == "eager" else torch.compile(m, backend=backend)
-        loss = f(x, y)
-        loss.backward()
-        grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                 for k, p in m.named_parameters()}
-        block = grads["blocks.1.q.weight"], grads["blocks.1.fc2.weight"]
-        d = cfg.d_model
-        out[backend] = (abs(loss.item() - ref_loss.item()),
-                        (block[0] - ref_grads["blocks.1.p.qkv_w"][:d]).abs().max().item(),
-                        (block[1] - ref_grads["blocks.1.p.fc2_w"]).abs().max().item(),
-                        (grads["p.wte"] - ref_grads["p.wte"]).abs().max().item())
+    for sequence_parallel in (False, True):
+        for backend in ("eager", "fcoll", "inductor"):
+            torch._dynamo.reset()
+            m = tg.TPGPTModule(cfg, params).parallelize(mesh, sequence_parallel)
+            f = m if backend == "eager" else torch.compile(m, backend=backend)
+            loss = f(x, y)
+            loss.backward()
+            grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                     for k, p in m.named_parameters()}
+            out[backend, sequence_parallel] = (
+                abs(loss.item() - ref_loss.item()),
+                max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads))
     return out
 
 
@@ -101,8 +102,9 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
         assert fsdp["eager"] == (0.0, 0.0)      # the same math, gathered: bit for bit
         for name in ("fcoll", "inductor"):
             assert fsdp[name][0] <= 1e-5 and fsdp[name][1] <= 1e-6, (name, fsdp)
-        for name in ("eager", "fcoll", "inductor"):
-            assert max(tp[name]) <= 1e-5, (name, tp)
+        assert len(tp) == 6
+        for key, errors in tp.items():
+            assert max(errors) <= 1e-5, (key, tp)
     assert fcoll_segments() == []
 
 
@@ -143,8 +145,8 @@ def _fsdp_with_tensor_parallel(rank: int, world: int) -> dict:
     ref_grads = {k: (grads[0][k] + grads[1][k]) / 2 for k in grads[0]}
     ref_params = dict(tg.TPGPTModule(cfg, params).named_parameters())
 
-    def sharded():
-        m = tg.TPGPTModule(cfg, params).parallelize(mesh["tp"])
+    def sharded(sequence_parallel: bool):
+        m = tg.TPGPTModule(cfg, params).parallelize(mesh["tp"], sequence_parallel)
         for block in m.blocks:
             fully_shard(block, mesh=mesh["dp"])
         return fully_shard(m, mesh=mesh["dp"])
@@ -158,9 +160,9 @@ def _fsdp_with_tensor_parallel(rank: int, world: int) -> dict:
                                      mesh=mesh["tp"])),
     ]}
     x, y = _batch_of_dp(dp)
-    for backend in ("eager", "fcoll", "inductor"):
+    for backend in ("eager", "fcoll", "inductor", "fcoll-sequence-parallel"):
         torch._dynamo.reset()
-        m = sharded()
+        m = sharded(sequence_parallel=backend.endswith("-sequence-parallel"))
         q = m.blocks[0].q._parameters["weight"]
         out["placements"] = (q.device_mesh.mesh_dim_names,
                              [(type(p).__name__, p.dim) for p in q.placements])
@@ -169,7 +171,7 @@ def _fsdp_with_tensor_parallel(rank: int, world: int) -> dict:
         # the stored 2-D DTensors describe the model's parameters (FSDP2's placements)
         out["layout"] = max((p.full_tensor() - ref_params[k]).abs().max().item()
                             for k, p in m.named_parameters())
-        f = m if backend == "eager" else torch.compile(m, backend=backend)
+        f = m if backend == "eager" else torch.compile(m, backend=backend.split("-")[0])
         loss = f(x, y)
         loss.backward()
         out[backend] = (abs(loss.item() - ref_loss),
@@ -180,7 +182,8 @@ def _fsdp_with_tensor_parallel(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_shard_with_tensor_parallel_2d_trains_as_data_parallel(backend):
-    """FSDP + TP on a (dp 2, tp 2) mesh, torchtitan's usual layout: tensor-parallel parameters
+    """FSDP + TP on a (dp 2, tp 2) mesh, torchtitan's usual layout (and with sequence parallel,
+    whose layer norms are ``Replicate`` DTensors on tp): tensor-parallel parameters
     are sharded again over dp (before, ``fully_shard`` skipped every DTensor parameter, so their
     gradients were never averaged over dp: each dp replica drifted apart). Loss and gradients
     eager and compiled equal the unsharded model's averaged over the dp batches."""
@@ -191,6 +194,6 @@ def test_fully_shard_with_tensor_parallel_2d_trains_as_data_parallel(backend):
         assert "not slices of one device mesh" in res["refused"][0], res["refused"]
         assert "already sharded over the fully_shard mesh dimension 'tp'" in res["refused"][1], \
             res["refused"]
-        for name in ("eager", "fcoll", "inductor"):
+        for name in ("eager", "fcoll", "inductor", "fcoll-sequence-parallel"):
             assert res[name][0] <= 1e-5 and res[name][1] <= 1e-5, (name, res)
     assert fcoll_segments() == []
