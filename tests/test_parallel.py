@@ -89,8 +89,47 @@ def _tensor_parallel(rank: int, world: int) -> dict:
     return out
 
 
+def _fsdp_with_activation_checkpointing(rank: int, world: int) -> dict:
+    """torchtitan's order: every block wrapped in ``checkpoint_wrapper`` (full activation
+    checkpointing), then ``fully_shard`` on each block and the root. The blocks' attention
+    (``scaled_dot_product_attention``, a random op) is recomputed inside the region, which on
+    torch 2.13 makes PyTorch's partitioners save the parameters' ``DeviceMesh`` among the
+    tensors (``aot_eager`` and Inductor fail); fcoll's backend orders them as the runtime reads
+    them (``fcoll.compile.backend._saved_opaque_after_tensors``)."""
+    import train_gpt as tg
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fcoll.parallel import fully_shard
+
+    cfg = _cfg(tg, 33, 3)
+    params = tg.init_params(cfg, 0)
+    x, y = _batch(rank)
+    ref = tg.GPTModule(cfg, params)
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
+    for g in ref_grads.values():
+        dist.all_reduce(g)
+        g /= world
+    out: dict = {}
+    for compute in ("eager", "inductor"):
+        torch._dynamo.reset()
+        m = tg.GPTModule(cfg, params)
+        m.blocks = torch.nn.ModuleList(checkpoint_wrapper(b) for b in m.blocks)
+        for block in m.blocks:
+            fully_shard(block)
+        fully_shard(m)
+        loss = torch.compile(m, backend="fcoll", options={"compute": compute})(x, y)
+        loss.backward()
+        out[compute] = (abs(loss.item() - ref_loss.item()), max(
+            (p.grad.full_tensor() - ref_grads[k.replace("_checkpoint_wrapped_module.", "")])
+            .abs().max().item() for k, p in m.named_parameters()))
+    return out
+
+
 def _both(rank: int, world: int) -> dict:
-    return {"simple-fsdp": _simple_fsdp(rank, world), "tp": _tensor_parallel(rank, world)}
+    return {"simple-fsdp": _simple_fsdp(rank, world), "tp": _tensor_parallel(rank, world),
+            "simple-fsdp-ac": _fsdp_with_activation_checkpointing(rank, world)}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -102,6 +141,8 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
         assert fsdp["eager"] == (0.0, 0.0)      # the same math, gathered: bit for bit
         for name in ("fcoll", "inductor"):
             assert fsdp[name][0] <= 1e-5 and fsdp[name][1] <= 1e-6, (name, fsdp)
+        for compute, errors in res["simple-fsdp-ac"].items():
+            assert max(errors) <= 1e-5, (compute, res["simple-fsdp-ac"])
         assert len(tp) == 6
         for key, errors in tp.items():
             assert max(errors) <= 1e-5, (key, tp)

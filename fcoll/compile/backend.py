@@ -18,7 +18,10 @@ selective checkpoint tags ``MUST_RECOMPUTE`` (``fcoll.parallel.fully_shard``'s g
 recomputed together with its views (:func:`_recompute_views_of_recomputed`): otherwise the
 partitioner saves ``t(weight)`` of ``F.linear``, a full-size alias of the gathered parameter, and
 resharding after the forward frees nothing. What the cut saves and recomputes is recorded in both
-graphs' ``meta`` (:mod:`fcoll.compile.saved`), for ``fcoll.inspect``.
+graphs' ``meta`` (:mod:`fcoll.compile.saved`), for ``fcoll.inspect``. On torch 2.13 a random op
+recomputed in a checkpointed region puts a saved ``DeviceMesh`` among the saved tensors, which
+fails under PyTorch's own backends; fcoll's cut puts it back where the runtime reads it
+(:func:`_saved_opaque_after_tensors`), so FSDP with activation checkpointing compiles.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -153,6 +157,55 @@ def _recompute_views_of_recomputed(joint: fx.GraphModule) -> None:
             node.meta["ac_graph_id"] = base.meta["ac_graph_id"]
 
 
+def _is_opaque(node: Any) -> bool:
+    """An fx node whose value is an opaque object (a ``DeviceMesh`` or process group that a
+    DTensor input brings into the graph on torch 2.13), not a tensor or a symbolic int."""
+    if not isinstance(node, fx.Node) or "val" not in node.meta:
+        return False
+    val = node.meta["val"]
+    return not isinstance(val, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool,
+                                int, float, bool)) and val is not None
+
+
+def _is_sym(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"),
+                                                    (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _saved_opaque_after_tensors(fw: fx.GraphModule, bw: fx.GraphModule,
+                                num_fwd_outputs: int | None) -> None:
+    """Put the opaque objects the forward saves after the tensors it saves, as AOTAutograd's
+    runtime reads them (forward outputs ``[outputs, tensors, opaque objects, symints]``, backward
+    inputs ``[symints, tensors, opaque objects, tangents]``), in place.
+
+    torch 2.13's partitioners place the saved opaque nodes right, then
+    ``functionalize_rng_ops`` (random ops recomputed in an activation-checkpointed region, such
+    as ``scaled_dot_product_attention``) inserts the rng states after them, counting only the
+    symints as trailing: the runtime then takes the opaque object for a tensor and fails
+    ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"), under
+    ``aot_eager`` and Inductor alike (a DTensor parameter read inside ``checkpoint``, as with
+    FSDP and activation checkpointing). A graph without that pattern is left as it is.
+    """
+    if num_fwd_outputs is None:
+        return
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    outputs = list(out.args[0])
+    saved = outputs[num_fwd_outputs:]
+    kinds = [2 if _is_sym(n) else 1 if _is_opaque(n) else 0 for n in saved]
+    if kinds == sorted(kinds):
+        return
+    order = sorted(range(len(saved)), key=lambda i: kinds[i])      # stable: tensors, opaque, sym
+    out.args = (outputs[:num_fwd_outputs] + [saved[i] for i in order], *out.args[1:])
+    fw.recompile()
+    placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    opaque = [ph for ph in placeholders if _is_opaque(ph)]
+    last_tensor = [ph for ph in placeholders[:len(saved)] if not _is_opaque(ph) and
+                   not _is_sym(ph)][-1]
+    for ph in reversed(opaque):
+        last_tensor.append(ph)
+    bw.recompile()
+
+
 def _partition_fn(config: FcollConfig) -> Callable[..., Any]:
     """The partitioner: PyTorch's min-cut one (what ``aot_eager`` and Inductor use) where the
     user asked for recomputation or ``compute="inductor"``, else PyTorch's default one.
@@ -174,6 +227,7 @@ def _partition_fn(config: FcollConfig) -> Callable[..., Any]:
                 if config.compute == "inductor" or tagged else partitioners.default_partition)
         _recompute_views_of_recomputed(joint)
         fw, bw = base(joint, joint_inputs, **kwargs)
+        _saved_opaque_after_tensors(fw, bw, kwargs.get("num_fwd_outputs"))
         record_partition(fw, bw, kwargs.get("num_fwd_outputs"))   # for fcoll.inspect
         return fw, bw
     return partition
