@@ -6,7 +6,8 @@ Run on 2 local ranks (``torchrun`` works the same way)::
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel fsdp
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel simple-fsdp
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --parallel tp
-    python -m fcoll.launch --nproc-per-node 4 examples/train_gpt.py --parallel fsdp-tp --tp 2
+    python -m fcoll.launch --nproc-per-node 4 examples/train_gpt.py --parallel fsdp-tp --tp 2 \
+        --sequence-parallel --activation-checkpointing
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --backend-baseline
     python -m fcoll.launch --nproc-per-node 2 examples/train_gpt.py --device cuda --compute inductor
 
@@ -32,6 +33,8 @@ optimizer is a functional AdamW (new tensors out, no in-place state).
   group): :class:`TPGPTModule` parallelized over ``mesh["tp"]``, then ``fully_shard`` over
   ``mesh["dp"]`` on every block and on the root (torchtitan's 2-D layout); the ranks of one
   tensor-parallel group train on the same batches.
+- ``--activation-checkpointing`` (the ``nn.Module`` modes): every block in PyTorch's
+  ``checkpoint_wrapper``, recomputed in the backward.
 
 ``--device cuda``: parameters, optimizer state and batches live on ``cuda:{LOCAL_RANK %
 device_count}``. On fcoll's group (and on gloo) several ranks may share one GPU; ``--dist-backend
@@ -506,6 +509,17 @@ def compile_step(step, backend: str = "fcoll", options: dict[str, Any] | None = 
 MODULE_MODES = ("torch-ddp", "torch-fsdp2", "simple-fsdp", "tp", "fsdp-tp")
 
 
+def _checkpoint_blocks(module: GPTModule, enabled: bool) -> GPTModule:
+    """``module`` with each block wrapped in ``checkpoint_wrapper`` (non-reentrant full
+    activation checkpointing) when ``enabled``."""
+    if enabled:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
+            checkpoint_wrapper
+
+        module.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in module.blocks)
+    return module
+
+
 class TorchModuleStep:
     """A training step of :class:`GPTModule` wrapped in PyTorch's own data-parallel module.
 
@@ -534,6 +548,9 @@ class TorchModuleStep:
       tensor-parallel group (``rank // tp_size`` equal) must be given the same batch.
 
     ``sequence_parallel`` (``"tp"``, ``"fsdp-tp"``): :meth:`TPGPTModule.parallelize`'s.
+    ``activation_checkpointing``: every block wrapped in PyTorch's ``checkpoint_wrapper`` (full
+    activation checkpointing: the backward recomputes the block's forward), after tensor
+    parallel and before any ``fully_shard``, torchtitan's order.
 
     ``step(x, y)`` runs forward, backward and ``torch.optim.AdamW`` (decay as :func:`_adamw`)
     and returns the loss (a detached float32 scalar); ``eval_loss(x, y)`` runs the model eagerly.
@@ -542,7 +559,7 @@ class TorchModuleStep:
     def __init__(self, cfg: GPTConfig, params: dict[str, torch.Tensor], parallel: str,
                  opt: AdamW, device: torch.device, backend: str = "fcoll",
                  options: dict[str, Any] | None = None, tp_size: int = 2,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, activation_checkpointing: bool = False) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if parallel not in MODULE_MODES:
@@ -569,14 +586,17 @@ class TorchModuleStep:
             else:
                 mesh = init_device_mesh(device.type, (world,))
             if parallel == "tp":
-                wrapped = module.parallelize(mesh, sequence_parallel)
+                wrapped = _checkpoint_blocks(module.parallelize(mesh, sequence_parallel),
+                                             activation_checkpointing)
             else:
+                _checkpoint_blocks(module, activation_checkpointing)
                 for block in module.blocks:
                     fully_shard(block, mesh=mesh)
                 wrapped = fully_shard(module, mesh=mesh)
             self.traced_comms = True
         elif parallel == "torch-ddp":
             torch._dynamo.config.optimize_ddp = "python_reducer"  # read by DDP's constructor
+            _checkpoint_blocks(module, activation_checkpointing)
             wrapped = DDP(module, device_ids=[device] if device.type == "cuda" else None)
             self.traced_comms = True
         else:
@@ -584,6 +604,7 @@ class TorchModuleStep:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            _checkpoint_blocks(module, activation_checkpointing)
             for block in module.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(module, mesh=mesh)
@@ -688,7 +709,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="process group (nccl: --device cuda and one GPU per rank)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: rank r uses cuda:{LOCAL_RANK %% device_count}")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="the nn.Module modes: every block in checkpoint_wrapper (recomputed in "
+                   "the backward)")
     args = p.parse_args(argv)
+    if args.activation_checkpointing and args.parallel not in MODULE_MODES:
+        p.error(f"--activation-checkpointing needs one of --parallel {', '.join(MODULE_MODES)}")
     if args.sequence_parallel and args.parallel not in ("tp", "fsdp-tp"):
         p.error("--sequence-parallel needs --parallel tp or fsdp-tp")
     if args.dist_backend == "nccl" and args.device != "cuda":
@@ -858,7 +884,8 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
             options["trace_dir"] = args.trace_dir
     counts, stop_counting = count_compiled_collectives()
     step = TorchModuleStep(cfg, params, args.parallel, AdamW(lr=args.lr), device, backend, options,
-                           tp_size=args.tp, sequence_parallel=args.sequence_parallel)
+                           tp_size=args.tp, sequence_parallel=args.sequence_parallel,
+                           activation_checkpointing=args.activation_checkpointing)
     say = print if rank == 0 else (lambda *a, **k: None)
     title = {"simple-fsdp": "fcoll.parallel.fully_shard (SimpleFSDP)",
              "tp": "PyTorch tensor parallel",
@@ -866,6 +893,7 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
                  args.parallel)
     title = title or f"PyTorch {args.parallel[len('torch-'):].upper()}"
     title += " with sequence parallel" if args.sequence_parallel else ""
+    title += ", blocks activation-checkpointed" if args.activation_checkpointing else ""
     name = f"{title}, backend={backend}" + (
         f" (compute={_compute_label(args)})" if options else "") + f" on {args.dist_backend}"
 

@@ -144,6 +144,13 @@ def test_device_and_backend_arguments():
     with pytest.raises(SystemExit):
         tg._parse(["--dist-backend", "nccl"])  # nccl has no CPU collectives
     assert tg._setup_device(tg._parse([])) == torch.device("cpu")
+    with pytest.raises(SystemExit):
+        tg._parse(["--sequence-parallel"])          # only with tensor parallel
+    with pytest.raises(SystemExit):
+        tg._parse(["--activation-checkpointing"])   # only the nn.Module modes
+    args = tg._parse(["--parallel", "fsdp-tp", "--tp", "2", "--sequence-parallel",
+                      "--activation-checkpointing"])
+    assert (args.parallel, args.tp, args.sequence_parallel) == ("fsdp-tp", 2, True)
 
 
 def test_adamw_step_counter_lives_on_the_parameters_device():
@@ -176,28 +183,29 @@ def test_train_gpt_on_cuda_learns(parallel, dist_backend, compute):
 
 
 def _torch_modules(rank: int, n: int) -> dict:
-    """``--parallel torch-ddp`` / ``torch-fsdp2`` / ``simple-fsdp``: 3 steps compiled with
-    backend="fcoll" against the same wrapped module run eagerly; the collectives that reach
-    fcoll's graphs."""
+    """``--parallel torch-ddp`` / ``torch-fsdp2`` / ``simple-fsdp`` (and simple-fsdp with
+    ``--activation-checkpointing``): 3 steps compiled with backend="fcoll" against the same
+    wrapped module run eagerly; the collectives that reach fcoll's graphs."""
     corpus = tg.Corpus(tg.load_text())
     cfg = _cfg(corpus.vocab_size)
     batches = [tg.get_batch(corpus.train, B, T, seed=1, step=i, rank=rank, world_size=n)
                for i in range(STEPS)]
     out: dict = {}
-    for parallel in ("torch-ddp", "torch-fsdp2", "simple-fsdp"):
+    for name in ("torch-ddp", "torch-fsdp2", "simple-fsdp", "simple-fsdp+ac"):
+        parallel, ac = name.removesuffix("+ac"), name.endswith("+ac")
         torch._dynamo.reset()
         counts, stop = tg.count_compiled_collectives()
         step = tg.TorchModuleStep(cfg, tg.init_params(cfg, 0), parallel, tg.AdamW(),
-                                  torch.device("cpu"), "fcoll", {})
+                                  torch.device("cpu"), "fcoll", {}, activation_checkpointing=ac)
         compiled = [float(step(x, y)) for x, y in batches]
         stop()
         torch._dynamo.reset()
         ref = tg.TorchModuleStep(cfg, tg.init_params(cfg, 0), parallel, tg.AdamW(),
-                                 torch.device("cpu"), "eager", None)
+                                 torch.device("cpu"), "eager", None, activation_checkpointing=ac)
         ref.forward = ref.wrapped   # not compiled at all
         ref.traced_comms = False
         eager = [float(ref(x, y)) for x, y in batches]
-        out[parallel] = {"compiled": compiled, "eager": eager, "collectives": sum(counts.values()),
+        out[name] = {"compiled": compiled, "eager": eager, "collectives": sum(counts.values()),
                          "traced": step.traced_comms}
     return out
 
@@ -210,3 +218,4 @@ def test_pytorch_ddp_fsdp2_and_simple_fsdp_modules_compile_with_fcoll(backend):
             if r["traced"]:  # DDP always; FSDP2 where torch can trace its hooks (CUDA, < 2.13)
                 assert r["collectives"] > 0, parallel
         assert res["torch-ddp"]["traced"] and res["simple-fsdp"]["traced"]
+        assert res["simple-fsdp+ac"]["collectives"] > 0
