@@ -142,6 +142,11 @@ def _rank_main(
         results.put((rank, False, traceback.format_exc()))
 
 
+#: Seconds :func:`run_ranks` lets the other ranks run once one has failed (without
+#: ``allow_failures``), before killing them.
+PEER_GRACE_S = 10.0
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -177,7 +182,9 @@ def run_ranks(
         The return values of ``fn``, indexed by rank.
 
     Raises:
-        RankFailure: a rank raised (and ``allow_failures`` is False).
+        RankFailure: a rank raised (and ``allow_failures`` is False); ranks still running
+            :data:`PEER_GRACE_S` seconds after the first failure are killed and reported
+            with it.
         TimeoutError: the run exceeded ``timeout_s``; every rank was killed.
         ValueError: ``hosts`` does not name one host per rank.
     """
@@ -208,9 +215,22 @@ def run_ranks(
                 p.start()
         deadline = time.monotonic() + timeout_s
         got: dict[int, tuple[bool, Any]] = {}
+        failed_first: int | None = None
         try:
             while len(got) < world_size:
+                failed = [r for r, (ok, _) in got.items() if not ok]
+                if failed and failed_first is None and not allow_failures:
+                    # the run fails whatever the others do: let them report (a peer's own
+                    # error often says more), then stop them instead of waiting for a rank
+                    # blocked on the failed one until timeout_s
+                    failed_first = failed[0]
+                    deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
                 remaining = deadline - time.monotonic()
+                if remaining <= 0 and failed_first is not None:
+                    for r in sorted(set(range(world_size)) - set(got)):
+                        got[r] = (False, f"rank {r} was still running {PEER_GRACE_S:.0f} s "
+                                         f"after rank {failed_first} failed; killed")
+                    break
                 if remaining <= 0:
                     raise TimeoutError(
                         f"run_ranks({getattr(fn, '__name__', fn)}, world_size={world_size}) "
