@@ -43,6 +43,11 @@ over the default group's ranks on the default device type, the module returned, 
 parameters (``module.parameters()`` are DTensors; a plain optimizer updates each rank's shard),
 and ``state_dict`` keys unchanged.
 
+HSDP: with a 2-D ``mesh`` (FSDP2's convention: dim 0 replicates, dim 1 shards) a parameter is
+``distribute_tensor(p, mesh, [Replicate(), Shard(0)])``, gathered over the shard dimension, its
+gradient reduce-scattered over the shard dimension and all-reduced over the replicate one (both
+DTensor's, from ``Partial`` grad placements), divided by the mesh size.
+
 FSDP with tensor parallel (2-D, torchtitan's usual layout): call ``parallelize_module`` with
 ``mesh["tp"]`` first, then ``fully_shard(..., mesh=mesh["dp"])``, both meshes slices of one
 named mesh. A tensor-parallel parameter (a DTensor on the 1-D tp mesh, ``Shard(k)`` or
@@ -107,9 +112,13 @@ class _Gather(nn.Module):
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         self.factor = 1.0 / mesh.size()
+        #: placements of a stored parameter: ``Shard(0)`` over the last mesh dimension,
+        #: replicated over a leading one (HSDP)
+        self.sharded = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
 
     def gather(self, p: DTensor) -> torch.Tensor:
-        full = p.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial("sum")])
+        full = p.redistribute(placements=[Replicate()] * p.device_mesh.ndim).to_local(
+            grad_placements=[Partial("sum")] * p.device_mesh.ndim)
         return _ScaleGrad.apply(full, self.factor)
 
     def forward(self, p: DTensor) -> torch.Tensor:
@@ -167,7 +176,9 @@ def _shard_tensor_parallel(p: DTensor, where: str, mesh: DeviceMesh,
     """
     tp_mesh = p.device_mesh
     why = None
-    if tp_mesh.ndim != 1:
+    if mesh.ndim != 1:
+        why = "tensor parallel with HSDP (a 2-D fully_shard mesh) is not supported"
+    elif tp_mesh.ndim != 1:
         why = f"its mesh has {tp_mesh.ndim} dimensions (only a 1-D tensor-parallel mesh is supported)"
     elif not isinstance(p.placements[0], (Shard, Replicate)) or \
             isinstance(p.placements[0], _StridedShard):
@@ -225,7 +236,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         module: the module to shard, modified in place (its class becomes a subclass named
             ``SimpleFSDP<Name>``; each submodule owning parameters sharded here,
             ``Sharded<Name>``).
-        mesh: a 1-D device mesh; None: all ranks of the default group on the default device.
+        mesh: a 1-D device mesh (FSDP), or a 2-D one (HSDP: parameters replicated over dim 0,
+            sharded over dim 1, as FSDP2 with a 2-D mesh; gradients averaged over all of it);
+            None: all ranks of the default group on the default device.
         reshard_after_forward: True: the gathered parameters are not kept for the backward,
             which gathers them again (FSDP2's default for blocks); False: autograd keeps them
             from the forward (no second all_gather; more memory).
@@ -234,7 +247,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         ``module``.
 
     Raises:
-        ValueError: ``mesh`` is not 1-D, ``reshard_after_forward`` is not a bool (FSDP2's
+        ValueError: ``mesh`` is neither 1-D nor 2-D, ``reshard_after_forward`` is not a bool (FSDP2's
             int form is not supported), or a DTensor parameter cannot be sharded over ``mesh``
             (named, with its mesh, placements and the reason).
     """
@@ -242,8 +255,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         raise ValueError("fully_shard: reshard_after_forward must be a bool (resharding to a "
                          f"smaller mesh is not supported), got {reshard_after_forward!r}")
     mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard: expected a 1-D mesh, got {mesh.ndim} dimensions")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard: expected a 1-D mesh (FSDP) or a 2-D one (HSDP: "
+                         f"replicate, shard), got {mesh.ndim} dimensions")
     gather = _Gather(mesh, reshard_after_forward)
     for path, sub in list(module.named_modules()):
         sharded_here = vars(type(sub)) if getattr(type(sub), _MADE_HERE, False) else {}
@@ -255,7 +269,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 stored, read = _shard_tensor_parallel(p, f"{path}.{name}".lstrip("."), mesh,
                                                       gather)
             else:
-                stored, read = distribute_tensor(p.detach(), mesh, [Shard(0)]), gather
+                stored, read = distribute_tensor(p.detach(), mesh, gather.sharded), gather
             sub._parameters[name] = nn.Parameter(stored, requires_grad=p.requires_grad)
             props[name] = _property(name, read)
         if getattr(type(sub), _MADE_HERE, False):   # a class of an earlier call: extend it
