@@ -171,15 +171,17 @@ def _shard_tensor_parallel(p: DTensor, where: str, mesh: DeviceMesh,
     (dp): the 2-D DTensor to store and the parametrization that reads it (module docstring).
 
     Raises:
-        ValueError: ``p``'s mesh is not a 1-D named slice of ``mesh``'s root other than
-            ``mesh``, or its placement is not ``Shard`` / ``Replicate``.
+        ValueError: ``mesh`` is 2-D (HSDP), ``p``'s mesh is not a 1-D named slice of
+            ``mesh``'s root other than ``mesh``, or its placement is not ``Shard`` /
+            ``Replicate``.
     """
     tp_mesh = p.device_mesh
     why = None
     if mesh.ndim != 1:
         why = "tensor parallel with HSDP (a 2-D fully_shard mesh) is not supported"
     elif tp_mesh.ndim != 1:
-        why = f"its mesh has {tp_mesh.ndim} dimensions (only a 1-D tensor-parallel mesh is supported)"
+        why = (f"its mesh has {tp_mesh.ndim} dimensions (only a 1-D tensor-parallel mesh is "
+               "supported)")
     elif not isinstance(p.placements[0], (Shard, Replicate)) or \
             isinstance(p.placements[0], _StridedShard):
         why = f"its placement {p.placements[0]} is neither Shard nor Replicate"
@@ -187,7 +189,8 @@ def _shard_tensor_parallel(p: DTensor, where: str, mesh: DeviceMesh,
             mesh._get_root_mesh() is mesh:
         why = "its mesh and the fully_shard mesh are not slices of one device mesh"
     if why is None:
-        dp_name, tp_name = _mesh_dim_name(mesh, "fully_shard"), _mesh_dim_name(tp_mesh, "parameter's")
+        dp_name = _mesh_dim_name(mesh, "fully_shard")
+        tp_name = _mesh_dim_name(tp_mesh, "parameter's")
         if dp_name == tp_name:
             why = f"it is already sharded over the fully_shard mesh dimension {dp_name!r}"
     if why is not None:
@@ -247,9 +250,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         ``module``.
 
     Raises:
-        ValueError: ``mesh`` is neither 1-D nor 2-D, ``reshard_after_forward`` is not a bool (FSDP2's
-            int form is not supported), or a DTensor parameter cannot be sharded over ``mesh``
-            (named, with its mesh, placements and the reason).
+        ValueError: ``mesh`` is neither 1-D nor 2-D, ``reshard_after_forward`` is not a bool
+            (FSDP2's int form is not supported), or a DTensor parameter cannot be sharded over
+            ``mesh`` (named, with its mesh, placements and the reason).
     """
     if not isinstance(reshard_after_forward, bool):
         raise ValueError("fully_shard: reshard_after_forward must be a bool (resharding to a "
