@@ -127,9 +127,56 @@ def _fsdp_with_activation_checkpointing(rank: int, world: int) -> dict:
     return out
 
 
+class _TiedLM(torch.nn.Module):
+    """An embedding and an output head sharing one weight (GPT-2's tying), ``[B, T] -> loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(51, 12)
+        self.mix = torch.nn.Linear(12, 12)
+        self.head = torch.nn.Linear(12, 51, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.mix(self.emb(x))))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _tied_weights(rank: int, world: int) -> dict:
+    """Tied weights stay tied: ``fully_shard`` on the head, then on the root (the shared
+    weight registered in two modules and met in two calls); one parameter, whose gradient is
+    the sum of both uses, averaged over the ranks."""
+    from fcoll.parallel import fully_shard
+
+    torch.manual_seed(0)
+    ref = _TiedLM()
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    x, y = _batch(rank)
+    ref(x, y).backward()
+    ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
+    for g in ref_grads.values():
+        dist.all_reduce(g)
+        g /= world
+    out: dict = {}
+    for backend in ("eager", "fcoll"):
+        torch._dynamo.reset()
+        m = _TiedLM()
+        m.load_state_dict(state)
+        fully_shard(m.head)
+        fully_shard(m)
+        out["tied"] = (m.emb._parameters["weight"] is m.head._parameters["weight"],
+                       len(list(m.parameters())))
+        f = m if backend == "eager" else torch.compile(m, backend=backend)
+        f(x, y).backward()
+        out[backend] = max((p.grad.full_tensor() - ref_grads[k]).abs().max().item()
+                           for k, p in m.named_parameters())
+    return out
+
+
 def _both(rank: int, world: int) -> dict:
     return {"simple-fsdp": _simple_fsdp(rank, world), "tp": _tensor_parallel(rank, world),
-            "simple-fsdp-ac": _fsdp_with_activation_checkpointing(rank, world)}
+            "simple-fsdp-ac": _fsdp_with_activation_checkpointing(rank, world),
+            "tied": _tied_weights(rank, world)}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -141,6 +188,9 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
         assert fsdp["eager"] == (0.0, 0.0)      # the same math, gathered: bit for bit
         for name in ("fcoll", "inductor"):
             assert fsdp[name][0] <= 1e-5 and fsdp[name][1] <= 1e-6, (name, fsdp)
+        tied = res["tied"]
+        assert tied["tied"] == (True, 3), tied    # emb/head weight, mix weight and bias
+        assert tied["eager"] <= 1e-6 and tied["fcoll"] <= 1e-6, tied
         for compute, errors in res["simple-fsdp-ac"].items():
             assert max(errors) <= 1e-5, (compute, res["simple-fsdp-ac"])
         assert len(tp) == 6

@@ -41,7 +41,8 @@ What is the same: nested calls (the innermost module that called ``fully_shard``
 parameter; a later call on a parent shards only what is left), ``mesh=None`` meaning a 1-D mesh
 over the default group's ranks on the default device type, the module returned, sharded
 parameters (``module.parameters()`` are DTensors; a plain optimizer updates each rank's shard),
-and ``state_dict`` keys unchanged.
+``state_dict`` keys unchanged, and tied weights (one ``Parameter`` registered in two modules,
+say an embedding and the output head) stay one sharded parameter.
 
 HSDP: with a 2-D ``mesh`` (FSDP2's convention: dim 0 replicates, dim 1 shards) a parameter is
 ``distribute_tensor(p, mesh, [Replicate(), Shard(0)])``, gathered over the shard dimension, its
@@ -83,6 +84,10 @@ __all__ = ["fully_shard", "is_fully_sharded", "CLASS_PREFIX"]
 CLASS_PREFIX = "SimpleFSDP"
 #: Class attribute of every class made here.
 _MADE_HERE = "_fcoll_fully_shard"
+#: Attribute set on a parameter that was replaced here: (its sharded parameter, the read), so
+#: another registration of the same Parameter (tied weights: an embedding and the output head),
+#: in this call or a later one, gets the same sharded parameter instead of a copy of its own.
+_SHARDED_AS = "_fcoll_sharded_as"
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -268,6 +273,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         for name, p in list(sub.named_parameters(recurse=False)):
             if p is None or name in sharded_here:   # an earlier call on a submodule owns it
                 continue
+            tied = getattr(p, _SHARDED_AS, None)
+            if tied is not None:    # the same Parameter registered again (tied weights)
+                sub._parameters[name], props[name] = tied[0], _property(name, tied[1])
+                continue
             if isinstance(p, DTensor):
                 stored, read = _shard_tensor_parallel(p, f"{path}.{name}".lstrip("."), mesh,
                                                       gather)
@@ -275,6 +284,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 stored, read = distribute_tensor(p.detach(), mesh, gather.sharded), gather
             sub._parameters[name] = nn.Parameter(stored, requires_grad=p.requires_grad)
             props[name] = _property(name, read)
+            setattr(p, _SHARDED_AS, (sub._parameters[name], read))
         if getattr(type(sub), _MADE_HERE, False):   # a class of an earlier call: extend it
             for name, prop in props.items():
                 setattr(type(sub), name, prop)
