@@ -128,7 +128,8 @@ def _fsdp_with_activation_checkpointing(rank: int, world: int) -> dict:
 
 
 class _TiedLM(torch.nn.Module):
-    """An embedding and an output head sharing one weight (GPT-2's tying), ``[B, T] -> loss``."""
+    """An embedding and an output head sharing one weight (GPT-2's tying) and a 0-dim
+    parameter (a logit scale), ``[B, T] -> loss``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -136,16 +137,20 @@ class _TiedLM(torch.nn.Module):
         self.mix = torch.nn.Linear(12, 12)
         self.head = torch.nn.Linear(12, 51, bias=False)
         self.head.weight = self.emb.weight
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.head(torch.tanh(self.mix(self.emb(x))))
+        logits = self.head(torch.tanh(self.mix(self.emb(x)))) * self.scale
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 def _tied_weights(rank: int, world: int) -> dict:
     """Tied weights stay tied: ``fully_shard`` on the head, then on the root (the shared
     weight registered in two modules and met in two calls); one parameter, whose gradient is
-    the sum of both uses, averaged over the ranks."""
+    the sum of both uses, averaged over the ranks. The 0-dim parameter is replicated (before,
+    DTensor's "Expected tensor.dim() > 0" assertion); its gradient's all_reduce and the
+    backward's re-gather of the uneven tied weight (51 rows: padded on rank 1 only) go out in
+    one order on both ranks (before, rank 1 issued the all_reduce first: RankMismatchError)."""
     from fcoll.parallel import fully_shard
 
     torch.manual_seed(0)
@@ -189,7 +194,7 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
         for name in ("fcoll", "inductor"):
             assert fsdp[name][0] <= 1e-5 and fsdp[name][1] <= 1e-6, (name, fsdp)
         tied = res["tied"]
-        assert tied["tied"] == (True, 3), tied    # emb/head weight, mix weight and bias
+        assert tied["tied"] == (True, 4), tied    # emb/head weight, mix weight, bias, scale
         assert tied["eager"] <= 1e-6 and tied["fcoll"] <= 1e-6, tied
         for compute, errors in res["simple-fsdp-ac"].items():
             assert max(errors) <= 1e-5, (compute, res["simple-fsdp-ac"])

@@ -234,9 +234,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     Every parameter of ``module`` and its submodules not owned by an earlier ``fully_shard``
     call on a submodule becomes an ``nn.Parameter`` holding ``distribute_tensor(p, mesh,
     [Shard(0)])``: rank ``r`` keeps rows ``[r * c, (r + 1) * c)`` of dim 0 with
-    ``c = ceil(d0 / n)`` (clipped; uneven and empty shards are allowed). Each module that owns
-    such a parameter reads it gathered: ``[c, *] -> [d0, *]`` on every rank, its gradient
-    reduce-scattered (sum) and divided by ``n``. A tensor-parallel parameter (a DTensor on
+    ``c = ceil(d0 / n)`` (clipped; uneven and empty shards are allowed; a 0-dim parameter is
+    replicated). Each module that owns such a parameter reads it gathered: ``[c, *] -> [d0, *]``
+    on every rank, its gradient reduce-scattered (sum; all-reduced for a 0-dim one) and divided
+    by ``n``. A tensor-parallel parameter (a DTensor on
     another 1-D slice of ``mesh``'s root) is sharded the same way on its tp-local tensor and
     stored on the 2-D mesh (module docstring, "FSDP with tensor parallel").
 
@@ -281,7 +282,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 stored, read = _shard_tensor_parallel(p, f"{path}.{name}".lstrip("."), mesh,
                                                       gather)
             else:
-                stored, read = distribute_tensor(p.detach(), mesh, gather.sharded), gather
+                # a 0-dim parameter has no dim 0 to split: replicated, its gradient all-reduced
+                placements = gather.sharded if p.dim() > 0 else [Replicate()] * mesh.ndim
+                stored, read = distribute_tensor(p.detach(), mesh, placements), gather
             sub._parameters[name] = nn.Parameter(stored, requires_grad=p.requires_grad)
             props[name] = _property(name, read)
             setattr(p, _SHARDED_AS, (sub._parameters[name], read))

@@ -423,6 +423,11 @@ class BucketCollectives(FcollPass):
 
         if plan_fsdp(graph_module.graph) is not None:
             _prepare_fsdp(graph_module)
+        else:
+            # a collective's input padded or cast from a graph input on some ranks only (an
+            # uneven shard re-gathered in a backward) is ready at the start there too, so
+            # collectives issued in order of readiness go out in one order on every rank
+            hoist_input_preparation(graph_module, movement_only=True)
         costs = model_costs(graph_module, self.config, self.estimates, check_ranks)
         buckets, origins = agreed_buckets(graph_module, self.config, costs, check_ranks)
         graph_module.meta[META_BUCKET_PLAN] = origins

@@ -90,9 +90,11 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 
@@ -342,9 +344,24 @@ def _reports(s: _Shared, round_: int, rank: int, timeout_s: float) -> dict[int, 
     return out
 
 
-def hoist_input_preparation(gm: fx.GraphModule) -> bool:
+#: Ops that only move, pad or cast data (no arithmetic across elements): what DTensor and
+#: FSDP do to a parameter shard before gathering it. Any view op counts too.
+_MOVEMENT_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "constant_pad_nd", "clone", "cat", "split_with_sizes", "_to_copy", "narrow", "expand",
+    "permute", "squeeze", "unsqueeze")) | {torch.ops.aten.split.Tensor,
+                                          torch.ops.aten.slice.Tensor, operator.getitem}
+
+
+def _moves_data_only(node: fx.Node) -> bool:
+    return node.target in _MOVEMENT_OPS or getattr(node.target, "is_view", False)
+
+
+def hoist_input_preparation(gm: fx.GraphModule, movement_only: bool = False) -> bool:
     """Move the compute that prepares a collective's input from graph inputs alone (and
     nothing else) to right after the last placeholder, in graph order; True if anything moved.
+    ``movement_only``: only such compute made of ops that move, pad or cast data
+    (:data:`_MOVEMENT_OPS`, views), for graphs where graph inputs are not just parameters (in
+    a backward graph every value is computed from graph inputs).
 
     Ranks' graphs differ in such compute where their collectives agree: an uneven
     ``Shard(0)`` (a vocabulary of 65 over 2 ranks) is padded before its all_gather on the
@@ -365,7 +382,8 @@ def hoist_input_preparation(gm: fx.GraphModule) -> bool:
         if n.op in ("placeholder", "get_attr"):
             early.add(n)
         elif (n.op == "call_function" and not is_collective(n) and not is_wait(n)
-              and not n.is_impure() and all(i in early for i in n.all_input_nodes)):
+              and not n.is_impure() and all(i in early for i in n.all_input_nodes)
+              and (not movement_only or _moves_data_only(n))):
             early.add(n)
     feeding: set[fx.Node] = set()    # of those, the ones a collective's input is made from
     stack = [i for c in nodes if is_collective(c) for i in c.all_input_nodes]
