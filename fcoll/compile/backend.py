@@ -159,12 +159,13 @@ def _recompute_views_of_recomputed(joint: fx.GraphModule) -> None:
 
 def _is_opaque(node: Any) -> bool:
     """An fx node whose value is an opaque object (a ``DeviceMesh`` or process group that a
-    DTensor input brings into the graph on torch 2.13), not a tensor or a symbolic int."""
-    if not isinstance(node, fx.Node) or "val" not in node.meta:
+    DTensor input brings into the graph on torch 2.13), by AOTAutograd's own test where the
+    torch has one (2.13), else never (2.11 saves no opaque values)."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    except ImportError:
         return False
-    val = node.meta["val"]
-    return not isinstance(val, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool,
-                                int, float, bool)) and val is not None
+    return is_opaque_node(node)
 
 
 def _is_sym(node: Any) -> bool:
