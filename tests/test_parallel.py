@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fcoll.testing import fcoll_segments, run_ranks
 
@@ -25,6 +24,19 @@ def _batch(seed: int):
     return torch.randint(0, 51, (2, 16), generator=g), torch.randint(0, 51, (2, 16), generator=g)
 
 
+def _data_parallel_reference(make, seeds, mine: int) -> tuple[float, dict]:
+    """What data parallel over ``seeds``' batches computes, with unsharded eager models from
+    ``make()``: the loss on batch ``mine`` and every gradient averaged over the batches."""
+    grads, loss_of_mine = [], None
+    for seed in seeds:
+        ref = make()
+        loss = ref(*_batch(seed))
+        loss.backward()
+        loss_of_mine = loss.item() if seed == mine else loss_of_mine
+        grads.append({k: p.grad for k, p in ref.named_parameters()})
+    return loss_of_mine, {k: sum(g[k] for g in grads) / len(grads) for k in grads[0]}
+
+
 def _simple_fsdp(rank: int, world: int) -> dict:
     import train_gpt as tg
     from torch.distributed.tensor import DTensor
@@ -34,13 +46,8 @@ def _simple_fsdp(rank: int, world: int) -> dict:
     cfg = _cfg(tg, 33, 3)
     params = tg.init_params(cfg, 0)
     x, y = _batch(rank)
-    ref = tg.GPTModule(cfg, params)           # the reference: eager, gradients averaged
-    ref_loss = ref(x, y)
-    ref_loss.backward()
-    ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
-    for g in ref_grads.values():
-        dist.all_reduce(g)
-        g /= world
+    ref_loss, ref_grads = _data_parallel_reference(lambda: tg.GPTModule(cfg, params),
+                                                   range(world), rank)
     out: dict = {}
     for backend in ("eager", "fcoll", "inductor"):
         torch._dynamo.reset()
@@ -53,7 +60,7 @@ def _simple_fsdp(rank: int, world: int) -> dict:
         f = m if backend == "eager" else torch.compile(m, backend=backend)
         loss = f(x, y)
         loss.backward()
-        out[backend] = (abs(loss.item() - ref_loss.item()),
+        out[backend] = (abs(loss.item() - ref_loss),
                         max((p.grad.full_tensor() - ref_grads[k]).abs().max().item()
                             for k, p in m.named_parameters()))
     return out
@@ -104,13 +111,8 @@ def _fsdp_with_activation_checkpointing(rank: int, world: int) -> dict:
     cfg = _cfg(tg, 33, 3)
     params = tg.init_params(cfg, 0)
     x, y = _batch(rank)
-    ref = tg.GPTModule(cfg, params)
-    ref_loss = ref(x, y)
-    ref_loss.backward()
-    ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
-    for g in ref_grads.values():
-        dist.all_reduce(g)
-        g /= world
+    ref_loss, ref_grads = _data_parallel_reference(lambda: tg.GPTModule(cfg, params),
+                                                   range(world), rank)
     out: dict = {}
     for compute in ("eager", "inductor"):
         torch._dynamo.reset()
@@ -121,7 +123,7 @@ def _fsdp_with_activation_checkpointing(rank: int, world: int) -> dict:
         fully_shard(m)
         loss = torch.compile(m, backend="fcoll", options={"compute": compute})(x, y)
         loss.backward()
-        out[compute] = (abs(loss.item() - ref_loss.item()), max(
+        out[compute] = (abs(loss.item() - ref_loss), max(
             (p.grad.full_tensor() - ref_grads[k.replace("_checkpoint_wrapped_module.", "")])
             .abs().max().item() for k, p in m.named_parameters()))
     return out
@@ -154,19 +156,19 @@ def _tied_weights(rank: int, world: int) -> dict:
     from fcoll.parallel import fully_shard
 
     torch.manual_seed(0)
-    ref = _TiedLM()
-    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    state = {k: v.clone() for k, v in _TiedLM().state_dict().items()}
+
+    def model() -> _TiedLM:
+        m = _TiedLM()
+        m.load_state_dict(state)
+        return m
+
     x, y = _batch(rank)
-    ref(x, y).backward()
-    ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
-    for g in ref_grads.values():
-        dist.all_reduce(g)
-        g /= world
+    _, ref_grads = _data_parallel_reference(model, range(world), rank)
     out: dict = {}
     for backend in ("eager", "fcoll"):
         torch._dynamo.reset()
-        m = _TiedLM()
-        m.load_state_dict(state)
+        m = model()
         fully_shard(m.head)
         fully_shard(m)
         out["tied"] = (m.emb._parameters["weight"] is m.head._parameters["weight"],
@@ -207,11 +209,6 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
     assert fcoll_segments() == []
 
 
-def _batch_of_dp(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 51, (2, 16), generator=g), torch.randint(0, 51, (2, 16), generator=g)
-
-
 def _refusal(make) -> str:
     try:
         make()
@@ -234,14 +231,8 @@ def _fsdp_with_tensor_parallel(rank: int, world: int, variants: tuple[str, ...])
     params = tg.init_params(cfg, 0)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_coordinate()[0]
-    grads, ref_loss = [], None
-    for seed in range(2):
-        ref = tg.TPGPTModule(cfg, params)
-        loss = ref(*_batch_of_dp(seed))
-        loss.backward()
-        ref_loss = loss.item() if seed == dp else ref_loss
-        grads.append({k: p.grad for k, p in ref.named_parameters()})
-    ref_grads = {k: (grads[0][k] + grads[1][k]) / 2 for k in grads[0]}
+    ref_loss, ref_grads = _data_parallel_reference(lambda: tg.TPGPTModule(cfg, params),
+                                                   range(2), dp)
     ref_params = dict(tg.TPGPTModule(cfg, params).named_parameters())
 
     def sharded(sequence_parallel: bool):
@@ -258,7 +249,7 @@ def _fsdp_with_tensor_parallel(rank: int, world: int, variants: tuple[str, ...])
         _refusal(lambda: fully_shard(tg.TPGPTModule(cfg, params).parallelize(mesh["tp"]),
                                      mesh=mesh["tp"])),
     ]}
-    x, y = _batch_of_dp(dp)
+    x, y = _batch(dp)
     for backend in variants:
         torch._dynamo.reset()
         m = sharded(sequence_parallel=backend.endswith("-sequence-parallel"))
@@ -312,16 +303,10 @@ def _hsdp(rank: int, world: int) -> dict:
 
     cfg = _cfg(tg, 33, 3)
     params = tg.init_params(cfg, 0)
-    grads, ref_loss = [], None
-    for seed in range(world):
-        ref = tg.GPTModule(cfg, params)
-        loss = ref(*_batch_of_dp(seed))
-        loss.backward()
-        ref_loss = loss.item() if seed == rank else ref_loss
-        grads.append({k: p.grad for k, p in ref.named_parameters()})
-    ref_grads = {k: sum(g[k] for g in grads) / world for k in grads[0]}
+    ref_loss, ref_grads = _data_parallel_reference(lambda: tg.GPTModule(cfg, params),
+                                                   range(world), rank)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    x, y = _batch_of_dp(rank)
+    x, y = _batch(rank)
     out: dict = {}
     for backend in ("eager", "fcoll"):
         torch._dynamo.reset()

@@ -34,7 +34,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -157,22 +156,6 @@ def _recompute_views_of_recomputed(joint: fx.GraphModule) -> None:
             node.meta["ac_graph_id"] = base.meta["ac_graph_id"]
 
 
-def _is_opaque(node: Any) -> bool:
-    """An fx node whose value is an opaque object (a ``DeviceMesh`` or process group that a
-    DTensor input brings into the graph on torch 2.13), by AOTAutograd's own test where the
-    torch has one (2.13), else never (2.11 saves no opaque values)."""
-    try:
-        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
-    except ImportError:
-        return False
-    return is_opaque_node(node)
-
-
-def _is_sym(node: Any) -> bool:
-    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"),
-                                                    (torch.SymInt, torch.SymFloat, torch.SymBool))
-
-
 def _saved_opaque_after_tensors(fw: fx.GraphModule, bw: fx.GraphModule,
                                 num_fwd_outputs: int | None) -> None:
     """Put the opaque objects the forward saves after the tensors it saves, as AOTAutograd's
@@ -187,21 +170,26 @@ def _saved_opaque_after_tensors(fw: fx.GraphModule, bw: fx.GraphModule,
     ``aot_eager`` and Inductor alike (a DTensor parameter read inside ``checkpoint``, as with
     FSDP and activation checkpointing). A graph without that pattern is left as it is.
     """
+    try:   # AOTAutograd's own tests of what it saves (2.13; 2.11 saves no opaque values)
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+        from torch._functorch.partitioners import is_sym_node
+    except ImportError:
+        return
     if num_fwd_outputs is None:
         return
     out = next(iter(fw.graph.find_nodes(op="output")))
     outputs = list(out.args[0])
     saved = outputs[num_fwd_outputs:]
-    kinds = [2 if _is_sym(n) else 1 if _is_opaque(n) else 0 for n in saved]
+    kinds = [2 if is_sym_node(n) else 1 if is_opaque_node(n) else 0 for n in saved]
     if kinds == sorted(kinds):
         return
     order = sorted(range(len(saved)), key=lambda i: kinds[i])      # stable: tensors, opaque, sym
     out.args = (outputs[:num_fwd_outputs] + [saved[i] for i in order], *out.args[1:])
     fw.recompile()
     placeholders = list(bw.graph.find_nodes(op="placeholder"))
-    opaque = [ph for ph in placeholders if _is_opaque(ph)]
-    last_tensor = [ph for ph in placeholders[:len(saved)] if not _is_opaque(ph) and
-                   not _is_sym(ph)][-1]
+    opaque = [ph for ph in placeholders if is_opaque_node(ph)]
+    last_tensor = [ph for ph in placeholders[:len(saved)] if not is_opaque_node(ph) and
+                   not is_sym_node(ph)][-1]
     for ph in reversed(opaque):
         last_tensor.append(ph)
     bw.recompile()
