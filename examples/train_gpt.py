@@ -35,6 +35,10 @@ optimizer is a functional AdamW (new tensors out, no in-place state).
   tensor-parallel group train on the same batches.
 - ``--activation-checkpointing`` (the ``nn.Module`` modes): every block in PyTorch's
   ``checkpoint_wrapper``, recomputed in the backward.
+- ``--param-dtype bfloat16 --reduce-dtype float32`` (the FSDP modules: ``simple-fsdp``,
+  ``fsdp-tp``, ``torch-fsdp2``): FSDP2's ``MixedPrecisionPolicy``, torchtitan's default
+  (parameters gathered and computed in bfloat16, gradients reduced in float32, float32 shards
+  and optimizer state).
 
 ``--device cuda``: parameters, optimizer state and batches live on ``cuda:{LOCAL_RANK %
 device_count}``. On fcoll's group (and on gloo) several ranks may share one GPU; ``--dist-backend
@@ -507,6 +511,22 @@ def compile_step(step, backend: str = "fcoll", options: dict[str, Any] | None = 
 
 #: ``--parallel`` modes that train :class:`GPTModule` (or :class:`TPGPTModule`) as nn.Modules.
 MODULE_MODES = ("torch-ddp", "torch-fsdp2", "simple-fsdp", "tp", "fsdp-tp")
+#: the modes that shard with ``fully_shard`` (fcoll's or PyTorch's), which take ``--param-dtype``
+FSDP_MODES = ("simple-fsdp", "fsdp-tp", "torch-fsdp2")
+#: the dtypes ``--param-dtype`` / ``--reduce-dtype`` name
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _mp_policy(args: argparse.Namespace):
+    """FSDP2's ``MixedPrecisionPolicy`` from ``--param-dtype`` / ``--reduce-dtype``; None
+    when neither is given."""
+    if not (args.param_dtype or args.reduce_dtype):
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, args.param_dtype) if args.param_dtype else None,
+        reduce_dtype=getattr(torch, args.reduce_dtype) if args.reduce_dtype else None)
 
 
 def _checkpoint_blocks(module: GPTModule, enabled: bool) -> GPTModule:
@@ -551,6 +571,9 @@ class TorchModuleStep:
     ``activation_checkpointing``: every block wrapped in PyTorch's ``checkpoint_wrapper`` (full
     activation checkpointing: the backward recomputes the block's forward), after tensor
     parallel and before any ``fully_shard``, torchtitan's order.
+    ``mp_policy`` (the FSDP modes): the ``MixedPrecisionPolicy`` given to every
+    ``fully_shard`` call (fcoll's or PyTorch's); None: full precision. Refused (ValueError)
+    for the other modes.
 
     ``step(x, y)`` runs forward, backward and ``torch.optim.AdamW`` (decay as :func:`_adamw`)
     and returns the loss (a detached float32 scalar); ``eval_loss(x, y)`` runs the model eagerly.
@@ -559,7 +582,8 @@ class TorchModuleStep:
     def __init__(self, cfg: GPTConfig, params: dict[str, torch.Tensor], parallel: str,
                  opt: AdamW, device: torch.device, backend: str = "fcoll",
                  options: dict[str, Any] | None = None, tp_size: int = 2,
-                 sequence_parallel: bool = False, activation_checkpointing: bool = False) -> None:
+                 sequence_parallel: bool = False, activation_checkpointing: bool = False,
+                 mp_policy: Any = None) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if parallel not in MODULE_MODES:
@@ -567,6 +591,10 @@ class TorchModuleStep:
         world = dist.get_world_size()
         if parallel == "fsdp-tp" and (tp_size < 1 or world % tp_size):
             raise ValueError(f"tp_size: {tp_size} does not divide the world size {world}")
+        if mp_policy is not None and parallel not in FSDP_MODES:
+            raise ValueError(f"mp_policy: only the FSDP modes {FSDP_MODES} shard with a mixed "
+                             f"precision policy, got parallel={parallel!r}")
+        shard_kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
         self.parallel = parallel
         tensor_parallel = parallel in ("tp", "fsdp-tp")
         module = (TPGPTModule if tensor_parallel else GPTModule)(cfg, params).to(device)
@@ -591,8 +619,8 @@ class TorchModuleStep:
             else:
                 _checkpoint_blocks(module, activation_checkpointing)
                 for block in module.blocks:
-                    fully_shard(block, mesh=mesh)
-                wrapped = fully_shard(module, mesh=mesh)
+                    fully_shard(block, mesh=mesh, **shard_kwargs)
+                wrapped = fully_shard(module, mesh=mesh, **shard_kwargs)
             self.traced_comms = True
         elif parallel == "torch-ddp":
             torch._dynamo.config.optimize_ddp = "python_reducer"  # read by DDP's constructor
@@ -606,8 +634,8 @@ class TorchModuleStep:
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
             _checkpoint_blocks(module, activation_checkpointing)
             for block in module.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(module, mesh=mesh)
+                fully_shard(block, mesh=mesh, **shard_kwargs)
+            fully_shard(module, mesh=mesh, **shard_kwargs)
             wrapped = module
             self.traced_comms = (device.type == "cuda"
                                  and "skip_fsdp_hooks" in torch._dynamo.config._config)
@@ -712,7 +740,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="the nn.Module modes: every block in checkpoint_wrapper (recomputed in "
                    "the backward)")
+    p.add_argument("--param-dtype", choices=DTYPES, default=None,
+                   help=f"{', '.join(FSDP_MODES)}: gather and compute the parameters in this "
+                   "dtype (FSDP2's MixedPrecisionPolicy.param_dtype; torchtitan: bfloat16)")
+    p.add_argument("--reduce-dtype", choices=DTYPES, default=None,
+                   help="with --param-dtype: reduce the gradients in this dtype (default: "
+                   "the param dtype, as FSDP2; torchtitan: float32)")
     args = p.parse_args(argv)
+    if (args.param_dtype or args.reduce_dtype) and args.parallel not in FSDP_MODES:
+        p.error(f"--param-dtype/--reduce-dtype need one of --parallel {', '.join(FSDP_MODES)}")
     if args.activation_checkpointing and args.parallel not in MODULE_MODES:
         p.error(f"--activation-checkpointing needs one of --parallel {', '.join(MODULE_MODES)}")
     if args.sequence_parallel and args.parallel not in ("tp", "fsdp-tp"):
@@ -885,7 +921,8 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
     counts, stop_counting = count_compiled_collectives()
     step = TorchModuleStep(cfg, params, args.parallel, AdamW(lr=args.lr), device, backend, options,
                            tp_size=args.tp, sequence_parallel=args.sequence_parallel,
-                           activation_checkpointing=args.activation_checkpointing)
+                           activation_checkpointing=args.activation_checkpointing,
+                           mp_policy=_mp_policy(args))
     say = print if rank == 0 else (lambda *a, **k: None)
     title = {"simple-fsdp": "fcoll.parallel.fully_shard (SimpleFSDP)",
              "tp": "PyTorch tensor parallel",
@@ -894,6 +931,9 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
     title = title or f"PyTorch {args.parallel[len('torch-'):].upper()}"
     title += " with sequence parallel" if args.sequence_parallel else ""
     title += ", blocks activation-checkpointed" if args.activation_checkpointing else ""
+    if args.param_dtype or args.reduce_dtype:
+        title += (f", params in {args.param_dtype or 'float32'}, gradients reduced in "
+                  f"{args.reduce_dtype or args.param_dtype}")
     name = f"{title}, backend={backend}" + (
         f" (compute={_compute_label(args)})" if options else "") + f" on {args.dist_backend}"
 

@@ -2,8 +2,8 @@
 ``examples/train_gpt.py``'s GPT: loss and gradients compiled with ``backend="fcoll"`` and
 ``backend="inductor"`` equal the eager single-process model's, 2 ranks, on fcoll's process
 group and on gloo. The model is tiny and uneven (``d_model`` 33, vocab 51: dims not divisible
-by the world size). Tensor parallel also with sequence parallel, and FSDP + TP on a 2-D mesh
-(4 ranks)."""
+by the world size). Tensor parallel also with sequence parallel, FSDP + TP on a 2-D mesh
+(4 ranks), and mixed precision (``mp_policy``) against PyTorch's FSDP2 with the same policy."""
 
 from __future__ import annotations
 
@@ -180,9 +180,70 @@ def _tied_weights(rank: int, world: int) -> dict:
     return out
 
 
+def _mixed_precision(rank: int, world: int) -> dict:
+    """``mp_policy`` means what it means to FSDP2: the GPT with bfloat16 parameters for the
+    all_gather and the compute and float32 for the gradients' reduction, eager and compiled
+    with fcoll's backend, against PyTorch's ``fully_shard`` (FSDP2) with the same policy, run
+    eagerly on the same group; the all_gathers in fcoll's graphs are bfloat16 and the
+    reduce_scatters float32; a unit's ``output_dtype`` and ``cast_forward_inputs`` against
+    FSDP2's."""
+    import train_gpt as tg
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2
+
+    from fcoll.compile.backend import register_compile_listener
+    from fcoll.parallel import fully_shard
+
+    cfg = _cfg(tg, 33, 3)
+    params = tg.init_params(cfg, 0)
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    x, y = _batch(rank)
+    dtypes: dict[str, set] = {"all_gather": set(), "reduce_scatter": set()}
+
+    def listen(record) -> None:
+        for n in record.before.graph.nodes:
+            kind = next((k for k in dtypes if k in str(n.target)), None)
+            if kind is not None:
+                dtypes[kind].add(n.args[0].meta["val"].dtype)
+
+    handle = register_compile_listener(listen)
+    grads, out = {}, {}
+    for name in ("fsdp2", "eager", "fcoll"):
+        torch._dynamo.reset()
+        m = tg.GPTModule(cfg, params)
+        shard = fsdp2 if name == "fsdp2" else fully_shard
+        for block in m.blocks:
+            shard(block, mesh=mesh, mp_policy=mp)
+        shard(m, mesh=mesh, mp_policy=mp)
+        loss = (m if name != "fcoll" else torch.compile(m, backend="fcoll"))(x, y)
+        loss.backward()
+        grads[name] = {k: p.grad.full_tensor() for k, p in m.named_parameters()}
+        out[f"{name}-dtypes"] = {(p.dtype, p.grad.dtype) for p in m.parameters()}
+        if name != "fsdp2":
+            out[name] = max((g - grads["fsdp2"][k]).abs().max().item()
+                            for k, g in grads[name].items())
+    handle.remove()
+    out["collective-dtypes"] = dtypes
+    outputs = {}
+    for shard in (fsdp2, fully_shard):
+        block = tg.GPTBlock(cfg, 0, params)
+        shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, output_dtype=torch.float64))
+        outputs[shard] = block(torch.randn(2, 16, 33, generator=torch.Generator().manual_seed(1)))
+    out["output"] = (outputs[fully_shard].dtype,
+                     (outputs[fully_shard] - outputs[fsdp2]).abs().max().item())
+    out["refused"] = [_refusal(lambda: fully_shard(tg.GPTBlock(cfg, 0, params), mesh=mesh,
+                                                   mp_policy=bad))
+                      for bad in ({"param_dtype": torch.bfloat16},
+                                  MixedPrecisionPolicy(reduce_dtype=torch.int32))]
+    return out
+
+
 def _both(rank: int, world: int, checkpointing: bool) -> dict:
     out = {"simple-fsdp": _simple_fsdp(rank, world), "tp": _tensor_parallel(rank, world),
-           "tied": _tied_weights(rank, world)}
+           "tied": _tied_weights(rank, world), "mixed": _mixed_precision(rank, world)}
     if checkpointing:
         out["simple-fsdp-ac"] = _fsdp_with_activation_checkpointing(rank, world)
     return out
@@ -201,6 +262,16 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
         tied = res["tied"]
         assert tied["tied"] == (True, 4), tied    # emb/head weight, mix weight, bias, scale
         assert tied["eager"] <= 1e-6 and tied["fcoll"] <= 1e-6, tied
+        mixed = res["mixed"]
+        assert mixed["eager"] == 0.0 and mixed["fcoll"] <= 1e-6, mixed  # FSDP2's, bit for bit
+        for name in ("fsdp2", "eager", "fcoll"):
+            assert mixed[f"{name}-dtypes"] == {(torch.float32, torch.float32)}, mixed
+        assert mixed["collective-dtypes"] == {"all_gather": {torch.bfloat16},
+                                              "reduce_scatter": {torch.float32}}, mixed
+        assert mixed["output"] == (torch.float64, 0.0), mixed
+        assert "must be a torch.distributed.fsdp.MixedPrecisionPolicy, got dict" in \
+            mixed["refused"][0] and "mp_policy.reduce_dtype must be a floating-point" in \
+            mixed["refused"][1], mixed["refused"]
         for compute, errors in res.get("simple-fsdp-ac", {}).items():
             assert max(errors) <= 1e-5, (compute, res["simple-fsdp-ac"])
         assert len(tp) == 6
@@ -223,6 +294,8 @@ def _fsdp_with_tensor_parallel(rank: int, world: int, variants: tuple[str, ...])
     gradients averaged over the two batches (what data parallel means)."""
     import train_gpt as tg
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2
     from torch.distributed.tensor import DTensor
 
     from fcoll.parallel import fully_shard
@@ -267,6 +340,18 @@ def _fsdp_with_tensor_parallel(rank: int, world: int, variants: tuple[str, ...])
         out[backend] = (abs(loss.item() - ref_loss),
                         max((p.grad.full_tensor() - ref_grads[k]).abs().max().item()
                             for k, p in m.named_parameters()))
+    # mixed precision through the 2-D read (bfloat16 all_gather over dp, then tensor
+    # parallel's collectives in bfloat16), eager, against FSDP2 + TP with the same policy
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    grads = {}
+    for shard in (fsdp2, fully_shard):
+        m = tg.TPGPTModule(cfg, params).parallelize(mesh["tp"], sequence_parallel=True)
+        for block in m.blocks:
+            shard(block, mesh=mesh["dp"], mp_policy=mp)
+        shard(m, mesh=mesh["dp"], mp_policy=mp)(x, y).backward()
+        grads[shard] = {k: p.grad.full_tensor() for k, p in m.named_parameters()}
+    out["mixed"] = max((g - grads[fsdp2][k]).abs().max().item()
+                       for k, g in grads[fully_shard].items())
     return out
 
 
@@ -290,6 +375,7 @@ def test_fully_shard_with_tensor_parallel_2d_trains_as_data_parallel(backend):
             res["refused"]
         for name in variants:
             assert res[name][0] <= 1e-5 and res[name][1] <= 1e-5, (name, res)
+        assert res["mixed"] == 0.0, res     # FSDP2 + TP's, bit for bit
     assert fcoll_segments() == []
 
 

@@ -151,6 +151,12 @@ def test_device_and_backend_arguments():
     args = tg._parse(["--parallel", "fsdp-tp", "--tp", "2", "--sequence-parallel",
                       "--activation-checkpointing"])
     assert (args.parallel, args.tp, args.sequence_parallel) == ("fsdp-tp", 2, True)
+    with pytest.raises(SystemExit):
+        tg._parse(["--parallel", "tp", "--param-dtype", "bfloat16"])   # only the FSDP modes
+    assert tg._mp_policy(tg._parse([])) is None
+    policy = tg._mp_policy(tg._parse(["--parallel", "simple-fsdp", "--param-dtype", "bfloat16",
+                                      "--reduce-dtype", "float32"]))
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 
 def test_adamw_step_counter_lives_on_the_parameters_device():

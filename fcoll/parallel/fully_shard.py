@@ -32,7 +32,7 @@ What differs from ``torch.distributed.fsdp.fully_shard`` (FSDP2):
   eagerly, every read of a parameter is one blocking all_gather, at the point of use (correct,
   and slow: a parameter read twice is gathered twice).
 - ``reshard_after_forward`` is a bool (FSDP2's int, resharding to a smaller mesh, is refused);
-  ``mp_policy``, ``offload_policy``, ``shard_placement_fn``, ``ignored_params`` are not offered.
+  ``offload_policy``, ``shard_placement_fn``, ``ignored_params`` are not offered.
 - The module keeps its class's methods (its class becomes a subclass named ``SimpleFSDP<Name>``,
   and a submodule that owns parameters sharded here ``Sharded<Name>``); there is no
   ``unshard()`` / ``reshard()`` / ``set_requires_gradient_sync``.
@@ -41,8 +41,21 @@ What is the same: nested calls (the innermost module that called ``fully_shard``
 parameter; a later call on a parent shards only what is left), ``mesh=None`` meaning a 1-D mesh
 over the default group's ranks on the default device type, the module returned, sharded
 parameters (``module.parameters()`` are DTensors; a plain optimizer updates each rank's shard),
-``state_dict`` keys unchanged, and tied weights (one ``Parameter`` registered in two modules,
-say an embedding and the output head) stay one sharded parameter.
+``state_dict`` keys unchanged, tied weights (one ``Parameter`` registered in two modules,
+say an embedding and the output head) stay one sharded parameter, and mixed precision
+(``mp_policy``, FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` with FSDP2's
+meaning, below).
+
+Mixed precision: with ``param_dtype`` (say bfloat16) each floating-point shard is cast before
+its all_gather (half the bytes of float32), the module computes with the gathered
+``param_dtype`` parameter, its gradient is cast to ``reduce_dtype`` (``param_dtype`` when
+None, as FSDP2) before the reduce_scatter, and the sharded gradient is cast back to the
+stored parameter's dtype, which the optimizer updates (the shards stay float32: no extra
+copy). Both casts are DTensor's (``redistribute(forward_dtype=, backward_dtype=)``). The
+``1 / n`` of the mean is applied to the gradient before the cast to ``reduce_dtype``, in
+``param_dtype`` (exact when ``n`` is a power of two). ``cast_forward_inputs`` casts the
+floating-point tensors among the unit's forward arguments to ``param_dtype`` and
+``output_dtype`` its outputs, per ``fully_shard`` call, as FSDP2.
 
 HSDP: with a 2-D ``mesh`` (FSDP2's convention: dim 0 replicates, dim 1 shards) a parameter is
 ``distribute_tensor(p, mesh, [Replicate(), Shard(0)])``, gathered over the shard dimension, its
@@ -72,8 +85,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, \
     create_selective_checkpoint_contexts
 
@@ -112,18 +127,27 @@ def _recompute_everything(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 class _Gather(nn.Module):
     """The parametrization: sharded DTensor -> gathered local tensor (see module docstring)."""
 
-    def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
+    def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool,
+                 mp_policy: MixedPrecisionPolicy) -> None:
         super().__init__()
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = mp_policy.param_dtype
+        #: the gradient's dtype in the reduction (FSDP2: param_dtype's when not given)
+        self.reduce_dtype = mp_policy.reduce_dtype or mp_policy.param_dtype
         self.factor = 1.0 / mesh.size()
         #: placements of a stored parameter: ``Shard(0)`` over the last mesh dimension,
         #: replicated over a leading one (HSDP)
         self.sharded = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
 
     def gather(self, p: DTensor) -> torch.Tensor:
-        full = p.redistribute(placements=[Replicate()] * p.device_mesh.ndim).to_local(
-            grad_placements=[Partial("sum")] * p.device_mesh.ndim)
+        mixed = p.dtype.is_floating_point
+        full = p.redistribute(
+            placements=[Replicate()] * p.device_mesh.ndim,
+            forward_dtype=self.param_dtype if mixed else None,
+            # explicit: DTensor's default reduces in the stored dtype, FSDP2's in param_dtype
+            backward_dtype=self.reduce_dtype if mixed else None,
+        ).to_local(grad_placements=[Partial("sum")] * p.device_mesh.ndim)
         return _ScaleGrad.apply(full, self.factor)
 
     def forward(self, p: DTensor) -> torch.Tensor:
@@ -155,6 +179,27 @@ class _TensorParallelGather:
                                       stride=self.tp_local_stride)
         return DTensor.from_local(self.gather(dp_shard), self.tp_mesh, [self.tp_placement],
                                   run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _cast_floating(dtype: torch.dtype | None, tree):
+    """``tree`` (args, kwargs, outputs: nested containers) with every floating-point tensor
+    cast to ``dtype``; ``tree`` itself when ``dtype`` is None."""
+    if dtype is None:
+        return tree
+    return tree_map_only(torch.Tensor,
+                         lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _mixed_precision_forward(base: type, mp_policy: MixedPrecisionPolicy) -> Callable:
+    """``base.forward`` with FSDP2's casts of the unit's inputs (``cast_forward_inputs``:
+    floating-point tensors to ``param_dtype``) and outputs (to ``output_dtype``)."""
+    inputs = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+
+    @functools.wraps(base.forward)
+    def forward(self, *args, **kwargs):
+        args, kwargs = _cast_floating(inputs, (args, kwargs))
+        return _cast_floating(mp_policy.output_dtype, base.forward(self, *args, **kwargs))
+    return forward
 
 
 def _property(name: str, gather: Callable[[DTensor], torch.Tensor]) -> property:
@@ -228,7 +273,8 @@ def _default_mesh() -> DeviceMesh:
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` (dim 0), SimpleFSDP style (module docstring).
 
     Every parameter of ``module`` and its submodules not owned by an earlier ``fully_shard``
@@ -251,23 +297,31 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         reshard_after_forward: True: the gathered parameters are not kept for the backward,
             which gathers them again (FSDP2's default for blocks); False: autograd keeps them
             from the forward (no second all_gather; more memory).
+        mp_policy: FSDP2's mixed precision policy (module docstring, "Mixed precision"):
+            ``param_dtype`` for the all_gather and the compute, ``reduce_dtype`` for the
+            gradient's reduction, ``output_dtype`` and ``cast_forward_inputs`` for the
+            unit's forward; the default casts nothing. Non-floating-point parameters are
+            never cast.
 
     Returns:
         ``module``.
 
     Raises:
         ValueError: ``mesh`` is neither 1-D nor 2-D, ``reshard_after_forward`` is not a bool
-            (FSDP2's int form is not supported), or a DTensor parameter cannot be sharded over
-            ``mesh`` (named, with its mesh, placements and the reason).
+            (FSDP2's int form is not supported), ``mp_policy`` is not a
+            ``MixedPrecisionPolicy`` or names a dtype that is not floating point, or a
+            DTensor parameter cannot be sharded over ``mesh`` (named, with its mesh,
+            placements and the reason).
     """
     if not isinstance(reshard_after_forward, bool):
         raise ValueError("fully_shard: reshard_after_forward must be a bool (resharding to a "
                          f"smaller mesh is not supported), got {reshard_after_forward!r}")
+    _check_mp_policy(mp_policy)
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard: expected a 1-D mesh (FSDP) or a 2-D one (HSDP: "
                          f"replicate, shard), got {mesh.ndim} dimensions")
-    gather = _Gather(mesh, reshard_after_forward)
+    gather = _Gather(mesh, reshard_after_forward, mp_policy)
     for path, sub in list(module.named_modules()):
         sharded_here = vars(type(sub)) if getattr(type(sub), _MADE_HERE, False) else {}
         props = {}
@@ -297,4 +351,19 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             prefix = CLASS_PREFIX if sub is module else "Sharded"
             sub.__class__ = type(f"{prefix}{type(sub).__name__}", (type(sub),),
                                  {**props, _MADE_HERE: True})
+    casts_inputs = mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None
+    if casts_inputs or mp_policy.output_dtype is not None:
+        # the unit's class is always made here: its base is the module's own class
+        type(module).forward = _mixed_precision_forward(type(module).__mro__[1], mp_policy)
     return module
+
+
+def _check_mp_policy(mp_policy: MixedPrecisionPolicy) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError("fully_shard: mp_policy must be a torch.distributed.fsdp."
+                         f"MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"fully_shard: mp_policy.{field} must be a floating-point "
+                             f"torch.dtype or None, got {dtype!r}")
