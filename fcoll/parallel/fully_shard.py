@@ -55,7 +55,7 @@ copy). Both casts are DTensor's (``redistribute(forward_dtype=, backward_dtype=)
 ``1 / n`` of the mean is applied to the gradient before the cast to ``reduce_dtype``, in
 ``param_dtype`` (exact when ``n`` is a power of two). ``cast_forward_inputs`` casts the
 floating-point tensors among the unit's forward arguments to ``param_dtype`` and
-``output_dtype`` its outputs, per ``fully_shard`` call, as FSDP2.
+``output_dtype`` its outputs, per ``fully_shard`` call, as FSDP2 (forward hooks on the unit).
 
 HSDP: with a 2-D ``mesh`` (FSDP2's convention: dim 0 replicates, dim 1 shards) a parameter is
 ``distribute_tensor(p, mesh, [Replicate(), Shard(0)])``, gathered over the shard dimension, its
@@ -103,6 +103,8 @@ _MADE_HERE = "_fcoll_fully_shard"
 #: another registration of the same Parameter (tied weights: an embedding and the output head),
 #: in this call or a later one, gets the same sharded parameter instead of a copy of its own.
 _SHARDED_AS = "_fcoll_sharded_as"
+#: Attribute of a unit: the handles of its mixed-precision forward hooks.
+_MP_HOOKS = "_fcoll_mp_hooks"
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -190,16 +192,22 @@ def _cast_floating(dtype: torch.dtype | None, tree):
                          lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-def _mixed_precision_forward(base: type, mp_policy: MixedPrecisionPolicy) -> Callable:
-    """``base.forward`` with FSDP2's casts of the unit's inputs (``cast_forward_inputs``:
-    floating-point tensors to ``param_dtype``) and outputs (to ``output_dtype``)."""
-    inputs = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
-
-    @functools.wraps(base.forward)
-    def forward(self, *args, **kwargs):
-        args, kwargs = _cast_floating(inputs, (args, kwargs))
-        return _cast_floating(mp_policy.output_dtype, base.forward(self, *args, **kwargs))
-    return forward
+def _mixed_precision_hooks(module: nn.Module, mp_policy: MixedPrecisionPolicy) -> None:
+    """FSDP2's casts of the unit's forward, as forward hooks on ``module`` (so they apply
+    whatever ``forward`` is, a class's or an instance attribute): ``cast_forward_inputs``
+    casts the floating-point tensors among its arguments to ``param_dtype``, ``output_dtype``
+    its outputs. A later call on the same module replaces the hooks of an earlier one."""
+    for handle in getattr(module, _MP_HOOKS, ()):
+        handle.remove()
+    hooks = []
+    if mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None:
+        hooks.append(module.register_forward_pre_hook(
+            lambda _m, args, kwargs: _cast_floating(mp_policy.param_dtype, (args, kwargs)),
+            with_kwargs=True))
+    if mp_policy.output_dtype is not None:
+        hooks.append(module.register_forward_hook(
+            lambda _m, _args, output: _cast_floating(mp_policy.output_dtype, output)))
+    setattr(module, _MP_HOOKS, hooks)
 
 
 def _property(name: str, gather: Callable[[DTensor], torch.Tensor]) -> property:
@@ -351,10 +359,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             prefix = CLASS_PREFIX if sub is module else "Sharded"
             sub.__class__ = type(f"{prefix}{type(sub).__name__}", (type(sub),),
                                  {**props, _MADE_HERE: True})
-    casts_inputs = mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None
-    if casts_inputs or mp_policy.output_dtype is not None:
-        # the unit's class is always made here: its base is the module's own class
-        type(module).forward = _mixed_precision_forward(type(module).__mro__[1], mp_policy)
+    _mixed_precision_hooks(module, mp_policy)
     return module
 
 
