@@ -103,6 +103,72 @@ class TestSimpleFSDP(unittest.TestCase):
                 self.assertLessEqual(res[reshard]["error"], 1e-5)
 
 
+class _RootWithHead(torch.nn.Module):
+    """Two blocks and a head owned by the root itself: ``[4, DIM] -> [4, OUT]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(DIM, HIDDEN),
+                                           torch.nn.Linear(HIDDEN, HIDDEN)])
+        self.head = torch.nn.Linear(HIDDEN, OUT, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def _compile_fsdp_default_reshard(rank: int, world_size: int) -> dict:
+    """``reshard_after_forward=None`` (FSDP2's default) on the blocks, then on the root: the
+    flags it resolves to, the forward's saved report and the gradient error against eager."""
+    from fcoll.compile.backend import register_compile_listener
+    from fcoll.parallel import fully_shard
+
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
+    out, grads = {}, []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = _RootWithHead()
+        for block in m.blocks:
+            fully_shard(block, reshard_after_forward=None)
+        out["block before root"] = type(m.blocks[0])._fcoll_unit_gather.reshard_after_forward
+        fully_shard(m, reshard_after_forward=None)
+        out["flags"] = [type(u)._fcoll_unit_gather.reshard_after_forward
+                        for u in (m.blocks[0], m.blocks[1], m)]
+        records = []
+        handle = register_compile_listener(records.append)
+        (torch.compile(m, backend="fcoll") if compiled else m)(x).square().sum().backward()
+        handle.remove()
+        grads.append([p.grad.full_tensor() for p in m.parameters()])
+    fw = next(r for r in records if r.name.endswith("_forward"))
+    out["forward"] = saved_report(fw.after, fw.name).as_dict()
+    out["error"] = max((a - b).abs().max().item() for a, b in zip(*grads))
+    return out
+
+
+class TestFSDP2DefaultReshard(unittest.TestCase):
+    def test_none_reshards_the_blocks_and_keeps_the_roots_parameters(self):
+        """FSDP2's ``reshard_after_forward=None``: True for the blocks (once ``fully_shard``
+        is called on the root containing them), False for the root: the forward saves the
+        root's gathered head weight and nothing of the blocks, whose all_gathers the backward
+        re-issues. Before, None was refused."""
+        for res in run_ranks(_compile_fsdp_default_reshard, 2, backend="fcoll", timeout_s=300):
+            self.assertFalse(res["block before root"])      # a root until wrapped
+            self.assertEqual(res["flags"], [True, True, False])
+            saved = res["forward"]
+            self.assertEqual(saved["saved_collective_bytes"], OUT * HIDDEN * 4, saved)
+            # the 2nd block's weight (the 1st one's input needs no gradient)
+            self.assertEqual(len(saved["recomputed_collectives"]), 1, saved)
+            self.assertLessEqual(res["error"], 1e-5)
+
+    def test_resharding_to_a_smaller_mesh_is_refused(self):
+        from fcoll.parallel import fully_shard
+
+        with self.assertRaisesRegex(ValueError, "bool or None .*smaller mesh.* got 2"):
+            fully_shard(torch.nn.Linear(2, 2), reshard_after_forward=2)
+
+
 class TestRecord(unittest.TestCase):
     """The record on a cut made by hand (fake process group, rank 0 of 2)."""
 

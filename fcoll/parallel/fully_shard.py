@@ -12,12 +12,16 @@ by ``1 / n`` (the mean over the mesh, as FSDP2's default ``gradient_divide_facto
 compiler (``backend="fcoll"``, or Inductor with its FX bucketing) buckets and schedules them;
 there is no FSDP machinery beyond the property: no hooks, no streams, no flat buffers.
 
-``reshard_after_forward=True`` (FSDP2's default for non-root modules) runs each gather inside a
+``reshard_after_forward=True`` (FSDP2's choice for non-root modules) runs each gather inside a
 selective activation checkpoint whose policy makes every op of the gather ``MUST_RECOMPUTE``:
 autograd keeps only the shard, and the backward gathers the parameter again (AOTAutograd's
 partitioner reads the same tags, so in a compiled step the backward graph holds its own
-all_gathers). This is torchtitan's SimpleFSDP design (Zhang et al., "SimpleFSDP: Simpler Fully
-Sharded Data Parallel with torch.compile", 2024); the code here is fcoll's own.
+all_gathers). ``None`` means what it means to FSDP2: ``True`` for every module ``fully_shard``
+was called on that lies inside another such module (a block), ``False`` for the outermost (the
+root, whose parameters the backward needs first): a unit starts as a root and becomes a
+non-root when ``fully_shard`` is called on a module containing it. This is torchtitan's
+SimpleFSDP design (Zhang et al., "SimpleFSDP: Simpler Fully Sharded Data Parallel with
+torch.compile", 2024); the code here is fcoll's own.
 
 Memory: compiled with ``backend="fcoll"``, each block's parameters are one all_gather bucket
 (``fcoll.passes.rewrites.fsdp_plan``), issued as coalesced collectives by the default
@@ -31,7 +35,8 @@ What differs from ``torch.distributed.fsdp.fully_shard`` (FSDP2):
 - Compiled-only: prefetch, bucketing and freeing gathered parameters between blocks. Run
   eagerly, every read of a parameter is one blocking all_gather, at the point of use (correct,
   and slow: a parameter read twice is gathered twice).
-- ``reshard_after_forward`` is a bool (FSDP2's int, resharding to a smaller mesh, is refused);
+- ``reshard_after_forward`` is a bool or None (FSDP2's int, resharding to a smaller mesh, is
+  refused); its default is ``True`` (FSDP2's is ``None``: the root's parameters kept);
   ``offload_policy``, ``shard_placement_fn``, ``ignored_params`` are not offered.
 - The module keeps its class's methods (its class becomes a subclass named ``SimpleFSDP<Name>``,
   and a submodule that owns parameters sharded here ``Sharded<Name>``); there is no
@@ -103,6 +108,8 @@ _MADE_HERE = "_fcoll_fully_shard"
 #: another registration of the same Parameter (tied weights: an embedding and the output head),
 #: in this call or a later one, gets the same sharded parameter instead of a copy of its own.
 _SHARDED_AS = "_fcoll_sharded_as"
+#: Class attribute of a unit's class (made here, one per unit): the unit's :class:`_Gather`.
+_UNIT_GATHER = "_fcoll_unit_gather"
 #: Attribute of a unit: the handles of its mixed-precision forward hooks.
 _MP_HOOKS = "_fcoll_mp_hooks"
 
@@ -129,11 +136,14 @@ def _recompute_everything(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 class _Gather(nn.Module):
     """The parametrization: sharded DTensor -> gathered local tensor (see module docstring)."""
 
-    def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool,
+    def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool | None,
                  mp_policy: MixedPrecisionPolicy) -> None:
         super().__init__()
         self.mesh = mesh
-        self.reshard_after_forward = reshard_after_forward
+        #: None (FSDP2's "True unless root"): resolved to False here, and to True by
+        #: :func:`fully_shard` when it is called on a module containing this unit
+        self.reshard_unless_root = reshard_after_forward is None
+        self.reshard_after_forward = bool(reshard_after_forward)
         self.param_dtype = mp_policy.param_dtype
         #: the gradient's dtype in the reduction (FSDP2: param_dtype's when not given)
         self.reduce_dtype = mp_policy.reduce_dtype or mp_policy.param_dtype
@@ -281,7 +291,7 @@ def _default_mesh() -> DeviceMesh:
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool = True,
+                reshard_after_forward: bool | None = True,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` (dim 0), SimpleFSDP style (module docstring).
 
@@ -304,7 +314,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             None: all ranks of the default group on the default device.
         reshard_after_forward: True: the gathered parameters are not kept for the backward,
             which gathers them again (FSDP2's default for blocks); False: autograd keeps them
-            from the forward (no second all_gather; more memory).
+            from the forward (no second all_gather; more memory); None: FSDP2's meaning,
+            True if ``module`` is inside another module ``fully_shard`` is called on (before
+            or after this call), else False.
         mp_policy: FSDP2's mixed precision policy (module docstring, "Mixed precision"):
             ``param_dtype`` for the all_gather and the compute, ``reduce_dtype`` for the
             gradient's reduction, ``output_dtype`` and ``cast_forward_inputs`` for the
@@ -321,9 +333,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             DTensor parameter cannot be sharded over ``mesh`` (named, with its mesh,
             placements and the reason).
     """
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError("fully_shard: reshard_after_forward must be a bool (resharding to a "
-                         f"smaller mesh is not supported), got {reshard_after_forward!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError("fully_shard: reshard_after_forward must be a bool or None (resharding "
+                         f"to a smaller mesh is not supported), got {reshard_after_forward!r}")
     _check_mp_policy(mp_policy)
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
@@ -331,6 +343,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                          f"replicate, shard), got {mesh.ndim} dimensions")
     gather = _Gather(mesh, reshard_after_forward, mp_policy)
     for path, sub in list(module.named_modules()):
+        inner = vars(type(sub)).get(_UNIT_GATHER) if sub is not module else None
+        if inner is not None and inner.reshard_unless_root:   # a unit of an earlier call is
+            inner.reshard_after_forward = True                # not a root any more
         sharded_here = vars(type(sub)) if getattr(type(sub), _MADE_HERE, False) else {}
         props = {}
         for name, p in list(sub.named_parameters(recurse=False)):
@@ -359,6 +374,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             prefix = CLASS_PREFIX if sub is module else "Sharded"
             sub.__class__ = type(f"{prefix}{type(sub).__name__}", (type(sub),),
                                  {**props, _MADE_HERE: True})
+    setattr(type(module), _UNIT_GATHER, gather)
     _mixed_precision_hooks(module, mp_policy)
     return module
 
