@@ -241,18 +241,63 @@ def _mixed_precision(rank: int, world: int) -> dict:
     return out
 
 
+def _fsdp2_arguments(rank: int, world: int) -> dict:
+    """FSDP2's other arguments: ``fully_shard([...])`` on the blocks, a ``shard_placement_fn``
+    splitting dim 1 where it divides evenly, and ``ignored_params`` (left as a plain
+    parameter whose gradient is not reduced); loss gradients eager and compiled against the
+    unsharded model's (averaged over the ranks' batches; the ignored one: this rank's own)."""
+    import train_gpt as tg
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fcoll.parallel import fully_shard
+
+    cfg = _cfg(tg, 32, 4)
+    params = tg.init_params(cfg, 0)
+    _, mean = _data_parallel_reference(lambda: tg.GPTModule(cfg, params), range(world), rank)
+    _, own = _data_parallel_reference(lambda: tg.GPTModule(cfg, params), [rank], rank)
+
+    def dim_1(p):
+        return Shard(1) if p.dim() == 2 and p.shape[1] % world == 0 else None
+
+    out: dict = {}
+    for backend in ("eager", "fcoll"):
+        torch._dynamo.reset()
+        m = tg.GPTModule(cfg, params)
+        ignored = m.blocks[0].p["fc_w"]
+        units = fully_shard(list(m.blocks), shard_placement_fn=dim_1, ignored_params={ignored})
+        fully_shard(m, shard_placement_fn=dim_1)
+        out["units"] = units == list(m.blocks)
+        out["placements"] = sorted({str(p.placements) for p in m.parameters()
+                                    if isinstance(p, DTensor)})
+        out["ignored"] = m.blocks[0].p["fc_w"] is ignored
+        (m if backend == "eager" else torch.compile(m, backend="fcoll"))(*_batch(rank)).backward()
+        out[backend] = max((p.grad.full_tensor() - mean[k]).abs().max().item()
+                           if isinstance(p, DTensor) else (p.grad - own[k]).abs().max().item()
+                           for k, p in m.named_parameters())
+    # a refused placement is found before any parameter is replaced
+    block = torch.nn.Sequential(torch.nn.LayerNorm(3), torch.nn.Linear(3, 4))
+    out["refused"] = [_refusal(lambda fn=fn: fully_shard(block, shard_placement_fn=fn)) for fn in (
+        lambda p: Shard(2),                                         # no such dimension
+        lambda p: Shard(-1) if p.dim() == 2 else None,              # 3 columns over 2 ranks
+        lambda p: "Shard(1)")]                                      # not a Shard
+    out["untouched"] = not any(isinstance(p, DTensor) for p in block.parameters())
+    return out
+
+
 def _both(rank: int, world: int, checkpointing: bool) -> dict:
     out = {"simple-fsdp": _simple_fsdp(rank, world), "tp": _tensor_parallel(rank, world),
            "tied": _tied_weights(rank, world), "mixed": _mixed_precision(rank, world)}
     if checkpointing:
         out["simple-fsdp-ac"] = _fsdp_with_activation_checkpointing(rank, world)
+        out["fsdp2-arguments"] = _fsdp2_arguments(rank, world)
     return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
     """One spawn per process group for all (each compile dominates the run time); the
-    checkpointed SimpleFSDP (a partition-step fix, the same on any group) on fcoll's only."""
+    checkpointed SimpleFSDP (a partition-step fix, the same on any group) and FSDP2's other
+    arguments on fcoll's only."""
     for res in run_ranks(_both, 2, backend=backend, args=(backend == "fcoll",), timeout_s=900):
         fsdp, tp = res["simple-fsdp"], res["tp"]
         assert fsdp["sharded"]
@@ -272,6 +317,15 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
         assert "must be a torch.distributed.fsdp.MixedPrecisionPolicy, got dict" in \
             mixed["refused"][0] and "mp_policy.reduce_dtype must be a floating-point" in \
             mixed["refused"][1], mixed["refused"]
+        if "fsdp2-arguments" in res:
+            args = res["fsdp2-arguments"]
+            assert args["units"] and args["ignored"], args
+            assert args["placements"] == ["(Shard(dim=0),)", "(Shard(dim=1),)"], args
+            assert args["eager"] <= 1e-6 and args["fcoll"] <= 1e-6, args
+            assert "has no dimension 2" in args["refused"][0], args["refused"]
+            assert "does not divide evenly over 2 ranks" in args["refused"][1], args["refused"]
+            assert "expected Shard(dim) or None" in args["refused"][2], args["refused"]
+            assert args["untouched"], args
         for compute, errors in res.get("simple-fsdp-ac", {}).items():
             assert max(errors) <= 1e-5, (compute, res["simple-fsdp-ac"])
         assert len(tp) == 6

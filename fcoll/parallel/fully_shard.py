@@ -37,7 +37,11 @@ What differs from ``torch.distributed.fsdp.fully_shard`` (FSDP2):
   and slow: a parameter read twice is gathered twice).
 - ``reshard_after_forward`` is a bool or None (FSDP2's int, resharding to a smaller mesh, is
   refused); its default is ``True`` (FSDP2's is ``None``: the root's parameters kept);
-  ``offload_policy``, ``shard_placement_fn``, ``ignored_params`` are not offered.
+  ``offload_policy`` is not offered; ``shard_placement_fn`` may return ``Shard(dim)`` or None
+  (FSDP2's ``ShardPlacementResult``, another mesh per parameter, is refused).
+- ``fully_shard([a, b])`` shards each module of the list as its own unit with the same
+  arguments (FSDP2 makes them one communication group; fcoll's plan gathers each unit as a
+  block of its own).
 - The module keeps its class's methods (its class becomes a subclass named ``SimpleFSDP<Name>``,
   and a submodule that owns parameters sharded here ``Sharded<Name>``); there is no
   ``unshard()`` / ``reshard()`` / ``set_requires_gradient_sync``.
@@ -47,9 +51,10 @@ parameter; a later call on a parent shards only what is left), ``mesh=None`` mea
 over the default group's ranks on the default device type, the module returned, sharded
 parameters (``module.parameters()`` are DTensors; a plain optimizer updates each rank's shard),
 ``state_dict`` keys unchanged, tied weights (one ``Parameter`` registered in two modules,
-say an embedding and the output head) stay one sharded parameter, and mixed precision
+say an embedding and the output head) stay one sharded parameter, mixed precision
 (``mp_policy``, FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` with FSDP2's
-meaning, below).
+meaning, below), ``shard_placement_fn`` returning ``Shard(dim)`` (a dimension other than 0
+must divide evenly over the mesh) and ``ignored_params`` (not sharded, gradients not reduced).
 
 Mixed precision: with ``param_dtype`` (say bfloat16) each floating-point shard is cast before
 its all_gather (half the bytes of float32), the module computes with the gathered
@@ -108,6 +113,8 @@ _MADE_HERE = "_fcoll_fully_shard"
 #: another registration of the same Parameter (tied weights: an embedding and the output head),
 #: in this call or a later one, gets the same sharded parameter instead of a copy of its own.
 _SHARDED_AS = "_fcoll_sharded_as"
+#: Attribute set on a parameter a call was given in ``ignored_params``: later calls skip it.
+_IGNORED = "_fcoll_ignored"
 #: Class attribute of a unit's class (made here, one per unit): the unit's :class:`_Gather`.
 _UNIT_GATHER = "_fcoll_unit_gather"
 #: Attribute of a unit: the handles of its mixed-precision forward hooks.
@@ -290,9 +297,12 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device, (dist.get_world_size(),))
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> nn.Module:
+                shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                ignored_params: set[nn.Parameter] | None = None
+                ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` (dim 0), SimpleFSDP style (module docstring).
 
     Every parameter of ``module`` and its submodules not owned by an earlier ``fully_shard``
@@ -308,7 +318,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     Args:
         module: the module to shard, modified in place (its class becomes a subclass named
             ``SimpleFSDP<Name>``; each submodule owning parameters sharded here,
-            ``Sharded<Name>``).
+            ``Sharded<Name>``); or a list of modules, each sharded as its own unit with the
+            same arguments.
         mesh: a 1-D device mesh (FSDP), or a 2-D one (HSDP: parameters replicated over dim 0,
             sharded over dim 1, as FSDP2 with a 2-D mesh; gradients averaged over all of it);
             None: all ranks of the default group on the default device.
@@ -317,22 +328,36 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             from the forward (no second all_gather; more memory); None: FSDP2's meaning,
             True if ``module`` is inside another module ``fully_shard`` is called on (before
             or after this call), else False.
+        shard_placement_fn: FSDP2's: called with each parameter to shard (not 0-dim ones, not
+            tensor-parallel ones), returns ``Shard(dim)`` (negative dims count from the end)
+            to split that dimension instead of dim 0, or None for dim 0. A dimension other
+            than 0 must divide evenly over the mesh (as FSDP2 requires).
         mp_policy: FSDP2's mixed precision policy (module docstring, "Mixed precision"):
             ``param_dtype`` for the all_gather and the compute, ``reduce_dtype`` for the
             gradient's reduction, ``output_dtype`` and ``cast_forward_inputs`` for the
             unit's forward; the default casts nothing. Non-floating-point parameters are
             never cast.
+        ignored_params: parameters left as they are (FSDP2's): not sharded, read directly,
+            their gradients not reduced (each rank keeps its own); by this call and by later
+            calls on modules containing them (as FSDP2, which does not look into a unit
+            again).
 
     Returns:
-        ``module``.
+        ``module`` (the list, for a list).
 
     Raises:
         ValueError: ``mesh`` is neither 1-D nor 2-D, ``reshard_after_forward`` is not a bool
             (FSDP2's int form is not supported), ``mp_policy`` is not a
-            ``MixedPrecisionPolicy`` or names a dtype that is not floating point, or a
-            DTensor parameter cannot be sharded over ``mesh`` (named, with its mesh,
-            placements and the reason).
+            ``MixedPrecisionPolicy`` or names a dtype that is not floating point,
+            ``shard_placement_fn`` returns something other than ``Shard`` / None, a dimension
+            the parameter does not have or one that does not divide evenly (named, with its
+            shape), or a DTensor parameter cannot be sharded over ``mesh`` (named, with its
+            mesh, placements and the reason).
     """
+    if isinstance(module, (list, tuple)):
+        return [fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                            shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
+                            ignored_params=ignored_params) for m in module]
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError("fully_shard: reshard_after_forward must be a bool or None (resharding "
                          f"to a smaller mesh is not supported), got {reshard_after_forward!r}")
@@ -342,6 +367,15 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         raise ValueError(f"fully_shard: expected a 1-D mesh (FSDP) or a 2-D one (HSDP: "
                          f"replicate, shard), got {mesh.ndim} dimensions")
     gather = _Gather(mesh, reshard_after_forward, mp_policy)
+    ignored = {id(q) for q in ignored_params or ()}
+    ignored.update(id(q) for q in module.parameters() if getattr(q, _IGNORED, False))
+    # every parameter's placement first, so that a refused one leaves the module untouched
+    placement_of = {id(p): _shard_placement(shard_placement_fn, p, where, mesh)
+                    for where, p in module.named_parameters()
+                    if not isinstance(p, DTensor) and p.dim() > 0 and id(p) not in ignored}
+    for q in ignored_params or ():
+        # FSDP2 never looks inside a unit again: a later call on a parent ignores it too
+        setattr(q, _IGNORED, True)
     for path, sub in list(module.named_modules()):
         inner = vars(type(sub)).get(_UNIT_GATHER) if sub is not module else None
         if inner is not None and inner.reshard_unless_root:   # a unit of an earlier call is
@@ -349,18 +383,25 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         sharded_here = vars(type(sub)) if getattr(type(sub), _MADE_HERE, False) else {}
         props = {}
         for name, p in list(sub.named_parameters(recurse=False)):
-            if p is None or name in sharded_here:   # an earlier call on a submodule owns it
-                continue
+            if p is None or name in sharded_here or id(p) in ignored:
+                continue    # an earlier call on a submodule owns it, or FSDP is to ignore it
             tied = getattr(p, _SHARDED_AS, None)
             if tied is not None:    # the same Parameter registered again (tied weights)
                 sub._parameters[name], props[name] = tied[0], _property(name, tied[1])
                 continue
+            where = f"{path}.{name}".lstrip(".")
             if isinstance(p, DTensor):
-                stored, read = _shard_tensor_parallel(p, f"{path}.{name}".lstrip("."), mesh,
-                                                      gather)
+                if shard_placement_fn is not None and \
+                        shard_placement_fn(p) not in (None, Shard(0)):
+                    raise ValueError(f"fully_shard: shard_placement_fn returned "
+                                     f"{shard_placement_fn(p)} for tensor-parallel parameter "
+                                     f"{where!r}; only dim 0 (or None) is supported there")
+                stored, read = _shard_tensor_parallel(p, where, mesh, gather)
             else:
                 # a 0-dim parameter has no dim 0 to split: replicated, its gradient all-reduced
-                placements = gather.sharded if p.dim() > 0 else [Replicate()] * mesh.ndim
+                placements = [Replicate()] * mesh.ndim
+                if p.dim() > 0:
+                    placements = [*gather.sharded[:-1], placement_of[id(p)]]
                 stored, read = distribute_tensor(p.detach(), mesh, placements), gather
             sub._parameters[name] = nn.Parameter(stored, requires_grad=p.requires_grad)
             props[name] = _property(name, read)
@@ -377,6 +418,35 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     setattr(type(module), _UNIT_GATHER, gather)
     _mixed_precision_hooks(module, mp_policy)
     return module
+
+
+def _shard_placement(fn: Callable[[nn.Parameter], Shard | None] | None, p: nn.Parameter,
+                     where: str, mesh: DeviceMesh) -> Shard:
+    """The ``Shard`` placement of parameter ``p`` (at ``where``) over ``mesh``'s last
+    dimension: ``fn(p)``'s, dim 0 when ``fn`` is None or returns None.
+
+    Raises:
+        ValueError: ``fn`` returns something else, a dimension ``p`` does not have, or a
+            dimension other than 0 that does not divide evenly over the mesh dimension.
+    """
+    placement = fn(p) if fn is not None else None
+    if placement is None:
+        return Shard(0)
+    if type(placement) is not Shard:
+        raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter "
+                         f"{where!r}; expected Shard(dim) or None (a ShardPlacementResult, "
+                         "another mesh per parameter, is not supported)")
+    dim, n = placement.dim, mesh.size(mesh.ndim - 1)
+    if not -p.dim() <= dim < p.dim():
+        raise ValueError(f"fully_shard: shard_placement_fn returned Shard({dim}) for parameter "
+                         f"{where!r} of shape {list(p.shape)}, which has no dimension {dim}")
+    dim %= p.dim()
+    if dim != 0 and p.shape[dim] % n:
+        raise ValueError(f"fully_shard: shard_placement_fn returned Shard({dim}) for parameter "
+                         f"{where!r} of shape {list(p.shape)}: size {p.shape[dim]} does not "
+                         f"divide evenly over {n} ranks (required on a dimension other than "
+                         "0, as FSDP2)")
+    return Shard(dim)
 
 
 def _check_mp_policy(mp_policy: MixedPrecisionPolicy) -> None:
