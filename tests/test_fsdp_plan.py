@@ -15,7 +15,7 @@ import fcoll
 from fcoll.passes.rewrites.bucketing import META_BUCKET, BucketCollectives
 from fcoll.passes.config import FcollConfig
 from fcoll.passes.rewrites.fsdp_plan import META_NOT_BEFORE, META_WAIT_BY, block_of, plan_fsdp
-from fcoll.passes.graph import collective_kind, collectives, waits_of
+from fcoll.passes.graph import collective_kind, collectives, is_collective, is_wait, waits_of
 from fcoll.passes.analysis.memory import peak_bytes
 from fcoll.passes.registry import run_pipeline
 
@@ -187,6 +187,46 @@ class TestFsdpPlan(unittest.TestCase):
         grad_bytes = 2 * HIDDEN * HIDDEN * 4    # one block's two full-size weight gradients
         self.assertLessEqual(peak_bytes(gm.graph.nodes), unbucketed_peak + 3 * grad_bytes)
 
+
+    def test_a_bound_never_names_a_collective_that_bucketing_replaces(self):
+        """A block whose gathered weight is first read by a collective (its first use, the
+        bound of the gradient bucket two blocks earlier, and of the next block's prefetch):
+        each bound names the nearest compute node, which bucketing keeps (before, the
+        collective itself: merged into a bucket, its name was gone and the bound dropped with
+        a warning, 'fcoll_wait_by names reduce_scatter_tensor_24, which is not in the graph',
+        seen on FSDP + TP with sequence parallel, activation checkpointing and bfloat16
+        parameters)."""
+        from fcoll.passes.rewrites.ordering import dependencies
+
+        name = "0"
+
+        def step(grad, *saved):
+            outs = []
+            for i in range(len(saved) - 4, -1, -4):
+                x1, x2, s1, s2 = saved[i:i + 4]
+                w2 = fcoll.all_gather_tensor(s2, 0, name)
+                outs.append(fcoll.reduce_scatter_tensor(w2, "sum", 0, name))  # first use
+                outs.append(fcoll.reduce_scatter_tensor(torch.mm(grad.t(), x2), "sum", 0, name))
+                grad = torch.relu(torch.mm(grad, w2))
+                w1 = fcoll.all_gather_tensor(s1, 0, name)
+                outs.append(fcoll.reduce_scatter_tensor(torch.mm(grad.t(), x1), "sum", 0, name))
+                grad = torch.mm(grad, w1)
+            return [fcoll.wait_tensor(o) for o in outs] + [grad]
+
+        shard, act = (HIDDEN // 2, HIDDEN), (BATCH, HIDDEN)
+        gm = _lowered(_tag_blocks(canonical.trace(step, [act] + [act, act, shard, shard] * BLOCKS),
+                                  2))
+        self.assertTrue(plan_fsdp(gm.graph).wait_by)
+        bucketed = BucketCollectives(FcollConfig())(gm).graph_module
+        by_name = {n.name: n for n in bucketed.graph.nodes}
+        bounds = [n.meta[k] for n in bucketed.graph.nodes for k in (META_WAIT_BY, META_NOT_BEFORE)
+                  if k in n.meta]
+        self.assertTrue(bounds)
+        for name in bounds:
+            self.assertIn(name, by_name)
+            self.assertFalse(is_collective(by_name[name]) or is_wait(by_name[name]), name)
+        with self.assertNoLogs("fcoll.passes.rewrites.ordering", "WARNING"):
+            dependencies(bucketed.graph)
 
     def test_a_bound_naming_a_missing_node_is_dropped_with_a_warning(self):
         """A wait whose ``META_WAIT_BY`` names a node no longer in the graph loses that bound;

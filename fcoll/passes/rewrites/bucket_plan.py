@@ -95,7 +95,9 @@ from fcoll.passes.rewrites.bucket_rules import (
 )
 from fcoll.passes.config import FcollConfig
 from fcoll.passes.analysis.memory import OTHER, op_class
-from fcoll.passes.graph import META_HIDING, only_leaves_graph, tensor_bytes, waits_of
+from fcoll.passes.graph import (
+    META_HIDING, is_collective, is_wait, only_leaves_graph, tensor_bytes, waits_of,
+)
 from fcoll.passes.rewrites.fsdp_plan import plan_fsdp
 from fcoll.passes.rewrites.group_plan import BucketPlanError, ForcedPlans, GroupPlan
 
@@ -407,6 +409,17 @@ class _Planner:
             return self.mode
         return "coalesced" if self.fsdp and node in self.fsdp.segment else "concat"
 
+    def kept(self, i: int, step: int) -> str | None:
+        """The name of the node at position ``i``, or, if it is a collective or a wait (which
+        bucketing may replace, so a bound naming it would be lost), of the nearest node that is
+        neither, stepping by ``step``: -1 for a ``not_before`` bound (issued after an earlier
+        node: a weaker bound), +1 for a ``wait_by`` one (waited before a later node: weaker
+        too); None if there is none."""
+        while 0 <= i < len(self.nodes) and (is_collective(self.nodes[i]) or
+                                             is_wait(self.nodes[i])):
+            i += step
+        return self.nodes[i].name if 0 <= i < len(self.nodes) else None
+
     def close(self, b: OpenBucket, why: str = "the end of the graph") -> None:
         """Close ``b``: record it as a :class:`Bucket` if it merges, or moves, anything
         (``why`` it closes: for a forced plan's errors)."""
@@ -427,9 +440,11 @@ class _Planner:
             kind=b.key[0], key=b.key, members=tuple(m.node.name for m in b.members),
             dtypes=tuple(m.dtype for m in b.members), in_bytes=b.in_bytes,
             out_bytes=b.out_bytes, issue_key=b.ready + (1, seq), wait_key=(2 * w - 1, 0, seq),
-            seq=seq, not_before=max(anchors, key=self.idx.__getitem__).name if anchors else None,
-            wait_by=self.nodes[w].name if any(self.fsdp and m.node in self.fsdp.wait_by
-                                              for m in b.members) else None,
+            seq=seq,
+            not_before=self.kept(self.idx[max(anchors, key=self.idx.__getitem__)], -1)
+            if anchors else None,
+            wait_by=self.kept(w, 1) if any(self.fsdp and m.node in self.fsdp.wait_by
+                                           for m in b.members) else None,
             mode=self.mode_of(b.members[0].node))
         self.buckets.append(bucket)
         if len(b.members) == 1:   # a move: its wait stays where it is
