@@ -53,7 +53,9 @@ communication), ``comm`` (the gradients' all_reduces alone, bucketed at 25 MiB, 
 comm`` and the one-step floor ``max(compute, forward + comm)`` (gradients, and so their
 all_reduces, exist only after the forward). Medians over every timed step of every round; the
 ratios are medians of the per-round ratios. The load average is printed before and after;
-``--background-load N`` runs N busy processes (``collectives.BackgroundLoad``, in the ranks'
+``--param-dtype bfloat16 --reduce-dtype float32`` runs the FSDP module rows (``torch-fsdp2``,
+``simple-fsdp``) with that ``MixedPrecisionPolicy`` on every ``fully_shard`` call (torchtitan's
+default). ``--background-load N`` runs N busy processes (``collectives.BackgroundLoad``, in the ranks'
 session) for the whole run.
 
 The ranks talk over gloo inside a network namespace whose loopback is rate-limited with
@@ -101,6 +103,11 @@ def _parse(argv=None):
     p.add_argument("--network", choices=["auto", "tbf", "loopback"], default="auto")
     p.add_argument("--json", default="overlap.json")
     p.add_argument("--timeout-s", type=float, default=3000)
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="torch-fsdp2 and simple-fsdp rows: FSDP2's MixedPrecisionPolicy."
+                   "param_dtype for every fully_shard call (torchtitan: bfloat16)")
+    p.add_argument("--reduce-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="with --param-dtype: the gradients' reduction dtype (torchtitan: float32)")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="N busy processes during the run (collectives.BackgroundLoad, in the "
                    "ranks' session)")
@@ -328,7 +335,9 @@ def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int,
         try:
             with _best(backend), _stance(name):
                 step = T.TorchModuleStep(cfg, T.init_params(cfg, 0), parallel, T.AdamW(),
-                                         torch.device("cpu"), backend, options)
+                                         torch.device("cpu"), backend, options,
+                                         mp_policy=T._mp_policy(argparse.Namespace(**a))
+                                         if parallel in T.FSDP_MODES else None)
                 step(*batch(0))   # compiles before the timed rounds
         except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
             res[name] = _failed(e)
@@ -754,6 +763,9 @@ def main(argv=None) -> int:
         load_after = os.getloadavg()
     text, summary = _table(r0, network)
     print(text)
+    if a.param_dtype or a.reduce_dtype:
+        print(f"FSDP module rows in mixed precision: parameters {a.param_dtype or 'float32'}, "
+              f"gradients reduced in {a.reduce_dtype or a.param_dtype} (MixedPrecisionPolicy)")
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after} "
           f"({os.cpu_count()} cores; {a.background_load} background busy processes; peak "
           f"memory: {'counted' if preload else 'unavailable (no C compiler)'})")
