@@ -346,8 +346,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         ``module`` (the list, for a list).
 
     Raises:
-        ValueError: ``mesh`` is neither 1-D nor 2-D, ``reshard_after_forward`` is not a bool
-            (FSDP2's int form is not supported), ``mp_policy`` is not a
+        ValueError: ``mesh`` is neither 1-D nor 2-D, ``reshard_after_forward`` is neither a
+            bool nor None (FSDP2's int form is not supported), ``mp_policy`` is not a
             ``MixedPrecisionPolicy`` or names a dtype that is not floating point,
             ``shard_placement_fn`` returns something other than ``Shard`` / None, a dimension
             the parameter does not have or one that does not divide evenly (named, with its
@@ -391,11 +391,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 continue
             where = f"{path}.{name}".lstrip(".")
             if isinstance(p, DTensor):
-                if shard_placement_fn is not None and \
-                        shard_placement_fn(p) not in (None, Shard(0)):
-                    raise ValueError(f"fully_shard: shard_placement_fn returned "
-                                     f"{shard_placement_fn(p)} for tensor-parallel parameter "
-                                     f"{where!r}; only dim 0 (or None) is supported there")
+                asked = shard_placement_fn(p) if shard_placement_fn is not None else None
+                if asked not in (None, Shard(0)):
+                    raise ValueError(f"fully_shard: shard_placement_fn returned {asked} for "
+                                     f"tensor-parallel parameter {where!r}; only dim 0 (or "
+                                     "None) is supported there")
                 stored, read = _shard_tensor_parallel(p, where, mesh, gather)
             else:
                 # a 0-dim parameter has no dim 0 to split: replicated, its gradient all-reduced
