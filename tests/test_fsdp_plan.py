@@ -228,6 +228,44 @@ class TestFsdpPlan(unittest.TestCase):
         with self.assertNoLogs("fcoll.passes.rewrites.ordering", "WARNING"):
             dependencies(bucketed.graph)
 
+    def test_mixed_precision_casts_run_just_before_their_gathers_after_the_passes(self):
+        """Mixed precision casts each shard before its gather. Bucketing hoists those casts to
+        the start (every rank issues the prefetch where the plan says); after the scheduler,
+        each cast runs just before its block's gather again, so no bf16 copy of a later
+        block's shards is live from the start (before, all of them were computed first): the
+        modelled peak is one shard copy lower than the hoisted order's."""
+        name = "0"
+
+        def step(x, *shards):
+            for i in range(0, len(shards), 2):
+                w1 = fcoll.all_gather_tensor(shards[i].to(torch.bfloat16), 0, name)
+                x = torch.relu(torch.mm(x, w1.t().float()))
+                w2 = fcoll.all_gather_tensor(shards[i + 1].to(torch.bfloat16), 0, name)
+                x = torch.mm(x, w2.t().float())
+            return x
+
+        shard = (HIDDEN // 2, HIDDEN)
+
+        def traced():
+            return _tag_blocks(canonical.trace(step, [(BATCH, HIDDEN)] + [shard] * (2 * BLOCKS)),
+                               2)
+
+        gm = run_pipeline(traced(), FcollConfig(), ("lower_c10d_functional",
+                                                    "bucket_collectives", "reorder_for_overlap"))
+        nodes = list(gm.graph.nodes)
+        casts = [n for n in nodes if n.target in (torch.ops.prims.convert_element_type.default,
+                                                  torch.ops.aten._to_copy.default)
+                 and n.args[0].op == "placeholder"]
+        self.assertEqual(len(casts), 2 * BLOCKS)
+        for cast in casts:   # the next node that is not another cast is its gather
+            later = nodes[nodes.index(cast) + 1:]
+            follower = next(n for n in later if n not in casts)
+            self.assertIn(follower, cast.users, cast.name)
+        hoisted = run_pipeline(traced(), FcollConfig(), ("lower_c10d_functional",
+                                                         "bucket_collectives"))
+        copy = (HIDDEN // 2) * HIDDEN * 2   # one bf16 shard
+        self.assertLessEqual(peak_bytes(gm.graph.nodes), peak_bytes(hoisted.graph.nodes) - copy)
+
     def test_a_bound_naming_a_missing_node_is_dropped_with_a_warning(self):
         """A wait whose ``META_WAIT_BY`` names a node no longer in the graph loses that bound;
         the scheduler says so at WARNING instead of dropping it without a word."""

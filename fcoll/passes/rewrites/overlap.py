@@ -50,6 +50,7 @@ from fcoll.passes.graph import (
 from fcoll.passes.registry import FcollPass, gc_paused, register_pass
 from fcoll.passes.rewrites.list_scheduler import KeyScheduler, list_schedule, ready_counts
 from fcoll.passes.rewrites.ordering import apply_order, dependencies
+from fcoll.passes.rewrites.shared_plan import sink_input_preparation
 
 __all__ = ["SinkWaits", "RaiseCollectives", "ReorderForOverlap", "PredictedEvent", "predict",
            "sink_waits_order", "raise_collectives_order"]
@@ -164,6 +165,9 @@ class ReorderForOverlap(FcollPass):
                                  memory_budget_bytes=int(self.config.memory_budget_mb * _MIB),
                                  max_in_flight_bytes=int(self.config.max_in_flight_mb * _MIB))
             modified = apply_order(graph_module.graph, plan.order)
+            # input preparation hoisted for the bucket plan (pads, mixed-precision casts):
+            # computed just before use, now that the collectives are placed
+            modified = sink_input_preparation(graph_module) or modified
             for node, ev in plan.timeline.by_node.items():
                 node.meta[META_ESTIMATED_US] = \
                     ev.end_us - ev.start_us if ev.kind != "wait" else 0.0
