@@ -36,16 +36,23 @@ def _tag_blocks(gm: fx.GraphModule, per_block: int) -> fx.GraphModule:
     return gm
 
 
-def _forward(blocks: int = BLOCKS) -> fx.GraphModule:
+def _forward(blocks: int = BLOCKS, param_dtype: torch.dtype | None = None) -> fx.GraphModule:
     """``blocks`` blocks of two linear layers, each weight gathered at its use:
-    ``ag(w1) -> wait -> mm -> relu -> ag(w2) -> wait -> mm`` per block."""
+    ``ag(w1) -> wait -> mm -> relu -> ag(w2) -> wait -> mm`` per block; ``param_dtype``: each
+    shard cast to it before its gather and the gathered weight back to float32 (mixed
+    precision)."""
     name = "0"
+
+    def gather(shard):
+        if param_dtype is None:
+            return fcoll.all_gather_tensor(shard, 0, name)
+        return fcoll.all_gather_tensor(shard.to(param_dtype), 0, name).float()
 
     def step(x, *shards):
         for i in range(0, len(shards), 2):
-            w1 = fcoll.all_gather_tensor(shards[i], 0, name)
+            w1 = gather(shards[i])
             x = torch.relu(torch.mm(x, w1.t()))
-            w2 = fcoll.all_gather_tensor(shards[i + 1], 0, name)
+            w2 = gather(shards[i + 1])
             x = torch.mm(x, w2.t())
         return x
 
@@ -53,9 +60,11 @@ def _forward(blocks: int = BLOCKS) -> fx.GraphModule:
     return _tag_blocks(canonical.trace(step, [(BATCH, HIDDEN)] + [shard] * (2 * blocks)), 2)
 
 
-def _backward(blocks: int = BLOCKS) -> fx.GraphModule:
+def _backward(blocks: int = BLOCKS, weight_read_by_collective: bool = False) -> fx.GraphModule:
     """The backward of :func:`_forward` with resharding: per block (last first) both weights
-    gathered again, the input gradient computed, each weight gradient reduce_scattered."""
+    gathered again, the input gradient computed, each weight gradient reduce_scattered;
+    ``weight_read_by_collective``: each block's second gathered weight is first read by a
+    reduce_scatter of its own."""
     name = "0"
 
     def step(grad, *saved):
@@ -63,6 +72,8 @@ def _backward(blocks: int = BLOCKS) -> fx.GraphModule:
         for i in range(len(saved) - 4, -1, -4):
             x1, x2, s1, s2 = saved[i:i + 4]
             w2 = fcoll.all_gather_tensor(s2, 0, name)
+            if weight_read_by_collective:
+                outs.append(fcoll.reduce_scatter_tensor(w2, "sum", 0, name))  # first use
             outs.append(fcoll.reduce_scatter_tensor(torch.mm(grad.t(), x2), "sum", 0, name))
             grad = torch.relu(torch.mm(grad, w2))
             w1 = fcoll.all_gather_tensor(s1, 0, name)
@@ -198,24 +209,7 @@ class TestFsdpPlan(unittest.TestCase):
         parameters)."""
         from fcoll.passes.rewrites.ordering import dependencies
 
-        name = "0"
-
-        def step(grad, *saved):
-            outs = []
-            for i in range(len(saved) - 4, -1, -4):
-                x1, x2, s1, s2 = saved[i:i + 4]
-                w2 = fcoll.all_gather_tensor(s2, 0, name)
-                outs.append(fcoll.reduce_scatter_tensor(w2, "sum", 0, name))  # first use
-                outs.append(fcoll.reduce_scatter_tensor(torch.mm(grad.t(), x2), "sum", 0, name))
-                grad = torch.relu(torch.mm(grad, w2))
-                w1 = fcoll.all_gather_tensor(s1, 0, name)
-                outs.append(fcoll.reduce_scatter_tensor(torch.mm(grad.t(), x1), "sum", 0, name))
-                grad = torch.mm(grad, w1)
-            return [fcoll.wait_tensor(o) for o in outs] + [grad]
-
-        shard, act = (HIDDEN // 2, HIDDEN), (BATCH, HIDDEN)
-        gm = _lowered(_tag_blocks(canonical.trace(step, [act] + [act, act, shard, shard] * BLOCKS),
-                                  2))
+        gm = _lowered(_backward(weight_read_by_collective=True))
         self.assertTrue(plan_fsdp(gm.graph).wait_by)
         bucketed = BucketCollectives(FcollConfig())(gm).graph_module
         by_name = {n.name: n for n in bucketed.graph.nodes}
@@ -234,24 +228,9 @@ class TestFsdpPlan(unittest.TestCase):
         each cast runs just before its block's gather again, so no bf16 copy of a later
         block's shards is live from the start (before, all of them were computed first): the
         modelled peak is one shard copy lower than the hoisted order's."""
-        name = "0"
-
-        def step(x, *shards):
-            for i in range(0, len(shards), 2):
-                w1 = fcoll.all_gather_tensor(shards[i].to(torch.bfloat16), 0, name)
-                x = torch.relu(torch.mm(x, w1.t().float()))
-                w2 = fcoll.all_gather_tensor(shards[i + 1].to(torch.bfloat16), 0, name)
-                x = torch.mm(x, w2.t().float())
-            return x
-
-        shard = (HIDDEN // 2, HIDDEN)
-
-        def traced():
-            return _tag_blocks(canonical.trace(step, [(BATCH, HIDDEN)] + [shard] * (2 * BLOCKS)),
-                               2)
-
-        gm = run_pipeline(traced(), FcollConfig(), ("lower_c10d_functional",
-                                                    "bucket_collectives", "reorder_for_overlap"))
+        passes = ("lower_c10d_functional", "bucket_collectives")
+        gm = run_pipeline(_forward(param_dtype=torch.bfloat16), FcollConfig(),
+                          passes + ("reorder_for_overlap",))
         nodes = list(gm.graph.nodes)
         casts = [n for n in nodes if n.target in (torch.ops.prims.convert_element_type.default,
                                                   torch.ops.aten._to_copy.default)
@@ -261,8 +240,7 @@ class TestFsdpPlan(unittest.TestCase):
             later = nodes[nodes.index(cast) + 1:]
             follower = next(n for n in later if n not in casts)
             self.assertIn(follower, cast.users, cast.name)
-        hoisted = run_pipeline(traced(), FcollConfig(), ("lower_c10d_functional",
-                                                         "bucket_collectives"))
+        hoisted = run_pipeline(_forward(param_dtype=torch.bfloat16), FcollConfig(), passes)
         copy = (HIDDEN // 2) * HIDDEN * 2   # one bf16 shard
         self.assertLessEqual(peak_bytes(gm.graph.nodes), peak_bytes(hoisted.graph.nodes) - copy)
 

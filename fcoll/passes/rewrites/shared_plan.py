@@ -104,8 +104,10 @@ from fcoll.passes.rewrites.bucket_key import BucketKeys
 from fcoll.passes.rewrites.bucket_plan import (Bucket, BucketCosts, follow_plans, lane_timed,
                                                plan_buckets)
 from fcoll.passes.rewrites.group_plan import BucketPlanError, GroupPlan, group_plans, without
+from fcoll.passes.analysis.memory import written_inputs
 from fcoll.passes.config import FcollConfig
 from fcoll.passes.graph import is_collective, is_wait
+from fcoll.passes.rewrites.ordering import apply_order
 
 __all__ = ["agreed_buckets", "PlanOrigin", "BucketPlanTimeoutError", "META_BUCKET_PLAN",
            "plan_key", "hoist_input_preparation", "sink_input_preparation"]
@@ -349,12 +351,34 @@ def _reports(s: _Shared, round_: int, rank: int, timeout_s: float) -> dict[int, 
 _MOVEMENT_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
     "constant_pad_nd", "clone", "cat", "split_with_sizes", "_to_copy", "narrow", "expand",
     "permute", "squeeze", "unsqueeze")) | {torch.ops.aten.split.Tensor,
-                                          torch.ops.aten.slice.Tensor, operator.getitem}
+                                          torch.ops.aten.slice.Tensor, operator.getitem,
+                                          torch.ops.prims.convert_element_type.default}
 
 
 def _moves_data_only(node: fx.Node) -> bool:
-    return (node.target in _MOVEMENT_OPS or node.target is torch.ops.prims.convert_element_type.default
-            or getattr(node.target, "is_view", False))
+    return node.target in _MOVEMENT_OPS or getattr(node.target, "is_view", False)
+
+
+def _input_preparation(nodes: list[fx.Node], movement_only: bool) -> set[fx.Node]:
+    """The ``call_function`` nodes among ``nodes`` (a graph, in order) that a collective's
+    input is made from, computed from graph inputs alone: pure, no collective or wait, and,
+    ``movement_only``, only ops that move, pad or cast data (:data:`_MOVEMENT_OPS`, views)."""
+    early: set[fx.Node] = set()      # nodes computable from graph inputs alone
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr"):
+            early.add(n)
+        elif (n.op == "call_function" and not is_collective(n) and not is_wait(n)
+              and not n.is_impure() and all(i in early for i in n.all_input_nodes)
+              and (not movement_only or _moves_data_only(n))):
+            early.add(n)
+    feeding: set[fx.Node] = set()    # of those, the ones a collective's input is made from
+    stack = [i for c in nodes if is_collective(c) for i in c.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if n in early and n.op == "call_function" and n not in feeding:
+            feeding.add(n)
+            stack.extend(n.all_input_nodes)
+    return feeding
 
 
 def hoist_input_preparation(gm: fx.GraphModule, movement_only: bool = False) -> bool:
@@ -378,21 +402,7 @@ def hoist_input_preparation(gm: fx.GraphModule, movement_only: bool = False) -> 
     anchor = max((n for n in nodes if n.op == "placeholder"), key=nodes.index, default=None)
     if anchor is None:
         return False
-    early: set[fx.Node] = set()      # nodes computable from graph inputs alone
-    for n in nodes:
-        if n.op in ("placeholder", "get_attr"):
-            early.add(n)
-        elif (n.op == "call_function" and not is_collective(n) and not is_wait(n)
-              and not n.is_impure() and all(i in early for i in n.all_input_nodes)
-              and (not movement_only or _moves_data_only(n))):
-            early.add(n)
-    feeding: set[fx.Node] = set()    # of those, the ones a collective's input is made from
-    stack = [i for c in nodes if is_collective(c) for i in c.all_input_nodes]
-    while stack:
-        n = stack.pop()
-        if n in early and n.op == "call_function" and n not in feeding:
-            feeding.add(n)
-            stack.extend(n.all_input_nodes)
+    feeding = _input_preparation(nodes, movement_only)
     moved = False
     for n in nodes:
         if n in feeding:
@@ -409,8 +419,8 @@ def hoist_input_preparation(gm: fx.GraphModule, movement_only: bool = False) -> 
 def sink_input_preparation(gm: fx.GraphModule) -> bool:
     """Undo :func:`hoist_input_preparation` once the collectives are placed: each node that
     prepares a collective's input from graph inputs alone by moving, padding or casting data
-    (:data:`_MOVEMENT_OPS`, views, ``prims.convert_element_type``) moves to just before its
-    first user; True if anything moved.
+    (:func:`_input_preparation` with ``movement_only``) moves to just before its first user;
+    True if anything moved.
 
     Hoisting makes such inputs (an uneven shard's padding, the ``param_dtype`` cast of mixed
     precision) ready at the start on every rank, so that the group's plan applies everywhere;
@@ -421,25 +431,10 @@ def sink_input_preparation(gm: fx.GraphModule) -> bool:
     graph inputs and each other, so values are unchanged. A graph that writes any storage (an
     input mutated in place) is left as it is: a moved read could cross the write.
     """
-    from fcoll.passes.analysis.memory import written_inputs
-
     nodes = list(gm.graph.nodes)
     if any(written_inputs(n) for n in nodes):
         return False
-    early: set[fx.Node] = set()
-    for n in nodes:
-        if (n.op == "call_function" and not is_collective(n) and not is_wait(n)
-                and not n.is_impure() and _moves_data_only(n)
-                and all(i.op in ("placeholder", "get_attr") or i in early
-                        for i in n.all_input_nodes)):
-            early.add(n)
-    feeding: set[fx.Node] = set()
-    stack = [i for c in nodes if is_collective(c) for i in c.all_input_nodes]
-    while stack:
-        n = stack.pop()
-        if n in early and n not in feeding:
-            feeding.add(n)
-            stack.extend(n.all_input_nodes)
+    feeding = _input_preparation(nodes, movement_only=True)
     if not feeding:
         return False
     order: list[fx.Node] = []
@@ -467,11 +462,8 @@ def sink_input_preparation(gm: fx.GraphModule) -> bool:
                 place_chain(i)
         order.append(n)
         placed.add(n)
-    if order == nodes:
+    if not apply_order(gm.graph, order):
         return False
-    for prev, node in zip(order, order[1:]):
-        if prev.next is not node:
-            prev.append(node)
     gm.graph.lint()
     gm.recompile()
     return True
