@@ -55,8 +55,8 @@ all_reduces, exist only after the forward). Medians over every timed step of eve
 ratios are medians of the per-round ratios. The load average is printed before and after;
 ``--param-dtype bfloat16 --reduce-dtype float32`` runs the FSDP module rows (``torch-fsdp2``,
 ``simple-fsdp``) with that ``MixedPrecisionPolicy`` on every ``fully_shard`` call (torchtitan's
-default). ``--background-load N`` runs N busy processes (``collectives.BackgroundLoad``, in the ranks'
-session) for the whole run.
+default). ``--background-load N`` runs N busy processes (``collectives.BackgroundLoad``, in the
+ranks' session) for the whole run.
 
 The ranks talk over gloo inside a network namespace whose loopback is rate-limited with
 ``tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 100ms`` (0.125 GB/s; NOTES.md).
@@ -336,7 +336,7 @@ def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int,
             with _best(backend), _stance(name):
                 step = T.TorchModuleStep(cfg, T.init_params(cfg, 0), parallel, T.AdamW(),
                                          torch.device("cpu"), backend, options,
-                                         mp_policy=T._mp_policy(argparse.Namespace(**a))
+                                         mp_policy=T.mp_policy(a["param_dtype"], a["reduce_dtype"])
                                          if parallel in T.FSDP_MODES else None)
                 step(*batch(0))   # compiles before the timed rounds
         except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal

@@ -517,16 +517,16 @@ FSDP_MODES = ("simple-fsdp", "fsdp-tp", "torch-fsdp2")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _mp_policy(args: argparse.Namespace):
-    """FSDP2's ``MixedPrecisionPolicy`` from ``--param-dtype`` / ``--reduce-dtype``; None
-    when neither is given."""
-    if not (args.param_dtype or args.reduce_dtype):
+def mp_policy(param_dtype: str | None, reduce_dtype: str | None):
+    """FSDP2's ``MixedPrecisionPolicy`` from ``--param-dtype`` / ``--reduce-dtype`` (names in
+    :data:`DTYPES`); None when neither is given."""
+    if not (param_dtype or reduce_dtype):
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
-        param_dtype=getattr(torch, args.param_dtype) if args.param_dtype else None,
-        reduce_dtype=getattr(torch, args.reduce_dtype) if args.reduce_dtype else None)
+        param_dtype=getattr(torch, param_dtype) if param_dtype else None,
+        reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None)
 
 
 def _checkpoint_blocks(module: GPTModule, enabled: bool) -> GPTModule:
@@ -922,7 +922,7 @@ def _main_torch_module(args, cfg: GPTConfig, corpus: Corpus, device: torch.devic
     step = TorchModuleStep(cfg, params, args.parallel, AdamW(lr=args.lr), device, backend, options,
                            tp_size=args.tp, sequence_parallel=args.sequence_parallel,
                            activation_checkpointing=args.activation_checkpointing,
-                           mp_policy=_mp_policy(args))
+                           mp_policy=mp_policy(args.param_dtype, args.reduce_dtype))
     say = print if rank == 0 else (lambda *a, **k: None)
     title = {"simple-fsdp": "fcoll.parallel.fully_shard (SimpleFSDP)",
              "tp": "PyTorch tensor parallel",

@@ -153,9 +153,11 @@ def test_device_and_backend_arguments():
     assert (args.parallel, args.tp, args.sequence_parallel) == ("fsdp-tp", 2, True)
     with pytest.raises(SystemExit):
         tg._parse(["--parallel", "tp", "--param-dtype", "bfloat16"])   # only the FSDP modes
-    assert tg._mp_policy(tg._parse([])) is None
-    policy = tg._mp_policy(tg._parse(["--parallel", "simple-fsdp", "--param-dtype", "bfloat16",
-                                      "--reduce-dtype", "float32"]))
+    args = tg._parse([])
+    assert tg.mp_policy(args.param_dtype, args.reduce_dtype) is None
+    args = tg._parse(["--parallel", "simple-fsdp", "--param-dtype", "bfloat16",
+                      "--reduce-dtype", "float32"])
+    policy = tg.mp_policy(args.param_dtype, args.reduce_dtype)
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 
