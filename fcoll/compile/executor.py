@@ -34,9 +34,10 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from fcoll.compile.direct_calls import direct_impls
+from fcoll.compile.direct_calls import direct_impls, lent_inputs
 from fcoll.compile.trace import RunTrace, TraceRecorder, now_us
 from fcoll.ops import pending
+from fcoll.ops.library import borrowing_inputs
 from fcoll.ops.facts import busbw_factor, comm_bytes
 from fcoll.passes.graph import (
     collective_info,
@@ -205,7 +206,8 @@ def plan_steps(gm: fx.GraphModule, items: Sequence[fx.Node | Step], table: OpTab
         table: op implementations.
         name: the graph's name, for errors.
         node_impls: implementations of particular nodes, ahead of ``table`` (the direct path's
-            prepared calls, :func:`fcoll.compile.direct_calls.direct_impls`).
+            prepared calls, :func:`fcoll.compile.direct_calls.direct_impls`, and the kernels
+            of collectives lent their inputs, :func:`~fcoll.compile.direct_calls.lent_inputs`).
 
     Returns:
         The steps, each with ``free`` set: the values it reads last, except the graph's outputs.
@@ -293,7 +295,10 @@ class GraphExecutor:
         if direct:
             with unset_fake_temporarily():  # prepared calls hold real views of shared memory
                 self.direct = direct_impls(gm, items, name)
-        self._steps = plan_steps(gm, items, table, name, self.direct)
+        impls = dict(self.direct)
+        for node in lent_inputs(gm, skip=self.direct):   # read in place, not copied
+            impls[node] = borrowing_inputs(table.resolve(node.target, node.name, name))
+        self._steps = plan_steps(gm, items, table, name, impls)
         # The loop unpacks plain tuples: CPython's UNPACK_SEQUENCE has a fast path for exact
         # tuples only, and a NamedTuple subclass costs about 10 % more per step.
         self._loop = [tuple(s) for s in self._steps]

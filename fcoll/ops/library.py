@@ -44,7 +44,8 @@ the ops and registers both kinds of kernel.
 
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ from fcoll.ops.wire import (allgather_options, backend_name, chain, gathers_one_
                             reduce_args, reduce_scatter_options, reduces_scatter_by_all_to_all,
                             start_reduce_scatter, wire_input, wire_output)
 
-__all__ = ["lib", "REDUCE_OPS", "validate_reduce_op"]
+__all__ = ["lib", "REDUCE_OPS", "validate_reduce_op", "borrowing_inputs", "COPYING_OPS"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation (before any data moves)
@@ -87,9 +88,19 @@ def _check_splits(op: str, name: str, splits: Sequence[int], total: int, n: int,
                          f"dim 0 has size {total} {_where(group_name, t)}")
 
 
+_borrowing = threading.local()
+
+#: the ops whose kernels copy their inputs (:func:`_owned_input`) unless the caller lends them
+#: (:func:`borrowing_inputs`)
+COPYING_OPS = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+               "all_gather_into_tensor_out", "reduce_scatter_tensor",
+               "reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_out",
+               "all_to_all_single")
+
+
 def _owned_input(pg: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
     """``t`` as the backend reads it (:func:`fcoll.ops.wire.wire_input`), in a buffer of the
-    op's own: never ``t`` itself.
+    op's own: never ``t`` itself, unless the caller lends it (:func:`borrowing_inputs`).
 
     A functional op's caller owns its inputs again once the op returns: it may write them, and
     a compiler reuses their buffers (Inductor's ``bufN = buf0  # reuse`` after a fallback
@@ -99,7 +110,28 @@ def _owned_input(pg: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
     all-reduced in place of the original on every rank).
     """
     w = wire_input(pg, t)
-    return w.clone() if w is t else w
+    return w.clone() if w is t and not getattr(_borrowing, "on", False) else w
+
+
+def borrowing_inputs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a functional collective's kernel or op), called so that the all_gather,
+    reduce_scatter and all_to_all it starts read their inputs in place instead of from a copy
+    (:func:`_owned_input`; all_reduce's result is a copy in any case).
+
+    For a caller that writes none of those inputs' storage until the collective's wait has
+    returned: fcoll's executor, for a collective whose every result it waits in the same graph
+    and whose inputs no node of that graph writes (:mod:`fcoll.compile.direct_calls`). A
+    SimpleFSDP block's coalesced reduce_scatter of float32 gradients then holds no second copy
+    of them while it is in flight. Any other caller keeps the copy.
+    """
+    def lent(*args: Any, **kwargs: Any) -> Any:
+        _borrowing.on = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _borrowing.on = False
+    lent.__name__ = getattr(fn, "__name__", "collective")
+    return lent
 
 
 # ---------------------------------------------------------------------------------------------
