@@ -15,7 +15,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from fcoll.ops.reduce import DIST_REDUCE_OPS, backend_reduce_op, divide_for_avg, reduce_rows_into
+from fcoll.ops.reduce import (DIST_REDUCE_OPS, backend_reduce_op, divide_for_avg, logical_op,
+                             reduce_rows, reduce_rows_into)
 
 __all__ = ["backend_name", "native_avg", "wire_dtype", "wire_input", "wire_output", "reduce_args",
            "chain", "gathers_one_by_one", "allgather_options", "reduce_scatter_options",
@@ -127,6 +128,30 @@ def reduces_scatter_by_all_to_all(pg: dist.ProcessGroup) -> bool:
     return backend_name(pg) == "gloo"
 
 
+def _reduce_scatter_pair(pg: dist.ProcessGroup, out: torch.Tensor, input: torch.Tensor,
+                         reduce_op: str, dtype: torch.dtype):
+    """:func:`start_reduce_scatter` on a gloo group of 2 ranks: the peer's chunk of ``input``
+    goes to the peer and the peer's chunk of this rank's shard comes back into a scratch of
+    ``[N, *]`` (half the input; the full-input scratch held a float32 gradient bucket's size
+    again while in flight), and ``finish`` reduces this rank's own chunk, read from ``input``,
+    with it in rank order (:func:`fcoll.ops.reduce.reduce_rows`). ``input`` must stay unwritten
+    until ``finish`` has run (the op's own copy, or an input lent by fcoll's executor)."""
+    me = pg.rank()
+    peer = 1 - me
+    chunks = input.view(2, *out.shape)
+    theirs = torch.empty(out.shape, dtype=input.dtype, device=input.device)
+    splits = [0, 0]
+    splits[peer] = out.shape[0]
+    work = dist.all_to_all_single(theirs, chunks[peer], output_split_sizes=splits,
+                                  input_split_sizes=splits, group=pg, async_op=True)
+    mine = chunks[me]
+    op = logical_op(reduce_op, dtype)
+
+    def finish() -> None:
+        reduce_rows(None, op, out, row_list=[mine, theirs] if me == 0 else [theirs, mine])
+    return work, finish
+
+
 def start_reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, input: torch.Tensor,
                          reduce_op: str, dtype: torch.dtype):
     """Start reduce_scatter of ``input`` (``[n * N, *]``, contiguous, wire dtype) into ``out``
@@ -135,7 +160,8 @@ def start_reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, input: torch.
 
     On gloo groups the data moves with ``all_to_all_single`` (each rank sends ``(n-1)/n`` of its
     input, the minimum) into a scratch buffer ``[n, N, *]`` (the input's size, held until the
-    work is done), and ``finish`` reduces the ``n`` rows locally; elsewhere it is the backend's
+    work is done), and ``finish`` reduces the ``n`` rows locally (2 ranks: only the peer's
+    chunk travels and is held, :func:`_reduce_scatter_pair`); elsewhere it is the backend's
     ``reduce_scatter_tensor_coalesced`` of one tensor, the call torch's op makes. Both paths
     give every reduce op of :data:`REDUCE_OPS`.
     """
@@ -143,6 +169,8 @@ def start_reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, input: torch.
     if not reduces_scatter_by_all_to_all(pg):
         op, fin = reduce_args(reduce_op, pg, dtype, out)
         return pg.reduce_scatter_tensor_coalesced([out], [input], reduce_scatter_options(op)), fin
+    if n == 2:
+        return _reduce_scatter_pair(pg, out, input, reduce_op, dtype)
     rows = torch.empty((n, *out.shape), dtype=input.dtype, device=input.device)
     work = dist.all_to_all_single(rows.view(input.shape), input, group=pg, async_op=True)
 
