@@ -79,10 +79,54 @@ def test_unknown_option_raises_naming_it(fake_pg):
                                           ({"passes": "lower_c10d_functional"}, "passes"),
                                           ({"trace_dir": 3}, "trace_dir"),
                                           ({"estimator": 1.0}, "estimator"),
-                                          ({"overlap": "yes"}, "overlap")])
+                                          ({"overlap": "yes"}, "overlap"),
+                                          ({"inductor_options": {"no_such_knob": 1}},
+                                           "no_such_knob"),
+                                          ({"inductor_options": [("max_autotune", True)]},
+                                           "inductor_options")])
 def test_bad_option_value_raises_naming_it(fake_pg, options, name):
     with pytest.raises(ValueError, match=name):
         fcoll_backend(_ar_graph(fake_pg), [torch.randn(4, 4)], options=options)
+
+
+def test_torch_compile_modes(fake_pg):
+    """``torch.compile(backend="fcoll", mode=...)``: the max-autotune modes compile the compute
+    with Inductor under the mode's Inductor config without CUDA graphs, applied while the
+    segments compile and nowhere else; reduce-overhead (CUDA graphs alone) and unknown modes
+    are refused, naming the mode and the ones fcoll runs."""
+    import torch._inductor.config as inductor_config
+
+    from fcoll.compile import backend as fb
+
+    assert inductor_config.max_autotune is False
+    for mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        options = fb.mode_options(mode)
+        assert options["compute"] == "inductor"
+        assert options["inductor_options"]["max_autotune"] is True
+        assert "triton.cudagraphs" not in options["inductor_options"]
+        assert FcollConfig.from_options(options).inductor_options == options["inductor_options"]
+    import torch._inductor.compile_fx as compile_fx
+
+    seen = []
+    real = compile_fx.compile_fx_inner
+
+    def compile_segment(*args, **kwargs):
+        seen.append(inductor_config.max_autotune)
+        return real(*args, **kwargs)
+    compile_fx.compile_fx_inner = compile_segment
+    try:
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: torch.tanh(x) * 2 + 1, backend="fcoll", mode="max-autotune")
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(f(x), torch.tanh(x) * 2 + 1)
+    finally:
+        compile_fx.compile_fx_inner = real
+        torch._dynamo.reset()
+    # an Inductor segment, compiled under the mode's config, which is not left set
+    assert seen == [True] and inductor_config.max_autotune is False
+    for mode, why in (("reduce-overhead", "CUDA graphs"), ("fastest", "not a torch.compile")):
+        with pytest.raises(ValueError, match=f"{mode}.*{why}.*max-autotune"):
+            fcoll_backend(_ar_graph(fake_pg), [torch.randn(4, 4)], mode=mode)
 
 
 def test_auto_compute_is_inductor_for_cuda_and_large_cpu_graphs_and_eager_otherwise():

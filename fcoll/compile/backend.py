@@ -266,7 +266,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fco
     recorder = recorder_for(trace_dir, rank) if trace_dir else None
     if config.compute == "inductor":
         executor = InductorExecutor(gm, example_inputs, name=name, rank=rank, recorder=recorder,
-                                    direct=config.direct_collectives)
+                                    direct=config.direct_collectives,
+                                    inductor_options=config.inductor_options)
     else:
         executor = GraphExecutor(gm, name=name, rank=rank, recorder=recorder,
                                  direct=config.direct_collectives)
@@ -285,6 +286,32 @@ def _in_compiled_autograd() -> bool:
     return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
 
 
+#: ``torch.compile`` modes fcoll runs, besides "default"
+MODES = ("max-autotune", "max-autotune-no-cudagraphs")
+
+
+def mode_options(mode: str) -> dict[str, Any]:
+    """fcoll's options for ``torch.compile(backend="fcoll", mode=mode)``: the compute compiled
+    by Inductor under the mode's Inductor config (:func:`torch._inductor.list_mode_options`)
+    less CUDA graphs: fcoll's executor runs the collectives and waits between Inductor's
+    compiled segments, which one CUDA graph replay cannot hold.
+
+    Raises:
+        ValueError: ``mode`` is "reduce-overhead" (CUDA graphs alone) or not a torch.compile
+            mode; the message names the modes fcoll runs.
+    """
+    if mode not in MODES:
+        why = ("it is CUDA graphs, which cannot capture a graph whose collectives fcoll's "
+               "executor runs between compiled segments" if mode == "reduce-overhead" else
+               "it is not a torch.compile mode")
+        raise ValueError(f"fcoll backend: mode {mode!r} is not supported: {why}; fcoll runs "
+                         f"mode=None, 'default', {', '.join(repr(m) for m in MODES)}")
+    from torch._inductor import list_mode_options
+
+    tuned = {k: v for k, v in list_mode_options(mode).items() if k != "triton.cudagraphs"}
+    return {"compute": "inductor", "inductor_options": tuned}
+
+
 def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
                   options: dict[str, Any] | None = None, mode: str | None = None):
     """The ``"fcoll"`` Dynamo backend: AOTAutograd, fcoll passes, fcoll executor.
@@ -293,17 +320,21 @@ def fcoll_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         gm: Dynamo's graph.
         example_inputs: Dynamo's example inputs.
         options: ``torch.compile(options=...)``; see :class:`FcollConfig`.
-        mode: ``torch.compile(mode=...)``; only None and "default" are accepted.
+        mode: ``torch.compile(mode=...)``: None or "default"; "max-autotune" and
+            "max-autotune-no-cudagraphs" compile the compute with Inductor
+            (``compute="inductor"``) under that mode's Inductor options without CUDA graphs
+            (:func:`mode_options`). torch.compile takes a mode or options, not both.
 
     Raises:
-        ValueError: an unknown option, a bad option value, or an unsupported ``mode``.
+        ValueError: an unknown option, a bad option value, or an unsupported ``mode``
+            ("reduce-overhead": CUDA graphs, which cannot hold fcoll's collectives).
     """
     # torch.ops.fcoll and the "fcoll" process-group backend are registered: importing this
     # module (the entry point) ran fcoll/__init__.py first.
     from torch._dynamo.backends.common import aot_autograd
 
     if mode not in (None, "default"):
-        raise ValueError(f"fcoll backend: mode {mode!r} is not supported; use options=...")
+        options = {**(options or {}), **mode_options(mode)}
     config = FcollConfig.from_options(options).for_inputs(example_inputs)
     graph_id = next(_graph_ids)
 

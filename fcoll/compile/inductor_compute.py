@@ -24,7 +24,7 @@ import logging
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -164,6 +164,8 @@ class InductorExecutor(GraphExecutor):
         rank: global rank (trace ``pid``).
         recorder: trace recorder, or None.
         table: implementations of the communication nodes.
+        inductor_options: Inductor config applied while the segments compile (``config.patch``),
+            or None (:attr:`fcoll.passes.config.FcollConfig.inductor_options`).
 
     Raises:
         fcoll.compile.executor.UnknownOpError: a communication node's op is unknown.
@@ -171,9 +173,11 @@ class InductorExecutor(GraphExecutor):
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], name: str,
                  rank: int = 0, recorder: TraceRecorder | None = None,
-                 table: OpTable | None = None, direct: bool = True) -> None:
+                 table: OpTable | None = None, direct: bool = True,
+                 inductor_options: Mapping[str, Any] | None = None) -> None:
         t0 = time.perf_counter()
         self.segments: list[ComputeSegment] = []
+        self.inductor_options = dict(inductor_options or {})
         super().__init__(gm, name, rank, recorder, table, direct)
         log.debug("%s: %d Inductor segments, %d communication nodes, compiled in %.1f s", name,
                   len(self.segments), len(self._steps) - len(self.segments),
@@ -190,7 +194,8 @@ class InductorExecutor(GraphExecutor):
                 continue
             # Each segment reports its output strides into a list of its own: AOTAutograd's
             # list is for the whole graph's outputs, whose strides are the traced ones.
-            with torch._guards.TracingContext.report_output_strides():
+            with torch._guards.TracingContext.report_output_strides(), \
+                    torch._inductor.config.patch(self.inductor_options):
                 compiled = compile_fx_inner(item.graph_module(self.gm),
                                             [n.meta["val"] for n in item.inputs])
             self.segments.append(item)

@@ -70,6 +70,21 @@ def _cpu_inductor_available() -> bool:
     return True
 
 
+def _check_inductor_options(options: Any) -> None:
+    """Raise ``ValueError`` naming the option unless ``options`` maps names of
+    ``torch._inductor.config`` to values."""
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"fcoll option 'inductor_options': expected a dict of Inductor config "
+                         f"names to values, got {options!r}")
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise ValueError(f"fcoll option 'inductor_options': {unknown} are not Inductor config "
+                         f"names (torch._inductor.config)")
+
+
 @dataclass(frozen=True)
 class FcollConfig:
     """Options of the fcoll compile backend.
@@ -98,6 +113,11 @@ class FcollConfig:
         trace_dir: write a Chrome/Perfetto trace per rank of each run of a compiled graph here.
         estimator: a user cost estimator, ``estimator(node) -> float | None`` in microseconds;
             None falls back to fcoll's calibrated model for that node.
+        inductor_options: Inductor config (``torch._inductor.config`` names, as
+            ``torch.compile(options=...)`` takes them for Inductor) applied while Inductor
+            compiles the compute of a graph under ``compute="inductor"``; None: Inductor's
+            defaults. ``torch.compile(backend="fcoll", mode="max-autotune")`` sets it to that
+            mode's options (:func:`torch._inductor.list_mode_options`) without CUDA graphs.
         direct_collectives: the executor issues the collectives it can straight into fcoll's
             shared-memory engine, checked once per graph (``fcoll.compile.direct_calls``);
             False sends every collective through its op and c10d.
@@ -116,6 +136,7 @@ class FcollConfig:
     trace_dir: str | None = None
     estimator: Callable[[Any], float | None] | None = field(default=None, compare=False)
     direct_collectives: bool = True
+    inductor_options: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.compute not in _COMPUTE:
@@ -146,6 +167,8 @@ class FcollConfig:
         if self.estimator is not None and not callable(self.estimator):
             raise ValueError(f"fcoll option 'estimator': expected a callable, "
                              f"got {self.estimator!r}")
+        if self.inductor_options is not None:
+            _check_inductor_options(self.inductor_options)
 
     def for_inputs(self, example_inputs: Sequence[Any]) -> "FcollConfig":
         """This config with ``compute="auto"`` decided for a graph whose example inputs are
