@@ -31,8 +31,10 @@ raise a mismatch.
 kernel copies its inputs, since its caller may write them once the op returns
 (:func:`fcoll.ops.library.borrowing_inputs`). The executor writes nothing a graph does not, so
 it lends the inputs of a collective that copies them (:data:`fcoll.ops.library.COPYING_OPS`)
-when every result of that collective is waited in the graph (it completes before the graph
-returns) and no node of the graph writes the storage of any of its inputs (the ``Tensor(a!)``
+when its inputs are CPU tensors (CUDA inputs keep the copy: the CUDA paths' stream and
+allocator rules for a lent input are not yet checked on a GPU, #29), every result of that
+collective is waited in the graph (it completes before the graph returns) and no node of the
+graph writes the storage of any of its inputs (the ``Tensor(a!)``
 arguments of :func:`fcoll.passes.analysis.memory.written_inputs`, through views). SimpleFSDP's
 block reduce_scatters are such calls: lent, a block's float32 gradients are not held twice
 while their bucket is in flight (3 MiB of the 4-block GPT's bf16 step on gloo).
@@ -188,8 +190,8 @@ def _waited_here(node: fx.Node) -> bool:
 def lent_inputs(gm: fx.GraphModule, skip: Any = ()) -> list[fx.Node]:
     """The collectives of ``gm`` (but ``skip``: those on the direct path) whose kernels the
     executor calls through :func:`fcoll.ops.library.borrowing_inputs`, reading their inputs in
-    place (module docstring: copying ops, every result waited in ``gm``, no input storage
-    written by any node of ``gm``). In graph order."""
+    place (module docstring: copying ops, CPU inputs, every result waited in ``gm``, no input
+    storage written by any node of ``gm``). In graph order."""
     nodes = [n for n in gm.graph.nodes
              if n.op == "call_function" and n.target in _COPYING and n not in skip]
     if not nodes:
@@ -197,5 +199,10 @@ def lent_inputs(gm: fx.GraphModule, skip: Any = ()) -> list[fx.Node]:
     storage = storage_model(gm.graph)
     root = storage.root
     written = {root[w] for n in gm.graph.nodes for w in written_inputs(n)}
-    return [n for n in nodes if _waited_here(n)
+    return [n for n in nodes if _waited_here(n) and all(_on_cpu(i) for i in n.all_input_nodes)
             and not any(root[i] in written for i in n.all_input_nodes)]
+
+
+def _on_cpu(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
