@@ -60,10 +60,6 @@ from fcoll.passes.graph import is_wait
 __all__ = ["direct_impls", "lent_inputs", "tag_for", "DIRECT_OPS"]
 
 _OPS = torch.ops.fcoll
-#: the overloads whose kernels copy their inputs unless lent them (module docstring)
-_COPYING = frozenset(getattr(getattr(_OPS, name), overload)
-                     for name in COPYING_OPS for overload in ("default", "out")
-                     if hasattr(getattr(_OPS, name), overload))
 #: the ops that take the direct path (their ``.default`` overloads)
 DIRECT_OPS = frozenset({_OPS.all_reduce.default, _OPS.all_gather_into_tensor.default,
                         _OPS.reduce_scatter_tensor.default})
@@ -193,14 +189,14 @@ def lent_inputs(gm: fx.GraphModule, skip: Any = ()) -> list[fx.Node]:
     place (module docstring: copying ops, CPU inputs, every result waited in ``gm``, no input
     storage written by any node of ``gm``). In graph order."""
     nodes = [n for n in gm.graph.nodes
-             if n.op == "call_function" and n.target in _COPYING and n not in skip]
-    if not nodes:
-        return []
-    storage = storage_model(gm.graph)
-    root = storage.root
-    written = {root[w] for n in gm.graph.nodes for w in written_inputs(n)}
-    return [n for n in nodes if _waited_here(n) and all(_on_cpu(i) for i in n.all_input_nodes)
-            and not any(root[i] in written for i in n.all_input_nodes)]
+             if n.op == "call_function" and n.target in COPYING_OPS and n not in skip]
+    nodes = [n for n in nodes if _waited_here(n) and all(_on_cpu(i) for i in n.all_input_nodes)]
+    writes = [w for n in gm.graph.nodes for w in written_inputs(n)]
+    if not nodes or not writes:   # a functional graph: no storage model needed
+        return nodes
+    root = storage_model(gm.graph).root
+    written = {root[w] for w in writes}
+    return [n for n in nodes if not any(root[i] in written for i in n.all_input_nodes)]
 
 
 def _on_cpu(node: fx.Node) -> bool:

@@ -90,12 +90,12 @@ def _check_splits(op: str, name: str, splits: Sequence[int], total: int, n: int,
 
 _borrowing = threading.local()
 
-#: the ops whose kernels copy their inputs (:func:`_owned_input`) unless the caller lends them
-#: (:func:`borrowing_inputs`)
-COPYING_OPS = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced",
-               "all_gather_into_tensor_out", "reduce_scatter_tensor",
-               "reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_out",
-               "all_to_all_single")
+#: the ops (overloads) whose kernels copy their inputs (:func:`_owned_input`) unless the caller
+#: lends them (:func:`borrowing_inputs`)
+COPYING_OPS = frozenset(getattr(torch.ops.fcoll, name).default for name in (
+    "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out",
+    "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_out",
+    "all_to_all_single"))
 
 
 def _owned_input(pg: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
