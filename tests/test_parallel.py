@@ -66,6 +66,36 @@ def _simple_fsdp(rank: int, world: int) -> dict:
     return out
 
 
+def _two_mesh_sizes(rank: int, world: int) -> dict:
+    """Two SimpleFSDP models in one process, over every rank and over a mesh of this rank
+    alone, compiled one after the other without a Dynamo reset (a float gradient factor made
+    the second compile fail in Dynamo: "lift_tracked_freevar_to_input"): each one's gradients
+    against its data-parallel reference."""
+    import train_gpt as tg
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fcoll.parallel import fully_shard
+
+    cfg = _cfg(tg, 33, 3)
+    params = tg.init_params(cfg, 0)
+    torch._dynamo.reset()
+    out = {}
+    solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "solo"))["solo"]
+    for name, mesh, seeds in (("all", None, range(world)), ("solo", solo, [rank])):
+        m = tg.GPTModule(cfg, params)
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        loss = torch.compile(m, backend="fcoll")(*_batch(rank))
+        loss.backward()
+        ref_loss, ref_grads = _data_parallel_reference(lambda: tg.GPTModule(cfg, params), seeds,
+                                                       rank)
+        out[name] = (abs(loss.item() - ref_loss),
+                     max((p.grad.full_tensor() - ref_grads[k]).abs().max().item()
+                         for k, p in m.named_parameters()))
+    return out
+
+
 def _tensor_parallel(rank: int, world: int) -> dict:
     """Tensor parallel without and with sequence parallel: every parameter's gradient against
     the unparallelized model's (the same module class, so names match)."""
@@ -286,7 +316,8 @@ def _fsdp2_arguments(rank: int, world: int) -> dict:
 
 def _both(rank: int, world: int, checkpointing: bool) -> dict:
     out = {"simple-fsdp": _simple_fsdp(rank, world), "tp": _tensor_parallel(rank, world),
-           "tied": _tied_weights(rank, world), "mixed": _mixed_precision(rank, world)}
+           "tied": _tied_weights(rank, world), "mixed": _mixed_precision(rank, world),
+           "two-meshes": _two_mesh_sizes(rank, world)}
     if checkpointing:
         out["simple-fsdp-ac"] = _fsdp_with_activation_checkpointing(rank, world)
         out["fsdp2-arguments"] = _fsdp2_arguments(rank, world)
@@ -304,6 +335,8 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
         assert fsdp["eager"] == (0.0, 0.0)      # the same math, gathered: bit for bit
         for name in ("fcoll", "inductor"):
             assert fsdp[name][0] <= 1e-5 and fsdp[name][1] <= 1e-6, (name, fsdp)
+        for name, errors in res["two-meshes"].items():
+            assert errors[0] <= 1e-5 and errors[1] <= 1e-6, (name, res["two-meshes"])
         tied = res["tied"]
         assert tied["tied"] == (True, 4), tied    # emb/head weight, mix weight, bias, scale
         assert tied["eager"] <= 1e-6 and tied["fcoll"] <= 1e-6, tied

@@ -6,8 +6,8 @@ fewer or none), and the module reads it through a property (the parametrization)
 
     p.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial("sum")])
 
-so reading a parameter is an all_gather, and its gradient is a reduce_scatter of the sum, scaled
-by ``1 / n`` (the mean over the mesh, as FSDP2's default ``gradient_divide_factor``). Under
+so reading a parameter is an all_gather, and its gradient is a reduce_scatter of the sum, divided
+by ``n`` (the mean over the mesh, as FSDP2's default ``gradient_divide_factor``). Under
 ``torch.compile`` both are ``_c10d_functional`` ops in the forward and backward graphs, where a
 compiler (``backend="fcoll"``, or Inductor with its FX bucketing) buckets and schedules them;
 there is no FSDP machinery beyond the property: no hooks, no streams, no flat buffers.
@@ -62,7 +62,7 @@ its all_gather (half the bytes of float32), the module computes with the gathere
 None, as FSDP2) before the reduce_scatter, and the sharded gradient is cast back to the
 stored parameter's dtype, which the optimizer updates (the shards stay float32: no extra
 copy). Both casts are DTensor's (``redistribute(forward_dtype=, backward_dtype=)``). The
-``1 / n`` of the mean is applied to the gradient before the cast to ``reduce_dtype``, in
+division by ``n`` of the mean is applied to the gradient before the cast to ``reduce_dtype``, in
 ``param_dtype`` (exact when ``n`` is a power of two). ``cast_forward_inputs`` casts the
 floating-point tensors among the unit's forward arguments to ``param_dtype`` and
 ``output_dtype`` its outputs, per ``fully_shard`` call, as FSDP2 (forward hooks on the unit).
@@ -121,17 +121,24 @@ _UNIT_GATHER = "_fcoll_unit_gather"
 _MP_HOOKS = "_fcoll_mp_hooks"
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``factor``."""
+class _MeanGrad(torch.autograd.Function):
+    """Identity forward; backward divides the gradient by the size of ``mesh`` (the mean of
+    the ranks' gradients that the reduce_scatter sums).
+
+    The divisor is read from the mesh inside the backward, where Dynamo evaluates
+    ``DeviceMesh.size()`` to a constant: a float factor passed to ``apply`` instead becomes a
+    symbolic input once the same code is compiled for a second mesh size in one process, and
+    Dynamo cannot lift it into the reshard-after-forward checkpoint ("lift_tracked_freevar_to_
+    input should not be called on root SubgraphTracer", with ``aot_eager`` too)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
+        return grad / ctx.mesh.size(), None
 
 
 def _recompute_everything(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -154,7 +161,6 @@ class _Gather(nn.Module):
         self.param_dtype = mp_policy.param_dtype
         #: the gradient's dtype in the reduction (FSDP2: param_dtype's when not given)
         self.reduce_dtype = mp_policy.reduce_dtype or mp_policy.param_dtype
-        self.factor = 1.0 / mesh.size()
         #: placements of a stored parameter: ``Shard(0)`` over the last mesh dimension,
         #: replicated over a leading one (HSDP)
         self.sharded = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
@@ -167,7 +173,7 @@ class _Gather(nn.Module):
             # explicit: DTensor's default reduces in the stored dtype, FSDP2's in param_dtype
             backward_dtype=self.reduce_dtype if mixed else None,
         ).to_local(grad_placements=[Partial("sum")] * p.device_mesh.ndim)
-        return _ScaleGrad.apply(full, self.factor)
+        return _MeanGrad.apply(full, self.mesh)
 
     def forward(self, p: DTensor) -> torch.Tensor:
         if not self.reshard_after_forward or not torch.is_grad_enabled():
