@@ -33,7 +33,9 @@ compiled module (``backend="inductor"`` with :func:`pytorch_best`, ``pytorch``),
 hand-written step of the same kind when it ran in the same invocation; ``pytorch/fcoll`` is the
 speed-up (target >= 1.3). ``torch-fsdp2`` also runs FSDP2 eagerly (``eager``: no compiler, as
 PyTorch runs it), and ``simple-fsdp`` also fcoll with ``bucket_mode="coalesced"``
-(``coalesced``: buckets without the concat mode's copies in and out). Every FSDP row (``fsdp``'s
+(``coalesced``: buckets without the concat mode's copies in and out), and its one-step floor
+(:func:`simple_fsdp_floor`: compute from the same step on a mesh of one rank, the forward alone,
+the all_gathers and the reduce_scatters alone; target fcoll/floor <= 1.15). Every FSDP row (``fsdp``'s
 ``off`` / ``on`` / ``inductor``, and each module variant) gives its peak memory: rank 0's
 largest rise of live heap bytes within a timed step over their value at the step's start,
 counted at every allocation and free by a preloaded library (``benchmarks/peak_memory.py``;
@@ -195,14 +197,17 @@ def _time_steps(run, args_fn, warmup: int, steps: int, barrier, mem=None) -> lis
 
 
 def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int,
-               only: str | None = None) -> list[float]:
+               only: str | None = None, dtype=None) -> list[float]:
     """The step's collectives alone: same kinds and bytes, bucketed at ``cap_bytes``; ``only``
-    keeps one kind ("all_gather" or "reduce_scatter")."""
+    keeps one kind ("all_gather" or "reduce_scatter"); ``dtype``: the buffers' (default
+    float32)."""
     import torch
     import torch.distributed as dist
 
     import fcoll
 
+    dtype = dtype or torch.float32
+    size = torch.empty((), dtype=dtype).element_size()
     numels = [p.numel() for p in params.values()]
     kinds = [("all_reduce", numels)] if parallel == "ddp" else \
         [("all_gather", numels), ("reduce_scatter", numels)]
@@ -211,12 +216,13 @@ def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int,
     for kind, sizes in kinds:
         cur = 0
         for s in sizes:
-            if cur and (cur + s) * 4 > cap_bytes:
+            if cur and (cur + s) * size > cap_bytes:
                 buckets.append((kind, cur))
                 cur = 0
             cur += s
         buckets.append((kind, cur))
-    bufs = [(k, torch.randn(s * (n if k == "reduce_scatter" else 1))) for k, s in buckets]
+    bufs = [(k, torch.randn(s * (n if k == "reduce_scatter" else 1)).to(dtype))
+            for k, s in buckets]
     times = []
     for _ in range(steps + 1):
         dist.barrier(group)
@@ -309,7 +315,14 @@ def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int,
     parallel) compiled with fcoll and with Inductor (:func:`pytorch_best`), and for FSDP2 also
     run eagerly (``eager``: FSDP2 as PyTorch runs it without a compiler); FSDP modes also each
     variant's peak memory over its timed steps (MiB, ``<name>_peak_mb``:
-    :class:`peak_memory.PeakAlloc`, the largest rise of live heap bytes within a step)."""
+    :class:`peak_memory.PeakAlloc`, the largest rise of live heap bytes within a step).
+
+    ``simple-fsdp`` also times what its one-step floor is made of (:func:`simple_fsdp_floor`):
+    ``compute`` (the same step sharded over a mesh of one rank: the same graphs, compiled the
+    same way, with no collective in them), ``forward`` (that module's compiled loss alone, no
+    gradients) and, per round, its collectives alone: ``comm_all_gather`` (every parameter's
+    shard gathered, in the parameter dtype) and ``comm_reduce_scatter`` (every gradient, in
+    the reduce dtype), each bucketed at 25 MiB and issued back to back."""
     import torch
 
     from peak_memory import PeakAlloc
@@ -325,40 +338,98 @@ def _torch_module_variants(T, cfg, corpus, parallel: str, rank: int, world: int,
         backends["pytorch"] = ("inductor", None)
     if parallel == "torch-fsdp2":
         backends["eager"] = ("eager", None)
+    solo, comm_alone = None, None   # simple-fsdp's floor: the step on a mesh of one rank
     if parallel == "simple-fsdp":   # buckets without copies in or out (peak memory)
+        from torch.distributed.device_mesh import init_device_mesh
+
         backends["coalesced"] = ("fcoll", {"compute": "inductor", "bucket_mode": "coalesced"})
+        backends["compute"] = backends["forward"] = ("fcoll", {"compute": "inductor"})
+        solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "solo"))["solo"]
+        comm_alone = _fsdp_comm_alone(T.shard_params(T.init_params(cfg, 0), rank, world),
+                                      world, a)
     res: dict = {}
     timers, mems = {}, {}
     torch._dynamo.reset()
     for name, (backend, options) in backends.items():
         counts, stop = T.count_compiled_collectives()
+        alone = name in ("compute", "forward")
         try:
             with _best(backend), _stance(name):
                 step = T.TorchModuleStep(cfg, T.init_params(cfg, 0), parallel, T.AdamW(),
                                          torch.device("cpu"), backend, options,
                                          mp_policy=T.mp_policy(a["param_dtype"], a["reduce_dtype"])
-                                         if parallel in T.FSDP_MODES else None)
+                                         if parallel in T.FSDP_MODES else None,
+                                         mesh=solo if alone else None)
+                if name == "forward":
+                    step = _ForwardOnly(step)
                 step(*batch(0))   # compiles before the timed rounds
         except Exception as e:  # noqa: BLE001  a failing variant is reported, not fatal
             res[name] = _failed(e)
             continue
         finally:
             stop()
-        if backend == "fcoll":
+        if backend == "fcoll" and not alone:
             res["fcoll_collectives"] = sum(counts.values())
-        mems[name] = PeakAlloc() if "fsdp" in parallel else None
+        mems[name] = PeakAlloc() if "fsdp" in parallel and not alone else None
 
         def timer(step=step, name=name, backend=backend):
             with _best(backend), _stance(name):
                 return _time_steps(step, batch, a["warmup"], a["steps"], barrier, mems[name])
         timers[name] = timer
     with torch._dynamo.config.patch(recompile_limit=64):  # every variant keeps its graphs
-        times, by_round = _interleaved(timers, a["rounds"])
+        times, by_round = _interleaved(timers, a["rounds"], comm_alone)
     res.update(_medians(times, by_round, "fcoll"))
     for name, mem in mems.items():
         if mem is not None:
             res[f"{name}_peak_mb"] = mem.max_rise_mb
     return res
+
+
+def _fsdp_comm_alone(shards: dict, world: int, a: dict):
+    """A per-round timer (:func:`_interleaved`) of an FSDP step's collectives alone, each kind
+    in its dtype: ``comm_all_gather`` of ``shards`` in the parameter dtype, and
+    ``comm_reduce_scatter`` of the full gradients in the reduce dtype (medians, seconds)."""
+    import torch
+    import torch.distributed as dist
+
+    param_dtype = getattr(torch, a["param_dtype"] or "float32")
+    reduce_dtype = getattr(torch, a["reduce_dtype"] or a["param_dtype"] or "float32")
+
+    def comm_alone() -> dict:
+        return {f"comm_{kind}": statistics.median(_comm_only(
+            shards, "fsdp", world, 25 * 2 ** 20, dist.group.WORLD, a["steps"], only=kind,
+            dtype=dtype)) for kind, dtype in (("all_gather", param_dtype),
+                                              ("reduce_scatter", reduce_dtype))}
+    return comm_alone
+
+
+class _ForwardOnly:
+    """A :class:`TorchModuleStep`'s compiled loss alone (no gradients, no optimizer)."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+
+    def __call__(self, x, y):
+        import torch
+
+        with torch.no_grad():
+            return self.step.forward(x, y)
+
+
+def simple_fsdp_floor(ms: dict) -> float:
+    """The one-step floor of a SimpleFSDP step resharded after the forward (ms): its forward
+    lasts at least as long as the forward's compute and as its all_gathers, and its backward at
+    least as long as the backward's compute and as the backward's collectives, which gather the
+    parameters again and reduce_scatter the gradients on the same link:
+    ``max(forward, all_gathers) + max(compute - forward, all_gathers + reduce_scatters)``.
+
+    Args:
+        ms: medians in ms: ``compute`` (the whole step without communication), ``forward``,
+            ``comm_all_gather`` (every parameter gathered once), ``comm_reduce_scatter``.
+    """
+    ag, rs, comp, fwd = (ms["comm_all_gather"], ms["comm_reduce_scatter"], ms["compute"],
+                         ms["forward"])
+    return max(fwd, ag) + max(comp - fwd, ag + rs)
 
 
 def _stance(name: str):
@@ -657,6 +728,10 @@ def _table(results: dict, network: str) -> tuple[str, dict]:
         ours = fs.get("fcoll_peak_mb")
         refs = {"FSDP2 eager": f2.get("eager_peak_mb"), "FSDP2 Inductor": f2.get("pytorch_peak_mb"),
                 "SimpleFSDP Inductor": fs.get("pytorch_peak_mb")}
+        floor_line = (_simple_fsdp_floor_line(results["simple-fsdp"], fs)
+                      if "simple-fsdp" in results else None)
+        if floor_line:
+            lines.append(floor_line)
         co = summary.get("simple-fsdp", {})
         if co.get("coalesced_ms") is not None:
             lines.append(f"SimpleFSDP under fcoll with bucket_mode='coalesced': "
@@ -710,6 +785,31 @@ def _torch_ddp_rows(r: dict, summary: dict) -> list[str]:
     lines += [f"{k}: {v}" for k, v in s["errors"].items()]
     summary["torch-ddp"] = s
     return lines
+
+
+def _simple_fsdp_floor_line(r: dict, s: dict) -> str | None:
+    """The SimpleFSDP row's floor (:func:`simple_fsdp_floor`), written into its summary ``s``;
+    None when a part of it was not measured."""
+    parts = ("fcoll", "compute", "forward", "comm_all_gather", "comm_reduce_scatter")
+    if not all(isinstance(r.get(k), float) for k in parts):
+        return None
+    ms = {k: r[k] * 1e3 for k in parts}
+    floor = simple_fsdp_floor(ms)
+    comm = 2 * ms["comm_all_gather"] + ms["comm_reduce_scatter"]
+    exposed = ms["fcoll"] - ms["compute"]
+    s.update(compute_ms=ms["compute"], forward_ms=ms["forward"],
+             comm_all_gather_ms=ms["comm_all_gather"],
+             comm_reduce_scatter_ms=ms["comm_reduce_scatter"], comm_ms=comm,
+             exposed_comm_ms=exposed, overlap_ratio=1 - max(exposed, 0.0) / comm,
+             floor_ms=floor, fcoll_over_floor=ms["fcoll"] / floor,
+             target_floor_met=ms["fcoll"] / floor <= 1.15)
+    return (f"SimpleFSDP under fcoll: compute {ms['compute']:.1f} ms (the step on a mesh of one "
+            f"rank), forward {ms['forward']:.1f}, all_gathers {ms['comm_all_gather']:.1f} (x2: "
+            f"resharded after forward), reduce_scatters {ms['comm_reduce_scatter']:.1f}; exposed "
+            f"communication {exposed:.1f} of {comm:.1f} ms (overlap "
+            f"{100 * s['overlap_ratio']:.0f} %); floor max(forward, all_gathers) + "
+            f"max(compute - forward, all_gathers + reduce_scatters) = {floor:.1f} ms, "
+            f"fcoll/floor {ms['fcoll'] / floor:.2f} (target <= 1.15: {s['target_floor_met']})")
 
 
 def _module_row(mode: str, r: dict, hand: dict | None, summary: dict) -> str:

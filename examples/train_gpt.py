@@ -574,6 +574,9 @@ class TorchModuleStep:
     ``mp_policy`` (the FSDP modes): the ``MixedPrecisionPolicy`` given to every
     ``fully_shard`` call (fcoll's or PyTorch's); None: full precision. Refused (ValueError)
     for the other modes.
+    ``mesh`` (``"simple-fsdp"`` only): the 1-D ``DeviceMesh`` to shard over instead of every
+    rank; a mesh of one rank gives the same graphs with no collective in them (the step's
+    compute alone: ``benchmarks/overlap.py``). Refused (ValueError) for the other modes.
 
     ``step(x, y)`` runs forward, backward and ``torch.optim.AdamW`` (decay as :func:`_adamw`)
     and returns the loss (a detached float32 scalar); ``eval_loss(x, y)`` runs the model eagerly.
@@ -583,7 +586,7 @@ class TorchModuleStep:
                  opt: AdamW, device: torch.device, backend: str = "fcoll",
                  options: dict[str, Any] | None = None, tp_size: int = 2,
                  sequence_parallel: bool = False, activation_checkpointing: bool = False,
-                 mp_policy: Any = None) -> None:
+                 mp_policy: Any = None, mesh: Any = None) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if parallel not in MODULE_MODES:
@@ -594,6 +597,9 @@ class TorchModuleStep:
         if mp_policy is not None and parallel not in FSDP_MODES:
             raise ValueError(f"mp_policy: only the FSDP modes {FSDP_MODES} shard with a mixed "
                              f"precision policy, got parallel={parallel!r}")
+        if mesh is not None and (parallel != "simple-fsdp" or mesh.ndim != 1):
+            raise ValueError(f"mesh: a 1-D DeviceMesh for parallel='simple-fsdp', got {mesh!r} "
+                             f"with parallel={parallel!r}")
         shard_kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
         self.parallel = parallel
         tensor_parallel = parallel in ("tp", "fsdp-tp")
@@ -611,7 +617,7 @@ class TorchModuleStep:
                                           mesh_dim_names=("dp", "tp"))
                 module.parallelize(mesh2d["tp"], sequence_parallel)
                 mesh = mesh2d["dp"]
-            else:
+            elif mesh is None:
                 mesh = init_device_mesh(device.type, (world,))
             if parallel == "tp":
                 wrapped = _checkpoint_blocks(module.parallelize(mesh, sequence_parallel),
