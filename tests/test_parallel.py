@@ -96,6 +96,49 @@ def _two_mesh_sizes(rank: int, world: int) -> dict:
     return out
 
 
+def _uneven_eval_after_a_peer_compiled(rank: int, world: int, cache_dir: str) -> float:
+    """An uneven SimpleFSDP model (``d_model`` 33 over 2 ranks: local shapes 17 and 16)
+    compiled with ``backend="inductor"`` for a ``no_grad`` forward, rank 0 compiling only
+    once rank 1 has written its artifact to the shared, fresh cache directory: DTensor's
+    AOTAutograd cache key holds the global shape only, so rank 0 used to load rank 1's
+    artifact ("assert_size_stride ... expected size 17==16"). Returns the loss's error
+    against the eager unsharded model."""
+    import os
+    import time
+    from pathlib import Path
+
+    import train_gpt as tg
+
+    from fcoll.parallel import fully_shard
+
+    cfg = _cfg(tg, 33, 3)
+    params = tg.init_params(cfg, 0)
+    m = tg.GPTModule(cfg, params)
+    for block in m.blocks:
+        fully_shard(block)
+    fully_shard(m)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == cache_dir
+    entries = Path(cache_dir) / "aotautograd"
+    if rank == 0:   # rank 1 writes its entry before its forward's first all_gather
+        deadline = time.monotonic() + 300
+        while not (entries.is_dir() and any(entries.iterdir())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 1 wrote no AOTAutograd cache entry in {cache_dir}")
+            time.sleep(0.02)
+    with torch.no_grad():
+        loss = torch.compile(m, backend="inductor")(*_batch(0))
+        want = tg.GPTModule(cfg, params)(*_batch(0))
+    return abs(loss.item() - want.item())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_uneven_shards_never_load_a_peers_compiled_artifact(backend, tmp_path):
+    cache = str(tmp_path / "inductor-cache")
+    for err in run_ranks(_uneven_eval_after_a_peer_compiled, 2, backend=backend, args=(cache,),
+                         env={"TORCHINDUCTOR_CACHE_DIR": cache}, timeout_s=600):
+        assert err <= 1e-5, err
+
+
 def _tensor_parallel(rank: int, world: int) -> dict:
     """Tensor parallel without and with sequence parallel: every parameter's gradient against
     the unparallelized model's (the same module class, so names match)."""

@@ -27,7 +27,8 @@ import logging
 import os
 from pathlib import Path
 
-__all__ = ["source_digest", "REGISTRY_NAME", "register", "tag_for", "guard_compile_caches"]
+__all__ = ["source_digest", "REGISTRY_NAME", "register", "tag_for", "guard_compile_caches",
+           "key_caches_per_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +109,29 @@ def guard_compile_caches() -> str | None:
     log.info("fcoll: another fcoll version compiled in %s; this process's compile cache keys "
              "carry %r", cache_dir(), tag)
     return tag
+
+
+def key_caches_per_rank(rank: int) -> str:
+    """Key PyTorch's compile caches per rank in this process: append ``rank<rank>`` to
+    ``torch.compiler.config.cache_key_tag`` (once; the user's tag and the version tag of
+    :func:`guard_compile_caches` are kept before it). Returns the tag now in force.
+
+    For programs whose ranks compile the same Dynamo graph from inputs that differ where the
+    caches' keys do not look: a DTensor enters the AOTAutograd cache key by its spec (mesh,
+    placements, global shape), not by its local shape, so with uneven shards (a dim that does
+    not divide by the mesh size) two ranks whose local shapes differ compute one key, and a
+    rank whose compile comes second loads the other's artifact: on torch 2.13 a SimpleFSDP
+    model with an odd ``d_model`` compiled with ``backend="inductor"`` failed on a warm cache
+    in its ``no_grad`` forward with ``assert_size_stride ... expected size 17==16`` (a shape
+    check caught it; PyTorch's cache key is the bug). With the rank in the key every rank
+    reads and writes only its own entries; results never depend on the tag.
+    """
+    import torch.compiler.config as cconfig
+
+    own = f"rank{rank}"
+    tag = cconfig.cache_key_tag
+    if own not in tag.split("+"):
+        cconfig.cache_key_tag = own if not tag else f"{tag}+{own}"
+        log.info("fcoll: compile cache keys carry %r (ranks' inputs differ where PyTorch's "
+                 "cache keys do not look)", cconfig.cache_key_tag)
+    return cconfig.cache_key_tag

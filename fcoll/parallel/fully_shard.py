@@ -42,6 +42,11 @@ What differs from ``torch.distributed.fsdp.fully_shard`` (FSDP2):
 - ``fully_shard([a, b])`` shards each module of the list as its own unit with the same
   arguments (FSDP2 makes them one communication group; fcoll's plan gathers each unit as a
   block of its own).
+- With uneven shards (a sharded dim that does not divide by the mesh size) the call keys
+  PyTorch's compile caches per rank for the rest of the process
+  (:func:`fcoll.ops.cache_key.key_caches_per_rank`): DTensor's AOTAutograd cache key holds the
+  global shape only, and ranks whose local shapes differ loaded each other's artifacts under
+  ``backend="inductor"`` on a warm cache (a PyTorch bug; the cost is one compile per rank).
 - The module keeps its class's methods (its class becomes a subclass named ``SimpleFSDP<Name>``,
   and a submodule that owns parameters sharded here ``Sharded<Name>``); there is no
   ``unshard()`` / ``reshard()`` / ``set_requires_gradient_sync``.
@@ -101,6 +106,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, \
     create_selective_checkpoint_contexts
+
+from fcoll.ops.cache_key import key_caches_per_rank
 
 __all__ = ["fully_shard", "is_fully_sharded", "CLASS_PREFIX"]
 
@@ -423,7 +430,18 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                                  {**props, _MADE_HERE: True})
     setattr(type(module), _UNIT_GATHER, gather)
     _mixed_precision_hooks(module, mp_policy)
+    if any(_uneven(p) for p in module.parameters() if isinstance(p, DTensor)):
+        # ranks with different local shapes must not share compiled artifacts: DTensor's
+        # AOTAutograd cache key holds only the global shape (fcoll.ops.cache_key)
+        key_caches_per_rank(dist.get_rank())
     return module
+
+
+def _uneven(t: DTensor) -> bool:
+    """Whether ``t``'s ranks may hold local tensors of different shapes: a dimension it is
+    sharded along does not divide by that mesh dimension's size."""
+    return any(isinstance(pl, Shard) and t.shape[pl.dim] % t.device_mesh.size(i)
+               for i, pl in enumerate(t.placements))
 
 
 def _shard_placement(fn: Callable[[nn.Parameter], Shard | None] | None, p: nn.Parameter,
