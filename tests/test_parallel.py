@@ -98,35 +98,39 @@ def _two_mesh_sizes(rank: int, world: int) -> dict:
 
 def _uneven_eval_after_a_peer_compiled(rank: int, world: int, cache_dir: str) -> float:
     """An uneven SimpleFSDP model (``d_model`` 33 over 2 ranks: local shapes 17 and 16)
-    compiled with ``backend="inductor"`` for a ``no_grad`` forward, rank 0 compiling only
-    once rank 1 has written its artifact to the shared, fresh cache directory: DTensor's
-    AOTAutograd cache key holds the global shape only, so rank 0 used to load rank 1's
-    artifact ("assert_size_stride ... expected size 17==16"). Returns the loss's error
-    against the eager unsharded model."""
+    compiled by Inductor for a ``no_grad`` forward, rank 0 compiling only once rank 1's
+    compile has returned (its artifacts written to the shared, fresh cache directory; the
+    store says when): DTensor's AOTAutograd cache key holds the global shape only, so on torch
+    2.13 rank 0 used to load rank 1's artifact ("assert_size_stride ... expected size
+    17==16"). Returns the loss's error against the eager unsharded model."""
+    import datetime
     import os
-    import time
-    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch._inductor.compile_fx import compile_fx
 
     import train_gpt as tg
 
     from fcoll.parallel import fully_shard
 
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == cache_dir
     cfg = _cfg(tg, 33, 3)
     params = tg.init_params(cfg, 0)
     m = tg.GPTModule(cfg, params)
     for block in m.blocks:
         fully_shard(block)
     fully_shard(m)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == cache_dir
-    entries = Path(cache_dir) / "aotautograd"
-    if rank == 0:   # rank 1 writes its entry before its forward's first all_gather
-        deadline = time.monotonic() + 300
-        while not (entries.is_dir() and any(entries.iterdir())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 1 wrote no AOTAutograd cache entry in {cache_dir}")
-            time.sleep(0.02)
+    store = dist.distributed_c10d._get_default_store()
+
+    def inductor(gm, example_inputs):   # backend="inductor", telling the peer when it is done
+        compiled = compile_fx(gm, example_inputs)
+        store.set(f"compiled-{rank}", "1")
+        return compiled
+
+    if rank == 0:   # rank 1 compiles before its forward's first all_gather
+        store.wait(["compiled-1"], datetime.timedelta(seconds=300))
     with torch.no_grad():
-        loss = torch.compile(m, backend="inductor")(*_batch(0))
+        loss = torch.compile(m, backend=inductor)(*_batch(0))
         want = tg.GPTModule(cfg, params)(*_batch(0))
     return abs(loss.item() - want.item())
 
@@ -135,7 +139,8 @@ def _uneven_eval_after_a_peer_compiled(rank: int, world: int, cache_dir: str) ->
 def test_uneven_shards_never_load_a_peers_compiled_artifact(backend, tmp_path):
     cache = str(tmp_path / "inductor-cache")
     for err in run_ranks(_uneven_eval_after_a_peer_compiled, 2, backend=backend, args=(cache,),
-                         env={"TORCHINDUCTOR_CACHE_DIR": cache}, timeout_s=600):
+                         env={"TORCHINDUCTOR_CACHE_DIR": cache}, timeout_s=600,
+                         pg_timeout_s=300):   # rank 1's forward waits for rank 0's compile
         assert err <= 1e-5, err
 
 
