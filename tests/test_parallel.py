@@ -135,10 +135,10 @@ def _uneven_eval_after_a_peer_compiled(rank: int, world: int, cache_dir: str) ->
     return abs(loss.item() - want.item())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_uneven_shards_never_load_a_peers_compiled_artifact(backend, tmp_path):
+def test_uneven_shards_never_load_a_peers_compiled_artifact(tmp_path):
+    """On fcoll's group only: the caches' keys do not depend on the process group."""
     cache = str(tmp_path / "inductor-cache")
-    for err in run_ranks(_uneven_eval_after_a_peer_compiled, 2, backend=backend, args=(cache,),
+    for err in run_ranks(_uneven_eval_after_a_peer_compiled, 2, args=(cache,),
                          env={"TORCHINDUCTOR_CACHE_DIR": cache}, timeout_s=600,
                          pg_timeout_s=300):   # rank 1's forward waits for rank 0's compile
         assert err <= 1e-5, err
@@ -364,9 +364,9 @@ def _fsdp2_arguments(rank: int, world: int) -> dict:
 
 def _both(rank: int, world: int, checkpointing: bool) -> dict:
     out = {"simple-fsdp": _simple_fsdp(rank, world), "tp": _tensor_parallel(rank, world),
-           "tied": _tied_weights(rank, world), "mixed": _mixed_precision(rank, world),
-           "two-meshes": _two_mesh_sizes(rank, world)}
+           "tied": _tied_weights(rank, world), "mixed": _mixed_precision(rank, world)}
     if checkpointing:
+        out["two-meshes"] = _two_mesh_sizes(rank, world)
         out["simple-fsdp-ac"] = _fsdp_with_activation_checkpointing(rank, world)
         out["fsdp2-arguments"] = _fsdp2_arguments(rank, world)
     return out
@@ -375,15 +375,15 @@ def _both(rank: int, world: int, checkpointing: bool) -> dict:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
     """One spawn per process group for all (each compile dominates the run time); the
-    checkpointed SimpleFSDP (a partition-step fix, the same on any group) and FSDP2's other
-    arguments on fcoll's only."""
+    checkpointed SimpleFSDP (a partition-step fix, the same on any group), FSDP2's other
+    arguments and two mesh sizes in one process (a Dynamo fix) on fcoll's only."""
     for res in run_ranks(_both, 2, backend=backend, args=(backend == "fcoll",), timeout_s=900):
         fsdp, tp = res["simple-fsdp"], res["tp"]
         assert fsdp["sharded"]
         assert fsdp["eager"] == (0.0, 0.0)      # the same math, gathered: bit for bit
         for name in ("fcoll", "inductor"):
             assert fsdp[name][0] <= 1e-5 and fsdp[name][1] <= 1e-6, (name, fsdp)
-        for name, errors in res["two-meshes"].items():
+        for name, errors in res.get("two-meshes", {}).items():
             assert errors[0] <= 1e-5 and errors[1] <= 1e-6, (name, res["two-meshes"])
         tied = res["tied"]
         assert tied["tied"] == (True, 4), tied    # emb/head weight, mix weight, bias, scale
