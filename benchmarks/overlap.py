@@ -207,7 +207,7 @@ def _comm_only(params, parallel: str, n: int, cap_bytes: int, group, steps: int,
     import fcoll
 
     dtype = dtype or torch.float32
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     numels = [p.numel() for p in params.values()]
     kinds = [("all_reduce", numels)] if parallel == "ddp" else \
         [("all_gather", numels), ("reduce_scatter", numels)]

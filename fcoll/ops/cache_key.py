@@ -58,8 +58,12 @@ def source_digest(package: Path = _PACKAGE) -> str:
 def tag_for(user_tag: str, digest: str) -> str:
     """The cache key tag of a process of fcoll ``digest`` that must not share entries: the
     user's ``user_tag`` (kept as the prefix), then ``fcoll-<digest>``."""
-    own = f"fcoll-{digest}"
-    return own if not user_tag else f"{user_tag}+{own}"
+    return _appended(user_tag, f"fcoll-{digest}")
+
+
+def _appended(tag: str, part: str) -> str:
+    """``tag`` with ``part`` after it (``"+"`` between), or ``part`` alone for an empty tag."""
+    return part if not tag else f"{tag}+{part}"
 
 
 def register(cache_dir: str | os.PathLike, digest: str) -> bool:
@@ -131,7 +135,7 @@ def key_caches_per_rank(rank: int) -> str:
     own = f"rank{rank}"
     tag = cconfig.cache_key_tag
     if own not in tag.split("+"):
-        cconfig.cache_key_tag = own if not tag else f"{tag}+{own}"
+        cconfig.cache_key_tag = _appended(tag, own)
         log.info("fcoll: compile cache keys carry %r (ranks' inputs differ where PyTorch's "
                  "cache keys do not look)", cconfig.cache_key_tag)
     return cconfig.cache_key_tag
