@@ -111,16 +111,19 @@ graph(%arg0: f32[4, 8], %arg1: f32[4, 8], %arg2: f32[4, 8], %arg3: f32[4, 8]):
   %getitem0: f32[2, 32] = getitem(%split_with_sizes0, 0)
   %getitem1: f32[2, 32] = getitem(%split_with_sizes0, 1)
   %getitem2: f32[2, 32] = getitem(%split_with_sizes0, 2)
-  %reshape3: f32[8, 8] = aten.reshape(%getitem0, [8, 8])
-  %reshape4: f32[8, 8] = aten.reshape(%getitem1, [8, 8])
-  %reshape5: f32[8, 8] = aten.reshape(%getitem2, [8, 8])
-  %t0: f32[8, 8] = aten.t(%reshape3)
+  %clone0: f32[2, 32] = aten.clone(%getitem0, memory_format=torch.contiguous_format)
+  %view1: f32[8, 8] = aten.view(%clone0, [8, 8])
+  %clone1: f32[2, 32] = aten.clone(%getitem1, memory_format=torch.contiguous_format)
+  %view2: f32[8, 8] = aten.view(%clone1, [8, 8])
+  %clone2: f32[2, 32] = aten.clone(%getitem2, memory_format=torch.contiguous_format)
+  %view3: f32[8, 8] = aten.view(%clone2, [8, 8])
+  %t0: f32[8, 8] = aten.t(%view1)
   %mm0: f32[4, 8] = aten.mm(%arg0, %t0)
   %relu0: f32[4, 8] = aten.relu(%mm0)
-  %t1: f32[8, 8] = aten.t(%reshape4)
+  %t1: f32[8, 8] = aten.t(%view2)
   %mm1: f32[4, 8] = aten.mm(%relu0, %t1)
   %relu1: f32[4, 8] = aten.relu(%mm1)
-  %t2: f32[8, 8] = aten.t(%reshape5)
+  %t2: f32[8, 8] = aten.t(%view3)
   %mm2: f32[4, 8] = aten.mm(%relu1, %t2)
   %relu2: f32[4, 8] = aten.relu(%mm2)
   return %relu2""")
@@ -381,6 +384,27 @@ class TestComposition(unittest.TestCase):
                     self.assertLess(pos[h], pos[wait.name], f"{h} hid {member}")
                     checked += 1
         self.assertGreater(checked, 0)
+
+    def test_bucketed_all_gather_outputs_keep_their_contiguous_strides(self):
+        """Two all_gathers of ``[1, 8, 4]`` (one row per rank: a batch of 1 gathered on its
+        sequence dim, as sequence parallel does), each output viewed as ``[16, 4]`` (merging
+        the gathered dim), in one dtype and in two (the byte-concatenated bucket). Bucketed,
+        every member's output is contiguous again, so the graph's traced views still apply:
+        a ``reshape`` of the bucket's column block used to return a view with the bucket's row
+        stride, and the ``view`` raised "view size is not compatible with input tensor's size
+        and stride" (a sequence-parallel model with batch 1 under ``backend="fcoll"``)."""
+        for dtypes in ((torch.float32, torch.float32), (torch.float32, torch.float64)):
+            b = Builder()
+            xs = [b.input(f"x{i}", [1, 8, 4], dt) for i, dt in enumerate(dtypes)]
+            waits = [b.wait(b(fc.all_gather_into_tensor.default, x, 2, "0")) for x in xs]
+            gm = b.module([b(aten.view.default, w, [16, 4]) for w in waits])
+            gm = _bucket(gm)
+            self.assertEqual(len(collectives(gm)), 1, dtypes)
+            for out in next(n for n in gm.graph.nodes if n.op == "output").args[0]:
+                member = out.args[0].meta["val"]
+                self.assertEqual((tuple(member.shape), member.stride()), ((2, 8, 4), (32, 4, 1)))
+            got = gm(*(torch.empty(1, 8, 4, dtype=dt, device="meta") for dt in dtypes))
+            self.assertEqual([tuple(g.shape) for g in got], [(16, 4), (16, 4)])
 
     def test_collective_with_keyword_arguments_is_left_alone(self):
         """``ar(x) ; ar(y) ; ar(input=z, ...)``: the first two merge, the keyword call is not

@@ -252,14 +252,20 @@ class _Rewrite:
             out[i] = view_as(emit, p, self.members[i].meta["val"].shape)
 
     def _wait_all_gather(self, emit: NodeEmitter, w: fx.Node, item: _Gathered, out: list) -> None:
+        """Each member's output from the bucket's ``[n, sum(sizes)]`` result: its column block,
+        copied once into a contiguous tensor (the member's own output was contiguous, and the
+        graph's later views were traced on those strides). Not ``reshape``: where the member's
+        leading dim is ``n`` (one row per rank, e.g. a batch of 1 gathered on its sequence dim)
+        the block reshapes without a copy into a tensor with the grid's row stride, and a later
+        ``view`` merging that dim fails ("view size is not compatible with input tensor's size
+        and stride")."""
         sizes, n = item.sizes, self.bucket.key[2]
         grid = emit(aten.view.default, w, [n, sum(sizes)])
         for i, p in enumerate(self._split(emit, grid, sizes, 1)):
-            if not self.as_bytes:           # one copy: [n, numel_i] slice -> shape
-                out[i] = emit(aten.reshape.default, p, list(self.members[i].meta["val"].shape))
-                continue
-            out[i] = self._as_member(emit, emit(aten.clone.default, p,
-                                                memory_format=torch.contiguous_format), i)
+            if len(sizes) > 1:   # a column block of the grid: strided
+                p = emit(aten.clone.default, p, memory_format=torch.contiguous_format)
+            out[i] = (self._as_member(emit, p, i) if self.as_bytes
+                      else view_as(emit, p, self.members[i].meta["val"].shape))
 
     def _wait_all_to_all(self, emit: NodeEmitter, w: fx.Node, item: _Exchanged, out: list) -> None:
         parts = self._split(emit, w, [s for row in item.pieces for s in row], 0)
