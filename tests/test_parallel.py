@@ -362,6 +362,31 @@ def _fsdp2_arguments(rank: int, world: int) -> dict:
     return out
 
 
+def _sequence_parallel_batch_of_one(rank: int, world: int) -> tuple[float, float]:
+    """Tensor + sequence parallel on a batch of one sequence, compiled with ``backend="fcoll"``
+    (its bucketed all_gathers along the sequence dim once returned strided outputs, and a
+    traced ``view`` failed). Returns the loss's and the gradients' largest error against the
+    unparallelized model."""
+    import train_gpt as tg
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = _cfg(tg, 32, 4)
+    params = tg.init_params(cfg, 0)
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randint(0, 51, (1, 16), generator=g) for _ in range(2))
+    ref = tg.TPGPTModule(cfg, params)
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    torch._dynamo.reset()
+    m = tg.TPGPTModule(cfg, params).parallelize(init_device_mesh("cpu", (world,)), True)
+    loss = torch.compile(m, backend="fcoll")(x, y)
+    loss.backward()
+    refs = dict(ref.named_parameters())
+    return (abs(loss.item() - ref_loss.item()),
+            max(((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                 - refs[k].grad).abs().max().item() for k, p in m.named_parameters()))
+
+
 def _both(rank: int, world: int, checkpointing: bool) -> dict:
     out = {"simple-fsdp": _simple_fsdp(rank, world), "tp": _tensor_parallel(rank, world),
            "tied": _tied_weights(rank, world), "mixed": _mixed_precision(rank, world)}
@@ -369,6 +394,7 @@ def _both(rank: int, world: int, checkpointing: bool) -> dict:
         out["two-meshes"] = _two_mesh_sizes(rank, world)
         out["simple-fsdp-ac"] = _fsdp_with_activation_checkpointing(rank, world)
         out["fsdp2-arguments"] = _fsdp2_arguments(rank, world)
+        out["sp-batch-1"] = _sequence_parallel_batch_of_one(rank, world)
     return out
 
 
@@ -376,13 +402,16 @@ def _both(rank: int, world: int, checkpointing: bool) -> dict:
 def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
     """One spawn per process group for all (each compile dominates the run time); the
     checkpointed SimpleFSDP (a partition-step fix, the same on any group), FSDP2's other
-    arguments and two mesh sizes in one process (a Dynamo fix) on fcoll's only."""
+    arguments, two mesh sizes in one process (a Dynamo fix) and sequence parallel on a batch
+    of one (a bucketing fix) on fcoll's only."""
     for res in run_ranks(_both, 2, backend=backend, args=(backend == "fcoll",), timeout_s=900):
         fsdp, tp = res["simple-fsdp"], res["tp"]
         assert fsdp["sharded"]
         assert fsdp["eager"] == (0.0, 0.0)      # the same math, gathered: bit for bit
         for name in ("fcoll", "inductor"):
             assert fsdp[name][0] <= 1e-5 and fsdp[name][1] <= 1e-6, (name, fsdp)
+        if "sp-batch-1" in res:
+            assert res["sp-batch-1"][0] <= 1e-5 and res["sp-batch-1"][1] <= 1e-6, res
         for name, errors in res.get("two-meshes", {}).items():
             assert errors[0] <= 1e-5 and errors[1] <= 1e-6, (name, res["two-meshes"])
         tied = res["tied"]
