@@ -5,10 +5,19 @@ the caller's thread).
 
 The executor that runs the jobs is :class:`fcoll.shm.engine.Engine`; a ``Work`` reaches it only
 through its ``wait`` (:class:`Executor`), so this module does not import it.
+
+A job's torch future is completed off the thread that executed the job (:class:`_Settler`):
+``Future.set_result`` runs the future's ``then`` callbacks on the thread that calls it, and a
+callback may issue a collective and block on its future (PyTorch's PowerSGD DDP hook does, three
+levels deep). On the worker thread, or on a caller's thread still holding the executor, that
+collective could never run: the rank hung until the group's timeout while gloo, whose futures
+complete on a pool of worker threads, ran the same hook.
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from typing import Any, Callable, Protocol
 
@@ -18,6 +27,43 @@ from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.transport.phases import Call
 
 __all__ = ["DoneWork", "Executor", "FcollWork", "Job", "settle_future"]
+
+
+class _Settler:
+    """Completes torch futures on threads of its own, one thread per settlement in progress.
+
+    Each :meth:`settle` reserves a thread, an idle one or a new one, before queueing, so a
+    callback that blocks on a later job's future (which needs a settlement of its own) never
+    waits behind itself: threads = settlements in progress + idle ones, and as many threads
+    exist as the deepest chain of blocking callbacks needed (PowerSGD: 3); they stay for reuse
+    (daemon threads, blocked on the queue when idle). A forked child starts with none.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+
+    def settle(self, fut: torch.futures.Future, error: BaseException | None, result) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._serve, name="fcoll-future", daemon=True).start()
+            self._queue.put((fut, error, result))
+
+    def _serve(self) -> None:
+        while True:
+            settle_future(*self._queue.get())
+            with self._lock:
+                self._idle += 1
+
+    def _after_fork(self) -> None:
+        self.__init__()
+
+
+_settler = _Settler()
+os.register_at_fork(after_in_child=_settler._after_fork)
 
 
 class Job:
@@ -43,13 +89,16 @@ class Job:
         self._fut_lock = threading.Lock()
 
     def complete(self, error: BaseException | None) -> None:
+        """Mark the job done (called by the thread that executed it, which still holds the
+        executor) and complete its future, if one was asked for, on another thread (module
+        docstring: its callbacks may issue collectives and wait for them)."""
         with self._fut_lock:
             self.error = error
             self.done = True
             fut = self._fut
         self.done_lock.release()
         if fut is not None:
-            settle_future(fut, self.error, self.result)
+            _settler.settle(fut, self.error, self.result)
 
     def future(self) -> torch.futures.Future:
         with self._fut_lock:
