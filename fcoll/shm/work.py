@@ -16,6 +16,7 @@ complete on a pool of worker threads, ran the same hook.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -27,6 +28,8 @@ from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.transport.phases import Call
 
 __all__ = ["DoneWork", "Executor", "FcollWork", "Job", "settle_future"]
+
+log = logging.getLogger(__name__)
 
 
 class _Settler:
@@ -40,6 +43,11 @@ class _Settler:
     """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """No threads, nothing queued: a new settler, or one in a forked child (whose threads
+        did not survive the fork)."""
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = 0
@@ -54,16 +62,17 @@ class _Settler:
 
     def _serve(self) -> None:
         while True:
-            settle_future(*self._queue.get())
+            fut, error, result = self._queue.get()
+            try:
+                settle_future(fut, error, result)
+            except Exception:  # noqa: BLE001  the thread outlives one bad future
+                log.exception("fcoll: completing a collective's future failed")
             with self._lock:
                 self._idle += 1
 
-    def _after_fork(self) -> None:
-        self.__init__()
-
 
 _settler = _Settler()
-os.register_at_fork(after_in_child=_settler._after_fork)
+os.register_at_fork(after_in_child=_settler._reset)
 
 
 class Job:
