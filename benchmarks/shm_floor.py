@@ -27,7 +27,7 @@ with ``benchmarks/collectives.py`` in the same minute: the machine is shared and
 ``--launches N`` measures each size in N pairs of freshly forked processes and prints the
 median over launches with the best and worst launch and their ratio (``launches_us`` in the
 JSON). On a virtual machine the floor moves between launches with where the host runs the two
-vCPUs (whether they share a last-level cache): measured 2026-11-28 on this 2-vCPU KVM guest
+vCPUs (whether they share a last-level cache): measured 2026-11-27 on this 2-vCPU KVM guest
 (AMD EPYC), quiet, 1 MiB: 54.7-55.0 us in five launches, 67.4-67.5 in two, 113.8 in one (2.1x),
 so no backend's 1 MiB cell can be steadier than that from one run to the next.
 """
@@ -141,8 +141,8 @@ def main(argv=None) -> int:
             line += f" | {best * 1e6:21.1f} {worst * 1e6:9.1f} {worst / best:10.2f}x"
         print(line)
     with open(a.json, "w") as f:
-        json.dump({"nproc": 2, "launches": a.launches, "results": out, "loadavg": [load0, os.getloadavg()[0]]}, f,
-                  indent=2)
+        json.dump({"nproc": 2, "launches": a.launches, "results": out,
+                   "loadavg": [load0, os.getloadavg()[0]]}, f, indent=2)
     print(f"wrote {a.json}")
     return 0
 

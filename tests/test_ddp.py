@@ -49,8 +49,8 @@ def _fcoll_and_gloo(rank, world):
     for a, b in zip(on_fcoll, on_gloo):
         torch.testing.assert_close(a, b)
     # PowerSGD's callbacks block on the futures of the all_reduces they issue: fcoll completed
-    # futures on the thread that ran the collective, so that rank hung. A 0.002 MiB cap (two
-    # buckets): at 0.001 MiB (three) the gloo run itself times out in the hook.
+    # futures on the thread that ran the collective, so that rank hung. A 0.002 MiB bucket
+    # cap: at 0.001 MiB the gloo run itself times out in the hook.
     for hook, cap in (("fp16", 0.001), ("powersgd", 0.002)):
         hooked = _train(rank, world, None, hook, cap), _train(rank, world, gl, hook, cap)
         for a, b in zip(*hooked):
