@@ -272,6 +272,37 @@ def test_two_stage_pipeline_on_fcoll_equals_gloo(schedule):
     torch.testing.assert_close(ours, theirs)
 
 
+def _callback_receives_again(rank, world):
+    """Rank 0 attaches to an ``irecv``'s future a callback that receives again and blocks on
+    that receive's future; only then (the store orders it) does rank 1 send both messages. The
+    first receive finishes on the inbox's thread inside a step of the protocol, which the
+    callback's receive re-entered ("message 0 from rank 1, expected 1") before futures were
+    completed on a thread of their own."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.wait(["callback attached"])
+        dist.send(torch.ones(4), 0)
+        dist.send(torch.full((4,), 7.0), 0)
+        return None
+    first = torch.zeros(4)
+
+    def receive_again(_):
+        second = torch.zeros(4)
+        dist.irecv(second, 1).get_future().wait()
+        return first + second
+
+    both = dist.irecv(first, 1).get_future().then(receive_again)
+    store.set("callback attached", "1")
+    return both.wait()
+
+
+def test_a_future_callback_may_send_and_receive_again():
+    got = run_ranks(_callback_receives_again, 2, timeout_s=60, pg_timeout_s=20)[0]
+    torch.testing.assert_close(got, torch.full((4,), 8.0))
+
+
 def _inbox_fds() -> int:
     import os
 

@@ -6,12 +6,14 @@ the caller's thread).
 The executor that runs the jobs is :class:`fcoll.shm.engine.Engine`; a ``Work`` reaches it only
 through its ``wait`` (:class:`Executor`), so this module does not import it.
 
-A job's torch future is completed off the thread that executed the job (:class:`_Settler`):
-``Future.set_result`` runs the future's ``then`` callbacks on the thread that calls it, and a
-callback may issue a collective and block on its future (PyTorch's PowerSGD DDP hook does, three
-levels deep). On the worker thread, or on a caller's thread still holding the executor, that
-collective could never run: the rank hung until the group's timeout while gloo, whose futures
-complete on a pool of worker threads, ran the same hook.
+A job's torch future, and a point-to-point operation's, is completed off the thread that
+finished the operation (:func:`settle_future_later`): ``Future.set_result`` runs the future's
+``then`` callbacks on the thread that calls it, and a callback may issue a collective and block
+on its future (PyTorch's PowerSGD DDP hook does, three levels deep). On the worker thread, or on
+a caller's thread still holding the executor, that collective could never run: the rank hung
+while gloo, whose futures complete on a pool of worker threads, ran the same hook. A p2p
+operation finishes inside a step of the p2p protocol, which a callback's own send or receive
+re-entered ("message 0 from rank 1, expected 1").
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.transport.phases import Call
 
-__all__ = ["DoneWork", "Executor", "FcollWork", "Job", "settle_future"]
+__all__ = ["DoneWork", "Executor", "FcollWork", "Job", "settle_future", "settle_future_later"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,13 @@ _settler = _Settler()
 os.register_at_fork(after_in_child=_settler._reset)
 
 
+def settle_future_later(fut: torch.futures.Future, error: BaseException | None, result) -> None:
+    """:func:`settle_future` on a thread of fcoll's own (module docstring), for the thread that
+    finished an operation and still holds what the future's callbacks may need: a group's
+    executor, the p2p protocol's progress."""
+    _settler.settle(fut, error, result)
+
+
 class Job:
     """A queued collective: ``run(call)`` moves the data, then ``finish()`` writes back staged
     outputs. Its result is ``result`` (the output tensors, as PyTorch backends return them) or
@@ -107,7 +116,7 @@ class Job:
             fut = self._fut
         self.done_lock.release()
         if fut is not None:
-            _settler.settle(fut, self.error, self.result)
+            settle_future_later(fut, self.error, self.result)
 
     def future(self) -> torch.futures.Future:
         with self._fut_lock:

@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from fcoll.shm.work import settle_future
+from fcoll.shm.work import settle_future_later
 from fcoll.shm.p2p.inbox import (ACK_MISMATCH, ACK_OK, ACKS, NCHUNKS, R_HEAD, R_TAIL, RECORD_BYTES,
                              ack_marker, decode_record, encode_record, show_message)
 from fcoll.shm.transport.segment import U32_MASK
@@ -63,8 +63,8 @@ class PendingOp:
         with self.lock:
             self.error, self.done = error, True
             fut = self.fut
-        if fut is not None:
-            settle_future(fut, error, [self.tensor])
+        if fut is not None:  # finished inside a protocol step: callbacks run elsewhere
+            settle_future_later(fut, error, [self.tensor])
 
 
 class InMessage:
