@@ -81,9 +81,9 @@ def test_shutdown_runs_what_was_queued():
 
 
 def test_a_done_callback_may_wait_for_a_later_op():
-    """A future's done-callback runs on the thread that ran the op (here the worker, under the
-    run lock); if it waits for a later op of the same group, that op runs there next instead
-    of deadlocking."""
+    """A future's done-callback runs off the thread that ran the op (the worker, under the run
+    lock); if it waits for a later op of the same group, that op runs instead of
+    deadlocking."""
     runner = OrderedRunner("test-runner")
     release = threading.Event()
     runner.submit(lambda: release.wait(timeout=30))   # holds the worker until callbacks are set
@@ -92,6 +92,24 @@ def test_a_done_callback_may_wait_for_a_later_op():
     seen: list[str] = []
     done = threading.Event()
     first.get_future().then(lambda _: (seen.append(later.result()), done.set()))
+    release.set()
+    assert done.wait(timeout=30), "the callback's wait deadlocked"
+    assert seen == ["later"]
+    runner.shutdown()
+
+
+def test_a_done_callback_may_block_on_a_later_ops_future():
+    """As above, but the callback blocks on the later op's torch future (``Future.wait``
+    runs no queued op, as PowerSGD's DDP hook waits): the worker that completed the first op
+    used to run the callback itself, and then never ran the later op."""
+    runner = OrderedRunner("test-runner")
+    release = threading.Event()
+    runner.submit(lambda: release.wait(timeout=30))   # holds the worker until callbacks are set
+    first = HierarchicalWork([runner.submit(lambda: "first")], runner)
+    later = HierarchicalWork([runner.submit(lambda: "later")], runner)
+    seen: list[str] = []
+    done = threading.Event()
+    first.get_future().then(lambda _: (seen.append(later.get_future().wait()), done.set()))
     release.set()
     assert done.wait(timeout=30), "the callback's wait deadlocked"
     assert seen == ["later"]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fcoll.compat import run_eagerly_under_dynamo
+from fcoll.shm.work import settle_future_later
 
 __all__ = ["ChainedWork", "HierarchicalWork", "OrderedRunner"]
 
@@ -151,13 +152,15 @@ class HierarchicalWork(dist.Work):
             fut: torch.futures.Future = torch.futures.Future()
             pending = list(self._futures)
 
+            once = threading.Lock()   # held for good by the call that settles
+
             def settle(_: Any = None) -> None:
-                if all(f.done() for f in pending) and not fut.done():
+                # on the thread that finished the last op, which may hold the run lock: the
+                # callbacks run elsewhere (fcoll.shm.work), as they may wait for a later op
+                if all(f.done() for f in pending) and once.acquire(blocking=False):
                     err = self.exception()
-                    if err is not None:
-                        fut.set_exception(err)
-                    else:
-                        fut.set_result(pending[-1].result() if pending else [])
+                    settle_future_later(fut, err, None if err is not None else
+                                        (pending[-1].result() if pending else []))
 
             for f in pending:
                 f.add_done_callback(settle)
