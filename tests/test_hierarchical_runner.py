@@ -84,24 +84,19 @@ def test_a_done_callback_may_wait_for_a_later_op():
     """A future's done-callback runs off the thread that ran the op (the worker, under the run
     lock); if it waits for a later op of the same group, that op runs instead of
     deadlocking."""
-    runner = OrderedRunner("test-runner")
-    release = threading.Event()
-    runner.submit(lambda: release.wait(timeout=30))   # holds the worker until callbacks are set
-    first = HierarchicalWork([runner.submit(lambda: "first")], runner)
-    later = HierarchicalWork([runner.submit(lambda: "later")], runner)
-    seen: list[str] = []
-    done = threading.Event()
-    first.get_future().then(lambda _: (seen.append(later.result()), done.set()))
-    release.set()
-    assert done.wait(timeout=30), "the callback's wait deadlocked"
-    assert seen == ["later"]
-    runner.shutdown()
+    _callback_waits_for_a_later_op(lambda later: later.result())
 
 
 def test_a_done_callback_may_block_on_a_later_ops_future():
     """As above, but the callback blocks on the later op's torch future (``Future.wait``
     runs no queued op, as PowerSGD's DDP hook waits): the worker that completed the first op
     used to run the callback itself, and then never ran the later op."""
+    _callback_waits_for_a_later_op(lambda later: later.get_future().wait())
+
+
+def _callback_waits_for_a_later_op(wait_for):
+    """Two ops queued behind one that holds the worker; the first op's future gets a callback
+    that returns ``wait_for(later op's Work)``, which must give the later op's result."""
     runner = OrderedRunner("test-runner")
     release = threading.Event()
     runner.submit(lambda: release.wait(timeout=30))   # holds the worker until callbacks are set
@@ -109,7 +104,7 @@ def test_a_done_callback_may_block_on_a_later_ops_future():
     later = HierarchicalWork([runner.submit(lambda: "later")], runner)
     seen: list[str] = []
     done = threading.Event()
-    first.get_future().then(lambda _: (seen.append(later.get_future().wait()), done.set()))
+    first.get_future().then(lambda _: (seen.append(wait_for(later)), done.set()))
     release.set()
     assert done.wait(timeout=30), "the callback's wait deadlocked"
     assert seen == ["later"]
