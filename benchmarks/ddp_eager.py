@@ -17,6 +17,9 @@ machine's drift hits every variant alike:
 
 - ``allreduce``: DDP's default (the reducer's built-in all_reduce, one future per bucket);
 - ``fp16``: ``fp16_compress_hook`` (a ``then`` callback per bucket decompresses);
+- ``blocking``: a hook that all_reduces the bucket with a blocking ``dist.all_reduce`` inside
+  the hook (on the backward's thread, no overlap) and returns it done: what the asynchronous
+  hand-off to the backend's threads gains or costs;
 - ``nocomm``: DDP with a hook that returns the bucket unreduced in a completed future: the
   reducer's own cost (bucket copies, autograd hooks) without communication, the same on both
   groups (run on fcoll's);
@@ -31,6 +34,16 @@ Measured 2026-11-28 (2 ranks, 2 vCPUs, quiet, 2 rounds, this script run on the t
 and after commit d04a67b, alternating): completing futures on threads of fcoll's own costs
 nothing that the step shows: ``allreduce`` 3.89-4.05 ms after against 3.89-3.92 before with 1
 thread per rank, 6.37-6.44 against 6.01-6.54 with 2; gloo 6.6-7.8 and 8.8-9.9 ms.
+
+Where fcoll's eager DDP step goes (same day, 1 thread per rank): ``blocking`` beats DDP's own
+asynchronous all_reduce on fcoll's group, 3.1-3.6 ms against 4.3-4.8 (load 1-3), and 7.0-7.4
+against 8.3-8.6 with ``--background-load 2``; with 25 MiB buckets (``--width 1024
+--bucket-cap-mb 25``) the two are even. With one core per rank there is no core for the
+group's worker: its collective runs beside the backward on the backward's core, and each of its
+phases that sleeps waits for the scheduler to preempt the backward (gloo, whose threads do the
+same, is 2x slower still). fcoll does not run asynchronous collectives on the issuing thread
+to save that: a program may issue asynchronous collectives on two groups in different orders on
+different ranks (gloo and NCCL progress each group on its own), which would then deadlock.
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives import BackgroundLoad  # noqa: E402  (benchmarks/ is not a package)
 from fcoll.testing import run_ranks  # noqa: E402
 
-HOOKS = ("allreduce", "fp16")
+HOOKS = ("allreduce", "fp16", "blocking")
 
 
 def _steps_ms(model, x, steps: int, barrier) -> float:
@@ -68,6 +81,18 @@ def _no_communication(state, bucket):
     import torch
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
+    return fut
+
+
+def _blocking_all_reduce(pg, bucket):
+    """A DDP communication hook: the bucket's average by a blocking all_reduce, done."""
+    import torch
+    import torch.distributed as dist
+    buf = bucket.buffer()
+    dist.all_reduce(buf, group=pg)
+    buf.div_(dist.get_world_size(pg))
+    fut = torch.futures.Future()
+    fut.set_result(buf)
     return fut
 
 
@@ -93,6 +118,8 @@ def _rank(rank: int, world: int, a: dict) -> dict:
                 m = DDP(module(), process_group=pg, bucket_cap_mb=a["bucket_cap_mb"])
                 if hook == "fp16":
                     m.register_comm_hook(pg, default_hooks.fp16_compress_hook)
+                elif hook == "blocking":
+                    m.register_comm_hook(pg, _blocking_all_reduce)
                 out.setdefault(f"{hook}/{name}", []).append(
                     _steps_ms(m, x, a["steps"], lambda: dist.barrier(group=pg)))
                 del m
