@@ -36,8 +36,8 @@ nothing that the step shows: ``allreduce`` 3.89-4.05 ms after against 3.89-3.92 
 thread per rank, 6.37-6.44 against 6.01-6.54 with 2; gloo 6.6-7.8 and 8.8-9.9 ms.
 
 Where fcoll's eager DDP step goes (same day, 1 thread per rank): ``blocking`` beats DDP's own
-asynchronous all_reduce on fcoll's group, 3.1-3.6 ms against 4.3-4.8 (load 1-3), and 7.0-7.4
-against 8.3-8.6 with ``--background-load 2``; with 25 MiB buckets (``--width 1024
+asynchronous all_reduce on fcoll's group, 3.1-3.6 ms against 4.3-6.1 in the same runs (load
+1-3), and 7.0-7.4 against 8.3-8.6 with ``--background-load 2``; with 25 MiB buckets (``--width 1024
 --bucket-cap-mb 25``) the two are even. With one core per rank there is no core for the
 group's worker: its collective runs beside the backward on the backward's core, and each of its
 phases that sleeps waits for the scheduler to preempt the backward (gloo, whose threads do the
