@@ -63,7 +63,17 @@ ranks' session) for the whole run.
 The ranks talk over gloo inside a network namespace whose loopback is rate-limited with
 ``tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 100ms`` (0.125 GB/s; NOTES.md).
 Without root, ``ip`` or ``tc`` it falls back to plain loopback, and says so in the table and
-the JSON (``"network"``).
+the JSON (``"network"``). ``--group fcoll`` runs every row on fcoll's own shared-memory
+process group instead (no link to rate-limit: the collectives are the ranks' CPU work), where
+overlap competes with compute for the cores. Measured 2026-11-28 (2 ranks, 2 vCPUs, one
+intra-op thread each): DDP ``off`` 362.6 ms against ``on`` 377.5 (compute 306.8, comm 7.7;
+3 rounds, no Inductor), FSDP 329.8 against 314.0; in two later runs (1-2 rounds) DDP ``on``
+296.8 and 301.9 against ``inductor`` 263.8 and 272.2 (ind/on 0.89, 0.92: PyTorch's one
+bucket at the end of the backward, run blocking, beats fcoll's overlapped buckets here;
+docs/design.md, "Asynchronous collectives with no spare core"). FSDP's ``inductor`` fails on
+this group: Inductor's bucketed all_gather calls PyTorch's C++
+``all_gather_into_tensor_out``, which needs a C++ device backend (README, "No backend type
+associated with device type cpu").
 
     python benchmarks/overlap.py --json overlap.json       # every row, one run
     python benchmarks/overlap.py --background-load 2 --json overlap-loaded.json
@@ -102,6 +112,9 @@ def _parse(argv=None):
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds of every variant, interleaved (the order reversed every other "
                         "round)")
+    p.add_argument("--group", choices=["gloo", "fcoll"], default="gloo",
+                   help="the ranks' process group: gloo over --network, or fcoll's shared "
+                   "memory (--network is then unused)")
     p.add_argument("--network", choices=["auto", "tbf", "loopback"], default="auto")
     p.add_argument("--json", default="overlap.json")
     p.add_argument("--timeout-s", type=float, default=3000)
@@ -652,8 +665,8 @@ def _rank(rank: int, world: int, a: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Report
 
-def _table(results: dict, network: str) -> tuple[str, dict]:
-    lines = [f"network: {network}; times: median step, ms (2 ranks, gloo)",
+def _table(results: dict, network: str, group: str = "gloo") -> tuple[str, dict]:
+    lines = [f"network: {network}; times: median step, ms (2 ranks, {group})",
              f"{'mode':6} {'compute':>9} {'comm':>9} {'off':>9} {'on':>9} {'inductor':>12} "
              f"{'ind/on':>7} {'exp_off':>9} {'exp_on':>9} {'exp_on/comm':>11} {'on/max':>7} "
              f"{'floor':>7} {'on/floor':>8}  targets"]
@@ -840,13 +853,14 @@ def _module_row(mode: str, r: dict, hand: dict | None, summary: dict) -> str:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parse(argv)
-    if a.network in ("auto", "tbf") and NETNS_ENV not in os.environ:
+    if a.group == "gloo" and a.network in ("auto", "tbf") and NETNS_ENV not in os.environ:
         rc = _run_in_netns([x for x in argv if x not in ("auto", "tbf", "--network")])
         if rc is not None:
             return rc
         if a.network == "tbf":
             return 2
-    network = os.environ.get(NETNS_ENV, "plain loopback (NOT rate-limited)")
+    network = ("fcoll's shared-memory group (no link)" if a.group == "fcoll"
+               else os.environ.get(NETNS_ENV, "plain loopback (NOT rate-limited)"))
     sys.path.insert(0, ROOT)
     from fcoll.testing import run_ranks
 
@@ -858,10 +872,10 @@ def main(argv=None) -> int:
     preload = preload_env()
     t0, load_before = time.time(), os.getloadavg()
     with _sigterm_raises(), BackgroundLoad(a.background_load):
-        r0 = run_ranks(_rank, 2, backend="gloo", args=(vars(a),), timeout_s=a.timeout_s,
+        r0 = run_ranks(_rank, 2, backend=a.group, args=(vars(a),), timeout_s=a.timeout_s,
                        pg_timeout_s=a.timeout_s, env=preload)[0]
         load_after = os.getloadavg()
-    text, summary = _table(r0, network)
+    text, summary = _table(r0, network, a.group)
     print(text)
     if a.param_dtype or a.reduce_dtype:
         print(f"FSDP module rows in mixed precision: parameters {a.param_dtype or 'float32'}, "
