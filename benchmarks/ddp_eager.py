@@ -27,8 +27,8 @@ machine's drift hits every variant alike:
 
 Prints per variant the median step (ms, the slower rank's median of ``--steps`` steps after
 10 warm-up steps, then the median over rounds), the ratio gloo/fcoll and fcoll's step over
-the local floor; writes ``{"variants": {name: {"fcoll_ms", "gloo_ms", ...}}, "local_ms",
-"loadavg"}`` to JSON.
+the local floor; writes ``{"variants": {name: {"fcoll_ms", "gloo_ms", ...}}, "nocomm_ms",
+"local_ms", "loadavg"}`` to JSON.
 
 Measured 2026-11-28 (2 ranks, 2 vCPUs, quiet, 2 rounds, this script run on the tree before
 and after commit d04a67b, alternating): completing futures on threads of fcoll's own costs
@@ -159,8 +159,9 @@ def main(argv=None) -> int:
 
     local, nocomm = step_ms("local"), step_ms("nocomm")
     print(f"eager DDP, 2 ranks, {a.layers} x Linear({a.width}, {a.width}), bucket cap "
-          f"{a.bucket_cap_mb} MiB, {a.threads} thread(s) per rank, {a.steps} steps x {a.rounds} rounds, background load "
-          f"{a.background_load}, loadavg {load0:.2f} -> {load1:.2f}")
+          f"{a.bucket_cap_mb} MiB, {a.threads} thread(s) per rank, {a.steps} steps x "
+          f"{a.rounds} rounds, background load {a.background_load}, loadavg {load0:.2f} -> "
+          f"{load1:.2f}")
     print(f"{'variant':>10} | {'fcoll ms':>9} {'gloo ms':>9} {'gloo/fcoll':>10} "
           f"{'fcoll/local':>11}")
     variants = {}
