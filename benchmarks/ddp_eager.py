@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -147,8 +148,8 @@ def main(argv=None) -> int:
     for opt in ("steps", "rounds", "layers", "width", "threads"):
         if getattr(a, opt) < 1:
             p.error(f"--{opt} must be at least 1, got {getattr(a, opt)}")
-    if not a.bucket_cap_mb > 0:
-        p.error(f"--bucket-cap-mb must be positive, got {a.bucket_cap_mb}")
+    if not (a.bucket_cap_mb > 0 and math.isfinite(a.bucket_cap_mb)):
+        p.error(f"--bucket-cap-mb must be a positive number of MiB, got {a.bucket_cap_mb}")
     load0 = os.getloadavg()[0]
     with BackgroundLoad(a.background_load):
         per_rank = run_ranks(_rank, 2, args=(vars(a),), timeout_s=1800)
