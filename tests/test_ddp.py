@@ -1,8 +1,12 @@
 """PyTorch's own DistributedDataParallel trains on fcoll's backend exactly as on gloo: plain,
-and with PyTorch's communication hooks (fp16 compression; PowerSGD, whose callbacks issue
-collectives and block on their futures)."""
+with PyTorch's communication hooks (fp16 compression; PowerSGD, whose callbacks issue
+collectives and block on their futures), and with the options a training script sets
+(gradient accumulation under ``no_sync``, ``find_unused_parameters``, ``static_graph``,
+``gradient_as_bucket_view``, buffers broadcast from rank 0), eager and compiled."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -56,6 +60,86 @@ def _fcoll_and_gloo(rank, world):
         for a, b in zip(*hooked):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=hook)
     return on_fcoll
+
+
+class _Net(torch.nn.Module):
+    """Linear, ReLU, optionally BatchNorm, Linear; ``unused``: a head no loss reads."""
+
+    def __init__(self, batch_norm: bool = False, unused: bool = False):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16) if batch_norm else None
+        self.l2 = torch.nn.Linear(16, 4)
+        self.unused = torch.nn.Linear(16, 4) if unused else None
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        return self.l2(self.bn(h) if self.bn is not None else h)
+
+
+#: DDP options a training script sets, each a (model kwargs, DDP kwargs, micro-steps per step)
+_OPTIONS = {
+    "no_sync": ({}, {}, 2),  # gradient accumulation: the first micro-step under no_sync()
+    "find_unused_parameters": ({"unused": True}, {"find_unused_parameters": True}, 1),
+    "static_graph": ({}, {"static_graph": True}, 1),
+    "gradient_as_bucket_view": ({}, {"gradient_as_bucket_view": True}, 1),
+    "broadcast_buffers": ({"batch_norm": True}, {}, 1),  # rank 1's buffers differ at first
+}
+
+
+def _train_with(rank, group, option: str, compiled: bool):
+    """4 steps of DDP with ``option`` (:data:`_OPTIONS`) on ``group``; the module's state."""
+    model_kw, ddp_kw, micro_steps = _OPTIONS[option]
+    torch.manual_seed(0)
+    model = _Net(**model_kw)
+    if rank == 1:
+        with torch.no_grad():
+            for b in model.buffers():
+                if b.is_floating_point():
+                    b.add_(5.0)
+    # several buckets, eagerly; DDP's static graph and torch.compile's DDPOptimizer assert that
+    # the first bucket (1 MiB) is no larger than the others, so those keep the default cap
+    small = not compiled and option != "static_graph"
+    ddp = DDP(model, process_group=group, bucket_cap_mb=0.001 if small else None, **ddp_kw)
+    forward = torch.compile(ddp, backend="fcoll") if compiled else ddp
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        for micro in range(micro_steps):
+            sync = micro == micro_steps - 1
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                forward(torch.randn(6, 8, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _options_fcoll_and_gloo(rank, world):
+    gl = dist.new_group(backend="gloo")
+    states = {}
+    for option in _OPTIONS:
+        want = _train_with(rank, gl, option, compiled=False)
+        for compiled in (False, True) if option in ("no_sync", "find_unused_parameters") \
+                else (False,):
+            torch._dynamo.reset()
+            got = _train_with(rank, None, option, compiled)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=0, atol=0,
+                                           msg=f"{option}, compiled={compiled}: {k}")
+        states[option] = got
+    return states
+
+
+def test_ddp_options_on_fcoll_match_gloo_eager_and_compiled():
+    """Each option of :data:`_OPTIONS` gives the parameters and buffers DDP gives on gloo, bit
+    for bit, eager and (``no_sync``, ``find_unused_parameters``) compiled by
+    ``torch.compile(ddp, backend="fcoll")``; the replicas' parameters agree."""
+    r0, r1 = run_ranks(_options_fcoll_and_gloo, 2, timeout_s=300, pg_timeout_s=30)
+    for option in _OPTIONS:
+        for k, v in r0[option].items():
+            if "running" not in k and "num_batches" not in k:  # BatchNorm's stats are local
+                torch.testing.assert_close(v, r1[option][k], rtol=0, atol=0, msg=option)
+    assert fcoll_segments() == []
 
 
 def test_ddp_on_fcoll_matches_ddp_on_gloo_after_5_steps():
