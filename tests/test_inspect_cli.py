@@ -18,8 +18,10 @@ from fcoll.inspect.artifacts import RECORD_FILES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
-TINY = ["--steps", "2", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
-        "--batch-size", "2", "--eval-batches", "1", "--log-every", "1"]
+# compute by Inductor, as the default "auto" picks for real models: the trace then holds one
+# event per compute segment, which fcoll.sim must read (test_sim_reads_the_directory)
+TINY = ["--steps", "3", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
+        "--batch-size", "2", "--eval-batches", "1", "--log-every", "1", "--compute", "inductor"]
 NPROC = 2
 TIMEOUT_S = 400
 
@@ -54,6 +56,16 @@ class TestInspectCLI(unittest.TestCase):
         self.assertIn(f"on {NPROC} rank(s)", self.proc.stdout)
         with open(os.path.join(self.out, "summary.txt")) as f:
             self.assertIn(f.read().strip(), self.proc.stdout)
+
+    def test_sim_reads_the_directory(self):
+        """README's flow: ``python -m fcoll.sim DIR`` on what the CLI wrote, compute and the
+        time outside the graphs measured in its trace (Inductor segments split into nodes)."""
+        sim = subprocess.run([sys.executable, "-m", "fcoll.sim", self.out, "--ranks", "2,16",
+                              "--compute", "trace", "--outside", "trace"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        self.assertEqual(sim.returncode, 0, sim.stderr[-4000:])
+        self.assertIn("compute: measured in", sim.stdout)
+        self.assertIn("outside the graphs:", sim.stdout)
 
     def test_every_rank_writes_every_promised_file_for_every_graph(self):
         for r, s in enumerate(self.summaries()):

@@ -448,6 +448,65 @@ class TestOutsideTheGraphs(unittest.TestCase):
             outside_graphs_us({"traceEvents": []}, load_programs(self.program()))
 
 
+class TestInductorSegments(unittest.TestCase):
+    """Traces of graphs whose compute Inductor compiled (``compute="inductor"``): one event per
+    segment (``segment_<i>``, target ``"inductor:<first>..<last>"``), the forward's and the
+    backward's in files that sort backward first, a node name (``getitem_1``) in both graphs
+    but traced as compute in the backward only."""
+
+    @staticmethod
+    def fwd():
+        return schedule([node("x", "placeholder", out=4), node("getitem_1", "compute", ["x"]),
+                         node("a", "compute", ["x"], us=3.0), node("b", "compute", ["a"], us=1.0),
+                         node("c", "compute", ["b"], us=0.0)], name="graph_0_forward")
+
+    @staticmethod
+    def bwd():
+        return schedule([node("y", "placeholder", out=4), node("getitem_1", "compute", ["y"]),
+                         node("d", "compute", ["getitem_1"], us=0.0)], name="graph_0_backward")
+
+    @staticmethod
+    def step(t0):
+        """forward segment a..c (40 us) at t0 + 10, backward segment getitem_1..d (20 us) at
+        t0 + 60; steps every 100 us."""
+        return [{"name": "segment_0", "cat": "compute", "ph": "X", "ts": t0 + 10, "dur": 40.0,
+                 "pid": 0, "args": {"target": "inductor:a..c", "graph": "graph_0_forward"}},
+                {"name": "segment_0", "cat": "compute", "ph": "X", "ts": t0 + 60, "dur": 20.0,
+                 "pid": 0, "args": {"target": "inductor:getitem_1..d",
+                                    "graph": "graph_0_backward"}}]
+
+    def trace(self):
+        return {"traceEvents": [e for t0 in (0.0, 100.0, 200.0, 300.0) for e in self.step(t0)]}
+
+    def test_a_segment_splits_into_its_nodes_by_their_predicted_times(self):
+        from fcoll.sim.measured import measured_compute_us, node_events
+
+        progs = load_programs([self.bwd(), self.fwd()])
+        split = node_events(self.trace()["traceEvents"][:1], progs)
+        self.assertEqual([(e["name"], e["ts"], e["dur"]) for e in split],
+                         [("a", 10.0, 30.0), ("b", 40.0, 10.0), ("c", 50.0, 0.0)])
+        equal = node_events(self.trace()["traceEvents"][1:2], progs)   # predicted 0 and 0
+        self.assertEqual([(e["name"], e["dur"]) for e in equal],
+                         [("getitem_1", 10.0), ("d", 10.0)])
+        m = measured_compute_us(self.trace(), graph="graph_0_forward", programs=progs)
+        # a's gap: since the last forward's c ended (with_measured_compute drops it)
+        self.assertEqual(m, {"a": (30.0, 60.0), "b": (10.0, 0.0), "c": (0.0, 0.0)})
+
+    def test_simulate_reads_segments_and_pairs_forward_and_backward_as_they_ran(self):
+        """Compute 40 + 20 us a step, from the trace; the forward's first traced node (a, not
+        getitem_1, which the forward does not trace) gets no gap; outside: the 100 us period
+        less the runs' 60 us."""
+        from fcoll.sim.measured import outside_graphs_us
+
+        progs = load_programs([self.bwd(), self.fwd()])   # file order: backward first
+        m = outside_graphs_us(self.trace(), progs)
+        self.assertEqual((m.outside_us, m.graphs_us, m.steps), (40.0, 60.0, 3))
+        r = simulate([self.bwd(), self.fwd()], [2], compute="trace", trace=self.trace())
+        self.assertAlmostEqual(r.results[0].compute_us, 60.0)
+        self.assertAlmostEqual(r.results[0].outside_us, 40.0)
+        self.assertIn("1 compute node(s) not in the trace", r.compute_source)
+
+
 class TestLinkProbeFit(unittest.TestCase):
     def test_exact_ring_times_give_back_alpha_and_bandwidth(self):
         """4 ranks, alpha 50 us, 100 bytes/us: t = 6 * 50 + 1.5 * S / 100."""

@@ -1,7 +1,14 @@
 """Compute times measured in a run's trace, in place of the cost model's predictions.
 
 The runtime's trace (``DIR/traces/rank{R}.json``, :mod:`fcoll.inspect.trace_compare`) has one
-complete event per executed compute node (``"cat": "compute"``, name = node name). A node's
+complete event per executed compute node (``"cat": "compute"``, name = node name), or, for a
+graph whose compute Inductor compiled (``compute="inductor"``, the default ``"auto"``'s choice for
+large inputs), one per *segment*: a maximal run of compute nodes between communication nodes,
+named ``segment_<i>``, whose ``args["target"]`` is ``"inductor:<first node>..<last node>"``
+(:mod:`fcoll.compile.inductor_compute`). :func:`node_events` splits such an event into one per
+node of the run, in program order, sharing the segment's duration in proportion to the nodes'
+predicted times (equally where those are all 0), so what follows reads per-node events either
+way; a segment's measured time is then exact per segment and only its split is modelled. A node's
 measured time is its event's duration plus the idle gap before it on the compute thread, since
 the previous compute event ended or the previous wait returned (a comm ``"e"`` event): that gap
 is the executor's own per-node cost (dispatch, bookkeeping), which the step pays too. Exposed
@@ -36,15 +43,57 @@ from dataclasses import dataclass
 from fcoll.inspect.trace_compare import load_trace
 from fcoll.sim.program import Program
 
-__all__ = ["OutsideGraphs", "measured_compute_us", "outside_graphs_us", "with_measured_compute"]
+__all__ = ["OutsideGraphs", "measured_compute_us", "node_events", "outside_graphs_us",
+           "with_measured_compute"]
+
+#: The target of a segment's compute event: ``"inductor:<first node>..<last node>"``.
+SEGMENT_TARGET_PREFIX = "inductor:"
+
+
+def node_events(events: list[dict], programs: list[Program]) -> list[dict]:
+    """``events`` with each Inductor segment's compute event (module docstring) replaced by one
+    event per compute node of ``programs`` that the segment ran, from its first node to its
+    last in program order: the first at the segment's start, each next one where the previous
+    ends, durations in proportion to the nodes' predicted ``us`` (equal shares where those sum
+    to 0). The program is the one named by the event's ``args["graph"]`` (any program where
+    the event names none). An event whose nodes no program has in that order is kept as it
+    is. Other events are kept, in their order."""
+    compute = {p.name: [n for n in p.nodes if n.cls == "compute"] for p in programs}
+    where = {name: {n.name: i for i, n in enumerate(nodes)} for name, nodes in compute.items()}
+    out = []
+    for e in events:
+        target = str((e.get("args") or {}).get("target", ""))
+        if (e.get("cat") != "compute" or e.get("ph") != "X"
+                or not target.startswith(SEGMENT_TARGET_PREFIX) or ".." not in target):
+            out.append(e)
+            continue
+        first, _, last = target[len(SEGMENT_TARGET_PREFIX):].partition("..")
+        graph = (e.get("args") or {}).get("graph")
+        names = [graph] if graph in compute else list(compute)
+        run = next((compute[g][where[g][first]:where[g][last] + 1] for g in names
+                    if first in where[g] and last in where[g]
+                    and where[g][first] <= where[g][last]), None)
+        if not run:
+            out.append(e)
+            continue
+        total = sum(max(n.us, 0.0) for n in run)
+        shares = ([max(n.us, 0.0) / total for n in run] if total > 0
+                  else [1.0 / len(run)] * len(run))
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        for n, share in zip(run, shares):
+            out.append({**e, "name": n.name, "ts": ts, "dur": dur * share})
+            ts += dur * share
+    return out
 
 
 def measured_compute_us(trace: str | os.PathLike | dict | list, *, rank: int | None = None,
-                        graph: str | None = None) -> dict[str, tuple[float, float]]:
+                        graph: str | None = None, programs: list[Program] | None = None
+                        ) -> dict[str, tuple[float, float]]:
     """Node name -> (mean duration, mean idle gap before it), in microseconds (module
     docstring), of every compute node in ``trace``; ``rank`` keeps only events of that
     ``pid``; ``graph`` only events whose ``args["graph"]`` is it, where the runtime records
-    one.
+    one; ``programs``: split Inductor segments' events into their nodes
+    (:func:`node_events`; without them a segment counts as one node named ``segment_<i>``).
 
     Raises:
         ValueError: not a Chrome trace (:func:`fcoll.inspect.trace_compare.load_trace`).
@@ -52,6 +101,8 @@ def measured_compute_us(trace: str | os.PathLike | dict | list, *, rank: int | N
     events = [e for e in load_trace(trace) if rank is None or e.get("pid", rank) == rank]
     if graph is not None:
         events = [e for e in events if (e.get("args") or {}).get("graph", graph) == graph]
+    if programs:
+        events = node_events(events, programs)
     marks = []       # (time, order, kind, event): compute starts/ends and wait returns
     for e in events:
         if e.get("cat") == "compute" and e.get("ph") == "X":
@@ -79,7 +130,8 @@ def measured_compute_us(trace: str | os.PathLike | dict | list, *, rank: int | N
 def with_measured_compute(program: Program, measured: dict[str, tuple[float, float]]
                           ) -> tuple[Program, int]:
     """``program`` with each compute node's ``us`` replaced by its measured duration plus gap
-    (:func:`measured_compute_us`; the first compute node: no gap) where the trace has it;
+    (:func:`measured_compute_us`; the first compute node the trace has: no gap, since what
+    precedes it is another graph or the step outside the graphs) where the trace has it;
     returns the new program and how many compute nodes the trace lacked (they keep their
     predicted time)."""
     nodes, missing, gaps, first = [], 0, [], True
@@ -87,12 +139,12 @@ def with_measured_compute(program: Program, measured: dict[str, tuple[float, flo
         if n.cls == "compute":
             if n.name in measured:
                 dur, gap = measured[n.name]
-                gap = 0.0 if first else gap
+                gap = 0.0 if first else gap  # before a graph's first traced node: another graph
+                first = False
                 gaps.append(gap)
                 n = dataclasses.replace(n, us=float(dur + gap))
             else:
                 missing += 1
-            first = False
         nodes.append(n)
     overhead = statistics.median(gaps) if gaps else 0.0
     return dataclasses.replace(program, nodes=tuple(nodes), by_name={},
@@ -135,11 +187,18 @@ def _edges(program: Program) -> tuple[set[str], set[str]]:
 
 def outside_graphs_us(trace: str | os.PathLike | dict | list, programs: list[Program], *,
                       rank: int | None = None) -> OutsideGraphs:
-    """The step time outside ``programs`` (one step: each program run once, in this order)
-    in ``trace`` (module docstring). ``rank``: only events of that ``pid``.
+    """The step time outside ``programs`` (one step: each program run once) in ``trace``
+    (module docstring). ``rank``: only events of that ``pid``.
 
-    The trace's compute events are matched, in order, against the step's compute nodes that
-    appear in the trace (nodes the executor does not trace are skipped); a step is counted
+    The programs run in the order the trace first shows each one's compute (its events'
+    ``args["graph"]``), so a step's forward and backward pair up whatever their file names'
+    order (``graph_0_backward`` sorts before ``graph_0_forward``); in the order given where
+    the events name no graph. Any rotation of a step's order measures the same: every period
+    holds each graph run once.
+
+    The trace's compute events (Inductor segments split into their nodes: :func:`node_events`)
+    are matched, in order, against the step's compute nodes that appear in the trace (nodes
+    the executor does not trace are skipped); a step is counted
     when all of its programs' events follow in that order and the next step starts right
     after it. Nothing is dropped for compilation: the first step's compute runs after its
     compile (the backend compiles before the first run), and the median absorbs a slow one.
@@ -148,18 +207,27 @@ def outside_graphs_us(trace: str | os.PathLike | dict | list, programs: list[Pro
         ValueError: the trace holds fewer than two consecutive steps of these programs
             (naming the programs and how many compute events matched).
     """
-    events = [e for e in load_trace(trace) if rank is None or e.get("pid", rank) == rank]
+    events = node_events([e for e in load_trace(trace)
+                          if rank is None or e.get("pid", rank) == rank], programs)
     comp = sorted((e for e in events if e.get("cat") == "compute" and e.get("ph") == "X"),
                   key=lambda e: float(e["ts"]))
     comm = sorted((e for e in events if e.get("cat") == "comm" and e.get("ph") in ("b", "e")),
                   key=lambda e: float(e["ts"]))
     writes = [(float(e["ts"]), float(e.get("dur", 0.0))) for e in events
               if e.get("cat") == "trace" and e.get("ph") == "X"]
-    traced = {e["name"] for e in comp}
-    seqs = [[n.name for n in p.nodes if n.cls == "compute" and n.name in traced]
+    first_seen: dict[str, int] = {}
+    for i, e in enumerate(comp):
+        first_seen.setdefault((e.get("args") or {}).get("graph"), i)
+    if all(p.name in first_seen for p in programs):
+        programs = sorted(programs, key=lambda p: first_seen[p.name])
+    # events are keyed by (graph, node name) where the runtime records the graph: a forward
+    # and its backward both have a getitem_38, which may run as compute in one only
+    names = [((e.get("args") or {}).get("graph"), e["name"]) for e in comp]
+    traced = set(names)
+    seqs = [[key for n in p.nodes if n.cls == "compute"
+             for key in ((p.name if p.name in first_seen else None, n.name),) if key in traced]
             for p in programs]
     step_names = [name for seq in seqs for name in seq]
-    names = [e["name"] for e in comp]
     size = len(step_names)
     if not size or any(not seq for seq in seqs):
         raise ValueError(f"outside the graphs: the trace has no compute events of "

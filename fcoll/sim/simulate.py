@@ -306,7 +306,7 @@ def _measured(programs: list[Program], trace: Any) -> tuple[list[Program], str]:
                          "come from an fcoll.inspect directory with DIR/traces/rank{R}.json")
     out, missing = [], 0
     for p in programs:
-        q, m = with_measured_compute(p, measured_compute_us(trace, graph=p.name))
+        q, m = with_measured_compute(p, measured_compute_us(trace, graph=p.name, programs=[p]))
         out.append(q)
         missing += m
     return out, (f"measured in {_where(trace)} (mean per node after the first step, with the "
