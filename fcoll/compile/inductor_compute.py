@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from fcoll.compile.executor import GraphExecutor, OpTable, Step, StepKind
-from fcoll.compile.trace import TraceRecorder
+from fcoll.compile.trace import TraceRecorder, segment_target
 from fcoll.passes.graph import is_collective, is_fcoll_op, is_wait
 
 __all__ = ["ComputeSegment", "split_segments", "InductorExecutor", "is_comm_node"]
@@ -200,7 +200,7 @@ class InductorExecutor(GraphExecutor):
                                             [n.meta["val"] for n in item.inputs])
             self.segments.append(item)
             out.append(Step(StepKind.SEGMENT, item, compiled,
-                            target=f"inductor:{item.nodes[0].name}..{item.nodes[-1].name}"))
+                            target=segment_target(item.nodes[0].name, item.nodes[-1].name)))
         return out
 
     def _fast_forward(self) -> None:

@@ -13,6 +13,10 @@ which ``fcoll.inspect.compare(trace, gm)`` reads:
   clock (``time.perf_counter_ns``, CLOCK_MONOTONIC on Linux), so the ranks of one host line up.
 - A compute node: ``{"ph": "X", "cat": "compute", "name": <node name>, "ts", "dur",
   "pid": rank, "tid": "compute", "args": {"target": str(node.target), "graph": <graph name>}}``.
+  A compute *segment* that Inductor compiled (``compute="inductor"``,
+  :mod:`fcoll.compile.inductor_compute`) is one such event named ``segment_<i>``, its target
+  :func:`segment_target`: ``"inductor:<first node>..<last node>"`` of the run of graph nodes it
+  executes (:func:`fcoll.sim.measured.node_events` shares it among them).
 - A collective: an async pair with one unique ``id``: ``"ph": "b"`` when its node runs (the
   collective is issued) and ``"ph": "e"`` when its (last) ``wait_tensor`` returns, both with
   ``"cat": "comm"``, ``"name": <collective node name>``, ``"pid": rank``,
@@ -63,10 +67,19 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["TraceRecorder", "RunTrace", "recorder_for", "trace_dir_from", "KEEP_RUNS", "now_us"]
+__all__ = ["TraceRecorder", "RunTrace", "recorder_for", "trace_dir_from", "KEEP_RUNS", "now_us",
+           "SEGMENT_TARGET_PREFIX", "segment_target"]
 
 #: Graph runs kept in each rank's trace file (the oldest are dropped first).
 KEEP_RUNS = 16
+#: How a compute segment's event target begins (:func:`segment_target`).
+SEGMENT_TARGET_PREFIX = "inductor:"
+
+
+def segment_target(first: str, last: str) -> str:
+    """The ``args["target"]`` of an Inductor segment's compute event that runs the graph's
+    nodes ``first`` .. ``last``: ``"inductor:<first>..<last>"``."""
+    return f"{SEGMENT_TARGET_PREFIX}{first}..{last}"
 
 
 def now_us() -> float:

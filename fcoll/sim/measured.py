@@ -5,7 +5,7 @@ complete event per executed compute node (``"cat": "compute"``, name = node name
 graph whose compute Inductor compiled (``compute="inductor"``, the default ``"auto"``'s choice for
 large inputs), one per *segment*: a maximal run of compute nodes between communication nodes,
 named ``segment_<i>``, whose ``args["target"]`` is ``"inductor:<first node>..<last node>"``
-(:mod:`fcoll.compile.inductor_compute`). :func:`node_events` splits such an event into one per
+(:func:`fcoll.compile.trace.segment_target`). :func:`node_events` splits such an event into one per
 node of the run, in program order, sharing the segment's duration in proportion to the nodes'
 predicted times (equally where those are all 0), so what follows reads per-node events either
 way; a segment's measured time is then exact per segment and only its split is modelled. A node's
@@ -40,15 +40,12 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
+from fcoll.compile.trace import SEGMENT_TARGET_PREFIX
 from fcoll.inspect.trace_compare import load_trace
 from fcoll.sim.program import Program
 
 __all__ = ["OutsideGraphs", "measured_compute_us", "node_events", "outside_graphs_us",
            "with_measured_compute"]
-
-#: The target of a segment's compute event: ``"inductor:<first node>..<last node>"``.
-SEGMENT_TARGET_PREFIX = "inductor:"
-
 
 def node_events(events: list[dict], programs: list[Program]) -> list[dict]:
     """``events`` with each Inductor segment's compute event (module docstring) replaced by one
