@@ -30,6 +30,10 @@ untraced runs: load 3-8 (DDP): 3/3 within 20 % (-2, +11, -6 %); load 5-6 (FSDP):
 6-12 in another round) 1/6 to 1/3, up to +101 %: the same untraced step measured 386-925 ms
 (DDP, 1 host) between runs. The graphs-only column (communication model alone) was -4 % to
 -21 %. Effective links (linkprobe): 1gbit tbf 0.114-0.120 GB/s; 10gbit tbf 0.35-0.63 GB/s.
+Since train_gpt's compute is Inductor's (``compute="auto"``), the recording's trace holds one
+event per compute segment, which ``fcoll.sim`` reads since 2026-11-28 (before, every run here
+stopped at "the trace has no compute events"); that day, DDP at load 1.6-1.7: 2/2 within 20 %
+(-7 % on 1 host, +15 % on 2 hosts at 1gbit; the recording itself -13 %).
 
 The helpers (:func:`record`, :func:`run_local`, :func:`run_on_hosts`, :func:`probe_link`) are
 also used by ``benchmarks/multihost.py``'s train-step part.
