@@ -488,6 +488,9 @@ class TestInductorSegments(unittest.TestCase):
         equal = node_events(self.trace()["traceEvents"][1:2], progs)   # predicted 0 and 0
         self.assertEqual([(e["name"], e["dur"]) for e in equal],
                          [("getitem_1", 10.0), ("d", 10.0)])
+        other = dict(self.trace()["traceEvents"][0], args={"target": "inductor:a..c",
+                                                            "graph": "graph_1_forward"})
+        self.assertEqual(node_events([other], progs), [other])   # a graph not simulated
         m = measured_compute_us(self.trace(), graph="graph_0_forward", programs=progs)
         # a's gap: since the last forward's c ended (with_measured_compute drops it)
         self.assertEqual(m, {"a": (30.0, 60.0), "b": (10.0, 0.0), "c": (0.0, 0.0)})

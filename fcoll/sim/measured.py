@@ -53,8 +53,8 @@ def node_events(events: list[dict], programs: list[Program]) -> list[dict]:
     last in program order: the first at the segment's start, each next one where the previous
     ends, durations in proportion to the nodes' predicted ``us`` (equal shares where those sum
     to 0). The program is the one named by the event's ``args["graph"]`` (any program where
-    the event names none). An event whose nodes no program has in that order is kept as it
-    is. Other events are kept, in their order."""
+    the event names none). An event of a graph not in ``programs``, or whose nodes its program
+    does not have in that order, is kept as it is. Other events are kept, in their order."""
     compute = {p.name: [n for n in p.nodes if n.cls == "compute"] for p in programs}
     where = {name: {n.name: i for i, n in enumerate(nodes)} for name, nodes in compute.items()}
     out = []
@@ -66,7 +66,7 @@ def node_events(events: list[dict], programs: list[Program]) -> list[dict]:
             continue
         first, _, last = target[len(SEGMENT_TARGET_PREFIX):].partition("..")
         graph = (e.get("args") or {}).get("graph")
-        names = [graph] if graph in compute else list(compute)
+        names = [graph] if graph in compute else list(compute) if graph is None else []
         run = next((compute[g][where[g][first]:where[g][last] + 1] for g in names
                     if first in where[g] and last in where[g]
                     and where[g][first] <= where[g][last]), None)
