@@ -70,8 +70,9 @@ intra-op thread each): DDP ``off`` 362.6 ms against ``on`` 377.5 (compute 306.8,
 3 rounds, no Inductor), FSDP 329.8 against 314.0; in two later runs (1-2 rounds) DDP ``on``
 296.8 and 301.9 against ``inductor`` 263.8 and 272.2 (ind/on 0.89, 0.92: PyTorch's one
 bucket at the end of the backward, run blocking, beats fcoll's overlapped buckets here;
-docs/design.md, "Asynchronous collectives with no spare core"). FSDP's ``inductor`` fails on
-this group: Inductor's bucketed all_gather calls PyTorch's C++
+docs/design.md, "Asynchronous collectives with no spare core"); three later runs, 3 rounds
+each: DDP ``on/floor`` 1.01-1.07 and ``ind/on`` 0.93-1.51 (Inductor's column moves most).
+FSDP's ``inductor`` fails on this group: Inductor's bucketed all_gather calls PyTorch's C++
 ``all_gather_into_tensor_out``, which needs a C++ device backend (README, "No backend type
 associated with device type cpu").
 
