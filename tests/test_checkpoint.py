@@ -42,8 +42,17 @@ def _sharded(kind: str, mesh, seed: int) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def _full(model: torch.nn.Module) -> dict:
-    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+def _largest_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """The largest elementwise difference of two sharded models' full state."""
+    want = {k: v.full_tensor() for k, v in a.state_dict().items()}
+    got = {k: v.full_tensor() for k, v in b.state_dict().items()}
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def _checkpoints(rank, world, root: str) -> dict:
@@ -57,31 +66,24 @@ def _checkpoints(rank, world, root: str) -> dict:
     for kind in ("fsdp2", "simple"):
         model = _sharded(kind, mesh, seed=0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        _train_step(model, opt, x)
         msd, osd = get_state_dict(model, opt)
         path = os.path.join(root, kind)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
         other = _sharded(kind, mesh, seed=1)  # other parameters, and no optimizer state yet
         other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
-        other(x).sum().backward()
-        other_opt.step()
-        other_opt.zero_grad()
+        _train_step(other, other_opt, x)
         msd, osd = get_state_dict(other, other_opt)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(other, other_opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        want, got = _full(model), _full(other)
-        out[f"{kind} load"] = max((got[k] - want[k]).abs().max().item() for k in want)
+        out[f"{kind} load"] = _largest_difference(model, other)
         # one more step from the loaded state equals one more step from the saved one
-        for m, o in ((model, opt), (other, other_opt)):
-            m(x).sum().backward()
-            o.step()
-        want, got = _full(model), _full(other)
-        out[f"{kind} next step"] = max((got[k] - want[k]).abs().max().item() for k in want)
+        _train_step(model, opt, x)
+        _train_step(other, other_opt, x)
+        out[f"{kind} next step"] = _largest_difference(model, other)
 
     # asynchronous save on a gloo group of its own, the step's collectives on fcoll's meanwhile
     model = _sharded("fsdp2", mesh, seed=2)
@@ -98,8 +100,7 @@ def _checkpoints(rank, world, root: str) -> dict:
     state = {"model": loaded.state_dict()}
     dcp.load(state, checkpoint_id=os.path.join(root, "async"))
     loaded.load_state_dict(state["model"])
-    want, got = _full(model), _full(loaded)
-    out["async load"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    out["async load"] = _largest_difference(model, loaded)
     out["sums during async save"] = sums
     return out
 
