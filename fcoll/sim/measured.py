@@ -212,18 +212,20 @@ def outside_graphs_us(trace: str | os.PathLike | dict | list, programs: list[Pro
                   key=lambda e: float(e["ts"]))
     writes = [(float(e["ts"]), float(e.get("dur", 0.0))) for e in events
               if e.get("cat") == "trace" and e.get("ph") == "X"]
-    first_seen: dict[str, int] = {}
-    for i, e in enumerate(comp):
-        first_seen.setdefault((e.get("args") or {}).get("graph"), i)
-    if all(p.name in first_seen for p in programs):
-        programs = sorted(programs, key=lambda p: first_seen[p.name])
     # events are keyed by (graph, node name) where the runtime records the graph: a forward
     # and its backward both have a getitem_38, which may run as compute in one only
     names = [((e.get("args") or {}).get("graph"), e["name"]) for e in comp]
     traced = set(names)
-    seqs = [[key for n in p.nodes if n.cls == "compute"
-             for key in ((p.name if p.name in first_seen else None, n.name),) if key in traced]
-            for p in programs]
+    first_seen: dict[str | None, int] = {}
+    for i, (graph, _) in enumerate(names):
+        first_seen.setdefault(graph, i)
+    if all(p.name in first_seen for p in programs):
+        programs = sorted(programs, key=lambda p: first_seen[p.name])
+    seqs = []
+    for p in programs:
+        graph = p.name if p.name in first_seen else None
+        seqs.append([(graph, n.name) for n in p.nodes
+                     if n.cls == "compute" and (graph, n.name) in traced])
     step_names = [name for seq in seqs for name in seq]
     size = len(step_names)
     if not size or any(not seq for seq in seqs):
