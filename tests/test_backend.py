@@ -462,6 +462,53 @@ def test_subgroups_and_device_mesh_groups_run_on_the_fcoll_backend():
     _run_scenarios(4, _subgroups_and_mesh, timeout_s=120)
 
 
+def _bound_to_a_device(rank, world, store_path):
+    """``init_process_group("fcoll", device_id=torch.device("cuda", rank))``, as PyTorch's docs
+    advise on a GPU machine, then a subgroup, a 2-D DeviceMesh and collectives on them.
+
+    c10d refuses a ``device_id`` that is not the machine's accelerator, so on a CPU-only
+    machine the accelerator is mocked as CUDA with ``world`` devices; nothing here touches a
+    CUDA tensor. What c10d does with the id is what a GPU machine does: it asks the group for
+    its backend on that device (``pg._get_backend(device_id).supports_splitting``), which raised
+    "No backend type associated with device type cuda" on fcoll's Python group."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    acc = torch.accelerator
+    with mock.patch.object(acc, "current_accelerator", return_value=torch.device("cuda")), \
+            mock.patch.object(acc, "device_count", return_value=world), \
+            mock.patch.object(acc, "is_available", return_value=True):
+        device = torch.device("cuda", rank)
+        dist.init_process_group("fcoll", store=dist.FileStore(store_path, world), rank=rank,
+                                world_size=world, device_id=device)
+        pg = dist.group.WORLD
+        assert pg._get_backend(device) is pg and pg._get_backend("cpu") is pg
+        assert not pg.supports_splitting and not pg.supports_tensor_alloc(device)
+        with pytest.raises(RuntimeError, match="device type xpu"):
+            pg._get_backend(torch.device("xpu"))
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        pair = pairs[rank // 2]
+        mesh = init_device_mesh("cpu", (2, world // 2))
+        sums = []
+        for group in (pg, pair, mesh.get_group(0), mesh.get_group(1)):
+            assert dist.get_backend(group) == "fcoll"
+            t = torch.full((3,), float(rank))
+            dist.all_reduce(t, group=group)
+            sums.append(t[0].item())
+        dist.barrier()
+    return sums
+
+
+def test_init_with_a_device_id_binds_nothing_and_every_group_works(tmp_path):
+    sums = run_ranks(_bound_to_a_device, 4, backend=None, args=(str(tmp_path / "store"),),
+                     timeout_s=120)
+    # world 0+1+2+3; pairs {0,1} {2,3}; mesh dim 0 {0,2} {1,3}; dim 1 {0,1} {2,3}
+    assert sums == [[6.0, 1.0, 2.0, 1.0], [6.0, 1.0, 4.0, 1.0], [6.0, 5.0, 2.0, 5.0],
+                    [6.0, 5.0, 4.0, 5.0]]
+    assert fcoll_segments() == []
+
+
 def _coalesced_inputs(rank: int, op: str, seed: int) -> list[torch.Tensor]:
     """Mixed dtypes in one list (float32 ones in between, so the dtypes interleave), sizes
     from empty (and 0-d) to many 4 KiB slots, pieces straddling chunk boundaries, non-contiguous

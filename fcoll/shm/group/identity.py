@@ -2,7 +2,8 @@
 
 c10d reads a process group's rank, size, backend name and the name and description it assigns
 (``setGroupName`` / ``setGroupDesc``, called once by ``new_group`` and
-``init_process_group``). :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (one host)
+``init_process_group``), and asks it for its backend on a device (``_get_backend``) and that
+backend's capabilities. :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (one host)
 and :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` (several hosts) answer
 the same way: backend ``"fcoll"``, the rank and size they were made with. Each group's own
 ``__repr__`` says what else it holds.
@@ -10,7 +11,13 @@ the same way: backend ``"fcoll"``, the rank and size they were made with. Each g
 
 from __future__ import annotations
 
+import torch
+
 BACKEND_NAME = "fcoll"
+
+#: the device types whose tensors an fcoll group's collectives take (CUDA ones through IPC or
+#: staging, ``docs/cuda.md``)
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 class GroupIdentity:
@@ -50,3 +57,36 @@ class GroupIdentity:
 
     def getGroupDesc(self) -> str:  # noqa: N802
         return self._group_desc
+
+    # c10d's Python code asks a group for the C++ ``Backend`` that serves a device and reads that
+    # backend's capability flags: ``init_process_group(device_id=...)`` reads
+    # ``supports_splitting`` to connect a communicator eagerly, ``new_group`` and DeviceMesh to
+    # split one, Inductor's cost model ``supports_time_estimate``, FSDP2's
+    # ``set_allocate_memory_from_process_group`` ``supports_tensor_alloc``. An fcoll group is
+    # its own backend and has none of these: no communicator to connect or split (``new_group``
+    # builds a new group), no time estimator, no allocator.
+    supports_splitting = False
+    supports_time_estimate = False
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        """False: buffers for this group's collectives come from ``torch.empty``."""
+        return False
+
+    def _get_backend(self, device: torch.device | str) -> "GroupIdentity":
+        """The backend that runs this group's collectives on ``device``: the group itself, for
+        the device types of :data:`DEVICE_TYPES` (any index).
+
+        Without it, c10d's ``pg._get_backend(device)`` finds no C++ backend registered on a
+        Python group, and ``init_process_group("fcoll", device_id=torch.device("cuda", r))``
+        raised ``RuntimeError: No backend type associated with device type cuda``.
+
+        Raises:
+            RuntimeError: ``device`` is of another type (c10d's own error for a device type
+                without a backend, naming the device and the group's backend).
+        """
+        kind = torch.device(device).type
+        if kind not in DEVICE_TYPES:
+            raise RuntimeError(f"No backend type associated with device type {kind}: the "
+                               f"{BACKEND_NAME} process group runs collectives on "
+                               f"{' and '.join(DEVICE_TYPES)} tensors")
+        return self
