@@ -509,6 +509,22 @@ def test_init_with_a_device_id_binds_nothing_and_every_group_works(tmp_path):
     assert fcoll_segments() == []
 
 
+def _pairs_made_apart(rank, world):
+    """Ranks 0 and 1 call ``new_group([0, 1])`` while ranks 2 and 3 call ``new_group([2, 3])``
+    (against PyTorch's rule that every rank calls ``new_group`` with the same ranks): c10d
+    gives both groups one name; each must still reduce over its own members."""
+    pair = dist.new_group([0, 1] if rank < 2 else [2, 3])
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, group=pair)
+    return t.tolist()
+
+
+def test_groups_of_one_name_and_different_ranks_do_not_meet():
+    # before: the two pairs met under one store key; rank 3 returned 3.0, the others failed
+    assert run_ranks(_pairs_made_apart, 4, timeout_s=120) == [[1.0] * 3] * 2 + [[5.0] * 3] * 2
+    assert fcoll_segments() == []
+
+
 def _coalesced_inputs(rank: int, op: str, seed: int) -> list[torch.Tensor]:
     """Mixed dtypes in one list (float32 ones in between, so the dtypes interleave), sizes
     from empty (and 0-d) to many 4 KiB slots, pieces straddling chunk boundaries, non-contiguous

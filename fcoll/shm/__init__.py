@@ -40,13 +40,15 @@ Folder map, bottom layer first (each sub-package is one concept; nothing imports
 
 from __future__ import annotations
 
+import hashlib
 import platform
 
 import torch.distributed as dist
 
 from fcoll.shm.group.identity import BACKEND_NAME
 
-__all__ = ["register_backend", "create_process_group", "cuda_path", "BACKEND_NAME"]
+__all__ = ["register_backend", "create_process_group", "members_prefix", "cuda_path",
+           "BACKEND_NAME"]
 
 
 def create_process_group(common_opts, backend_opts=None):
@@ -57,13 +59,15 @@ def create_process_group(common_opts, backend_opts=None):
     host get a plain :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (shared memory, no
     overhead); ranks on several hosts get a
     :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` (shared memory inside each
-    host, gloo between hosts). A group of one rank skips the exchange.
+    host, gloo between hosts). A group of one rank skips the exchange. Every key the group puts
+    in the store is under :func:`members_prefix` of its global ranks.
     """
     from fcoll.shm.multihost.host_layout import HostLayout, exchange_host_ids
     from fcoll.shm.group.process_group import FcollProcessGroup
 
-    store, rank, size = common_opts.store, common_opts.group_rank, common_opts.group_size
+    rank, size = common_opts.group_rank, common_opts.group_size
     global_ranks = list(common_opts.global_ranks_in_group or [])
+    store = dist.PrefixStore(members_prefix(global_ranks, size), common_opts.store)
     if size > 1:
         ids = exchange_host_ids(dist.PrefixStore("fcoll-hosts/", store), rank, size,
                                 common_opts.timeout)
@@ -74,6 +78,22 @@ def create_process_group(common_opts, backend_opts=None):
             return HierarchicalProcessGroup(store, rank, size, common_opts.timeout, layout,
                                             global_ranks=global_ranks)
     return FcollProcessGroup(store, rank, size, common_opts.timeout, global_ranks=global_ranks)
+
+
+def members_prefix(global_ranks: list[int], size: int) -> str:
+    """The store prefix of a group of ``size`` ranks whose global ranks are ``global_ranks``
+    (empty: the default group): ``fcoll-<12 hex digits of SHA-256 of the ranks>/``.
+
+    c10d names a group by a counter, so ranks that call ``new_group`` with different ranks
+    lists (``new_group([0, 1])`` on ranks 0 and 1 while ranks 2 and 3 call ``new_group([2, 3])``,
+    which PyTorch's docs forbid unless ``use_local_synchronization=True``) give two groups one
+    name and one store prefix. Their group ranks 0 published two segments under one key, and
+    ranks attached to the other group's (one rank's all_reduce returned another group's sum,
+    the others failed; gloo hangs). Keyed by its members too, each group meets only its own
+    ranks and computes what its members asked for.
+    """
+    members = ",".join(map(str, global_ranks)) if global_ranks else f"world of {size}"
+    return f"fcoll-{hashlib.sha256(members.encode()).hexdigest()[:12]}/"
 
 
 def register_backend() -> None:
