@@ -17,16 +17,17 @@ from fcoll.shm.group.reducing import ReducingCollectives
 from fcoll.shm.multihost.hierarchical import HierarchicalProcessGroup
 
 #: The c10d entry points of both groups: the collectives and their aliases, coalescing,
-#: lifecycle and the identity setters and getters.
+#: lifecycle, the identity setters and getters and the backend look-up.
 ENTRY_POINTS = {
-    "_allgather_base", "_end_coalescing", "_reduce_scatter_base", "_start_coalescing", "abort",
+    "_allgather_base", "_end_coalescing", "_get_backend", "_reduce_scatter_base",
+    "_start_coalescing", "abort",
     "all_gather_single", "all_gather_single_coalesced", "all_to_all_single", "allgather",
     "allgather_coalesced", "allgather_into_tensor_coalesced", "allreduce", "allreduce_coalesced",
     "allreduce_coalesced_out_of_place", "allreduce_out_of_place", "alltoall", "alltoall_base",
     "barrier", "broadcast", "gather", "getBackendName", "getGroupDesc", "getGroupName", "name",
     "recv", "recv_anysource", "reduce", "reduce_scatter", "reduce_scatter_single",
     "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "scatter", "send",
-    "setGroupDesc", "setGroupName", "shutdown",
+    "setGroupDesc", "setGroupName", "shutdown", "supports_tensor_alloc",
 }
 
 
