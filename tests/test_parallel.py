@@ -288,13 +288,16 @@ def _mixed_precision(rank: int, world: int) -> dict:
 
     handle = register_compile_listener(listen)
     grads, out = {}, {}
-    for name in ("fsdp2", "eager", "fcoll"):
+    for name in ("fsdp2", "fsdp2-group-alloc", "eager", "fcoll"):
         torch._dynamo.reset()
         m = tg.GPTModule(cfg, params)
-        shard = fsdp2 if name == "fsdp2" else fully_shard
+        shard = fsdp2 if name.startswith("fsdp2") else fully_shard
         for block in m.blocks:
             shard(block, mesh=mesh, mp_policy=mp)
         shard(m, mesh=mesh, mp_policy=mp)
+        if name == "fsdp2-group-alloc":  # buffers asked of the group (_get_backend): torch.empty
+            for unit in (*m.blocks, m):
+                unit.set_allocate_memory_from_process_group_for_comm(True)
         loss = (m if name != "fcoll" else torch.compile(m, backend="fcoll"))(x, y)
         loss.backward()
         grads[name] = {k: p.grad.full_tensor() for k, p in m.named_parameters()}
@@ -419,6 +422,7 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
         assert tied["eager"] <= 1e-6 and tied["fcoll"] <= 1e-6, tied
         mixed = res["mixed"]
         assert mixed["eager"] == 0.0 and mixed["fcoll"] <= 1e-6, mixed  # FSDP2's, bit for bit
+        assert mixed["fsdp2-group-alloc"] == 0.0, mixed  # FSDP2 allocating through the group
         for name in ("fsdp2", "eager", "fcoll"):
             assert mixed[f"{name}-dtypes"] == {(torch.float32, torch.float32)}, mixed
         assert mixed["collective-dtypes"] == {"all_gather": {torch.bfloat16},
