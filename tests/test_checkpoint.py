@@ -1,7 +1,8 @@
 """What a training script does around its step, on fcoll's process group: the object
 collectives, and ``torch.distributed.checkpoint`` saving and loading sharded state (FSDP2's and
 ``fcoll.parallel.fully_shard``'s DTensor parameters, an optimizer's state), synchronously and with
-``async_save`` on a gloo group while the step's collectives go on on fcoll's group."""
+``async_save`` on a gloo group while the step's collectives go on on fcoll's group, and a full
+state dict on rank 0 broadcast into a sharded model (``broadcast_from_rank0``)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Ten
 
 def _checkpoints(rank, world, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -84,6 +87,15 @@ def _checkpoints(rank, world, root: str) -> dict:
         _train_step(model, opt, x)
         _train_step(other, other_opt, x)
         out[f"{kind} next step"] = _largest_difference(model, other)
+
+        # a full state dict on rank 0 only (a checkpoint saved without sharding), broadcast into
+        # a sharded model: every rank then holds rank 0's values
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+        target = _sharded(kind, mesh, seed=4)
+        set_model_state_dict(target, full, options=StateDictOptions(full_state_dict=True,
+                                                                    broadcast_from_rank0=True))
+        out[f"{kind} broadcast from rank 0"] = _largest_difference(model, target)
 
     # asynchronous save on a gloo group of its own, the step's collectives on fcoll's meanwhile
     model = _sharded("fsdp2", mesh, seed=2)
@@ -114,7 +126,8 @@ def test_object_collectives_and_distributed_checkpoints_on_fcoll():
             "broadcast": ["from rank 0", 7],
             "gather": [0, 10] if rank == 0 else None,
             "scatter": f"to {rank}"}
-        for key in ("fsdp2 load", "fsdp2 next step", "simple load", "simple next step",
+        for key in ("fsdp2 load", "fsdp2 next step", "fsdp2 broadcast from rank 0",
+                    "simple load", "simple next step", "simple broadcast from rank 0",
                     "async load"):
             assert res[key] == 0.0, (rank, key, res[key])
         assert res["sums during async save"] == [float(1 + 2 * i) for i in range(20)]

@@ -2,8 +2,8 @@
 
 c10d reads a process group's rank, size, backend name and the name and description it assigns
 (``setGroupName`` / ``setGroupDesc``, called once by ``new_group`` and
-``init_process_group``), and asks it for its backend on a device (``_get_backend``) and that
-backend's capabilities. :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (one host)
+``init_process_group``), and asks it for the device types it serves (``_device_types``), its
+backend on a device (``_get_backend``) and that backend's capabilities. :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (one host)
 and :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` (several hosts) answer
 the same way: backend ``"fcoll"``, the rank and size they were made with. Each group's own
 ``__repr__`` says what else it holds.
@@ -71,6 +71,19 @@ class GroupIdentity:
     def supports_tensor_alloc(self, device: torch.device) -> bool:
         """False: buffers for this group's collectives come from ``torch.empty``."""
         return False
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The device types whose tensors this group's collectives take: CPU, and CUDA where
+        a CUDA device is present.
+
+        c10d reads it to pick a device for a group's buffers. For a Python group pybind's own
+        answer is empty, and ``set_model_state_dict(..., StateDictOptions(full_state_dict=True,
+        broadcast_from_rank0=True))`` (``torch.distributed._state_dict_utils._broadcast_tensors``,
+        loading a full checkpoint from rank 0 into an FSDP2 model) raised IndexError on it.
+        """
+        return [torch.device(kind) for kind in DEVICE_TYPES
+                if kind == "cpu" or torch.cuda.is_available()]
 
     def _get_backend(self, device: torch.device | str) -> "GroupIdentity":
         """The backend that runs this group's collectives on ``device``: the group itself, for
