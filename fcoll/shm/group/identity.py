@@ -3,10 +3,11 @@
 c10d reads a process group's rank, size, backend name and the name and description it assigns
 (``setGroupName`` / ``setGroupDesc``, called once by ``new_group`` and
 ``init_process_group``), and asks it for the device types it serves (``_device_types``), its
-backend on a device (``_get_backend``) and that backend's capabilities. :class:`~fcoll.shm.group.process_group.FcollProcessGroup` (one host)
-and :class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` (several hosts) answer
-the same way: backend ``"fcoll"``, the rank and size they were made with. Each group's own
-``__repr__`` says what else it holds.
+backend on a device (``_get_backend``) and that backend's capabilities.
+:class:`~fcoll.shm.group.process_group.FcollProcessGroup` (one host) and
+:class:`~fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup` (several hosts) answer the
+same way: backend ``"fcoll"``, the rank and size they were made with, the group itself as its
+backend on CPU and CUDA. Each group's own ``__repr__`` says what else it holds.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class GroupIdentity:
     # backend's capability flags: ``init_process_group(device_id=...)`` reads
     # ``supports_splitting`` to connect a communicator eagerly, ``new_group`` and DeviceMesh to
     # split one, Inductor's cost model ``supports_time_estimate``, FSDP2's
-    # ``set_allocate_memory_from_process_group`` ``supports_tensor_alloc``. An fcoll group is
+    # ``set_allocate_memory_from_process_group_for_comm`` ``supports_tensor_alloc`` (which
+    # raised "No backend type associated with device type cpu" on fcoll's group). An fcoll group is
     # its own backend and has none of these: no communicator to connect or split (``new_group``
     # builds a new group), no time estimator, no allocator.
     supports_splitting = False
