@@ -45,7 +45,7 @@ import platform
 
 import torch.distributed as dist
 
-from fcoll.shm.group.identity import BACKEND_NAME
+from fcoll.shm.group.identity import BACKEND_NAME, DEVICE_TYPES
 
 __all__ = ["register_backend", "create_process_group", "members_prefix", "cuda_path",
            "BACKEND_NAME"]
@@ -107,7 +107,7 @@ def register_backend() -> None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return
     dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True,
-                                  devices=["cpu", "cuda"])
+                                  devices=list(DEVICE_TYPES))
 
 
 def cuda_path(group=None) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from fcoll.ops.reduce import check_reduce_op
+from fcoll.shm.group.identity import DEVICE_TYPES
 from fcoll.shm.group.validate import (
     Staging,
     check_no_overlap,
@@ -245,4 +246,4 @@ def scatter_error(output_tensors, input_lists, root: int, rank: int, n: int) -> 
 
 def tensor_or_none(x) -> torch.Tensor | None:
     """``x`` if it is a tensor with data (for a header's dtype and shape), else None."""
-    return x if isinstance(x, torch.Tensor) and x.device.type in ("cpu", "cuda") else None
+    return x if isinstance(x, torch.Tensor) and x.device.type in DEVICE_TYPES else None

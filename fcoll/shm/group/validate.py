@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from fcoll.ops.reduce import check_dtype
+from fcoll.shm.group.identity import DEVICE_TYPES
 
 _STRIDED = torch.strided
 
@@ -36,7 +37,7 @@ def check_tensor(t, arg: str, write: bool = False) -> str | None:
         return f"{arg} must be a torch.Tensor, got {type(t).__name__}"
     if t.layout is not _STRIDED:
         return f"{arg} has layout {t.layout}; only strided (dense) tensors are supported"
-    if t.device.type not in ("cpu", "cuda"):
+    if t.device.type not in DEVICE_TYPES:
         return (f"{arg} is on device {t.device}; fcoll supports cpu and cuda tensors "
                 "(a meta tensor has no data to send or receive)")
     err = check_dtype(t.dtype)
