@@ -26,8 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from fcoll.compile.executor import GraphExecutor, OpTable, Step, StepKind
 from fcoll.compile.trace import TraceRecorder, segment_target
@@ -123,30 +125,94 @@ def _getitems_next_to_producers(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
+def _binds(val: Any) -> set:
+    """Size symbols that Inductor can read off an input holding ``val``: a SymInt that is one
+    symbol, or a tensor's dimensions that are one symbol each (``(s0, 16)`` binds ``s0``;
+    ``(2*s0, 16)`` binds nothing)."""
+    if isinstance(val, torch.SymInt):
+        return {val.node.expr} if isinstance(val.node.expr, sympy.Symbol) else set()
+    if isinstance(val, torch.Tensor):
+        return {d.node.expr for d in val.shape
+                if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol)}
+    return set()
+
+
+def _symbol_binders(gm: fx.GraphModule) -> dict[sympy.Symbol, list[fx.Node]]:
+    """Per size symbol, the nodes whose value binds it (:func:`_binds`): SymInt nodes first,
+    then tensors, each in graph order."""
+    out: dict[sympy.Symbol, list[fx.Node]] = {}
+    for prefer_tensor in (False, True):
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) is prefer_tensor:
+                for sym in _binds(val):
+                    out.setdefault(sym, []).append(node)
+    return out
+
+
+def _unbound_symbols(nodes: list[fx.Node], inputs: dict[fx.Node, None]) -> set:
+    """Size symbols that the run's values use and neither its inputs nor its own nodes bind."""
+    used: set = set()
+    bound: set = set()
+    for n in list(inputs) + nodes:
+        val = n.meta.get("val")
+        for v in (val if isinstance(val, (tuple, list)) else (val,)):
+            if isinstance(v, (torch.Tensor, torch.SymInt)):
+                used |= free_symbols(v)
+        bound |= _binds(val) if n in inputs else set(n.meta.get("unbacked_bindings") or {})
+        if n not in inputs and isinstance(val, torch.SymInt):
+            bound |= _binds(val)
+    return used - bound
+
+
 def split_segments(gm: fx.GraphModule) -> list[ComputeSegment | fx.Node]:
     """Graph order as a list of :class:`ComputeSegment`\\ s and communication nodes.
 
     Placeholders, ``get_attr`` and the output node are not listed (the executor binds them).
     ``getitem``\\ s of multi-output compute ops first move next to their producers.
+
+    Under dynamic shapes, Inductor reads each size symbol of a segment off its inputs (a SymInt
+    input, or a tensor dimension that is the symbol itself). A segment whose inputs only hold
+    expressions of a symbol (an all_gather's output of ``2*s0`` rows) also takes a node of the
+    graph that binds it: a SymInt placeholder where the graph has one, else the earliest
+    tensor with a dimension ``s0``; a binder defined in an earlier segment becomes one of that
+    segment's outputs.
     """
     _getitems_next_to_producers(gm)
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    out: list[ComputeSegment | fx.Node] = []
-    count = 0
-    for item in _runs(gm):
+    binders = _symbol_binders(gm)
+    items = _runs(gm)
+    runs: list[tuple[list[fx.Node], dict[fx.Node, None]]] = []
+    needed_later: set[fx.Node] = set()
+    for item in items:
         if isinstance(item, fx.Node):
-            out.append(item)
             continue
         members = set(item)
-        first, last = position[item[0]], position[item[-1]]
+        first = position[item[0]]
         inputs: dict[fx.Node, None] = {}
         for n in item:
             for i in n.all_input_nodes:
                 if i not in members:
                     inputs[i] = None
-        outputs = [n for n in item if any(position[u] > last for u in n.users)]
+        for sym in sorted(_unbound_symbols(item, inputs), key=str):
+            binder = next((b for b in binders.get(sym, ()) if position[b] < first), None)
+            if binder is not None:    # else Inductor names the symbol it cannot bind
+                inputs[binder] = None
+                needed_later.add(binder)
+        runs.append((item, inputs))
+    out: list[ComputeSegment | fx.Node] = []
+    count = 0
+    pending = iter(runs)
+    for item in items:
+        if isinstance(item, fx.Node):
+            out.append(item)
+            continue
+        nodes, inputs = next(pending)
+        first, last = position[nodes[0]], position[nodes[-1]]
+        outputs = [n for n in nodes
+                   if any(position[u] > last for u in n.users) or n in needed_later]
         assert all(position[i] < first for i in inputs), "segment input defined after it"
-        out.append(ComputeSegment(f"segment_{count}", item, list(inputs), outputs))
+        out.append(ComputeSegment(f"segment_{count}", nodes, list(inputs), outputs))
         count += 1
     return out
 

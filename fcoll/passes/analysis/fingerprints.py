@@ -7,7 +7,8 @@ the same collectives for a group get the same digest; the rank check
 (:mod:`fcoll.passes.rewrites.consistency`) meets on it, the shared bucket plan keys its plans by
 it, and the executor's direct path tags each call with it.
 
-The fingerprint entry of a collective is ``op(dtype[shape], ..., reduce_op=, src=, group=)``.
+The fingerprint entry of a collective is ``op(dtype[shape], ..., reduce_op=, src=, group=)``;
+a dim of symbolic size (dynamic shapes) is ``~`` and the size it was traced at (``[~4, 16]``).
 all_to_all inputs keep only their trailing dims: the first dim follows each rank's splits and
 legitimately differs (MoE routing).
 
@@ -62,13 +63,18 @@ class Fingerprint:
 
 def _dim(s: Any, unbacked: list[str]) -> str:
     """One size as the entry shows it: an int, or ``?`` for a data-dependent size (whose
-    expression is appended to ``unbacked``); a backed symbolic size is evaluated with its hint
-    (ranks that traced different sizes differ)."""
+    expression is appended to ``unbacked``), or ``~n`` for a backed symbolic size traced at
+    ``n`` (its hint: ranks that traced different sizes differ). A symbolic size and a static
+    one of the same value differ: the graphs compiled for them differ in what the passes may
+    do (a collective of symbolic size is never bucketed), so a shared bucket plan of one must
+    not be taken for the other's."""
     if isinstance(s, int):
         return str(s)
     if isinstance(s, torch.SymInt) and free_unbacked_symbols(s):
         unbacked.append(str(s))
         return "?"
+    if isinstance(s, torch.SymInt) and s.node.expr.free_symbols:
+        return f"~{size_hint(s)}"
     return str(size_hint(s))
 
 
