@@ -6,18 +6,17 @@ An all_gather's output holds an expression of its input's size (``2*s0`` rows on
 Inductor reads a symbol's value only off an input that is the symbol itself: a
 ``compute="inductor"`` segment that received only the gathered tensor failed with Inductor's
 ``For 2*s0, expected [s0] to have been codegen-ed``. Values are checked against eager on
-every shape, on fcoll's process group and on gloo.
+every shape. The faults were in compiling, not in the process group, so the job runs on fcoll's
+group only.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from fcoll.testing import run_ranks
 
-BACKENDS = ["fcoll", "gloo"]
 #: how each case compiles: (torch.compile backend, fcoll's compute, dynamic=)
 CASES = (("fcoll", "eager", None), ("fcoll", "inductor", None), ("fcoll", "inductor", True),
          ("inductor", None, None))
@@ -74,9 +73,8 @@ def _varying_batches(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_varying_batches_compiled_equal_eager(backend):
-    for res in run_ranks(_varying_batches, 2, backend=backend, timeout_s=400):
+def test_varying_batches_compiled_equal_eager():
+    for res in run_ranks(_varying_batches, 2, backend="fcoll", timeout_s=400):
         assert res.pop("fcoll saw a symbolic graph")
         for case, worst in res.items():
             assert worst < 1e-3, (case, worst)
