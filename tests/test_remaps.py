@@ -436,6 +436,69 @@ def test_results_match_eager_on_two_ranks(backend):
             torch.testing.assert_close(compiled[key], eager[key], msg=f"{key} rank {rank}")
 
 
+def _works_leave_the_frame(rank, world_size, slow_s):
+    """``async_op=True`` works that leave their compiled frame and are waited on outside it:
+    returned to eager code, and appended to a list by gradient hooks that compiled autograd
+    traces (a hand-written DDP). Their waits once ran PyTorch's ``_c10d_functional`` wait in
+    eager code, which does not know fcoll's collectives: the copy read the output while the
+    collective still wrote it (wrong gradients, 0.03-0.05 off)."""
+    import torch.nn as nn
+    from torch._dynamo import compiled_autograd
+
+    from fcoll.testing import slow_collectives
+
+    if slow_s:
+        slow_collectives(slow_s)   # fcoll's group: complete long after the op returns
+    out = {}
+
+    def start(x):
+        a, g, lst = x.clone(), x.new_empty(2 * 4, 3), [torch.empty_like(x) for _ in range(2)]
+        works = [dist.all_reduce(a, async_op=True),
+                 dist.all_gather_into_tensor(g, x, async_op=True),
+                 dist.all_gather(lst, x * 2, async_op=True)]
+        return works, a, g, lst
+
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * rank + 1
+    works, *tensors = torch.compile(start, backend="fcoll", fullgraph=True)(x)
+    for w in works:
+        w.wait()
+    want = start(x)
+    for w in want[0]:
+        w.wait()
+    out["returned"] = max((a - b).abs().max().item() for a, b in
+                          zip([tensors[0], tensors[1], *tensors[2]], [want[1], want[2], *want[3]]))
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    data = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    ref = model()
+    ref(data).pow(2).mean().backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+    m, handles = model(), []
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p: handles.append(dist.all_reduce(p.grad, async_op=True)))
+    loss = torch.compile(m, backend="fcoll")(data).pow(2).mean()
+    with compiled_autograd._enable(torch.compile(backend="fcoll")):
+        loss.backward()
+    for h in handles:
+        h.wait()
+    out["hooks"] = max((a.grad - b.grad).abs().max().item()
+                       for a, b in zip(ref.parameters(), m.parameters()))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "fcoll"])
+def test_async_works_waited_outside_their_compiled_frame(backend):
+    slow_s = 0.05 if backend == "fcoll" else 0.0
+    for res in run_ranks(_works_leave_the_frame, 2, backend=backend, args=(slow_s,),
+                         timeout_s=200):
+        assert res == {"returned": 0.0, "hooks": 0.0}, res
+
+
 # The calls PyTorch's own remaps compile (the rest graph-break without fcoll).
 _PYTORCH_REMAPPED = '''
 import json, sys, torch, torch.distributed as dist
