@@ -438,10 +438,10 @@ def test_results_match_eager_on_two_ranks(backend):
 
 def _works_leave_the_frame(rank, world_size, slow_s):
     """``async_op=True`` works that leave their compiled frame and are waited on outside it:
-    returned to eager code, and appended to a list by gradient hooks that compiled autograd
-    traces (a hand-written DDP). Their waits once ran PyTorch's ``_c10d_functional`` wait in
-    eager code, which does not know fcoll's collectives: the copy read the output while the
-    collective still wrote it (wrong gradients, 0.03-0.05 off)."""
+    returned (and waited in eager code, or in a graph ``aot_eager`` compiles), and appended to a
+    list by gradient hooks that compiled autograd traces (a hand-written DDP). Their waits once
+    ran PyTorch's ``_c10d_functional`` wait, which does not know fcoll's collectives: the copy
+    read the output while the collective still wrote it (wrong gradients, 0.03-0.1 off)."""
     import torch.nn as nn
     from torch._dynamo import compiled_autograd
 
@@ -460,8 +460,13 @@ def _works_leave_the_frame(rank, world_size, slow_s):
 
     x = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * rank + 1
     works, *tensors = torch.compile(start, backend="fcoll", fullgraph=True)(x)
-    for w in works:
-        w.wait()
+
+    def wait(works):
+        for w in works:
+            w.wait()
+
+    torch.compile(wait, backend="aot_eager")(works[:2])   # in another backend's graph
+    wait(works[2:])                                        # in eager code
     want = start(x)
     for w in want[0]:
         w.wait()

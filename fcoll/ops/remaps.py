@@ -38,10 +38,10 @@ call (group: None, WORLD, a group)  graph
 ``async_op=True`` returns a traced work object (:class:`TracedWork`); the ``wait_tensor`` and the
 ``copy_`` are emitted where ``work.wait()`` is called, so the compute traced in between can run
 while the collective is in flight. A work that leaves its frame (returned, or appended to a list
-by a gradient hook that compiled autograd traces) is waited on in eager code by fcoll's
-``wait_tensor``, which finds fcoll's collective in the in-flight registry, then the copies run
-(PyTorch's eager ``_c10d_functional.wait_tensor`` does not know fcoll's collectives: the copies
-read an output still being written). A work that is never waited on leaves its tensor unchanged
+by a gradient hook that compiled autograd traces) is waited on later, in eager code or in a
+frame another backend compiles, by fcoll's ``wait_tensor``, which finds fcoll's collective in
+the in-flight registry, then the copies run (PyTorch's ``_c10d_functional.wait_tensor`` does not
+know fcoll's collectives: the copies read an output still being written). A work that is never waited on leaves its tensor unchanged
 (eager PyTorch leaves it unspecified until a wait).
 
 ``reduce``: PyTorch leaves the tensor on non-``dst`` ranks unspecified (gloo, measured with 2 and
@@ -234,9 +234,9 @@ class TracedWork:
 
 
 def _finish(result: torch.Tensor, copies: list) -> None:
-    if torch.compiler.is_compiling():
-        waited = _F.wait_tensor(result)
-    else:   # a TracedWork that left its frame, waited on in eager code: fcoll's wait
+    if torch.compiler.is_compiling() and compiling_for_fcoll():
+        waited = _F.wait_tensor(result)   # lowered to fcoll's with the collective
+    else:   # a work that left its frame, waited on in eager code or another backend's graph
         waited = torch.ops.fcoll.wait_tensor(result)
     for dst, lo, hi in copies:
         src = waited if lo is None else waited[lo:hi]
