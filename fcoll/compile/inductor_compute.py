@@ -159,9 +159,11 @@ def _unbound_symbols(nodes: list[fx.Node], inputs: dict[fx.Node, None]) -> set:
         for v in (val if isinstance(val, (tuple, list)) else (val,)):
             if isinstance(v, (torch.Tensor, torch.SymInt)):
                 used |= free_symbols(v)
-        bound |= _binds(val) if n in inputs else set(n.meta.get("unbacked_bindings") or {})
-        if n not in inputs and isinstance(val, torch.SymInt):
+        if n in inputs:
             bound |= _binds(val)
+        else:   # defined in the run: a SymInt value (``.item()``) or unbacked bindings
+            bound |= _binds(val) if isinstance(val, torch.SymInt) else set()
+            bound |= set(n.meta.get("unbacked_bindings") or {})
     return used - bound
 
 

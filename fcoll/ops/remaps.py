@@ -41,8 +41,8 @@ while the collective is in flight. A work that leaves its frame (returned, or ap
 by a gradient hook that compiled autograd traces) is waited on later, in eager code or in a
 frame another backend compiles, by fcoll's ``wait_tensor``, which finds fcoll's collective in
 the in-flight registry, then the copies run (PyTorch's ``_c10d_functional.wait_tensor`` does not
-know fcoll's collectives: the copies read an output still being written). A work that is never waited on leaves its tensor unchanged
-(eager PyTorch leaves it unspecified until a wait).
+know fcoll's collectives: the copies read an output still being written). A work that is never
+waited on leaves its tensor unchanged (eager PyTorch leaves it unspecified until a wait).
 
 ``reduce``: PyTorch leaves the tensor on non-``dst`` ranks unspecified (gloo, measured with 2 and
 3 ranks, leaves partial sums in it). fcoll reduces with an all_reduce and copies the result on
