@@ -196,7 +196,8 @@ def split_segments(gm: fx.GraphModule) -> list[ComputeSegment | fx.Node]:
             for i in n.all_input_nodes:
                 if i not in members:
                     inputs[i] = None
-        for sym in sorted(_unbound_symbols(item, inputs), key=str):
+        unbound = _unbound_symbols(item, inputs) if binders else ()   # () for static graphs
+        for sym in sorted(unbound, key=str):
             binder = next((b for b in binders.get(sym, ()) if position[b] < first), None)
             if binder is not None:    # else Inductor names the symbol it cannot bind
                 inputs[binder] = None
