@@ -24,9 +24,9 @@ BATCHES = (4, 6, 9, 1)
 
 
 def _step(w1, w2, x, group):
-    """Activations all_gathered (twice: a bucket of two), all_reduced and reduce_scattered,
-    then the gradients of both weights all_reduced: every collective's size depends on the
-    batch."""
+    """Activations all_gathered (twice: one bucket in the static graph, two collectives in the
+    dynamic one), all_reduced and reduce_scattered, then the gradients of both weights
+    all_reduced."""
     import fcoll
 
     a = fcoll.all_gather_tensor(x, 0, group)
