@@ -183,11 +183,12 @@ def split_segments(gm: fx.GraphModule) -> list[ComputeSegment | fx.Node]:
     _getitems_next_to_producers(gm)
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     binders = _symbol_binders(gm)
-    items = _runs(gm)
-    runs: list[tuple[list[fx.Node], dict[fx.Node, None]]] = []
-    needed_later: set[fx.Node] = set()
-    for item in items:
+    needed_later: set[fx.Node] = set()   # binders that later segments take as inputs
+    out: list[ComputeSegment | fx.Node] = []
+    segments: list[ComputeSegment] = []
+    for item in _runs(gm):
         if isinstance(item, fx.Node):
+            out.append(item)
             continue
         members = set(item)
         first = position[item[0]]
@@ -202,21 +203,13 @@ def split_segments(gm: fx.GraphModule) -> list[ComputeSegment | fx.Node]:
             if binder is not None:    # else Inductor names the symbol it cannot bind
                 inputs[binder] = None
                 needed_later.add(binder)
-        runs.append((item, inputs))
-    out: list[ComputeSegment | fx.Node] = []
-    count = 0
-    pending = iter(runs)
-    for item in items:
-        if isinstance(item, fx.Node):
-            out.append(item)
-            continue
-        nodes, inputs = next(pending)
-        first, last = position[nodes[0]], position[nodes[-1]]
-        outputs = [n for n in nodes
-                   if any(position[u] > last for u in n.users) or n in needed_later]
         assert all(position[i] < first for i in inputs), "segment input defined after it"
-        out.append(ComputeSegment(f"segment_{count}", nodes, list(inputs), outputs))
-        count += 1
+        segments.append(ComputeSegment(f"segment_{len(segments)}", item, list(inputs), []))
+        out.append(segments[-1])
+    for seg in segments:   # outputs once every segment's inputs are known
+        last = position[seg.nodes[-1]]
+        seg.outputs = [n for n in seg.nodes
+                       if any(position[u] > last for u in n.users) or n in needed_later]
     return out
 
 
