@@ -173,7 +173,7 @@ def init_params(cfg: GPTConfig, seed: int) -> dict[str, torch.Tensor]:
     return params
 
 
-def _block(p: Callable[[str], torch.Tensor], i: int, x: torch.Tensor, cfg: GPTConfig):
+def _block(p: Callable[[str], torch.Tensor], i: int | str, x: torch.Tensor, cfg: GPTConfig):
     B, T, d = x.shape
     h = F.layer_norm(x, (d,), p(f"h{i}.ln1_w"), p(f"h{i}.ln1_b"))
     q, k, v = F.linear(h, p(f"h{i}.qkv_w"), p(f"h{i}.qkv_b")).split(d, dim=2)
@@ -219,13 +219,16 @@ class GPTBlock(nn.Module):
 
     def __init__(self, cfg: GPTConfig, i: int, params: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.cfg, self.i = cfg, i
+        # the layer index kept as a string: with each block compiled on its own (torchtitan's
+        # regional compile) under FSDP2, Dynamo traces the blocks unspecialized and turns an int
+        # attribute that differs between them into a SymInt, which an f-string cannot format
+        self.cfg, self.layer = cfg, str(i)
         self.p = nn.ParameterDict({k: nn.Parameter(params[f"h{i}.{k}"].clone())
                                    for k in _layer_shapes(cfg)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        prefix = len(f"h{self.i}.")
-        return _block(lambda name: self.p[name[prefix:]], self.i, x, self.cfg)
+        prefix = len(f"h{self.layer}.")
+        return _block(lambda name: self.p[name[prefix:]], self.layer, x, self.cfg)
 
 
 class GPTModule(nn.Module):

@@ -207,6 +207,41 @@ def _fsdp_with_activation_checkpointing(rank: int, world: int) -> dict:
     return out
 
 
+def _regional_compile(rank: int, world: int) -> dict:
+    """torchtitan's regional compile: every block checkpointed, compiled on its own
+    (``block.compile(fullgraph=True)``), then ``fully_shard`` on each block and the root, with
+    fcoll's SimpleFSDP (the collectives in the blocks' graphs) and with PyTorch's FSDP2 (its
+    hooks run eagerly, the collectives on the process group; its modules are traced
+    unspecialized, so the blocks' differing layer index becomes a SymInt on the second block).
+    ``{fsdp: (loss error, worst gradient error)}`` against data parallel."""
+    import train_gpt as tg
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    from fcoll.parallel import fully_shard
+
+    cfg = _cfg(tg, 33, 3)
+    params = tg.init_params(cfg, 0)
+    x, y = _batch(rank)
+    ref_loss, ref_grads = _data_parallel_reference(lambda: tg.GPTModule(cfg, params),
+                                                   range(world), rank)
+    out = {}
+    for name, shard in (("simple-fsdp", fully_shard), ("fsdp2", fsdp2_fully_shard)):
+        torch._dynamo.reset()
+        m = tg.GPTModule(cfg, params)
+        m.blocks = torch.nn.ModuleList(checkpoint_wrapper(b) for b in m.blocks)
+        for block in m.blocks:
+            block.compile(backend="fcoll", fullgraph=True)
+            shard(block)
+        shard(m)
+        loss = m(x, y)
+        loss.backward()
+        out[name] = (abs(loss.item() - ref_loss), max(
+            (p.grad.full_tensor() - ref_grads[k.replace("_checkpoint_wrapped_module.", "")])
+            .abs().max().item() for k, p in m.named_parameters()))
+    return out
+
+
 class _TiedLM(torch.nn.Module):
     """An embedding and an output head sharing one weight (GPT-2's tying) and a 0-dim
     parameter (a logit scale), ``[B, T] -> loss``."""
@@ -396,6 +431,7 @@ def _both(rank: int, world: int, checkpointing: bool) -> dict:
     if checkpointing:
         out["two-meshes"] = _two_mesh_sizes(rank, world)
         out["simple-fsdp-ac"] = _fsdp_with_activation_checkpointing(rank, world)
+        out["regional"] = _regional_compile(rank, world)
         out["fsdp2-arguments"] = _fsdp2_arguments(rank, world)
         out["sp-batch-1"] = _sequence_parallel_batch_of_one(rank, world)
     return out
@@ -404,7 +440,8 @@ def _both(rank: int, world: int, checkpointing: bool) -> dict:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
     """One spawn per process group for all (each compile dominates the run time); the
-    checkpointed SimpleFSDP (a partition-step fix, the same on any group), FSDP2's other
+    checkpointed SimpleFSDP (a partition-step fix, the same on any group) and its blocks
+    compiled one by one (an example fix), FSDP2's other
     arguments, two mesh sizes in one process (a Dynamo fix) and sequence parallel on a batch
     of one (a bucketing fix) on fcoll's only."""
     for res in run_ranks(_both, 2, backend=backend, args=(backend == "fcoll",), timeout_s=900):
@@ -440,6 +477,8 @@ def test_simple_fsdp_and_tensor_parallel_compiled_equal_eager(backend):
             assert "does not divide evenly over 2 ranks" in args["refused"][1], args["refused"]
             assert "expected Shard(dim) or None" in args["refused"][2], args["refused"]
             assert args["untouched"], args
+        for name, errors in res.get("regional", {}).items():
+            assert max(errors) <= 1e-5, (name, res["regional"])
         for compute, errors in res.get("simple-fsdp-ac", {}).items():
             assert max(errors) <= 1e-5, (compute, res["simple-fsdp-ac"])
         assert len(tp) == 6
