@@ -209,6 +209,19 @@ def _missed_waits(rank, world_size):
     out["gather_dim_view"] = (type(a).__name__, pending.num_pending(), a.clone())
     b = fcoll.all_gather_tensor(torch.arange(4).reshape(2, 2) + rank, 1, W)
     out["gather_dim_copy"] = (type(b).__name__, pending.num_pending(), b)
+    # negative dims count from the end, the view case included (PyTorch's funcol fails there
+    # with a reshape error); a dim out of range is refused before anything is issued
+    a = fcoll.all_gather_single(torch.full((1, 3), rank), -1, W)
+    out["gather_dim_negative"] = (type(a).__name__, pending.num_pending(), a.clone())
+    out["scatter_dim_negative"] = fcoll.reduce_scatter_tensor(
+        torch.arange(4.0).reshape(1, 4) + rank, "sum", -1, W).wait()
+    refused = []
+    for call in (lambda: fcoll.all_gather_single(torch.ones(2, 3), 2, W),
+                 lambda: fcoll.reduce_scatter_tensor(torch.ones(2, 4), "sum", -3, W)):
+        with pytest.raises(IndexError) as e:
+            call()
+        refused.append((str(e.value), pending.num_pending()))
+    out["dim_out_of_range"] = refused
     # an un-waited result as the input, and as the tangent, of compiled functions (forward and
     # backward), returned as a plain value or as a view of itself
     res = {}
@@ -257,6 +270,16 @@ def test_no_missed_wait_anywhere_an_async_result_flows(backend):
         kind, left, value = out["gather_dim_copy"]
         assert (kind, left) == ("Tensor", 0)
         torch.testing.assert_close(value, torch.tensor([[0, 1, 1, 2], [2, 3, 3, 4]]))
+        kind, in_flight, value = out["gather_dim_negative"]
+        assert (kind, in_flight) == ("AsyncCollectiveTensor", 1)
+        torch.testing.assert_close(value, torch.tensor([[0, 0, 0, 1, 1, 1]]))
+        torch.testing.assert_close(out["scatter_dim_negative"],
+                                   torch.tensor([[1.0, 3.0]]) + 4 * rank)
+        (gathered, left_g), (scattered, left_s) = out["dim_out_of_range"]
+        assert gathered == (f"fcoll.all_gather_tensor: rank {rank}: gather_dim=2 is out of range "
+                            "for an input of shape [2, 3] (expected -2 <= gather_dim < 2)")
+        assert "scatter_dim=-3 is out of range for an input of shape [2, 4]" in scattered
+        assert left_g == left_s == 0
         for key, (p, grad, left) in out["act_compiled"].items():
             # p = s * avg_k (k+1) w with s = 2 (value) or 1 (view): 3 or 1.5. The tangent is 2
             # (a sum of ones); avg's adjoint averages s * 2 over the ranks (equal): s * 2, times

@@ -24,7 +24,7 @@ import torch
 from fcoll.ops import autograd as _autograd  # noqa: F401  registers backward formulas
 from fcoll.ops.async_tensor import AsyncCollectiveTensor, TorchACT, complete, is_tracing, \
     wrap_async
-from fcoll.ops.groups import GroupLike, group_size, resolve_group_name
+from fcoll.ops.groups import GroupLike, group_rank, group_size, resolve_group_name
 
 __all__ = [
     "all_reduce", "all_reduce_coalesced", "all_gather_single", "all_gather_single_autograd",
@@ -104,8 +104,25 @@ def all_reduce_coalesced(self: list[torch.Tensor], reduceOp: str, group: GroupLi
     return [_finish(o) for o in outs]
 
 
+def _dim_index(dim: int, t: torch.Tensor, arg: str, op: str, group_name: str) -> int:
+    """``dim`` as an index ``0 <= d < t.dim()`` (a 0-dim ``t`` counts as 1-dim, as its
+    gathered result ``[n]`` is), checked before the collective is issued.
+
+    Raises:
+        IndexError: ``dim`` outside ``[-t.dim(), t.dim())``; names the op, the argument, the
+            rank and the shape.
+    """
+    ndim = max(t.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"fcoll.{op}: rank {group_rank(group_name)}: {arg}={dim} is out of "
+                         f"range for an input of shape {list(t.shape)} (expected "
+                         f"{-ndim} <= {arg} < {ndim})")
+    return dim % ndim
+
+
 def _chunks_to_gather_dim(out: torch.Tensor, n: int, gather_dim: int) -> torch.Tensor:
-    """``cat(chunk(out, n, 0), gather_dim)`` of a gathered ``out [n * N, *]``.
+    """``cat(chunk(out, n, 0), gather_dim)`` of a gathered ``out [n * N, *]``; ``gather_dim``
+    non-negative (:func:`_dim_index`).
 
     A view (so an ``AsyncCollectiveTensor`` stays in flight) when every dim the chunks move
     across has size 1, i.e. ``N == 1`` and dims ``1 .. gather_dim - 1`` are 1, which is
@@ -130,10 +147,16 @@ def all_gather_single(self: torch.Tensor, gather_dim: int, group: GroupLike,
     Shapes: ``self [*, N, *]`` -> ``[*, n * N, *]`` with ``N`` at ``gather_dim``; a 0-dim
     ``self`` gives ``[n]``. Same dtype. With ``gather_dim != 0`` the result is still an
     ``AsyncCollectiveTensor`` when the rearrangement is a view (see ``_chunks_to_gather_dim``).
+    A negative ``gather_dim`` counts from the end, also where the result is a view (PyTorch
+    2.13's funcol raises a reshape error there, e.g. ``[1, 3]`` with ``gather_dim=-1``).
+
+    Raises:
+        IndexError: ``gather_dim`` out of range for ``self``, before anything is issued.
     """
     name = resolve_group_name(group, tag)
     n = group_size(name)
     t = _plain(self)
+    gather_dim = _dim_index(gather_dim, t, "gather_dim", "all_gather_tensor", name)
     if not t.is_contiguous():  # a node only where needed: PyTorch's graph has none
         t = t.contiguous()
     out = _finish(_op("all_gather_into_tensor")(t, n, name))
@@ -174,8 +197,11 @@ def all_gather_into_tensor_coalesced(self: list[torch.Tensor], group: GroupLike,
     return all_gather_single_coalesced(self, group, tag)
 
 
-def _scatter_dim_first(t: torch.Tensor, scatter_dim: int, n: int, op: str) -> torch.Tensor:
+def _scatter_dim_first(t: torch.Tensor, scatter_dim: int, n: int, op: str,
+                       group_name: str) -> torch.Tensor:
     t = _plain(t)
+    if t.dim() > 0:
+        scatter_dim = _dim_index(scatter_dim, t, "scatter_dim", op, group_name)
     if t.dim() == 0 or t.size(scatter_dim) % n != 0:
         raise ValueError(f"fcoll.{op}: input dim {scatter_dim} of shape {list(t.shape)} must be "
                          f"divisible by the group size {n}")
@@ -192,10 +218,11 @@ def reduce_scatter_single(self: torch.Tensor, reduceOp: str, scatter_dim: int,
 
     Raises:
         ValueError: ``self.size(scatter_dim)`` is not divisible by the group size; bad reduce op.
+        IndexError: ``scatter_dim`` out of range for ``self``.
     """
     name = resolve_group_name(group, tag)
     n = group_size(name)
-    t = _scatter_dim_first(self, scatter_dim, n, "reduce_scatter_tensor")
+    t = _scatter_dim_first(self, scatter_dim, n, "reduce_scatter_tensor", name)
     # With scatter_dim != 0 the chunks were stacked along dim 0, so rank r's output is the r-th
     # chunk along scatter_dim exactly, with no reshuffle afterwards (as PyTorch does it).
     return _finish(_op("reduce_scatter_tensor")(t, reduceOp.lower(), n, name))
@@ -235,7 +262,7 @@ def reduce_scatter_single_coalesced(inputs: list[torch.Tensor], reduceOp: str,
     if len(scatter_dim) != len(inputs):
         raise ValueError(f"fcoll.reduce_scatter_tensor_coalesced: scatter_dim has "
                          f"{len(scatter_dim)} entries for {len(inputs)} inputs")
-    ts = [_scatter_dim_first(t, d, n, "reduce_scatter_tensor_coalesced")
+    ts = [_scatter_dim_first(t, d, n, "reduce_scatter_tensor_coalesced", name)
           for t, d in zip(inputs, scatter_dim)]
     outs = _op("reduce_scatter_tensor_coalesced")(ts, reduceOp.lower(), n, name)
     return [_finish(o) for o in outs]
