@@ -303,11 +303,19 @@ class TPGPTModule(GPTModule):
         Models", 2022; PyTorch's ``SequenceParallel``): the first block's input is split, each
         column-parallel layer all_gathers its input along the sequence, each row-parallel layer
         reduce-scatters its output to it, and the last block's output is gathered again.
-        ``seq_len`` must divide by the mesh size."""
+        ``seq_len`` must divide by the mesh size.
+
+        Raises:
+            ValueError: ``n_head`` does not divide by the mesh size (each rank computes whole
+                heads), or with ``sequence_parallel`` ``seq_len`` does not."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, \
             PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module
 
+        if self.cfg.n_head % mesh.size():
+            raise ValueError(f"tensor parallel: n_head {self.cfg.n_head} does not divide by the "
+                             f"tensor-parallel size {mesh.size()} (each rank computes whole "
+                             f"heads); pick --n-head or a world size (--tp) that divides it")
         if not sequence_parallel:
             plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
                     "proj": RowwiseParallel(), "fc": ColwiseParallel(), "fc2": RowwiseParallel()}

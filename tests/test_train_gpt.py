@@ -125,6 +125,17 @@ def test_batches_are_disjoint_rank_shards():
     torch.testing.assert_close(y0[:, :-1], x0[:, 1:])
 
 
+def test_tensor_parallel_refuses_heads_that_do_not_divide_over_the_ranks():
+    class ThreeRanks:  # all parallelize reads before it refuses
+        def size(self) -> int:
+            return 3
+
+    cfg = tg.GPTConfig(vocab_size=51, seq_len=16, n_layer=1, n_head=4, d_model=32)
+    model = tg.TPGPTModule(cfg, tg.init_params(cfg, 0))
+    with pytest.raises(ValueError, match="n_head 4 does not divide by the tensor-parallel size 3"):
+        model.parallelize(ThreeRanks())
+
+
 # ---------------------------------------------------------------------------------------------
 # --device cuda and --dist-backend nccl
 
