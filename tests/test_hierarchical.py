@@ -1,7 +1,7 @@
 """fcoll groups spanning emulated hosts (``FCOLL_HOST_ID`` per rank, no network namespace).
 
-The checks of tests/test_backend.py (every op, dtype, reduce op, layout and form against gloo)
-and tests/test_ops_multiprocess.py (fcoll's functional ops and their gradients against the
+The checks of tests/test_backend.py (every op, dtype, reduce op, layout and form against gloo),
+tests/test_sparse_all_reduce.py and tests/test_ops_multiprocess.py (fcoll's functional ops and their gradients against the
 single-process reference) run unchanged on 4 ranks laid out as 2 hosts x 2 ranks, where
 ``init_process_group("fcoll")`` builds a :class:`fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup`;
 then on an interleaved layout (ranks 0, 2 on one host) and an uneven one (3 + 1: the flat gloo
@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import test_backend as tb
 import test_ops_multiprocess as tom
+import test_sparse_all_reduce as tsp
 import torch
 import torch.distributed as dist
 
@@ -70,7 +71,7 @@ def _everything_2x2(rank, world):
                      tb._layouts_and_forms, tb._subgroups_and_mesh, _ddp_and_compiled):
         scenario(rank, world, gl)
     return {"kinds": _describe_groups(rank, world), "ops": tom._worker(rank, world),
-            "invalid": _invalid_calls(rank, world)}
+            "invalid": _invalid_calls(rank, world), "sparse": tsp.sparse_scenario(rank, world, gl)}
 
 
 def test_every_op_dtype_and_form_matches_gloo_and_the_reference_on_2x2_hosts():
@@ -89,6 +90,7 @@ def test_every_op_dtype_and_form_matches_gloo_and_the_reference_on_2x2_hosts():
         assert "ValueError" in errors["rank_differs"] or "MismatchError" in errors["rank_differs"]
         assert "rank 1 has input shape [16]" in errors["rank_differs"], errors
         assert after == [6.0] * 4  # the group is still usable
+    tsp.check_sparse_scenario([res["sparse"] for res in results])
     expected = tom._expected_forward(4)
     for rank, res in enumerate(results):
         for key, want in expected.items():

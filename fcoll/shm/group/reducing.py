@@ -27,6 +27,7 @@ from fcoll.shm.group import arg_checks as checks
 from fcoll.shm.cuda.paths import IpcBuffers
 from fcoll.shm.cuda.staging import CudaStaging
 from fcoll.shm.group.fast_paths import plain
+from fcoll.shm.group.sparse import is_sparse_coo, sparse_all_reduce
 from fcoll.shm.transport.headers import NO_ROOT, dtype_name, header_dtype
 from fcoll.shm.transport.phases import Call
 from fcoll.shm.group.validate import Staging, check_reduce_scatter, check_tensor
@@ -45,6 +46,9 @@ class ReducingCollectives:
             if work is not None:
                 return work
         opts = opts if opts is not None else dist.AllreduceOptions()
+        if is_sparse_coo(tensors):  # DDP's gradient of a sparse embedding
+            return sparse_all_reduce(self, tensors[0], reduce_op_name(opts.reduceOp),
+                                     self._coalescing is not None)
         return self._allreduce("all_reduce", tensors, reduce_op_name(opts.reduceOp), opts=opts)
 
 

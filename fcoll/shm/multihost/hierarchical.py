@@ -73,6 +73,7 @@ from fcoll.ops.reduce import reduce_op_name
 from fcoll.compat import run_eagerly_under_dynamo
 from fcoll.shm.group import arg_checks as checks
 from fcoll.shm.group.identity import GroupIdentity
+from fcoll.shm.group.sparse import is_sparse_coo, sparse_all_reduce
 from fcoll.shm.group.validate import check_all_gather
 from fcoll.shm.multihost import compositions as comp
 from fcoll.shm.kernels import movement
@@ -296,6 +297,8 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
     # ---- composed collectives (algorithms: fcoll.shm.multihost.compositions) -------------
     def allreduce(self, tensors, opts=None) -> dist.Work:
         op = reduce_op_name((opts or dist.AllreduceOptions()).reduceOp)
+        if is_sparse_coo(tensors):  # DDP's gradient of a sparse embedding
+            return sparse_all_reduce(self, tensors[0], op, self._coalescing is not None)
         err = checks.all_reduce_error(tensors, op, self._size)
         t = checks.first(tensors)
         return self._op("all_reduce", t, err, lambda: comp.all_reduce_into(self._sub, t, op),
