@@ -7,8 +7,9 @@ the tensor is replaced in place by the coalesced sum of every rank's tensor (sam
 and dense dims and dtype on every rank; its number of specified elements may differ), and the
 ``Work``'s result is ``[tensor]``.
 
-Algorithm (the one gloo uses; four all_gathers, each a dense collective of the same group, so it is ordered
-with the group's other collectives and has their checks and timeouts):
+Algorithm (gloo's: metadata, then indices and values gathered; here four all_gathers, each a
+dense collective of the same group, so it is ordered with the group's other collectives and has
+their checks and timeouts):
 
 1. all_gather a header of int64 per rank: ``nnz`` (of the coalesced tensor), sparse dims, dense
    dims, number of dims, a CRC-32 of the dtype's name, and whether the reduce op is SUM.
