@@ -33,8 +33,8 @@ def _cases(rank: int) -> dict:
         "2 sparse dims": torch.sparse_coo_tensor(torch.tensor([[r, 1], [2, r + 3]]),
                                                  torch.tensor([1.5, -2.0]), (4, 8),
                                                  check_invariants=True),
-        "one rank empty": _sparse([] if r == 0 else [2, 5], torch.tensor([] if r == 0
-                                                                         else [1.0, 2.0]), (6,)),
+        "one rank empty": _sparse([2, 5] if r else [], torch.tensor([1.0, 2.0] if r else []),
+                                  (6,)),
         "all empty": _sparse([], torch.tensor([]), (3,)),
         "float64": _sparse([r, 1], torch.tensor([0.1, 0.2], dtype=torch.float64), (4,)),
         "int64": _sparse([r, 1], torch.tensor([5, 7]), (4,)),
