@@ -30,7 +30,8 @@ Folder map, bottom layer first (each sub-package is one concept; nothing imports
   ``validate`` (tensor-level checks, staging), ``fast_paths`` (when and how a synchronous
   small collective runs on the caller's thread), ``direct`` (compiled graphs' calls straight
   into the engine), ``abort`` (``fcoll.fence_on_error``: abort groups when an exception leaves
-  a block).
+  a block), ``sparse`` (both groups' all_reduce of a sparse COO tensor, as gloo's, composed of
+  dense all_gathers).
 - ``multihost/``: groups across hosts. ``host_layout`` (host identity, which ranks share a
   host), ``gloo_link`` (gloo between hosts: byte views, reductions gloo lacks, the agreement
   across the link, pipeline pieces), ``ordered_queue`` (the ordered queue and its ``Work``s),
