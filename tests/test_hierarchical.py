@@ -1,7 +1,8 @@
 """fcoll groups spanning emulated hosts (``FCOLL_HOST_ID`` per rank, no network namespace).
 
 The checks of tests/test_backend.py (every op, dtype, reduce op, layout and form against gloo),
-tests/test_sparse_all_reduce.py and tests/test_ops_multiprocess.py (fcoll's functional ops and their gradients against the
+tests/test_sparse_all_reduce.py (sparse all_reduce and DDP's sparse gradients) and
+tests/test_ops_multiprocess.py (fcoll's functional ops and their gradients against the
 single-process reference) run unchanged on 4 ranks laid out as 2 hosts x 2 ranks, where
 ``init_process_group("fcoll")`` builds a :class:`fcoll.shm.multihost.hierarchical.HierarchicalProcessGroup`;
 then on an interleaved layout (ranks 0, 2 on one host) and an uneven one (3 + 1: the flat gloo
