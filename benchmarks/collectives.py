@@ -10,8 +10,8 @@ Conventions (nccl-tests, ``doc/PERFORMANCE.md``):
   and reduce_scatter_tensor (so each rank receives size / n of reduce_scatter), and the per-rank
   *output* buffer for all_gather_into_tensor (each rank contributes size / n).
 * ``time`` is the median over repetitions of the time of one collective, in microseconds; each
-  repetition times several back-to-back synchronous calls on every rank after a barrier, and the
-  slowest rank's median is reported. fcoll and gloo repetitions are interleaved, so both see the
+  repetition times several back-to-back synchronous calls on every rank after a barrier and one
+  untimed call (which lines the ranks up), and the slowest rank's median is reported. fcoll and gloo repetitions are interleaved, so both see the
   same machine noise.
 * ``algbw = size / time`` (GB/s, 1 GB = 1e9 bytes); ``busbw = algbw * factor`` with factor
   all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast 1.
@@ -242,9 +242,15 @@ def _iters(size: int) -> tuple[int, int]:
 
 
 def _timed(call, k: int, barrier, waits: dict | None = None) -> float:
-    """Microseconds per call of ``k`` back-to-back ``call()`` after a ``barrier()``; adds the
-    increments of fcoll's wait counters in the ``k`` calls (not the barrier) to ``waits``."""
+    """Microseconds per call of ``k`` back-to-back ``call()`` after a ``barrier()`` and one
+    untimed ``call()``; adds the increments of fcoll's wait counters in the ``k`` calls (not the
+    barrier) to ``waits``.
+
+    The untimed call lines the ranks up: they leave a barrier up to a wake-up apart (a rank that
+    slept in it, 50-150 us here), and that skew would land on the first timed call of every
+    backend (nccl-tests likewise runs warm-up iterations before its timed loop)."""
     barrier()
+    call()
     before = wait_counts(dist.group.WORLD) if waits is not None else None
     t0 = time.perf_counter()
     for _ in range(k):
