@@ -104,7 +104,8 @@ def check_sparse_scenario(results: list[dict]) -> None:
         assert "ReduceOp.SUM only" in errors["max"] and f"rank {rank}" in errors["max"], errors
         sizes = ", ".join(f"rank {r} ({5 + r},)" for r in range(world))
         assert f"disagree on size: {sizes}" in errors["size"], errors
-        assert "disagree on dtype" in errors["dtype"], errors
+        assert "disagree on dtype: rank 0 torch.float32, rank 1 torch.float64" in \
+            errors["dtype"], errors
         assert res["refusals"]["after"] == [float(world)] * 3
         for kind in ("fcoll", "fcoll compiled"):
             for got, want in zip(res["ddp"][kind], res["ddp"]["gloo"]):

@@ -46,6 +46,14 @@ __all__ = ["is_sparse_coo", "sparse_all_reduce"]
 _FIELDS = ("nnz", "sparse dims", "dense dims", "dims", "dtype", "reduce op")
 
 
+def _crc(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())
+
+
+#: a header's dtype CRC -> the dtype's name, for messages
+_DTYPE_NAMES = {_crc(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
 def is_sparse_coo(tensors) -> bool:
     """Whether a c10d tensor list is one sparse COO tensor (the form DDP all-reduces)."""
     return (isinstance(tensors, (list, tuple)) and len(tensors) == 1
@@ -74,7 +82,7 @@ def _reduce(pg, t: torch.Tensor, op: str) -> torch.Tensor:
     local = t.coalesce()
     indices, values = local.indices(), local.values()
     header = torch.tensor([local._nnz(), t.sparse_dim(), t.dense_dim(), t.dim(),
-                           zlib.crc32(str(t.dtype).encode()), int(op == "sum")],
+                           _crc(t.dtype), int(op == "sum")],
                           dtype=torch.int64, device=t.device)
     headers = _gather(pg, header.view(1, -1)).tolist()
     if not all(h[5] for h in headers):
@@ -82,7 +90,8 @@ def _reduce(pg, t: torch.Tensor, op: str) -> torch.Tensor:
         raise CollectiveMismatchError(
             f"fcoll all_reduce: rank {rank}: sparse tensors are reduced with ReduceOp.SUM only "
             f"(as gloo); rank(s) {refusing} asked for another op")
-    why = _disagreement([h[1:5] for h in headers], _FIELDS[1:5])
+    why = _disagreement([[*h[1:4], _DTYPE_NAMES.get(h[4], h[4])] for h in headers],
+                        _FIELDS[1:5])
     if why is None:
         sizes = _gather(pg, torch.tensor([list(t.shape)], dtype=torch.int64,
                                          device=t.device)).tolist()
