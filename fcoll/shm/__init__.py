@@ -5,7 +5,7 @@ Folder map, bottom layer first (each sub-package is one concept; nothing imports
 - ``transport/``: what every collective runs on. ``segment`` (the sealed memfd segment and its
   layout), ``sync`` (arrival counters, futex waits, liveness, timeouts), ``fences`` (how a rank
   gives up a collective, how its peers read and word that; ``PeerError``), ``op_codes`` (the
-  one table of collective names and their codes), ``headers`` (the per-collective header
+  one table of collective names and dtypes as codes), ``headers`` (the per-collective header
   and its wire format), ``header_checks`` (the cross-rank check of headers), ``phases`` (the
   slot and phase protocol every algorithm runs on).
 - ``kernels/``: the algorithms over slots. ``reductions`` (all_reduce, coalesced all_reduce,

@@ -12,7 +12,8 @@ dense collective of the same group, so it is ordered with the group's other coll
 their checks and timeouts):
 
 1. all_gather a header of int64 per rank: ``nnz`` (of the coalesced tensor), sparse dims, dense
-   dims, number of dims, a CRC-32 of the dtype's name, and whether the reduce op is SUM.
+   dims, number of dims, the dtype's code (:func:`~fcoll.shm.transport.op_codes.dtype_code`),
+   and whether the reduce op is SUM.
    Every rank checks every header, so ranks whose tensors disagree all raise the same
    ``CollectiveMismatchError``, naming the ranks, instead of waiting on each other;
 2. all_gather the sizes (``ndim`` int64 each), checked the same way;
@@ -32,26 +33,17 @@ with a peer's, another reduce op, a coalescing context) are raised by the ``Work
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.distributed as dist
 
 from fcoll.shm.transport.headers import CollectiveMismatchError
+from fcoll.shm.transport.op_codes import dtype_code, dtype_of_code
 from fcoll.shm.work import DoneWork
 
 __all__ = ["is_sparse_coo", "sparse_all_reduce"]
 
-#: header fields, in order: nnz, sparse dims, dense dims, dims, dtype CRC-32, op is SUM
+#: header fields, in order: nnz, sparse dims, dense dims, dims, dtype code, op is SUM
 _FIELDS = ("nnz", "sparse dims", "dense dims", "dims", "dtype", "reduce op")
-
-
-def _crc(dtype: torch.dtype) -> int:
-    return zlib.crc32(str(dtype).encode())
-
-
-#: a header's dtype CRC -> the dtype's name, for messages
-_DTYPE_NAMES = {_crc(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def is_sparse_coo(tensors) -> bool:
@@ -82,7 +74,7 @@ def _reduce(pg, t: torch.Tensor, op: str) -> torch.Tensor:
     local = t.coalesce()
     indices, values = local.indices(), local.values()
     header = torch.tensor([local._nnz(), t.sparse_dim(), t.dense_dim(), t.dim(),
-                           _crc(t.dtype), int(op == "sum")],
+                           dtype_code(t.dtype), int(op == "sum")],
                           dtype=torch.int64, device=t.device)
     headers = _gather(pg, header.view(1, -1)).tolist()
     if not all(h[5] for h in headers):
@@ -90,8 +82,7 @@ def _reduce(pg, t: torch.Tensor, op: str) -> torch.Tensor:
         raise CollectiveMismatchError(
             f"fcoll all_reduce: rank {rank}: sparse tensors are reduced with ReduceOp.SUM only "
             f"(as gloo); rank(s) {refusing} asked for another op")
-    why = _disagreement([[*h[1:4], _DTYPE_NAMES.get(h[4], h[4])] for h in headers],
-                        _FIELDS[1:5])
+    why = _disagreement([[*h[1:4], dtype_of_code(h[4])] for h in headers], _FIELDS[1:5])
     if why is None:
         sizes = _gather(pg, torch.tensor([list(t.shape)], dtype=torch.int64,
                                          device=t.device)).tolist()

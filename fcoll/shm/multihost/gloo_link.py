@@ -10,7 +10,6 @@ arguments in one small all_gather (:func:`agree`).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 
 import torch
@@ -27,7 +26,6 @@ __all__ = [
     "agree",
     "as_bytes",
     "chunk_spans",
-    "dtype_code",
     "gloo_all_reduce",
     "gloo_all_reduce_start",
     "gloo_reduce_scatter_rows",
@@ -56,19 +54,6 @@ def gloo_reduces(op: str, dtype: torch.dtype) -> bool:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor as flat bytes: gloo moves any dtype this way (int16, complex...)."""
     return t.view(-1).view(torch.uint8)
-
-
-CODED_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-           torch.complex128]
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """A number naming ``dtype``, the same in every process (crc32: ``hash`` of a str is
-    salted per process)."""
-    if dtype in CODED_DTYPES:
-        return CODED_DTYPES.index(dtype)
-    return 100 + zlib.crc32(str(dtype).encode())
 
 
 #: Bytes of a failing rank's message that :func:`agree` carries to the other side of a link.

@@ -78,10 +78,10 @@ from fcoll.shm.group.validate import check_all_gather
 from fcoll.shm.multihost import compositions as comp
 from fcoll.shm.kernels import movement
 from fcoll.shm.transport.fences import GAVE_UP_PEER_GAVE_UP, PeerError
-from fcoll.shm.transport.op_codes import kind_code
+from fcoll.shm.transport.op_codes import dtype_code, kind_code
 from fcoll.shm.multihost.ordered_queue import ChainedWork, HierarchicalWork, OrderedRunner
 from fcoll.shm.multihost.host_layout import HostLayout
-from fcoll.shm.multihost.gloo_link import REDUCE_CODES, SIGNATURE, agree, as_bytes, dtype_code
+from fcoll.shm.multihost.gloo_link import REDUCE_CODES, SIGNATURE, agree, as_bytes
 from fcoll.shm.group.process_group import FcollProcessGroup
 
 __all__ = ["HierarchicalProcessGroup", "HierarchicalWork"]
