@@ -399,6 +399,18 @@ def test_every_function_takes_every_group_form(backend):
                 torch.testing.assert_close(got[key], want, msg=f"{form}: {key} rank {rank}")
 
 
+def test_a_rank_list_before_init_process_group_says_what_is_missing():
+    """A rank list names a group only through the default process group; before
+    ``init_process_group`` PyTorch's resolver fails a bare ``assert`` (no text), so the message
+    says what to call instead of ending in an empty reason."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"cannot resolve \[0\] to a process group: no default "
+                                         r"process group: call dist.init_process_group first"):
+        fcoll.all_reduce(torch.ones(2), "sum", [0])
+
+
 def _compiled_p2p(rank, world_size):
     import torch.distributed as dist
 

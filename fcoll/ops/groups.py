@@ -30,7 +30,8 @@ def resolve_group_name(group: GroupLike, tag: str = "") -> str:
     """Return the group name of ``group`` (any form listed in the module docstring).
 
     Raises:
-        ValueError: ``group`` is None or of a form that names no process group.
+        ValueError: ``group`` is None or of a form that names no process group (a rank list or
+            mesh before ``dist.init_process_group``, say).
     """
     if group is None:
         raise ValueError("group: expected a ProcessGroup, group name, DeviceMesh, "
@@ -42,7 +43,10 @@ def resolve_group_name(group: GroupLike, tag: str = "") -> str:
     try:
         resolved = _resolve(group, tag)
     except (ValueError, AssertionError, TypeError) as e:
-        raise ValueError(f"group: cannot resolve {group!r} to a process group: {e}") from e
+        why = str(e) or type(e).__name__  # torch's bare ``assert`` on a rank list has no text
+        if not dist.is_initialized():
+            why = "no default process group: call dist.init_process_group first"
+        raise ValueError(f"group: cannot resolve {group!r} to a process group: {why}") from e
     return resolved if isinstance(resolved, str) else resolved.group_name
 
 
