@@ -293,7 +293,6 @@ def test_no_missed_wait_anywhere_an_async_result_flows(backend):
 def _every_function(x, rank, g):
     """Each function of the funcol API that takes a group, called with group ``g``; returns
     its results, waited."""
-    F = torch.ops.fcoll
     peer = 1 - rank
     out = {
         "all_reduce": fcoll.all_reduce(x, "sum", g),

@@ -326,7 +326,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     on every rank, its gradient reduce-scattered (sum; all-reduced for a 0-dim one) and divided
     by ``n``. A tensor-parallel parameter (a DTensor on
     another 1-D slice of ``mesh``'s root) is sharded the same way on its tp-local tensor and
-    stored on the 2-D mesh (module docstring, "FSDP with tensor parallel").
+    stored on the 2-D mesh (module docstring, "FSDP with tensor parallel"). The parameters
+    are new objects, so make the optimizer after this call (as with FSDP2): one made before
+    holds the replaced parameters and updates nothing the module reads.
 
     Args:
         module: the module to shard, modified in place (its class becomes a subclass named
