@@ -30,8 +30,8 @@ def resolve_group_name(group: GroupLike, tag: str = "") -> str:
     """Return the group name of ``group`` (any form listed in the module docstring).
 
     Raises:
-        ValueError: ``group`` is None or of a form that names no process group (a rank list or
-            mesh before ``dist.init_process_group``, say).
+        ValueError: ``group`` is None or of a form that names no process group (a rank list
+            before ``dist.init_process_group``, say).
     """
     if group is None:
         raise ValueError("group: expected a ProcessGroup, group name, DeviceMesh, "
