@@ -11,8 +11,8 @@ Conventions (nccl-tests, ``doc/PERFORMANCE.md``):
   *output* buffer for all_gather_into_tensor (each rank contributes size / n).
 * ``time`` is the median over repetitions of the time of one collective, in microseconds; each
   repetition times several back-to-back synchronous calls on every rank after a barrier and one
-  untimed call (which lines the ranks up), and the slowest rank's median is reported. fcoll and gloo repetitions are interleaved, so both see the
-  same machine noise.
+  untimed call (which lines the ranks up), and the slowest rank's median is reported. fcoll and
+  gloo repetitions are interleaved, so both see the same machine noise.
 * ``algbw = size / time`` (GB/s, 1 GB = 1e9 bytes); ``busbw = algbw * factor`` with factor
   all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast 1.
 
