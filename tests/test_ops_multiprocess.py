@@ -314,3 +314,51 @@ def test_async_collective_tensor_waits_on_first_real_use() -> None:
         assert seen["cast"] == (16 * total, 0)
         assert seen["add"] == (16 * (total + 1), 0)
         assert seen["custom_op"] == (16 * total * 2, 0)
+
+
+def _mixed_wait_worker(rank: int, n: int) -> dict:
+    """A raw fcoll collective waited with PyTorch's ``wait_tensor``, and the other way round.
+
+    Rank 1 joins each collective only after rank 0 has read its result, or after 1 s: a wait
+    that returns before the collective completed lets rank 0 read first and fail; a real wait
+    blocks rank 0 until rank 1's store wait expires and it joins.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    name = dist.group.WORLD.group_name
+    c10d = torch._C._distributed_c10d
+    seen = {}
+    for i, (op, wait) in enumerate([(torch.ops.fcoll.all_reduce, torch.ops._c10d_functional),
+                                    (torch.ops._c10d_functional.all_reduce, torch.ops.fcoll)]):
+        x = torch.full((4,), float(rank + 1))
+        if rank == 1:
+            try:
+                store.wait([f"read-{i}"], datetime.timedelta(seconds=1))
+            except Exception:  # noqa: BLE001  the store's timeout: rank 0 is (rightly) waiting
+                pass
+        out = op(x, "avg", name)
+        seen[f"registered-{i}"] = c10d._get_work_registry_size()
+        value = wait.wait_tensor(out).tolist()
+        if rank == 0:
+            store.set(f"read-{i}", "1")
+        seen[f"value-{i}"] = value
+        seen[f"left-{i}"] = c10d._get_work_registry_size()
+    # fcoll's own wait takes its entry out of c10d's registry too (no leak, no exit warning)
+    out = torch.ops.fcoll.all_reduce(torch.ones(4), "sum", name)
+    torch.ops.fcoll.wait_tensor(out)
+    seen["left-fcoll-wait"] = c10d._get_work_registry_size()
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["fcoll", "gloo"])
+def test_either_namespace_waits_for_the_other(backend: str) -> None:
+    results = run_ranks(_mixed_wait_worker, 2, backend=backend, timeout_s=120)
+    for rank, seen in enumerate(results):
+        for i in range(2):
+            assert seen[f"value-{i}"] == [1.5] * 4, (rank, i, seen)  # avg of 1 and 2
+            assert seen[f"registered-{i}"] == 1, (rank, i, seen)
+            assert seen[f"left-{i}"] == 0, (rank, i, seen)
+        assert seen["left-fcoll-wait"] == 0, (rank, seen)

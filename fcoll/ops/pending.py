@@ -9,6 +9,14 @@ its storage, so waiting on a view waits for the whole collective, as in PyTorch'
 
 Keys are ``StorageWeakRef``s: a weak reference keeps the storage's C++ object from being freed and
 its address reused while the entry lives, so a new tensor can never match a stale entry.
+
+Every entry is also entered in c10d's own work registry (the one PyTorch's ``_c10d_functional``
+ops use), as a :class:`_C10dHandle`, so ``torch.ops._c10d_functional.wait_tensor`` waits for an
+fcoll collective too (and, as before, fcoll's wait for a PyTorch one): a program that pairs the
+two namespaces by hand gets the result, never the buffer before the collective wrote it. A wait
+through either side takes the output out of both registries. It costs an eager collective about
+3 us (the handle, its registration, c10d's wait that removes it); an output never waited is
+reported at exit by c10d's warning, as PyTorch's own funcol outputs are.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Callable
 
 import torch
 import torch.autograd.profiler as _profiler
+import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["register", "wait", "wait_in_profile", "num_pending"]
@@ -29,10 +38,36 @@ class _Pending:
     ref: StorageWeakRef
     works: list = field(default_factory=list)
     finishers: list[Callable[[], None]] = field(default_factory=list)
+    in_c10d: bool = False  # a _C10dHandle for it is in c10d's registry
 
 
 _lock = threading.Lock()
 _pending: dict[int, _Pending] = {}
+_register_in_c10d = torch._C._distributed_c10d._register_work
+_c10d_wait_op = torch.ops._c10d_functional.wait_tensor.default
+_below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
+
+
+class _C10dHandle(dist.Work):
+    """What c10d's work registry holds for one fcoll entry: PyTorch's ``wait_tensor`` pops it
+    and calls :meth:`wait`, which waits for the entry's works and runs its finishers, as fcoll's
+    :func:`wait` does. It keeps the storage's key, not the tensor, so it holds no memory."""
+
+    def __init__(self, key: int):
+        super().__init__()
+        self._key = key
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002  the works' own timeouts apply
+        with _lock:
+            entry = _pending.pop(self._key, None)
+        if entry is not None:  # else fcoll's wait took it first
+            _finish(entry)
+        return True
+
+    def is_completed(self) -> bool:
+        with _lock:
+            entry = _pending.get(self._key)
+        return entry is None or all(w.is_completed() for w in entry.works)
 
 
 def register(tensor: torch.Tensor, work, finisher: Callable[[], None] | None = None) -> None:
@@ -43,12 +78,19 @@ def register(tensor: torch.Tensor, work, finisher: Callable[[], None] | None = N
     ref = StorageWeakRef(tensor.untyped_storage())
     with _lock:
         entry = _pending.get(ref.cdata)
-        if entry is None or entry.ref.expired():
+        new = entry is None or entry.ref.expired()
+        if new:
             entry = _pending[ref.cdata] = _Pending(ref)
         if work is not None:
             entry.works.append(work)
         if finisher is not None:
             entry.finishers.append(finisher)
+    if new:
+        try:
+            _register_in_c10d(tensor, _C10dHandle(ref.cdata))
+            entry.in_c10d = True
+        except RuntimeError:  # a c10d collective in flight on this storage already
+            pass              # (allow_inflight_collective_as_graph_input_ctx): ours waits both
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,11 +112,18 @@ def wait(tensor: torch.Tensor) -> torch.Tensor:
         entry = _pending.pop(key, None)
     if entry is None:
         return _c10d_wait(tensor)
+    _finish(entry)
+    if entry.in_c10d:  # take the handle out of c10d's registry (its wait finds nothing), below
+        with _below_autograd():  # autograd: PyTorch's funcol gives the op a Python formula
+            _c10d_wait_op(tensor)  # there, which costs 4 us a call
+    return tensor
+
+
+def _finish(entry: _Pending) -> None:
     for work in entry.works:
         work.wait()
     for finish in entry.finishers:
         finish()
-    return tensor
 
 
 def wait_in_profile(tensor: torch.Tensor) -> torch.Tensor:
