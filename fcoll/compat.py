@@ -16,7 +16,7 @@ alias of a mutated argument) with      gives each such op a Functionalize kernel
 ``dist.reduce_scatter_single``         ``dist.reduce_scatter_tensor`` (likewise)
 ``dist.barrier(..., timeout)``         no ``timeout`` parameter (see :func:`dist_polyfills`)
 ``_c10d_functional`` ops take ``Any``   ``str group_name`` only: :data:`GROUP_NAME_TYPE`
-``group_name`` (a name or a group)
+``group_name`` (a name or a group)      (fcoll: ``str`` always, ``.group`` for ``Any``)
 Dynamo traces pybind11 enum members    "SourcelessBuilder.create does not know how to wrap
 (``dist.ReduceOp.SUM``) as constants   RedOpType": :func:`let_dynamo_trace_reduce_ops`
 =====================================  ============================================================
@@ -127,7 +127,9 @@ def _group_name_type() -> str:
 
 
 #: Schema type of ``group_name`` in torch's own ``_c10d_functional`` collectives: ``"Any"`` on
-#: 2.13 (a group name or a ``ProcessGroup``), ``"str"`` before. fcoll's ops declare the same.
+#: 2.13 (a group name or a ``ProcessGroup``), ``"str"`` before. fcoll's default overloads take
+#: ``str`` on every torch, and where this is ``"Any"`` an overload ``.group`` takes the group
+#: object (:data:`fcoll.ops.schemas.GROUP_OVERLOADS`).
 GROUP_NAME_TYPE = _group_name_type()
 
 

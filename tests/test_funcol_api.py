@@ -74,18 +74,27 @@ def _schemas(ns: str) -> dict[str, str]:
 def test_every_c10d_functional_op_has_an_fcoll_op_with_the_same_schema():
     """Every public op overload of the installed torch's ``_c10d_functional`` namespace has an
     ``fcoll`` twin with the same schema string: argument names, types, defaults and alias
-    annotations (``Tensor(a!)`` in, ``Tensor(a!)`` out)."""
+    annotations (``Tensor(a!)`` in, ``Tensor(a!)`` out). Where torch's takes ``Any
+    group_name`` (2.13), the twin is fcoll's ``.group`` overload and fcoll's default overload
+    is the same schema with ``str group_name``."""
     theirs, ours = _schemas("_c10d_functional"), _schemas("fcoll")
     public = {k: v for k, v in theirs.items() if not k.startswith("_")}
     assert len(public) >= 12, sorted(theirs)   # 2.11: 14, 2.13: 17
     for name, schema in public.items():
-        assert ours.get(name) == schema, (name, ours.get(name), schema)
+        if "Any group_name" in schema:
+            head, rest = schema.split("(", 1)
+            assert ours.get(f"{name}.group") == f"{head}.group({rest}", name
+            assert ours.get(name) == schema.replace("Any group_name", "str group_name"), name
+        else:
+            assert ours.get(name) == schema, (name, ours.get(name), schema)
 
 
 def test_compat_group_name_type_follows_torch():
-    arg = torch.ops.fcoll.all_reduce.default._schema.arguments[-1]
     theirs = torch.ops._c10d_functional.all_reduce.default._schema.arguments[-1]
-    assert str(arg.type) == str(theirs.type) and compat.GROUP_NAME_TYPE in ("Any", "str")
+    assert str(theirs.type) == compat.GROUP_NAME_TYPE in ("Any", "str")
+    arg = torch.ops.fcoll.all_reduce.default._schema.arguments[-1]
+    assert str(arg.type) == "str"  # what Inductor's C++ wrapper can pass (schemas.py)
+    assert hasattr(torch.ops.fcoll.all_reduce, "group") == (compat.GROUP_NAME_TYPE == "Any")
 
 
 def _aliasing_calls(g: str) -> dict[str, tuple]:
@@ -122,6 +131,34 @@ def test_ops_whose_schema_aliases_return_that_argument_itself():
                 waited = [fcoll.wait_tensor(target)]
             for t in waited:
                 torch.testing.assert_close(t, torch.arange(4.0), msg=name)
+
+
+def test_inductor_cpp_wrapper_compiles_fcoll_ops():
+    """Inductor's C++ wrapper (``cpp_wrapper=True``) calls fcoll's ops as custom ops, which it
+    can do only with no ``Any`` argument: fcoll's default overloads take ``str group_name``
+    (on 2.13 the failure was "arg type Any is not yet supported by custom_op_wrapper"). A group
+    object given to a raw op becomes a graph input, which the C++ wrapper refuses for
+    PyTorch's own ops too; fcoll's API resolves it to a name while tracing."""
+    from torch._inductor.utils import run_and_get_code
+
+    with one_rank_group(SyncOneRankGroup("funcol-api-cpp-wrapper")) as group:
+        F = torch.ops.fcoll
+
+        def step(x):
+            y = fcoll.wait_tensor(fcoll.all_reduce(x + 1, "sum", group))
+            z = F.wait_tensor(F.all_gather_into_tensor(y * 2, 1, group.group_name))
+            return z - 1
+
+        x = torch.arange(6.0).reshape(2, 3)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(cpp_wrapper=True):
+            out, codes = run_and_get_code(torch.compile(step, backend="inductor",
+                                                        fullgraph=True), x)
+        torch._dynamo.reset()
+        torch.testing.assert_close(out, (x + 1) * 2 - 1)
+        code = "\n".join(codes)
+        for op in ("all_reduce", "all_gather_into_tensor"):  # "fcoll::op" (2.13), "fcoll.op"
+            assert f"fcoll::{op}" in code or f"fcoll.{op}" in code, (op, code)
 
 
 def test_numpy_is_a_dependency_so_torch_never_warns_that_it_failed_to_initialize_numpy():

@@ -205,6 +205,20 @@ def test_fcoll_op_given_a_process_group_gets_its_name_and_str_names_are_untouche
                for n in (ar, ag))
 
 
+@pytest.mark.skipif(not hasattr(_F.all_reduce, "group"),
+                    reason="torch's collectives take str group_name (before 2.13): no .group")
+def test_fcoll_group_overload_becomes_the_default_overload_with_the_name():
+    world = dist.group.WORLD
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    ar = graph.call_function(_F.all_reduce.group, (x, "sum", "0"))
+    graph.output(graph.call_function(_F.wait_tensor.default, (ar,)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    ar.args = (x, "sum", world)  # not printable as code: set after codegen
+    assert _lower(gm).modified
+    assert ar.target is _F.all_reduce.default and ar.args == (x, "sum", world.group_name)
+
+
 _NEEDS_P2P = pytest.mark.skipif(
     not hasattr(_C, "isend"),
     reason="torch.ops._c10d_functional.isend is missing (added after torch 2.11)")

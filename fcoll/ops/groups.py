@@ -59,7 +59,8 @@ _resolve = getattr(_funcol, "_resolve_group", _funcol._resolve_group_name)
 
 def group_from_name(group_name: "str | dist.ProcessGroup") -> "dist.ProcessGroup":
     """Return the ``ProcessGroup`` registered under ``group_name`` (a ``ProcessGroup`` is
-    returned as it is: torch 2.13's ops take either, in an ``Any group_name`` argument).
+    returned as it is: torch 2.13's ops take either, in an ``Any group_name`` argument, and
+    so do fcoll's ``.group`` overloads there).
 
     Raises:
         ValueError: no process group of that name exists in this process.

@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 
 from fcoll.ops import pending
-from fcoll.ops.groups import group_from_name
+from fcoll.ops.groups import group_from_name, resolve_group_name
 from fcoll.ops.reduce import REDUCE_OPS, validate_reduce_op
-from fcoll.ops.schemas import gathered_shape, lib, p2p_output, scattered_shape
+from fcoll.ops.schemas import GROUP_OVERLOADS, gathered_shape, lib, p2p_output, scattered_shape
 from fcoll.ops.wire import (allgather_options, backend_name, chain, gathers_one_by_one,
                             reduce_args, reduce_scatter_options, reduces_scatter_by_all_to_all,
                             start_reduce_scatter, wire_input, wire_output)
@@ -461,6 +461,25 @@ def _batch_p2p_ops(op_list: list[str], peer_list: list[int], tag_list: list[int]
 @_impl("wait_tensor")
 def _wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return pending.wait(tensor).clone()
+
+
+def _group_overload(name: str) -> Callable[..., Any]:
+    """The kernel of ``fcoll::<name>.group`` (``Any group_name``: a ``ProcessGroup`` or any
+    group form): the default overload, called with the group's name."""
+    default = getattr(torch.ops.fcoll, name).default
+    at = [a.name for a in default._schema.arguments].index("group_name")
+
+    def kernel(*args, **kwargs):
+        if "group_name" in kwargs:
+            kwargs["group_name"] = resolve_group_name(kwargs["group_name"])
+        else:
+            args = (*args[:at], resolve_group_name(args[at]), *args[at + 1:])
+        return default(*args, **kwargs)
+    return kernel
+
+
+for _name in GROUP_OVERLOADS:  # CompositeImplicitAutograd: graphs only ever hold the default
+    lib.impl(f"{_name}.group", _group_overload(_name), "CompositeImplicitAutograd")
 
 
 # Fake kernels last, as before the split: every op is defined by now (fcoll.ops.schemas).

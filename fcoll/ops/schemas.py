@@ -2,7 +2,14 @@
 are side effects, and the output-shape rules the eager and fake kernels share.
 
 Schemas mirror ``torch.ops._c10d_functional`` (same names, argument order, string ``group_name``),
-so a graph pass can rewrite one namespace into the other by swapping the target alone. The eager
+so a graph pass can rewrite one namespace into the other by swapping the target alone. Where
+torch's collectives take ``Any group_name`` (2.13: a name or a ``ProcessGroup``), fcoll's default
+overloads keep ``str`` and an overload ``.group`` takes ``Any``: a call with a group object
+resolves to it, and it calls the default overload with the group's name
+(:mod:`fcoll.ops.library`), so graphs hold names as PyTorch's do. One ``Any`` argument in an
+op's schema is what Inductor's C++ wrapper (``cpp_wrapper=True``) cannot pass to a custom op
+("arg type Any is not yet supported by custom_op_wrapper"); PyTorch's own ops reach it through
+C shims fcoll cannot add. The eager
 kernels are registered by :mod:`fcoll.ops.library`, the fake kernels by :mod:`fcoll.ops.fakes`;
 importing :mod:`fcoll.ops.library` does all three.
 """
@@ -17,7 +24,7 @@ lib = torch.library.Library("fcoll", "DEF")  # noqa: TOR901  (ops defined once, 
 
 _PT2 = (torch.Tag.pt2_compliant_tag,)
 
-_G = compat.GROUP_NAME_TYPE   # "Any" where torch's own ops take a group object too (2.13)
+_G = "str"  # the default overloads' group_name type on every torch; see GROUP_OVERLOADS
 
 SCHEMAS = {
     "all_reduce": f"all_reduce(Tensor input, str reduce_op, {_G} group_name) -> Tensor",
@@ -72,6 +79,22 @@ _EXTRA_TAGS = {
 
 for _name, _schema in SCHEMAS.items():
     lib.define(_schema, tags=_PT2 + _EXTRA_TAGS.get(_name, ()))
+
+def _torch_takes_a_group_object(name: str) -> bool:
+    twin = getattr(torch.ops._c10d_functional, name, None)  # compat imported torch's funcol
+    return twin is not None and any(a.name == "group_name" and isinstance(a.type, torch.AnyType)
+                                    for a in twin.default._schema.arguments)
+
+
+#: The collectives whose ``group_name`` torch types ``Any`` (2.13), each with an overload
+#: ``.group`` of torch's schema; empty where torch types it ``str``. Its kernel is registered by
+#: :mod:`fcoll.ops.library` (CompositeImplicitAutograd: it decomposes into the default overload
+#: before autograd, functionalization or a fake kernel see it).
+GROUP_OVERLOADS: tuple[str, ...] = tuple(n for n in SCHEMAS if _torch_takes_a_group_object(n))
+for _name in GROUP_OVERLOADS:
+    _head, _rest = SCHEMAS[_name].split("(", 1)
+    lib.define(f"{_head}.group({_rest.replace('str group_name', 'Any group_name')}",
+               tags=_PT2 + _EXTRA_TAGS.get(_name, ()))
 
 compat.functionalize_as_twins(lib, {"all_reduce_": "all_reduce", "broadcast_": "broadcast",
                                      "all_gather_into_tensor_out": "all_gather_into_tensor",

@@ -16,7 +16,9 @@ twin (functional, ``_``, ``_out``,          normalised to ``str`` (the source sc
 coalesced, ``wait_tensor``)                 ``Any group_name``)
 ``_c10d_functional_autograd.<op>``          the fcoll op (fcoll ops carry their own autograd)
 ``fcoll.<op>`` given a ``ProcessGroup``     the same node, ``group_name`` normalised to the
-(their ``group_name`` is ``Any`` too)       group's name (only then is the node changed)
+(a node built so by hand), or an            group's name (only then is the node changed);
+``fcoll.<op>.group`` overload               ``.group`` becomes the default overload (tracing
+                                            decomposes it so already)
 ``_c10d_functional.isend`` / ``irecv`` /    the fcoll op (same schema; both declare no
 ``batch_p2p_ops``                           alias, so the graph reads a receive through the
                                             op's result, which fcoll's op returns as a new
@@ -63,6 +65,7 @@ import fcoll.ops  # noqa: F401  defines torch.ops.fcoll
 from fcoll.ops.facts import OPS
 from fcoll.ops.groups import resolve_group_name
 from fcoll.ops.reduce import reduce_op_name
+from fcoll.ops.schemas import GROUP_OVERLOADS
 from fcoll.passes.graph import args_by_name
 from fcoll.passes.registry import FcollPass, register_pass
 
@@ -152,8 +155,8 @@ def _swap(source: torch._ops.OpOverload, target: torch._ops.OpOverload) -> Rewri
 
 
 def _normalise(op: torch._ops.OpOverload) -> Rewrite:
-    """fcoll's own op: leave the target, turn a ``group_name`` given as a group object (its
-    schema says ``Any``, as torch 2.13's) into the group's name, so later passes (bucket keys,
+    """fcoll's own op: leave the target, turn a ``group_name`` given as a group object (a node
+    built by hand; the schema says ``str``) into the group's name, so later passes (bucket keys,
     the rank-consistency fingerprint, the cost model's per-group calibration) compare names.
     Returns False when the argument already is a ``str`` (the node is not touched)."""
     names = [a.name for a in op._schema.arguments]
@@ -169,6 +172,17 @@ def _normalise(op: torch._ops.OpOverload) -> Rewrite:
         if i >= len(node.args) or isinstance(node.args[i], str):
             return False
         node.args = (*node.args[:i], lower_group_name(node.args[i]), *node.args[i + 1:])
+        return True
+    return rewrite
+
+
+def _to_default(packet: torch._ops.OpOverloadPacket) -> Rewrite:
+    """``fcoll.<op>.group`` (``Any group_name``) -> ``fcoll.<op>.default`` with the name."""
+    normalise = _normalise(packet.group)
+
+    def rewrite(node: fx.Node) -> bool:
+        normalise(node)
+        node.target = packet.default
         return True
     return rewrite
 
@@ -430,6 +444,8 @@ def _build_rules() -> dict[Any, Rewrite]:
         if own is not None and own not in rules and "group_name" in [
                 a.name for a in own._schema.arguments]:
             rules[own] = _normalise(own)
+    for name in GROUP_OVERLOADS:
+        rules[getattr(_F, name).group] = _to_default(getattr(_F, name))
     rules[torch.ops.higher_order.auto_functionalized] = _auto_functionalized
     rules[torch.ops.higher_order.auto_functionalized_v2] = _auto_functionalized
     return rules
