@@ -67,8 +67,9 @@ its all_gather (half the bytes of float32), the module computes with the gathere
 None, as FSDP2) before the reduce_scatter, and the sharded gradient is cast back to the
 stored parameter's dtype, which the optimizer updates (the shards stay float32: no extra
 copy). Both casts are DTensor's (``redistribute(forward_dtype=, backward_dtype=)``). The
-division by ``n`` of the mean is applied to the gradient before the cast to ``reduce_dtype``, in
-``param_dtype`` (exact when ``n`` is a power of two). ``cast_forward_inputs`` casts the
+division by ``n`` of the mean is applied to the reduced shard, in the stored dtype, as NCCL's
+``avg`` and FSDP2 with a float32 or bfloat16 reduction; with a float16 ``reduce_dtype`` to the
+gradient before the reduction, in ``param_dtype`` (a float16 sum can overflow). ``cast_forward_inputs`` casts the
 floating-point tensors among the unit's forward arguments to ``param_dtype`` and
 ``output_dtype`` its outputs, per ``fully_shard`` call, as FSDP2 (forward hooks on the unit).
 
@@ -130,7 +131,11 @@ _MP_HOOKS = "_fcoll_mp_hooks"
 
 class _MeanGrad(torch.autograd.Function):
     """Identity forward; backward divides the gradient by the size of ``mesh`` (the mean of
-    the ranks' gradients that the reduce_scatter sums).
+    the ranks' gradients that the reduce_scatter sums). Applied to the sharded parameter, so
+    the division is of the reduced shard in the stored dtype (what NCCL's ``avg`` does, and
+    FSDP2 where the reduce dtype is float32 or bfloat16); with a float16 reduction it is
+    applied to the gathered parameter instead, dividing before the sum, since a sum of
+    float16 gradients can overflow (FSDP2 divides before it too).
 
     The divisor is read from the mesh inside the backward, where Dynamo evaluates
     ``DeviceMesh.size()`` to a constant: a float factor passed to ``apply`` instead becomes a
@@ -174,13 +179,17 @@ class _Gather(nn.Module):
 
     def gather(self, p: DTensor) -> torch.Tensor:
         mixed = p.dtype.is_floating_point
+        reduced_in = (self.reduce_dtype if mixed else None) or p.dtype
+        divide_first = reduced_in == torch.float16
+        if not divide_first:
+            p = _MeanGrad.apply(p, self.mesh)
         full = p.redistribute(
             placements=[Replicate()] * p.device_mesh.ndim,
             forward_dtype=self.param_dtype if mixed else None,
             # explicit: DTensor's default reduces in the stored dtype, FSDP2's in param_dtype
             backward_dtype=self.reduce_dtype if mixed else None,
         ).to_local(grad_placements=[Partial("sum")] * p.device_mesh.ndim)
-        return _MeanGrad.apply(full, self.mesh)
+        return _MeanGrad.apply(full, self.mesh) if divide_first else full
 
     def forward(self, p: DTensor) -> torch.Tensor:
         if not self.reshard_after_forward or not torch.is_grad_enabled():
