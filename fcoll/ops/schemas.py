@@ -9,9 +9,8 @@ resolves to it, and it calls the default overload with the group's name
 (:mod:`fcoll.ops.library`), so graphs hold names as PyTorch's do. One ``Any`` argument in an
 op's schema is what Inductor's C++ wrapper (``cpp_wrapper=True``) cannot pass to a custom op
 ("arg type Any is not yet supported by custom_op_wrapper"); PyTorch's own ops reach it through
-C shims fcoll cannot add. The eager
-kernels are registered by :mod:`fcoll.ops.library`, the fake kernels by :mod:`fcoll.ops.fakes`;
-importing :mod:`fcoll.ops.library` does all three.
+C shims fcoll cannot add. The eager kernels are registered by :mod:`fcoll.ops.library`, the
+fake kernels by :mod:`fcoll.ops.fakes`; importing :mod:`fcoll.ops.library` does all three.
 """
 
 from __future__ import annotations
@@ -24,39 +23,37 @@ lib = torch.library.Library("fcoll", "DEF")  # noqa: TOR901  (ops defined once, 
 
 _PT2 = (torch.Tag.pt2_compliant_tag,)
 
-_G = "str"  # the default overloads' group_name type on every torch; see GROUP_OVERLOADS
-
 SCHEMAS = {
-    "all_reduce": f"all_reduce(Tensor input, str reduce_op, {_G} group_name) -> Tensor",
+    "all_reduce": "all_reduce(Tensor input, str reduce_op, str group_name) -> Tensor",
     "all_reduce_":
-        f"all_reduce_(Tensor(a!) input, str reduce_op, {_G} group_name) -> Tensor(a!)",
+        "all_reduce_(Tensor(a!) input, str reduce_op, str group_name) -> Tensor(a!)",
     "all_reduce_coalesced":
-        f"all_reduce_coalesced(Tensor[] inputs, str reduce_op, {_G} group_name) -> Tensor[]",
+        "all_reduce_coalesced(Tensor[] inputs, str reduce_op, str group_name) -> Tensor[]",
     "all_reduce_coalesced_":
-        f"all_reduce_coalesced_(Tensor[](a!) inputs, str reduce_op, {_G} group_name) "
-        f"-> Tensor[](a!)",
+        "all_reduce_coalesced_(Tensor[](a!) inputs, str reduce_op, str group_name) "
+        "-> Tensor[](a!)",
     "all_gather_into_tensor":
-        f"all_gather_into_tensor(Tensor input, int group_size, {_G} group_name) -> Tensor",
+        "all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor",
     "all_gather_into_tensor_out":
-        f"all_gather_into_tensor_out(Tensor input, int group_size, {_G} group_name, *, "
-        f"Tensor(a!) out) -> Tensor(a!)",
+        "all_gather_into_tensor_out(Tensor input, int group_size, str group_name, *, "
+        "Tensor(a!) out) -> Tensor(a!)",
     "all_gather_into_tensor_coalesced":
-        f"all_gather_into_tensor_coalesced(Tensor[] inputs, int group_size, {_G} group_name) "
-        f"-> Tensor[]",
+        "all_gather_into_tensor_coalesced(Tensor[] inputs, int group_size, str group_name) "
+        "-> Tensor[]",
     "reduce_scatter_tensor":
-        f"reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, {_G} group_name) "
-        f"-> Tensor",
+        "reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, str group_name) "
+        "-> Tensor",
     "reduce_scatter_tensor_out":
-        f"reduce_scatter_tensor_out(Tensor input, str reduce_op, int group_size, "
-        f"{_G} group_name, *, Tensor(a!) out) -> Tensor(a!)",
+        "reduce_scatter_tensor_out(Tensor input, str reduce_op, int group_size, "
+        "str group_name, *, Tensor(a!) out) -> Tensor(a!)",
     "reduce_scatter_tensor_coalesced":
-        f"reduce_scatter_tensor_coalesced(Tensor[] inputs, str reduce_op, int group_size, "
-        f"{_G} group_name) -> Tensor[]",
+        "reduce_scatter_tensor_coalesced(Tensor[] inputs, str reduce_op, int group_size, "
+        "str group_name) -> Tensor[]",
     "all_to_all_single":
-        f"all_to_all_single(Tensor input, SymInt[] output_split_sizes, "
-        f"SymInt[] input_split_sizes, {_G} group_name) -> Tensor",
-    "broadcast": f"broadcast(Tensor input, int src, {_G} group_name) -> Tensor",
-    "broadcast_": f"broadcast_(Tensor(a!) input, int src, {_G} group_name) -> Tensor(a!)",
+        "all_to_all_single(Tensor input, SymInt[] output_split_sizes, "
+        "SymInt[] input_split_sizes, str group_name) -> Tensor",
+    "broadcast": "broadcast(Tensor input, int src, str group_name) -> Tensor",
+    "broadcast_": "broadcast_(Tensor(a!) input, int src, str group_name) -> Tensor(a!)",
     "wait_tensor": "wait_tensor(Tensor tensor) -> Tensor",
     # Point-to-point, as torch 2.13's _c10d_functional has them (a str group name there too);
     # ``dst`` / ``src`` / ``peer_list`` are global ranks.
@@ -79,6 +76,7 @@ _EXTRA_TAGS = {
 
 for _name, _schema in SCHEMAS.items():
     lib.define(_schema, tags=_PT2 + _EXTRA_TAGS.get(_name, ()))
+
 
 def _torch_takes_a_group_object(name: str) -> bool:
     twin = getattr(torch.ops._c10d_functional, name, None)  # compat imported torch's funcol

@@ -69,9 +69,10 @@ stored parameter's dtype, which the optimizer updates (the shards stay float32: 
 copy). Both casts are DTensor's (``redistribute(forward_dtype=, backward_dtype=)``). The
 division by ``n`` of the mean is applied to the reduced shard, in the stored dtype, as NCCL's
 ``avg`` and FSDP2 with a float32 or bfloat16 reduction; with a float16 ``reduce_dtype`` to the
-gradient before the reduction, in ``param_dtype`` (a float16 sum can overflow). ``cast_forward_inputs`` casts the
-floating-point tensors among the unit's forward arguments to ``param_dtype`` and
-``output_dtype`` its outputs, per ``fully_shard`` call, as FSDP2 (forward hooks on the unit).
+gradient before the reduction, in ``param_dtype`` (a float16 sum can overflow).
+``cast_forward_inputs`` casts the floating-point tensors among the unit's forward arguments to
+``param_dtype`` and ``output_dtype`` its outputs, per ``fully_shard`` call, as FSDP2 (forward
+hooks on the unit).
 
 HSDP: with a 2-D ``mesh`` (FSDP2's convention: dim 0 replicates, dim 1 shards) a parameter is
 ``distribute_tensor(p, mesh, [Replicate(), Shard(0)])``, gathered over the shard dimension, its
