@@ -416,6 +416,45 @@ def _subgroups_and_mesh(rank, world, gl):
     assert y.tolist() == [float(sum(dist.get_process_group_ranks(mesh.get_group(1))))] * 2
 
 
+def _version_counters(rank, world, gl):
+    """A collective writes its outputs below autograd, as gloo's and NCCL's C++ do: the version
+    counter of an in-place target, a receive buffer or an output is unchanged, on the fast path
+    (one slot) and the general path alike, so a view of a tensor taken before it is broadcast
+    into stays usable in autograd (DTensor's ``distribute_tensor`` broadcasts into
+    ``x.detach()``; before, ranks 1.. failed "a view ... has been modified inplace")."""
+    for n in (4, 1 << 18):  # 16 B and 1 MiB of float32: one slot, several chunks
+        outs = {}
+        t = torch.ones(n); dist.broadcast(t, 0); outs["broadcast"] = t
+        t = torch.ones(n); dist.all_reduce(t); outs["all_reduce"] = t
+        t = torch.ones(n); dist.reduce(t, 0); outs["reduce"] = t
+        t = [torch.ones(n), torch.ones(n)]; dist.all_reduce_coalesced(t); outs["coalesced"] = t[1]
+        o = torch.empty(n * world); dist.all_to_all_single(o, torch.ones(n * world))
+        outs["all_to_all_single"] = o
+        o = torch.empty(n * world); dist.all_gather_into_tensor(o, torch.ones(n))
+        outs["all_gather_into_tensor"] = o
+        o = torch.empty(n); dist.reduce_scatter_tensor(o, torch.ones(n * world))
+        outs["reduce_scatter_tensor"] = o
+        o = torch.empty(n)
+        if rank == 0:
+            dist.send(torch.ones(n), 1)
+        elif rank == 1:
+            dist.recv(o, 0)
+        outs["recv"] = o
+        o = torch.empty(n)  # a ring of isend / irecv
+        works = [dist.isend(torch.ones(n), (rank + 1) % world),
+                 dist.irecv(o, (rank - 1) % world)]
+        for work in works:
+            work.wait()
+        outs["irecv"] = o
+        bumped = {k: v._version for k, v in outs.items() if v._version}
+        assert not bumped, (rank, n, bumped)
+    x = torch.randn(6, 4, requires_grad=True)
+    local = torch.chunk(x, 2)[rank % 2]  # a view of x, taken before the broadcast into x
+    dist.broadcast(x.detach(), 0)
+    (local * 2).sum().backward()  # raised on ranks 1.. when the broadcast bumped x's counter
+    assert x.grad is not None
+
+
 def _scenarios(rank, world, scenarios):
     """Run each ``scenario(rank, world, gloo_group)`` in turn on one set of ranks."""
     gl = dist.new_group(backend="gloo")
@@ -453,9 +492,9 @@ def test_async_work_overlaps_compute_and_invalid_calls_raise_on_every_rank(world
     """Async collectives return at once and run in issue order; a synchronous fast-path Work is
     reused only when nobody holds it; invalid or mismatched calls (bool avg, a coalesced
     signature only a digest can compare) raise the same error on every rank, move no data,
-    and leave the group usable."""
+    and leave the group usable; no collective bumps its outputs' version counters."""
     _run_scenarios(world, _async_overlap, _held_sync_works_keep_their_results,
-                   _validation_errors, _coalesced_of_hundreds_of_tensors)
+                   _validation_errors, _coalesced_of_hundreds_of_tensors, _version_counters)
 
 
 def test_subgroups_and_device_mesh_groups_run_on_the_fcoll_backend():

@@ -69,7 +69,8 @@ def _ddp_and_compiled(rank, world, gl):
 def _everything_2x2(rank, world):
     gl = dist.new_group(backend="gloo")
     for scenario in (tb._all_reduce_everything, tb._movement_everything,
-                     tb._layouts_and_forms, tb._subgroups_and_mesh, _ddp_and_compiled):
+                     tb._layouts_and_forms, tb._subgroups_and_mesh, _ddp_and_compiled,
+                     tb._version_counters):
         scenario(rank, world, gl)
     return {"kinds": _describe_groups(rank, world), "ops": tom._worker(rank, world),
             "invalid": _invalid_calls(rank, world), "sparse": tsp.sparse_scenario(rank, world, gl)}

@@ -228,11 +228,15 @@ class Engine:
         try:
             plan.set_seq(seq)
             call = (ch, plan, *args, plan.payload, plan.what, time.monotonic())
-            if args[0].nbytes >= THREAD_LIMIT_BYTES:
-                with self._fewer_threads:
+            # Below autograd, as _execute runs a job and a C++ backend writes: a collective's
+            # writes into the caller's tensors leave their version counters alone (a view of
+            # an input taken before a broadcast would be refused by autograd otherwise).
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                if args[0].nbytes >= THREAD_LIMIT_BYTES:
+                    with self._fewer_threads:
+                        fn(*call)
+                else:
                     fn(*call)
-            else:
-                fn(*call)
             if times is not None:
                 times[seq % TIMES_KEPT] = (seq, t0, time.perf_counter_ns(), False)
             self.completed = seq + 1  # before the release: an unmap there fences the next one

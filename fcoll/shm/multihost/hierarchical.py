@@ -203,7 +203,9 @@ class HierarchicalProcessGroup(GroupIdentity, dist.ProcessGroup):
                                    f"{self._global_ranks[self._rank]}): the process group is "
                                    f"unusable after an earlier error: {self._broken}")
             try:
-                with torch.no_grad():  # a collective writes outputs in place, as c10d's
+                # below autograd, as a C++ backend writes its outputs: in place, leaving
+                # their version counters alone
+                with torch._C._AutoDispatchBelowADInplaceOrView():
                     return fn()
             except (ValueError, TypeError):   # arguments: every rank raises, as gloo_link.agree
                 raise

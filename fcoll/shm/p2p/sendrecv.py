@@ -257,10 +257,12 @@ class P2P(RingProtocol):
         return False
 
     def _guarded_step(self) -> bool:
-        """:meth:`_step`; a protocol failure breaks the peers of every pending operation."""
+        """:meth:`_step`; a protocol failure breaks the peers of every pending operation. Below
+        autograd, as a C++ backend writes: a receive leaves its tensor's version counter alone."""
         try:
             before = self.pending
-            moved = self._step()
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                moved = self._step()
             if self.pending != before:
                 self._ring(self.rank)  # another thread may wait on what just completed
             return moved
