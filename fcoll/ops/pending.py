@@ -16,8 +16,8 @@ fcoll collective too (and, as before, fcoll's wait for a PyTorch one): a program
 two namespaces by hand gets the result, never the buffer before the collective wrote it. A wait
 through either side takes the output out of both registries. It costs an eager collective about
 4.5 us (the handle, its registration, c10d's wait that removes it: register + wait 7.4 us
-against 2.9 us before, in one process); an output never waited is
-reported at exit by c10d's warning, as PyTorch's own funcol outputs are.
+against 2.9 us before, in one process); an output never waited is reported at exit by c10d's
+warning, as PyTorch's own funcol outputs are.
 """
 
 from __future__ import annotations
