@@ -422,7 +422,7 @@ def _version_counters(rank, world, gl):
     (one slot) and the general path alike, so a view of a tensor taken before it is broadcast
     into stays usable in autograd (DTensor's ``distribute_tensor`` broadcasts into
     ``x.detach()``; before, ranks 1.. failed "a view ... has been modified inplace")."""
-    for n in (4, 1 << 18):  # 16 B and 1 MiB of float32: one slot, several chunks
+    for n in (4, 1 << 18):  # 16 B (one slot) and 1 MiB (chunks at 4 ranks' 64 KiB slots)
         outs = {}
         t = torch.ones(n); dist.broadcast(t, 0); outs["broadcast"] = t
         t = torch.ones(n); dist.all_reduce(t); outs["all_reduce"] = t
