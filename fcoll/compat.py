@@ -39,8 +39,8 @@ except ImportError:
     _set_eval_frame = None
 
 __all__ = ["INPLACE_TAGS", "OUT_TAGS", "GROUP_NAME_TYPE", "AUTO_FUNCTIONALIZES_ALIASED_RETURNS",
-           "functionalize_as_twins", "all_gather_single", "reduce_scatter_single",
-           "dist_polyfills", "let_dynamo_trace_reduce_ops"]
+           "takes_a_group_object", "functionalize_as_twins", "all_gather_single",
+           "reduce_scatter_single", "dist_polyfills", "let_dynamo_trace_reduce_ops"]
 
 
 def _tags(name: str) -> tuple[torch.Tag, ...]:
@@ -119,18 +119,21 @@ def _twin_kernel(op: torch._ops.OpOverload, twin: torch._ops.OpOverload,
     return kernel
 
 
-def _group_name_type() -> str:
+def takes_a_group_object(name: str) -> bool:
+    """Whether torch's ``_c10d_functional.<name>`` types ``group_name`` ``Any`` (a name or a
+    ``ProcessGroup``: 2.13's collectives); False for ``str`` and for an op torch lacks."""
     import torch.distributed._functional_collectives  # noqa: F401  defines _c10d_functional ops
 
-    arg = torch.ops._c10d_functional.all_reduce.default._schema.arguments[-1]
-    return "Any" if isinstance(arg.type, torch.AnyType) else "str"
+    twin = getattr(torch.ops._c10d_functional, name, None)
+    return twin is not None and any(a.name == "group_name" and isinstance(a.type, torch.AnyType)
+                                    for a in twin.default._schema.arguments)
 
 
 #: Schema type of ``group_name`` in torch's own ``_c10d_functional`` collectives: ``"Any"`` on
 #: 2.13 (a group name or a ``ProcessGroup``), ``"str"`` before. fcoll's default overloads take
 #: ``str`` on every torch, and where this is ``"Any"`` an overload ``.group`` takes the group
 #: object (:data:`fcoll.ops.schemas.GROUP_OVERLOADS`).
-GROUP_NAME_TYPE = _group_name_type()
+GROUP_NAME_TYPE = "Any" if takes_a_group_object("all_reduce") else "str"
 
 
 #: ``dist.all_gather_single(output [n * N, *], input [N, *], group, async_op)``; before torch 2.13

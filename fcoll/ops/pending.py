@@ -46,7 +46,6 @@ _lock = threading.Lock()
 _pending: dict[int, _Pending] = {}
 _register_in_c10d = torch._C._distributed_c10d._register_work
 _c10d_wait_op = torch.ops._c10d_functional.wait_tensor.default
-_below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 class _C10dHandle(dist.Work):
@@ -114,9 +113,8 @@ def wait(tensor: torch.Tensor) -> torch.Tensor:
     if entry is None:
         return _c10d_wait(tensor)
     _finish(entry)
-    if entry.in_c10d:  # take the handle out of c10d's registry (its wait finds nothing), below
-        with _below_autograd():  # autograd: PyTorch's funcol gives the op a Python formula
-            _c10d_wait_op(tensor)  # there, which costs 4 us a call
+    if entry.in_c10d:
+        _c10d_wait(tensor)  # takes the handle out of c10d's registry; its wait finds nothing
     return tensor
 
 
@@ -141,7 +139,10 @@ def wait_in_profile(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _c10d_wait(tensor: torch.Tensor) -> torch.Tensor:
-    torch.ops._c10d_functional.wait_tensor.default(tensor)
+    """c10d's wait for ``tensor``, below autograd: PyTorch's funcol gives the op a Python
+    autograd formula (4 us a call) that an identity wait whose result is dropped does not need."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        _c10d_wait_op(tensor)
     return tensor
 
 

@@ -78,17 +78,11 @@ for _name, _schema in SCHEMAS.items():
     lib.define(_schema, tags=_PT2 + _EXTRA_TAGS.get(_name, ()))
 
 
-def _torch_takes_a_group_object(name: str) -> bool:
-    twin = getattr(torch.ops._c10d_functional, name, None)  # compat imported torch's funcol
-    return twin is not None and any(a.name == "group_name" and isinstance(a.type, torch.AnyType)
-                                    for a in twin.default._schema.arguments)
-
-
 #: The collectives whose ``group_name`` torch types ``Any`` (2.13), each with an overload
 #: ``.group`` of torch's schema; empty where torch types it ``str``. Its kernel is registered by
 #: :mod:`fcoll.ops.library` (CompositeImplicitAutograd: it decomposes into the default overload
 #: before autograd, functionalization or a fake kernel see it).
-GROUP_OVERLOADS: tuple[str, ...] = tuple(n for n in SCHEMAS if _torch_takes_a_group_object(n))
+GROUP_OVERLOADS: tuple[str, ...] = tuple(n for n in SCHEMAS if compat.takes_a_group_object(n))
 for _name in GROUP_OVERLOADS:
     _head, _rest = SCHEMAS[_name].split("(", 1)
     lib.define(f"{_head}.group({_rest.replace('str group_name', 'Any group_name')}",
